@@ -1,0 +1,1 @@
+"""The ``corelooper`` command (a typer app), installed as ``corelooper.cli``."""

@@ -1,0 +1,179 @@
+"""``corelooper``: run, inspect plugins and hooks.
+
+Start-up is kept cheap: torch and the loop are imported only by the commands that train.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="corelooper",
+    help="Train PyTorch models with a small loop whose every part is a pluggy hook.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Override a config value: --set train.learning_rate=3e-4 (repeatable)."),
+]
+PluginOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("-p", help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one."),
+]
+TracebackOpt = Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")]
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from corelooper import __version__
+
+        typer.echo(f"corelooper {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Show the version.")
+    ] = False,
+) -> None:
+    """corelooper: the Hugging Face Trainer, rebuilt the way pytest is built."""
+
+
+def split_plugin_options(options: list[str] | None) -> tuple[list[str], list[str]]:
+    """``-p no:NAME`` -> blocked names; ``-p module`` -> local plugin modules."""
+    blocked, local = [], []
+    for opt in options or []:
+        if opt.startswith("no:"):
+            blocked.append(opt[3:])
+        else:
+            local.append(opt)
+    return blocked, local
+
+
+def fail(exc: BaseException, show_traceback: bool) -> None:
+    """Print a one-paragraph error (or the traceback when asked) and exit non-zero."""
+    from corelooper.errors import CorelooperError
+
+    if show_traceback or os.environ.get("CORELOOPER_TRACEBACK"):
+        import traceback
+
+        traceback.print_exception(exc)
+    code = exc.exit_code if isinstance(exc, CorelooperError) else 1
+    prefix = "error" if isinstance(exc, CorelooperError) else f"unexpected error ({type(exc).__name__})"
+    typer.echo(f"corelooper: {prefix}: {exc}", err=True)
+    if not show_traceback:
+        typer.echo("(run with --traceback for the full traceback)", err=True)
+    raise typer.Exit(code)
+
+
+def load_config(config: Path, overrides: list[str] | None, local_plugins: list[str]):
+    from corelooper.config import Config
+
+    cfg = Config.load(config, overrides or [])
+    cfg.plugins.local = [*cfg.plugins.local, *local_plugins]
+    return cfg
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+    set_: SetOpt = None,
+    p: PluginOpt = None,
+    resume_from_checkpoint: Annotated[
+        Optional[str], typer.Option("--resume-from-checkpoint", help="'latest' or a checkpoint folder.")
+    ] = None,
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Train (and evaluate) the model described by CONFIG."""
+    try:
+        blocked, local = split_plugin_options(p)
+        cfg = load_config(config, set_, local)
+        from corelooper.loop import Loop
+
+        loop = Loop(config=cfg, blocked_plugins=blocked)
+        loop.train(resume_from_checkpoint=resume_from_checkpoint)
+        if loop.eval_dataset is not None and loop.args.eval_strategy == "no":
+            loop.evaluate()
+    except KeyboardInterrupt:
+        typer.echo("corelooper: interrupted", err=True)
+        raise typer.Exit(130) from None
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command()
+def plugins(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Show what is active for this config.")] = None,
+    set_: SetOpt = None,
+    p: PluginOpt = None,
+    traceback_: TracebackOpt = False,
+) -> None:
+    """List plugins: version, hooks, config keys, and which provider wins each provider hook."""
+    try:
+        from corelooper.hookspecs import PROVIDERS
+        from corelooper.plugins import load_plugins
+
+        blocked, local = split_plugin_options(p)
+        cfg = load_config(config, set_, local) if config else None
+        if cfg is None and local:
+            from corelooper.config import Config
+
+            cfg = Config()
+            cfg.plugins.local = local
+        pl = load_plugins(cfg, blocked=blocked)
+        if cfg is None:
+            pl.declared_sections()
+        typer.echo(f"plugins{' for ' + str(config) if config else ''}:")
+        for info in pl.info.values():
+            version = f" {info.version}" if info.version else ""
+            dist = f" ({info.dist}{version})" if info.dist else ""
+            typer.echo(f"  {info.name}{dist} [{info.kind}, active]")
+            typer.echo(f"    hooks: {', '.join(info.hooks) or '-'}")
+            for section, keys in info.sections.items():
+                shown = ", ".join(f"{k}={v!r}" for k, v in keys.items())
+                typer.echo(f"    config [{section}]: {shown or '-'}")
+        for name, why in pl.skipped.items():
+            typer.echo(f"  {name} [installed, inactive: {why}]")
+        typer.echo("providers (first answer wins):")
+        for hook in PROVIDERS:
+            order = pl.provider_order(hook)
+            rest = f"  (then {', '.join(order[1:])})" if len(order) > 1 else ""
+            typer.echo(f"  {hook}: {order[0] if order else '-'}{rest}")
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command()
+def hooks() -> None:
+    """Every hook, with when it fires and what it may return."""
+    import inspect
+
+    from corelooper import hookspecs
+
+    names = ["corelooper_config_sections", *hookspecs.PROVIDERS, *hookspecs.EVENTS]
+    for name in names:
+        fn = getattr(hookspecs, name)
+        opts = getattr(fn, "corelooper_spec", {}) or {}
+        kind = "provider, firstresult" if opts.get("firstresult") else (
+            "event" if name.startswith("on_") else "declaration")
+        sig = str(inspect.signature(fn)).split(" ->")[0]
+        typer.echo(f"{name}{sig}  [{kind}]")
+        typer.echo("    " + inspect.getdoc(fn).replace("\n", "\n    ") + "\n")
+
+
+def main() -> None:
+    app(prog_name="corelooper")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

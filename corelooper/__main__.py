@@ -1,0 +1,3 @@
+from corelooper.cli.app import main
+
+main()

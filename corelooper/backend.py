@@ -1,0 +1,199 @@
+"""How the loop runs on the hardware. The default wraps accelerate's ``Accelerator``.
+
+A backend is any object with the methods of ``Backend``; FSDP and DeepSpeed plugins return
+their own from the ``create_backend`` hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    """What the loop asks of a backend. Attributes: ``device``, ``process_index``,
+    ``local_process_index``, ``num_processes``, ``is_main_process``, ``is_local_main_process``,
+    ``mixed_precision``."""
+
+    device: torch.device
+    process_index: int
+    local_process_index: int
+    num_processes: int
+    is_main_process: bool
+    is_local_main_process: bool
+    mixed_precision: str
+    #: False when the backend cannot change gradient accumulation mid-run (auto batch size).
+    supports_dynamic_accumulation: bool
+
+    def prepare(self, model, optimizer):
+        """Wrap model and optimizer for the hardware; returns ``(model, optimizer)``."""
+
+    def prepare_model(self, model):
+        """Wrap the model alone, for evaluation or prediction without training."""
+
+    def to_device(self, batch): ...
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+    def no_sync(self, model) -> contextlib.AbstractContextManager: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def clip_grad_norm(self, model, max_norm: float) -> torch.Tensor: ...
+    def optimizer_step(self, optimizer) -> None: ...
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def wait_for_everyone(self) -> None: ...
+    def unwrap_model(self, model): ...
+    def model_state_dict(self, model) -> dict[str, torch.Tensor]: ...
+    def load_model_state_dict(self, model, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def save_training_state(self, optimizer, directory) -> None: ...
+    def load_training_state(self, optimizer, directory) -> None: ...
+    def broadcast_object(self, obj: Any) -> Any: ...
+    def end(self) -> None: ...
+
+
+def _use_cpu(use_cpu: bool) -> bool:
+    return use_cpu or not torch.cuda.is_available()
+
+
+class AccelerateBackend:
+    """DDP / single device / mixed precision through ``accelerate.Accelerator``.
+
+    On CPU the accelerator is created with ``cpu=True``: without it, under torchrun, every rank
+    would silently train on its own (``DistributedType.NO``).
+    """
+
+    supports_dynamic_accumulation = True
+
+    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+
+        # Several Loops in one process (tests, notebooks) may ask for different precisions.
+        AcceleratorState._reset_state()
+        cpu = _use_cpu(use_cpu)
+        if cpu and mixed_precision == "fp16":
+            from .errors import ConfigError
+
+            raise ConfigError(
+                'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
+            )
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        acc = self.accelerator
+        self.device = acc.device
+        self.process_index = acc.process_index
+        self.local_process_index = acc.local_process_index
+        self.num_processes = acc.num_processes
+        self.is_main_process = acc.is_main_process
+        self.is_local_main_process = acc.is_local_main_process
+        self.mixed_precision = mixed_precision
+        self._on_cpu = self.device.type == "cpu"
+        if self.num_processes > 1 and str(acc.distributed_type) == "DistributedType.NO":
+            raise RuntimeError("world size > 1 but accelerate did not initialise distributed mode")
+
+    # -- model ---------------------------------------------------------------------------
+    def prepare(self, model, optimizer):
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        return model, optimizer
+
+    def prepare_model(self, model):
+        return self.accelerator.prepare_model(model, evaluation_mode=True)
+
+    def to_device(self, batch):
+        if self._on_cpu:
+            return batch
+        from accelerate.utils import send_to_device
+
+        return send_to_device(batch, self.device, non_blocking=True)
+
+    def autocast(self):
+        return self.accelerator.autocast()
+
+    def no_sync(self, model):
+        if self.num_processes == 1:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model)
+
+    def backward(self, loss):
+        self.accelerator.backward(loss)
+
+    def clip_grad_norm(self, model, max_norm: float):
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+    def optimizer_step(self, optimizer):
+        optimizer.step()
+
+    def unwrap_model(self, model):
+        return self.accelerator.unwrap_model(model)
+
+    def model_state_dict(self, model):
+        return self.accelerator.get_state_dict(model)
+
+    def load_model_state_dict(self, model, state_dict):
+        self.unwrap_model(model).load_state_dict(state_dict)
+
+    def save_training_state(self, optimizer, directory) -> None:
+        if self.is_main_process:
+            torch.save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and self.is_main_process:
+            torch.save(scaler.state_dict(), os.path.join(directory, "scaler.pt"))
+
+    def load_training_state(self, optimizer, directory) -> None:
+        state = torch.load(os.path.join(directory, "optimizer.pt"), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state)
+        scaler = getattr(self.accelerator, "scaler", None)
+        path = os.path.join(directory, "scaler.pt")
+        if scaler is not None and os.path.exists(path):
+            scaler.load_state_dict(torch.load(path, weights_only=True))
+
+    # -- collectives -----------------------------------------------------------------------
+    def reduce_sum(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def reduce_mean(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        return self.accelerator.reduce(tensor, reduction="mean")
+
+    def gather(self, tensor):
+        """Concatenate ``tensor`` (dim 0 may differ per rank) from every process, rank order."""
+        if self.num_processes == 1:
+            return tensor
+        return gather_varlen(tensor, self.device)
+
+    def broadcast_object(self, obj):
+        if self.num_processes == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def wait_for_everyone(self):
+        if self.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+
+    def end(self):
+        self.accelerator.end_training()
+
+
+def gather_varlen(tensor: torch.Tensor, device) -> torch.Tensor:
+    """all_gather along dim 0 when ranks hold different numbers of rows."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    n = torch.tensor([tensor.shape[0]], device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    sizes = [int(s.item()) for s in sizes]
+    longest = max(sizes)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    out = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded.contiguous())
+    return torch.cat([o[:s] for o, s in zip(out, sizes)])

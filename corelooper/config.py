@@ -1,0 +1,426 @@
+"""Typed configuration: TOML in, validated dataclasses out, resolved TOML back to disk.
+
+Sections: ``[model]``, ``[data]``, ``[train]`` (Hugging Face ``TrainingArguments`` names),
+``[plugins]``, and one section per plugin (declared by the plugin's
+``corelooper_config_sections`` hook and validated against it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+@dataclass
+class ModelConfig:
+    factory: str = ""
+    """``module:callable`` (or ``path/to/file.py:callable``) returning an ``nn.Module``."""
+    args: dict = field(default_factory=dict)
+    """Keyword arguments for the factory."""
+
+
+@dataclass
+class DataConfig:
+    train: str | None = None
+    """``module:callable`` returning the training dataset."""
+    eval: str | None = None
+    """``module:callable`` returning the evaluation dataset."""
+    collator: str | None = None
+    """Optional ``module:callable`` turning a list of samples into a batch."""
+    args: dict = field(default_factory=dict)
+    """Keyword arguments passed to the dataset factories."""
+
+
+@dataclass
+class PluginsConfig:
+    enable: list[str] | None = None
+    """Allow-list of installed plugins to load (``None``: all installed plugins)."""
+    disable: list[str] = field(default_factory=list)
+    """Installed plugins not to load for this project (like ``-p no:NAME``)."""
+    local: list[str] = field(default_factory=list)
+    """Modules (``pkg.module`` or ``path/to/file.py``) registered as plugins for this project."""
+
+
+@dataclass
+class TrainArgs:
+    """Training settings; names and meanings follow HF ``TrainingArguments``."""
+
+    output_dir: str = "runs/corelooper"
+    overwrite_output_dir: bool = False
+    run_name: str | None = None
+    seed: int = 42
+    data_seed: int | None = None
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_steps: float = 0
+    """An int number of steps, or a float < 1 read as a ratio of the run."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    loss_type: Literal["auto", "cross_entropy", "causal_lm", "mse"] = "auto"
+    """``auto``: causal-LM shift when ``labels`` has the shape of ``input_ids``, MSE for float
+    labels, cross-entropy otherwise."""
+    logging_steps: int = 500
+    logging_first_step: bool = False
+    eval_strategy: Literal["no", "steps", "epoch"] = "no"
+    eval_steps: int | None = None
+    """Defaults to ``logging_steps``."""
+    save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    dataloader_num_workers: int = 0
+    dataloader_drop_last: bool = False
+    resume_from_checkpoint: str | None = None
+    """A checkpoint folder, or "latest" for the newest complete one in output_dir."""
+    disable_tqdm: bool = False
+    use_cpu: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Plugin sections, as written (defaults are merged in by ``section``)."""
+    source: Path | None = None
+    """The file this config came from (relative factory paths resolve against its folder)."""
+    _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    CORE = ("model", "data", "train", "plugins")
+
+    def section(self, name: str) -> dict[str, Any]:
+        """A plugin section with its declared defaults filled in."""
+        return {**self._defaults.get(name, {}), **self.sections.get(name, {})}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.CORE:
+            out[name] = dataclasses.asdict(getattr(self, name))
+        for name in sorted(set(self.sections) | set(self._defaults)):
+            if name in self.sections:
+                out[name] = self.section(name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: Path | None = None) -> Config:
+        data = dict(data)
+        kwargs: dict[str, Any] = {}
+        for name, klass in (
+            ("model", ModelConfig),
+            ("data", DataConfig),
+            ("train", TrainArgs),
+            ("plugins", PluginsConfig),
+        ):
+            raw = data.pop(name, {})
+            if not isinstance(raw, dict):
+                raise ConfigError(f"[{name}] must be a table of keys, got {raw!r}.")
+            kwargs[name] = build_dataclass(klass, raw, name)
+        for name, raw in data.items():
+            if not isinstance(raw, dict):
+                hint = _did_you_mean(name, list(cls.CORE))
+                raise ConfigError(
+                    f"Top-level key {name!r} = {raw!r} is not a section. Keys belong in a section "
+                    f"such as [train].{hint}"
+                )
+        cfg = cls(**kwargs, sections={k: dict(v) for k, v in data.items()}, source=source)
+        check_train_args(cfg.train)
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] = ()) -> Config:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"Config file {str(path)!r} does not exist (or is not a file).")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"Config file {str(path)!r} is not valid TOML: {e}.") from None
+        for item in overrides:
+            apply_override(data, item)
+        return cls.from_dict(data, source=path.resolve())
+
+    def with_defaults(self, declared: dict[str, dict[str, Any]]) -> None:
+        """Validate plugin sections against what the loaded plugins declare."""
+        self._defaults = {k: dict(v) for k, v in declared.items() if k not in self.CORE}
+        for name, values in self.sections.items():
+            if name not in self._defaults:
+                continue
+            defaults = self._defaults[name]
+            for key, value in values.items():
+                if key not in defaults:
+                    hint = _did_you_mean(key, list(defaults))
+                    raise ConfigError(f"Unknown key {name}.{key}.{hint}")
+                default = defaults[key]
+                if default is not None and not _matches(value, type(default)):
+                    raise ConfigError(
+                        f"{name}.{key} must be of type {type(default).__name__} "
+                        f"(like its default {default!r}), got {value!r}."
+                    )
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(dumps_toml(self.to_dict()))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------------
+
+# Names users bring from other tools, and where the concept lives here.
+_RENAMED = {
+    "bf16": 'mixed_precision = "bf16"',
+    "fp16": 'mixed_precision = "fp16"',
+    "evaluation_strategy": "eval_strategy",
+    "warmup_ratio": "warmup_steps (a float < 1 is a ratio)",
+    "lr": "learning_rate",
+    "batch_size": "per_device_train_batch_size",
+    "epochs": "num_train_epochs",
+}
+
+
+def _did_you_mean(key: str, options: list[str]) -> str:
+    if key in _RENAMED:
+        return f" Did you mean {_RENAMED[key]}?"
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
+    if close:
+        return f" Did you mean {close[0]!r}?"
+    return f" Known keys: {', '.join(sorted(options))}." if options else ""
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "unset"
+    if origin is list:
+        return "a list of " + _describe(typing.get_args(tp)[0]) + "s"
+    return getattr(tp, "__name__", str(tp))
+
+
+def build_dataclass(klass: type, raw: dict[str, Any], section: str):
+    hints = typing.get_type_hints(klass)
+    names = [f.name for f in dataclasses.fields(klass)]
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"Unknown key {section}.{key}.{_did_you_mean(key, names)}")
+        if not _matches(value, hints[key]):
+            raise ConfigError(
+                f"{section}.{key} must be {_describe(hints[key])}, got {value!r} "
+                f"({type(value).__name__})."
+            )
+    values = {k: (float(v) if hints[k] is float and isinstance(v, int) else v) for k, v in raw.items()}
+    return klass(**values)
+
+
+def check_train_args(a: TrainArgs) -> None:
+    """Cross-field checks, named by key path."""
+
+    def positive(key: str, allow_zero: bool = False) -> None:
+        v = getattr(a, key)
+        if v < 0 or (v == 0 and not allow_zero):
+            raise ConfigError(f"train.{key} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}.")
+
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        positive(key)
+    for key in ("gradient_accumulation_steps", "logging_steps", "save_steps"):
+        positive(key)
+    for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"):
+        positive(key, allow_zero=True)
+    if a.max_steps <= 0 and a.num_train_epochs <= 0:
+        raise ConfigError("Set train.num_train_epochs > 0 or train.max_steps > 0: nothing to train.")
+    if a.warmup_steps >= 1 and not float(a.warmup_steps).is_integer():
+        raise ConfigError(
+            f"train.warmup_steps = {a.warmup_steps!r}: use an int number of steps or a ratio < 1."
+        )
+    if a.eval_steps is not None and a.eval_steps <= 0:
+        raise ConfigError(f"train.eval_steps must be > 0, got {a.eval_steps!r}.")
+    if a.save_total_limit is not None and a.save_total_limit < 1:
+        raise ConfigError(f"train.save_total_limit must be >= 1 (or unset), got {a.save_total_limit}.")
+    needs_metric = a.load_best_model_at_end or a.save_strategy == "best"
+    if needs_metric and a.eval_strategy == "no":
+        raise ConfigError(
+            "train.load_best_model_at_end / save_strategy = 'best' need evaluations: set "
+            "train.eval_strategy to 'steps' or 'epoch'."
+        )
+    if a.load_best_model_at_end and a.save_strategy not in ("best",):
+        if a.save_strategy != a.eval_strategy:
+            raise ConfigError(
+                f"train.load_best_model_at_end needs train.save_strategy ({a.save_strategy!r}) to "
+                f"match train.eval_strategy ({a.eval_strategy!r}), so that every evaluated model "
+                "is saved."
+            )
+        if a.save_strategy == "steps" and a.save_steps % (a.eval_steps or a.logging_steps):
+            raise ConfigError(
+                f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
+                f"multiple of train.eval_steps ({a.eval_steps or a.logging_steps})."
+            )
+    if needs_metric and a.metric_for_best_model is None:
+        a.metric_for_best_model = "loss"
+    if a.metric_for_best_model is not None and a.greater_is_better is None:
+        a.greater_is_better = a.metric_for_best_model not in ("loss", "eval_loss")
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply ``section.key=value`` (value parsed as TOML, else taken as a string)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.learning_rate=3e-4.")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: the key needs a section, e.g. train.{parts[-1]}=...")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {p!r} is not a section.")
+    node[parts[-1]] = value
+
+
+# --------------------------------------------------------------------------------------------
+# Importing ``module:callable`` references
+# --------------------------------------------------------------------------------------------
+
+
+def import_object(ref: str, key: str, base: Path | None = None) -> Any:
+    """Import ``pkg.module:attr`` or ``path/to/file.py:attr``; errors name the config key."""
+    if ":" not in ref:
+        raise ConfigError(f"{key} = {ref!r}: expected 'module:callable', e.g. 'mypkg.model:build'.")
+    module_ref, attr = ref.rsplit(":", 1)
+    module = import_module(module_ref, key, base)
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(module) if not n.startswith("_")]
+            raise ConfigError(
+                f"{key} = {ref!r}: module {module_ref!r} has no attribute {part!r}."
+                f"{_did_you_mean(part, names)}"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleType:
+    roots = [str(Path.cwd())] + ([str(base)] if base else [])
+    for root in roots:
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    try:
+        if ref.endswith(".py") or "/" in ref:
+            path = Path(ref)
+            if not path.is_absolute() and base is not None and (base / path).exists():
+                path = base / path
+            if not path.exists():
+                raise ConfigError(f"{key}: file {ref!r} does not exist.")
+            name = "corelooper_local_" + path.stem
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(ref)
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as e:
+        raise ConfigError(
+            f"{key}: cannot import {ref!r} ({e}). Check the spelling, and that the module is "
+            "installed or lies under the current folder."
+        ) from None
+    except Exception as e:  # the module itself raised while importing
+        raise ConfigError(f"{key}: importing {ref!r} failed: {type(e).__name__}: {e}") from e
+
+
+# --------------------------------------------------------------------------------------------
+# TOML writer (tomllib reads only); enough for configs: tables of scalars, lists, inline tables
+# --------------------------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, Path):
+        return _toml_value(str(v))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _toml_key(k: str) -> str:
+    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+
+
+def dumps_toml(data: dict[str, dict[str, Any]]) -> str:
+    lines: list[str] = []
+    for section, values in data.items():
+        lines.append(f"[{_toml_key(section)}]")
+        for k, v in values.items():
+            if v is not None:  # TOML has no null: unset keys are left out
+                lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)

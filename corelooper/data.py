@@ -1,0 +1,181 @@
+"""Default data pipeline: seeded, rank-sharded, resumable batches; collators.
+
+``BatchLoader`` decides which sample indices form each batch *before* loading anything, so a
+resume skips the seen part of an epoch by index (nothing is loaded or collated for it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+
+def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+class BatchLoader:
+    """Batches of one epoch for one process.
+
+    Training: the epoch permutation is cut into *global* batches of ``batch_size * num_replicas``
+    samples and process ``rank`` takes its slice, so N processes with batch B see exactly the
+    samples one process with batch N*B would. A last, short global batch is split evenly
+    (padded by wrapping to the start of the epoch when needed, as accelerate does) unless
+    ``drop_last``.
+
+    Evaluation (``shuffle=False, contiguous=True``): each rank takes a contiguous block with no
+    padding, so gathering in rank order restores dataset order without duplicates.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        collate_fn: Callable[[list], Any] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        contiguous: bool = False,
+    ):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn or default_collate
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.contiguous = contiguous
+        self.epoch = 0
+        self._skip = 0
+        self._fast_tensors = (
+            collate_fn is None and isinstance(dataset, torch.utils.data.TensorDataset)
+        )
+
+    # -- indices ---------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, num_batches: int) -> None:
+        """Start the next iteration ``num_batches`` batches into the epoch (by index)."""
+        self._skip = num_batches
+
+    def batch_indices(self) -> list[list[int]]:
+        n = len(self.dataset)
+        order = epoch_permutation(n, self.seed, self.epoch, self.shuffle)
+        B, W, r = self.batch_size, self.num_replicas, self.rank
+        if self.contiguous:
+            per_rank = math.ceil(n / W)
+            mine = order[r * per_rank : (r + 1) * per_rank]
+            return [mine[i : i + B] for i in range(0, len(mine), B)]
+        batches = []
+        for start in range(0, n, B * W):
+            chunk = order[start : start + B * W]
+            if len(chunk) < B * W:
+                if self.drop_last:
+                    break
+                if W > 1:
+                    per = math.ceil(len(chunk) / W)
+                    chunk = chunk + [order[i % n] for i in range(per * W - len(chunk))]
+                    batches.append(chunk[r * per : (r + 1) * per])
+                    continue
+            batches.append(chunk[r * B : (r + 1) * B])
+        return batches
+
+    def __len__(self) -> int:
+        n, B, W = len(self.dataset), self.batch_size, self.num_replicas
+        if self.contiguous:
+            return len(self.batch_indices())
+        return n // (B * W) if self.drop_last else math.ceil(n / (B * W))
+
+    # -- loading ---------------------------------------------------------------------------
+    def fetch(self, indices: Sequence[int]):
+        """Load and collate one batch. ``TensorDataset`` is sliced in one go (same result as
+        collating sample by sample); datasets with ``__getitems__`` are asked once per batch."""
+        ds = self.dataset
+        if self._fast_tensors:
+            idx = torch.as_tensor(indices)
+            return [t[idx] for t in ds.tensors]
+        getitems = getattr(ds, "__getitems__", None)
+        samples = getitems(list(indices)) if getitems else [ds[i] for i in indices]
+        return self.collate_fn(samples)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self.batch_indices()[self._skip :]
+        self._skip = 0
+        if self.num_workers == 0:
+            return map(self.fetch, batches)
+        loader = torch.utils.data.DataLoader(
+            self.dataset,
+            batch_sampler=batches,
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=False,
+        )
+        return iter(loader)
+
+
+def count_loss_items(batch, loss_type: str) -> torch.Tensor | int:
+    """Loss-bearing items in a batch: labels != -100 (after the causal shift), else rows."""
+    labels = batch.get("labels") if isinstance(batch, dict) else (
+        batch[-1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
+    )
+    if labels is None or not torch.is_tensor(labels):
+        return _batch_size(batch)
+    if loss_type == "mse" or labels.is_floating_point():
+        return labels.numel()
+    if loss_type == "auto":
+        loss_type = resolve_loss_type(batch)
+    if loss_type == "causal_lm":
+        labels = labels[..., 1:]
+    return (labels != -100).sum()
+
+
+def resolve_loss_type(batch) -> str:
+    """``auto`` rule: causal-LM when labels have the shape of input_ids, MSE for float labels."""
+    if isinstance(batch, dict):
+        labels = batch.get("labels")
+        ids = batch.get("input_ids")
+        if labels is not None and labels.is_floating_point():
+            return "mse"
+        if ids is not None and labels is not None and labels.shape == ids.shape and ids.dim() == 2:
+            return "causal_lm"
+    elif isinstance(batch, (list, tuple)) and torch.is_tensor(batch[-1]) and batch[-1].is_floating_point():
+        return "mse"
+    return "cross_entropy"
+
+
+def _batch_size(batch) -> int:
+    if torch.is_tensor(batch):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        for v in batch.values():
+            if torch.is_tensor(v):
+                return v.shape[0]
+    if isinstance(batch, (list, tuple)):
+        for v in batch:
+            if torch.is_tensor(v):
+                return v.shape[0]
+    return 1
+
+
+def count_input_tokens(batch) -> int:
+    """Tokens fed to the model (``input_ids`` numel; else the batch size). No device sync."""
+    if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
+        return batch["input_ids"].numel()
+    return _batch_size(batch)

@@ -1,0 +1,258 @@
+"""Every hook corelooper calls, in one place.
+
+Two kinds of hooks:
+
+* **Events** (``on_*``) tell plugins that something happened. They keep the Hugging Face
+  ``TrainerCallback`` names and fire at the same points. Every event receives ``loop``, ``state``
+  and ``control`` by name, plus its own arguments; an implementation takes any subset of them
+  (pluggy's rule), so ``def on_step_end(state, control): ...`` is complete. Events return nothing:
+  a plugin changes the run through ``control`` (e.g. ``control.should_training_stop = True``).
+* **Providers** (``firstresult=True``) compute something. The builtin plugin implements each one
+  with ``trylast=True``, so any other plugin's implementation wins; return ``None`` to let the
+  next one answer.
+
+Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
+
+    on_init_end                      (once, when the Loop is constructed)
+    on_train_begin
+      on_epoch_begin
+        on_step_begin                (first micro-batch of an optimizer step)
+          on_before_backward, on_after_backward      (each micro-batch)
+          on_substep_end             (each micro-batch but the last of the step)
+        on_pre_optimizer_step        (after gradient clipping)
+        on_optimizer_step            (after optimizer.step(), before zero_grad)
+        on_step_end                  (state.global_step already incremented)
+        [on_log] [on_prediction_step... on_evaluate] [on_save]   (as control asks)
+      on_epoch_end
+      [on_log] [on_evaluate] [on_save]                           (epoch strategies)
+    on_train_end
+    on_exception                     (instead of the rest, when anything raises)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "corelooper"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def corelooper_config_sections() -> dict[str, dict[str, Any]] | None:
+    """Declare the config sections this plugin owns, with their keys and defaults.
+
+    Called once per plugin when a config is validated and by ``corelooper plugins``.
+    Return ``{"section": {"key": default, ...}}``; a default of ``None`` accepts any type,
+    otherwise a value must have the default's type (ints are accepted for floats).
+    Keys not declared here are rejected with a "did you mean" hint. The resolved values are
+    available as ``loop.config.section("section")``.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Providers (firstresult): the builtin plugin answers last
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def create_backend(loop):
+    """Return the backend that runs the model on the hardware.
+
+    Called once at the start of ``train()``/``evaluate()``/``predict()``. The builtin returns
+    ``corelooper.backend.AccelerateBackend``; FSDP and DeepSpeed plugins return their own. A
+    backend follows the ``corelooper.backend.Backend`` protocol (prepare, backward, no_sync,
+    clip_grad_norm, reduce, save/load of model and optimizer state).
+    """
+
+
+@hookspec(firstresult=True)
+def create_optimizer(loop, model):
+    """Return the ``torch.optim.Optimizer`` for ``model`` (already on its device).
+
+    Called once per ``train()``, before the backend prepares the model. The builtin builds
+    AdamW from ``[train]`` with no weight decay on biases and normalisation weights.
+    """
+
+
+@hookspec(firstresult=True)
+def create_scheduler(loop, optimizer, num_training_steps: int):
+    """Return a learning-rate scheduler for ``optimizer`` (stepped once per optimizer step).
+
+    ``num_training_steps`` is the total number of optimizer steps of the run. The builtin
+    implements ``lr_scheduler_type`` = linear, cosine, constant, constant_with_warmup with
+    ``warmup_steps`` (an int, or a float < 1 read as a ratio of the run).
+    """
+
+
+@hookspec(firstresult=True)
+def train_dataloader(loop, dataset):
+    """Return an iterable of training batches for one epoch, for this process.
+
+    The builtin returns a ``corelooper.data.BatchLoader``: a seeded, resumable, rank-sharded
+    sampler; each iterable returned must have ``set_epoch(epoch)`` and ``skip(n_batches)``
+    (or simply be re-iterable; then resume falls back to re-reading).
+    """
+
+
+@hookspec(firstresult=True)
+def eval_dataloader(loop, dataset):
+    """Return an iterable of evaluation batches for this process (no shuffling, no padding
+    duplicates across processes)."""
+
+
+@hookspec(firstresult=True)
+def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
+    """Return the loss of one micro-batch (a scalar tensor), or ``(loss, outputs)`` when
+    ``return_outputs`` is true.
+
+    Called for every training micro-batch and every evaluation batch.
+    ``num_items_in_batch`` is the number of loss-bearing items (tokens with ``label != -100``,
+    after the causal shift) in the **whole optimizer step**, summed over its micro-batches and
+    over processes. Return ``sum_of_item_losses / num_items_in_batch`` so that the micro-batch
+    losses of one step add up to the step's mean loss: that makes gradient accumulation exact.
+    An implementation that does not take ``num_items_in_batch`` among its arguments is assumed
+    to return a *mean* loss; the loop then divides it by the number of micro-batches.
+    """
+
+
+@hookspec(firstresult=True)
+def compute_metrics(loop, predictions, label_ids):
+    """Return a dict of metrics (without the ``eval_`` prefix) from the whole evaluation set.
+
+    ``predictions`` and ``label_ids`` are the concatenated model outputs (usually logits) and
+    labels, on the CPU, in dataset order. Called at the end of ``evaluate()``/``predict()``
+    when a plugin implements it or ``Loop(compute_metrics=...)`` was given.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Events: never return anything
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_init_end(loop, state, control) -> None:
+    """At the end of ``Loop.__init__``: plugins are registered, the config is validated."""
+
+
+@hookspec
+def on_train_begin(loop, state, control) -> None:
+    """At the start of ``train()``: model, optimizer, scheduler and data are ready and any
+    checkpoint has been loaded (``state.global_step`` is where training resumes)."""
+
+
+@hookspec
+def on_epoch_begin(loop, state, control) -> None:
+    """At the start of each epoch (``state.epoch`` is the epoch index as a float)."""
+
+
+@hookspec
+def on_step_begin(loop, state, control) -> None:
+    """At the first micro-batch of each optimizer step, after its micro-batches were fetched."""
+
+
+@hookspec
+def on_before_backward(loop, state, control, loss) -> None:
+    """Before ``backward`` on each micro-batch; ``loss`` is the normalised micro-batch loss."""
+
+
+@hookspec
+def on_after_backward(loop, state, control, loss) -> None:
+    """After ``backward`` on each micro-batch (gradients of the step are accumulating)."""
+
+
+@hookspec
+def on_substep_end(loop, state, control) -> None:
+    """After each micro-batch of an optimizer step except the last (HF semantics)."""
+
+
+@hookspec
+def on_pre_optimizer_step(loop, state, control, optimizer) -> None:
+    """After gradient clipping, before ``optimizer.step()``."""
+
+
+@hookspec
+def on_optimizer_step(loop, state, control, optimizer) -> None:
+    """After ``optimizer.step()``, before the scheduler step and ``zero_grad``."""
+
+
+@hookspec
+def on_step_end(loop, state, control) -> None:
+    """At the end of each optimizer step; ``state.global_step`` is already incremented (1 after
+    the first step). The builtin flow logic has already set ``control.should_log``,
+    ``should_evaluate`` and ``should_save`` from the strategies; a plugin may change them, or set
+    ``control.should_training_stop`` to end training after this step."""
+
+
+@hookspec
+def on_log(loop, state, control, logs: dict) -> None:
+    """When the loop logs (every ``logging_steps`` and at the end). ``logs`` holds ``loss``,
+    ``learning_rate``, ``grad_norm``, ``epoch``, throughput and anything plugins added; the
+    same dict is appended to ``state.log_history`` with ``step``. Main process only."""
+
+
+@hookspec
+def on_evaluate(loop, state, control, metrics: dict) -> None:
+    """After an evaluation; ``metrics`` has ``eval_loss`` and the ``eval_``-prefixed metrics."""
+
+
+@hookspec
+def on_prediction_step(loop, state, control, batch, outputs) -> None:
+    """After each batch of ``evaluate()``/``predict()``; ``outputs`` are the model outputs."""
+
+
+@hookspec
+def on_predict(loop, state, control, metrics: dict) -> None:
+    """After ``predict()``; ``metrics`` are ``test_``-prefixed (empty without labels)."""
+
+
+@hookspec
+def on_save(loop, state, control, checkpoint_dir) -> None:
+    """After a checkpoint was written completely and renamed into place at ``checkpoint_dir``
+    (a ``pathlib.Path``). Files a plugin wants in the checkpoint belong in its ``state_dict``."""
+
+
+@hookspec
+def on_load_checkpoint(loop, state, control, checkpoint_dir) -> None:
+    """After the loop restored model, optimizer, scheduler, RNG, loop state and plugin states
+    from ``checkpoint_dir``, before training resumes."""
+
+
+@hookspec
+def on_epoch_end(loop, state, control) -> None:
+    """At the end of each epoch; ``control.should_evaluate``/``should_save`` reflect the epoch
+    strategies and may be changed."""
+
+
+@hookspec
+def on_train_end(loop, state, control) -> None:
+    """At the end of ``train()``, also after a preemption (``state.preempted`` is true): flush
+    and close what the plugin opened."""
+
+
+@hookspec
+def on_exception(loop, state, control, exception: BaseException) -> None:
+    """When ``train()`` is about to raise; ``exception`` is what went wrong. Clean up here; the
+    last complete checkpoint is left untouched and the exception is re-raised."""
+
+
+EVENTS = tuple(
+    name for name, obj in list(globals().items()) if name.startswith("on_") and callable(obj)
+)
+PROVIDERS = (
+    "create_backend",
+    "create_optimizer",
+    "create_scheduler",
+    "train_dataloader",
+    "eval_dataloader",
+    "compute_loss",
+    "compute_metrics",
+)

@@ -1,0 +1,104 @@
+"""The default loss: summed item losses divided by the step's ``num_items_in_batch``.
+
+Models whose ``forward`` takes ``labels`` compute their own loss (HF models); when their
+``forward`` also takes ``num_items_in_batch`` (or ``**kwargs``, as HF models do) it is passed
+through, otherwise their mean loss is divided by the number of micro-batches of the step.
+Other models return logits, and the loss is computed here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import DataError
+
+
+@dataclass(frozen=True)
+class ForwardSignature:
+    accepts_labels: bool
+    accepts_loss_kwargs: bool
+    params: frozenset[str]
+    var_kwargs: bool
+
+
+def forward_signature(model: torch.nn.Module) -> ForwardSignature:
+    params = inspect.signature(model.forward).parameters
+    names = frozenset(params)
+    var_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepts_loss_kwargs = getattr(model, "accepts_loss_kwargs", None)
+    if accepts_loss_kwargs is None:
+        accepts_loss_kwargs = "num_items_in_batch" in names or (var_kwargs and "labels" in names)
+    return ForwardSignature("labels" in names, bool(accepts_loss_kwargs), names, var_kwargs)
+
+
+def split_batch(batch):
+    """(args, kwargs, labels) for calling a model that returns logits."""
+    if isinstance(batch, Mapping):
+        kwargs = {k: v for k, v in batch.items() if k != "labels"}
+        return (), kwargs, batch.get("labels")
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == 1:
+            return tuple(batch), {}, None
+        return tuple(batch[:-1]), {}, batch[-1]
+    return (batch,), {}, None
+
+
+def logits_of(outputs):
+    if torch.is_tensor(outputs):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, Mapping):
+        logits = outputs.get("logits")
+    if logits is None and isinstance(outputs, (tuple, list)):
+        logits = outputs[0]
+    return logits
+
+
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """Sum (not mean) of the item losses, so the caller can normalise over a whole step."""
+    if loss_type == "mse":
+        return F.mse_loss(logits.float().view_as(labels), labels.float(), reduction="sum")
+    if loss_type == "causal_lm":
+        logits = logits[..., :-1, :]
+        labels = labels[..., 1:]
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1).long(),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
+    sig = loop.forward_signature
+    if sig.accepts_labels and isinstance(batch, Mapping) and "labels" in batch:
+        kwargs = dict(batch)
+        if sig.accepts_loss_kwargs and num_items_in_batch is not None:
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        outputs = model(**kwargs)
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+        if loss is None:
+            loss = outputs[0]
+        if not sig.accepts_loss_kwargs:
+            loss = loss / loop.num_micro_batches  # the model can only give a mean loss
+        return (loss, outputs) if return_outputs else loss
+
+    args, kwargs, labels = split_batch(batch)
+    outputs = model(*args, **kwargs)
+    if labels is None:
+        raise DataError(
+            "The batch has no labels (a 'labels' key, or a last element of a tuple sample), and "
+            "the model does not compute its own loss. Add labels to the dataset, or implement "
+            "the compute_loss hook in a plugin."
+        )
+    logits = logits_of(outputs)
+    total = summed_loss(logits, labels, loop.loss_type)
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != -100).sum() if loop.loss_type != "mse" else labels.numel()
+    loss = total / num_items_in_batch
+    return (loss, outputs) if return_outputs else loss

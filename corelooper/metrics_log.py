@@ -1,0 +1,38 @@
+"""``output_dir/metrics.jsonl``: one JSON object per log or evaluation event, each with "step".
+
+Registered as the plugin ``jsonl``; written by the main process only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .hookspecs import hookimpl
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf
+    return v
+
+
+def _write(loop, state, event: str, values: dict) -> None:
+    if not state.is_world_process_zero:
+        return
+    record = {"event": event, "step": state.global_step, **{k: _clean(v) for k, v in values.items()}}
+    path = Path(loop.args.output_dir) / "metrics.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@hookimpl
+def on_log(loop, state, logs):
+    _write(loop, state, "log", logs)
+
+
+@hookimpl
+def on_evaluate(loop, state, metrics):
+    _write(loop, state, "eval", metrics)
