@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -22,11 +22,11 @@ app = typer.Typer(
 )
 
 SetOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", "-s", help="Override a config value: --set train.learning_rate=3e-4 (repeatable)."),
 ]
 PluginOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("-p", help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one."),
 ]
 TracebackOpt = Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")]
@@ -90,7 +90,7 @@ def run(
     set_: SetOpt = None,
     p: PluginOpt = None,
     resume_from_checkpoint: Annotated[
-        Optional[str], typer.Option("--resume-from-checkpoint", help="'latest' or a checkpoint folder.")
+        str | None, typer.Option("--resume-from-checkpoint", help="'latest' or a checkpoint folder.")
     ] = None,
     traceback_: TracebackOpt = False,
 ) -> None:
@@ -113,7 +113,7 @@ def run(
 
 @app.command()
 def plugins(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Show what is active for this config.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Show what is active for this config.")] = None,
     set_: SetOpt = None,
     p: PluginOpt = None,
     traceback_: TracebackOpt = False,

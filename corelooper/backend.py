@@ -196,4 +196,4 @@ def gather_varlen(tensor: torch.Tensor, device) -> torch.Tensor:
     padded[: tensor.shape[0]] = tensor
     out = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(out, padded.contiguous())
-    return torch.cat([o[:s] for o, s in zip(out, sizes)])
+    return torch.cat([o[:s] for o, s in zip(out, sizes, strict=True)])

@@ -175,7 +175,7 @@ def _batch_size(batch) -> int:
 
 
 def count_input_tokens(batch) -> int:
-    """Tokens fed to the model (``input_ids`` numel; else the batch size). No device sync."""
+    """Tokens fed to the model (``input_ids`` numel; 0 without input_ids). No device sync."""
     if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
         return batch["input_ids"].numel()
-    return _batch_size(batch)
+    return 0

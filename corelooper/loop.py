@@ -177,7 +177,7 @@ class Loop:
         ``resume_from_checkpoint``: a checkpoint folder, or ``"latest"`` for the newest complete
         one in ``output_dir``.
         """
-        a, s, control = self.args, self.state, self.control
+        a, s = self.args, self.state
         try:
             set_seed(a.seed)
             loader = self._setup_train()
@@ -332,7 +332,8 @@ class Loop:
         logs["learning_rate"] = self.scheduler.get_last_lr()[0]
         logs["epoch"] = round(self.state.epoch, 4)
         logs["samples_per_second"] = round(samples / elapsed, 2)
-        logs["tokens_per_second"] = round(tokens / elapsed, 2)
+        if tokens:
+            logs["tokens_per_second"] = round(tokens / elapsed, 2)
         return logs
 
     def log(self, logs: dict) -> None:
