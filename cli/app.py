@@ -68,6 +68,10 @@ def fail(exc: BaseException, show_traceback: bool) -> None:
         import traceback
 
         traceback.print_exception(exc)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a rank under torchrun: name it to the launcher
+        from corelooper.launch import record_child_error
+
+        record_child_error(exc)
     code = exc.exit_code if isinstance(exc, CorelooperError) else 1
     prefix = "error" if isinstance(exc, CorelooperError) else f"unexpected error ({type(exc).__name__})"
     typer.echo(f"corelooper: {prefix}: {exc}", err=True)
@@ -93,22 +97,52 @@ def run(
         str | None, typer.Option("--resume-from-checkpoint", help="'latest' or a checkpoint folder.")
     ] = None,
     traceback_: TracebackOpt = False,
+    nproc: Annotated[
+        int | None, typer.Option("--nproc", help="Start N local processes (torchrun); each runs this command.")
+    ] = None,
+    profile_plugins: Annotated[
+        bool, typer.Option("--profile-plugins", help="Print the time spent in each plugin's hooks.")
+    ] = False,
 ) -> None:
-    """Train (and evaluate) the model described by CONFIG."""
+    """Train (and evaluate) the model described by CONFIG.
+
+    Exit status: 0 done; 2-6 a reported error (config, plugin, data, checkpoint, training);
+    143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume it with
+    --resume-from-checkpoint latest).
+    """
+    preempted_exit = 0
     try:
         blocked, local = split_plugin_options(p)
         cfg = load_config(config, set_, local)
+        if nproc is not None:  # checked above once, then run by every child without --nproc
+            from corelooper.launch import child_argv, launch
+
+            return launch(nproc, child_argv(config, set_, p, resume_from_checkpoint, traceback_))
         from corelooper.loop import Loop
 
         loop = Loop(config=cfg, blocked_plugins=blocked)
-        loop.train(resume_from_checkpoint=resume_from_checkpoint)
-        if loop.eval_dataset is not None and loop.args.eval_strategy == "no":
+        profiler = None
+        if profile_plugins:
+            from corelooper.profiling import PluginProfiler
+
+            profiler = PluginProfiler(loop.plugins)
+        state = loop.train(resume_from_checkpoint=resume_from_checkpoint)
+        if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
+            typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
+                       f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
+            preempted_exit = loop._preemption.exit_code
+        elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
             loop.evaluate()
+        if profiler is not None and loop.state.is_world_process_zero:
+            profiler.stop()
+            typer.echo(profiler.report())
     except KeyboardInterrupt:
         typer.echo("corelooper: interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as e:
         fail(e, traceback_)
+    if preempted_exit:
+        raise typer.Exit(preempted_exit)
 
 
 @app.command()

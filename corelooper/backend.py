@@ -94,7 +94,11 @@ class AccelerateBackend:
 
     # -- model ---------------------------------------------------------------------------
     def prepare(self, model, optimizer):
-        model, optimizer = self.accelerator.prepare(model, optimizer)
+        model = self.accelerator.prepare_model(model)
+        if self.accelerator.scaler is not None or self.accelerator.distributed_type.value == "XLA":
+            # AcceleratedOptimizer is needed for fp16 loss scaling; elsewhere it only adds
+            # per-step overhead, so the plain optimizer is kept.
+            optimizer = self.accelerator.prepare_optimizer(optimizer)
         return model, optimizer
 
     def prepare_model(self, model):
@@ -116,19 +120,25 @@ class AccelerateBackend:
         return self.accelerator.no_sync(model)
 
     def backward(self, loss):
-        self.accelerator.backward(loss)
+        if self.accelerator.scaler is None:
+            loss.backward()
+        else:
+            self.accelerator.backward(loss)  # fp16: scaled loss
 
     def clip_grad_norm(self, model, max_norm: float):
-        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        if self.accelerator.scaler is not None:
+            self.accelerator.unscale_gradients()  # fp16: clip the true gradients
+        # torch's own clip: accelerate's walks every module per call looking for FSDP/DTensors
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def optimizer_step(self, optimizer):
         optimizer.step()
 
     def unwrap_model(self, model):
-        return self.accelerator.unwrap_model(model)
+        return unwrap(model)
 
     def model_state_dict(self, model):
-        return self.accelerator.get_state_dict(model)
+        return unwrap(model).state_dict()
 
     def load_model_state_dict(self, model, state_dict):
         self.unwrap_model(model).load_state_dict(state_dict)
@@ -180,6 +190,18 @@ class AccelerateBackend:
 
     def end(self):
         self.accelerator.end_training()
+
+
+def unwrap(model):
+    """The user's module inside DDP / torch.compile wrappers. (accelerate's unwrap_model imports
+    deepspeed when it is installed: half a second, on every call site.)"""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (
+            model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+        )
+        if inner is None:
+            return model
+        model = inner
 
 
 def gather_varlen(tensor: torch.Tensor, device) -> torch.Tensor:

@@ -5,10 +5,6 @@ Every provider here is ``trylast``: any other plugin's implementation answers fi
 
 from __future__ import annotations
 
-import math
-
-import torch
-
 from .hookspecs import hookimpl
 from .losses import default_loss
 
@@ -20,82 +16,21 @@ def create_backend(loop):
     return AccelerateBackend(loop.args.mixed_precision, loop.args.use_cpu)
 
 
-# -- optimizer ------------------------------------------------------------------------------
-
-_NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase)
-
-
-def no_decay_parameter_names(model: torch.nn.Module) -> set[str]:
-    """Biases and normalisation weights: weight decay would pull them to 0 for no benefit."""
-    names = set()
-    for mod_name, module in model.named_modules():
-        is_norm = isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
-        for p_name, _ in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if is_norm or p_name == "bias":
-                names.add(full)
-    return names
-
-
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    skip = no_decay_parameter_names(model)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if name in skip else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+# -- optimizer and scheduler (by name: corelooper/optimizers.py, corelooper/schedules.py) --------
 
 
 @hookimpl(trylast=True)
 def create_optimizer(loop, model):
-    a = loop.args
-    return torch.optim.AdamW(
-        parameter_groups(model, a.weight_decay),
-        lr=a.learning_rate,
-        betas=(a.adam_beta1, a.adam_beta2),
-        eps=a.adam_epsilon,
-    )
+    from .optimizers import create_optimizer
 
-
-# -- schedulers (same values as transformers.get_scheduler) ---------------------------------
-
-
-def warmup_steps_for(warmup: float, num_training_steps: int) -> int:
-    return math.ceil(warmup * num_training_steps) if 0 < warmup < 1 else int(warmup)
-
-
-def lr_lambda(kind: str, warmup: int, total: int):
-    def linear(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        return max(0.0, (total - step) / max(1, total - warmup))
-
-    def cosine(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-    def constant(step: int) -> float:
-        return 1.0
-
-    def constant_with_warmup(step: int) -> float:
-        return step / max(1, warmup) if step < warmup else 1.0
-
-    return {"linear": linear, "cosine": cosine, "constant": constant,
-            "constant_with_warmup": constant_with_warmup}[kind]
+    return create_optimizer(loop, model)
 
 
 @hookimpl(trylast=True)
 def create_scheduler(loop, optimizer, num_training_steps):
-    a = loop.args
-    warmup = warmup_steps_for(a.warmup_steps, num_training_steps)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(a.lr_scheduler_type, warmup, num_training_steps)
-    )
+    from .schedules import create_scheduler
+
+    return create_scheduler(loop.args, optimizer, num_training_steps)
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -117,7 +52,14 @@ def train_dataloader(loop, dataset):
         rank=loop.backend.process_index,
         num_workers=a.dataloader_num_workers,
         pin_memory=loop.backend.device.type == "cuda",
+        lengths=_lengths(loop, dataset) if a.group_by_length else None,
     )
+
+
+def _lengths(loop, dataset):
+    from .collators import sample_lengths
+
+    return sample_lengths(dataset, loop.args.length_column_name)
 
 
 @hookimpl(trylast=True)

@@ -1,7 +1,21 @@
-"""Checkpoints: save / load / rotate / find-latest, with atomic directory writes.
+"""Checkpoints: save / verify / load / rotate / find-latest, with atomic directory writes.
 
-A checkpoint is written to ``output_dir/.tmp-checkpoint-N``, every file flushed to disk, then
-renamed to ``checkpoint-N``: a folder named ``checkpoint-N`` is always complete.
+A checkpoint is written to ``output_dir/.tmp-checkpoint-N``; every file is fsynced, a
+``manifest.json`` listing each file and its size is written last, and only then is the folder
+renamed to ``checkpoint-N`` (and the parent folder fsynced). So a folder named ``checkpoint-N``
+is always complete, and a ``kill -9`` at any moment leaves the previous checkpoints untouched.
+
+Contents of ``checkpoint-N/``::
+
+    model.safetensors                  weights (or model-0000k-of-0000n.safetensors +
+                                       model.safetensors.index.json above save_max_shard_size;
+                                       HF PreTrainedModels via save_pretrained, + config.json)
+    optimizer.pt  scheduler.pt  [scaler.pt]    torch.save'd state dicts (tensors and numbers only)
+    rng_state_{rank}.pth               python / numpy / torch CPU / CUDA RNG states, per process
+    loop_state.json                    LoopState: global_step, epoch, position in the epoch, ...
+    plugins.json                       state_dict() of every stateful plugin
+    config.toml                        the resolved config (text, never a pickled object)
+    manifest.json                      file -> size in bytes; written last
 """
 
 from __future__ import annotations
@@ -10,18 +24,25 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, PluginError
 from .seeding import rng_state, set_rng_state
 from .state import LoopState
 
 PREFIX = "checkpoint-"
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+MANIFEST = "manifest.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_TMP_RE = re.compile(r"^\.(tmp|old)-checkpoint-\d+$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 # -- output dir -------------------------------------------------------------------------------
@@ -29,17 +50,27 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 def prepare_output_dir(loop, output_dir: Path, resuming: bool) -> None:
     """Create ``output_dir`` and write the resolved config; refuse to mix two runs in it."""
+    parse_size(loop.args.save_max_shard_size)  # a bad value fails now, not at the first save
     output_dir.mkdir(parents=True, exist_ok=True)
     existing = list_checkpoints(output_dir)
-    if existing and not resuming and not loop.args.overwrite_output_dir:
+    final_model = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
+    held = [*existing, *final_model]
+    if held and not resuming and not loop.args.overwrite_output_dir:
+        what = (f"{len(existing)} checkpoints, latest {existing[-1].name}" if existing
+                else f"a finished model, {final_model[0].name}")
         raise CheckpointError(
-            f"output_dir {str(output_dir)!r} already holds a run ({len(existing)} checkpoints, "
-            f"latest {existing[-1].name}). Resume it with --resume-from-checkpoint latest, choose "
-            "another train.output_dir, or set train.overwrite_output_dir = true to start over."
+            f"output_dir {str(output_dir)!r} already holds a run ({what}). Resume it with "
+            "--resume-from-checkpoint latest, choose another train.output_dir, or set "
+            "train.overwrite_output_dir = true to start over (that deletes its checkpoints)."
         )
-    if existing and loop.args.overwrite_output_dir and not resuming:
+    if held and loop.args.overwrite_output_dir and not resuming:
         for path in existing:
             shutil.rmtree(path)
+        for path in final_model:
+            path.unlink()
+    for stale in output_dir.iterdir():  # debris of a save that was killed: never a checkpoint
+        if _TMP_RE.match(stale.name) and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     if not resuming:
         metrics = output_dir / "metrics.jsonl"
         if metrics.exists():
@@ -56,27 +87,47 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
 
 
 def resolve(resume: str | Path, output_dir: Path) -> Path:
+    """``"latest"`` -> the newest complete checkpoint in ``output_dir``; else the folder given."""
     if str(resume) == "latest":
         found = list_checkpoints(output_dir)
         if not found:
             raise CheckpointError(
-                f"--resume-from-checkpoint latest: no complete checkpoint in {str(output_dir)!r}."
+                f"--resume-from-checkpoint latest: there is no complete checkpoint in "
+                f"{str(output_dir)!r} (folders named checkpoint-N). Start without "
+                "--resume-from-checkpoint, or pass the path of a checkpoint folder."
             )
         return found[-1]
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"Checkpoint {str(path)!r} does not exist (or is not a folder).")
+        hint = ""
+        if path.name.startswith(".tmp-"):
+            hint = " (a .tmp- folder is an incomplete save and cannot be resumed)"
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} does not exist (or is not a folder){hint}. Pass a "
+            "checkpoint-N folder, or 'latest' for the newest one in train.output_dir."
+        )
     return path
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ints pass through (bytes)."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE_RE.match(str(size))
+    if not m:
+        raise CheckpointError(
+            f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int) or a "
+            "string like '5GB', '500MB', '2GiB'."
+        )
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 # -- writing ------------------------------------------------------------------------------------
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+def _fsync_dir(path: Path) -> None:
+    if sys.platform == "win32":  # directories cannot be opened for fsync there
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -84,11 +135,17 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], directory: Path) -> None:
-    from safetensors.torch import save_file
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
 
-    # safetensors refuses tensors that share memory (tied weights): store contiguous copies.
-    seen: dict[int, str] = {}
+
+def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors; safetensors refuses tensors that share memory (tied weights)."""
+    seen: set[int] = set()
     tensors = {}
     for k, v in state_dict.items():
         v = v.detach()
@@ -96,9 +153,47 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: Path) -> None:
         if ptr is not None and ptr in seen:
             v = v.clone()
         if ptr is not None:
-            seen.setdefault(ptr, k)
+            seen.add(ptr)
         tensors[k] = v.contiguous().cpu()
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    return tensors
+
+
+def _is_hf_model(model) -> bool:
+    return callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config")
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB",
+                 model=None) -> None:
+    """``directory/model.safetensors``, or shards + ``model.safetensors.index.json`` above
+    ``max_shard_size``. A Hugging Face ``PreTrainedModel`` is written by its own
+    ``save_pretrained`` (same file names, plus config.json) so ``from_pretrained`` loads it."""
+    limit = parse_size(max_shard_size)
+    if model is not None and _is_hf_model(model):
+        model.save_pretrained(directory, state_dict=state_dict, max_shard_size=limit)
+        return
+    from safetensors.torch import save_file
+
+    tensors = _untie(state_dict)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / WEIGHTS), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 
 def plugin_states(loop) -> dict[str, Any]:
@@ -106,11 +201,31 @@ def plugin_states(loop) -> dict[str, Any]:
     out = {}
     for name, plugin in loop.plugins.pm.list_name_plugin():
         if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
-            out[name] = plugin.state_dict()
+            try:
+                state = plugin.state_dict()
+                json.dumps(state)
+            except Exception as e:
+                raise PluginError(
+                    f"Plugin {name!r} failed in state_dict() while a checkpoint was being saved: "
+                    f"{type(e).__name__}: {e}. state_dict() must return JSON-serialisable data. "
+                    "The previous checkpoints are untouched."
+                ) from e
+            out[name] = state
     return out
 
 
+def _write_manifest(directory: Path) -> None:
+    files = {p.relative_to(directory).as_posix(): p.stat().st_size
+             for p in sorted(directory.rglob("*")) if p.is_file()}
+    path = directory / MANIFEST
+    with open(path, "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_checkpoint(loop) -> Path:
+    """Write ``output_dir/checkpoint-{global_step}`` atomically; rotate; fire ``on_save``."""
     s, backend = loop.state, loop.backend
     output_dir = Path(loop.args.output_dir)
     final = output_dir / f"{PREFIX}{s.global_step}"
@@ -123,89 +238,182 @@ def save_checkpoint(loop) -> Path:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     backend.wait_for_everyone()
-    if backend.is_main_process:
-        save_weights(state_dict, tmp)
-        torch.save(loop.scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "loop_state.json").write_text(json.dumps(s.to_dict(), indent=1))
-        (tmp / "plugins.json").write_text(json.dumps(plugin_states(loop), indent=1))
-        loop.config.write(tmp / "config.toml")
-    backend.save_training_state(loop.optimizer, tmp)
-    torch.save(rng_state(), tmp / f"rng_state_{backend.process_index}.pth")
+    try:
+        if backend.is_main_process:
+            save_weights(state_dict, tmp, loop.args.save_max_shard_size, backend.unwrap_model(loop.model))
+            torch.save(loop.scheduler.state_dict(), tmp / "scheduler.pt")
+            loop.config.write(tmp / "config.toml")
+        backend.save_training_state(loop.optimizer, tmp)
+        torch.save(rng_state(), tmp / f"rng_state_{backend.process_index}.pth")
+        if backend.is_main_process:
+            (tmp / "plugins.json").write_text(json.dumps(plugin_states(loop), indent=1))
+            (tmp / "loop_state.json").write_text(json.dumps(s.to_dict(), indent=1))
+    except BaseException:
+        if backend.is_main_process:  # never leave half a checkpoint behind (it is never listed anyway)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     backend.wait_for_everyone()
     if backend.is_main_process:
         _fsync_tree(tmp)
+        _write_manifest(tmp)
+        _fsync_dir(tmp)
         if final.exists():  # the same step saved again (e.g. at the end): replace it whole
             old = output_dir / f".old-{PREFIX}{s.global_step}"
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        rotate_checkpoints(loop, output_dir)
+        _fsync_dir(output_dir)
+        rotate_checkpoints(loop, output_dir, keep=final)
     backend.wait_for_everyone()
     loop._fire("on_save", checkpoint_dir=final)
     return final
 
 
-def rotate_checkpoints(loop, output_dir: Path) -> None:
-    """Keep ``save_total_limit`` checkpoints, never deleting the best nor the latest."""
+def rotate_checkpoints(loop, output_dir: Path, keep: Path | None = None) -> list[Path]:
+    """Keep ``save_total_limit`` checkpoints, oldest deleted first, never the best one, the
+    newest one nor ``keep`` (the one just written). Returns the deleted folders."""
     limit = loop.args.save_total_limit
     if not limit:
-        return
+        return []
     found = list_checkpoints(output_dir)
+    protected = {found[-1].name} if found else set()
+    if keep is not None:
+        protected.add(keep.name)
     best = loop.state.best_model_checkpoint
-    keep = {found[-1]} if found else set()
     if best:
-        keep.add(Path(best))
-    removable = [p for p in found if p not in keep]
-    excess = len(found) - max(limit, len(keep))
-    for path in removable[: max(0, excess)]:
+        protected.add(Path(best).name)
+    removable = [p for p in found if p.name not in protected]
+    excess = len(found) - max(limit, len(found) - len(removable))
+    deleted = removable[: max(0, excess)]
+    for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
+    return deleted
 
 
 def save_model(loop, directory: Path) -> None:
-    """The final (or best) model: ``directory/model.safetensors``."""
+    """The final (or best) model: ``directory/model.safetensors`` (sharded above the limit)."""
     state_dict = loop.backend.model_state_dict(loop.model)
     if loop.backend.is_main_process:
         directory.mkdir(parents=True, exist_ok=True)
-        save_weights(state_dict, directory)
+        for old in directory.glob("model-*-of-*.safetensors"):  # shards of an earlier save
+            old.unlink()
+        save_weights(state_dict, directory, loop.args.save_max_shard_size,
+                     loop.backend.unwrap_model(loop.model))
+        sharded = any(directory.glob("model-*-of-*.safetensors"))
+        stale = directory / (WEIGHTS if sharded else WEIGHTS_INDEX)
+        if stale.exists():  # left by an earlier save of the other layout: it would shadow this one
+            stale.unlink()
     loop.backend.wait_for_everyone()
 
 
 # -- reading ------------------------------------------------------------------------------------
 
 
-def load_weights(loop, directory: Path) -> None:
+def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"Checkpoint file {str(index)!r} is unreadable (truncated or corrupt?): {e}."
+            ) from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(
+                    f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing."
+                )
+        return files, weight_map
+    path = directory / WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(
+            f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX})."
+        )
+    return [path], None
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors model in ``directory``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = directory / WEIGHTS
-    if not path.is_file():
-        raise CheckpointError(f"Checkpoint {str(directory)!r} has no {WEIGHTS}.")
-    try:
-        loaded = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{str(path)!r} is unreadable (truncated or corrupt?): {e}") from None
-    model = loop.backend.unwrap_model(loop.model)
+    files, _ = _weight_files(directory)
+    loaded: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            loaded.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}."
+            ) from None
+    return loaded
+
+
+def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from the safetensors headers only (no tensor data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    files, _ = _weight_files(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for k in f.keys():
+                    shapes[k] = tuple(f.get_slice(k).get_shape())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}."
+            ) from None
+    return shapes
+
+
+def _aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Key -> other keys sharing its storage (tied weights, which save_pretrained drops)."""
+    by_ptr: dict[tuple[int, int], list[str]] = {}
+    for k, v in state_dict.items():
+        if v.numel():
+            by_ptr.setdefault((v.untyped_storage().data_ptr(), v.storage_offset()), []).append(k)
+    return {k: [o for o in group if o != k] for group in by_ptr.values() if len(group) > 1 for k in group}
+
+
+def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], where: str) -> list[str]:
+    """Raise a CheckpointError naming every mismatch; returns keys to fill from their alias."""
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(loaded))
-    unexpected = sorted(set(loaded) - set(expected))
+    aliases = _aliases(expected)
+    fill = [k for k in expected if k not in found and any(a in found for a in aliases.get(k, ()))]
+    missing = sorted(set(expected) - set(found) - set(fill))
+    unexpected = sorted(set(found) - set(expected))
     wrong = [
-        f"{k}: checkpoint {tuple(loaded[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in expected if k in loaded and loaded[k].shape != expected[k].shape
+        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k].shape)}"
+        for k in expected if k in found and tuple(found[k]) != tuple(expected[k].shape)
     ]
     if missing or unexpected or wrong:
         parts = []
         if wrong:
-            parts.append("shape mismatch: " + "; ".join(wrong[:5]))
+            parts.append(f"{len(wrong)} shape mismatches: " + "; ".join(wrong[:5]))
         if missing:
             parts.append(f"missing from the checkpoint: {missing[:5]}")
         if unexpected:
             parts.append(f"not in the model: {unexpected[:5]}")
         raise CheckpointError(
-            f"Checkpoint {str(path)!r} does not match the model ({', '.join(parts)}). Was it "
-            "saved from another model config?"
+            f"Checkpoint {where!r} does not match the model ({', '.join(parts)}). It was saved from "
+            "another model (config); resume with the model config it was trained with, or start a "
+            "new run in another train.output_dir."
         )
+    return fill
+
+
+def load_weights(loop, directory: Path) -> None:
+    model = loop.backend.unwrap_model(loop.model)
+    loaded = read_weights(directory)
+    fill = check_shapes(model, {k: tuple(v.shape) for k, v in loaded.items()}, str(directory))
+    aliases = _aliases(model.state_dict())
+    for k in fill:  # tied weights: the saved twin holds the values
+        loaded[k] = loaded[next(a for a in aliases[k] if a in loaded)]
     loop.backend.load_model_state_dict(loop.model, loaded)
 
 
@@ -219,7 +427,7 @@ def _read(path: Path, what: str):
     try:
         if path.suffix == ".json":
             return json.loads(path.read_text())
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} ({what}) is unreadable (truncated or corrupt?): "
@@ -227,23 +435,76 @@ def _read(path: Path, what: str):
         ) from None
 
 
+def verify(loop, directory: Path) -> dict[str, Any]:
+    """Check a checkpoint before anything is changed: every file of its manifest present with
+    its size, the same model config, matching weight names and shapes. Returns its loop state."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"Checkpoint {str(directory)!r} is incomplete: it has no {MANIFEST} (written last by "
+            "every complete save). Resume from an earlier checkpoint."
+        )
+    manifest = _read(manifest_path, "list of files")
+    for name, size in manifest.get("files", {}).items():
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"Checkpoint file {str(path)!r} is missing (listed in {MANIFEST}).")
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"Checkpoint file {str(path)!r} is {actual} bytes, but {size} were written: it was "
+                "truncated or changed after the save. Resume from another checkpoint."
+            )
+    state = _read(directory / "loop_state.json", "loop state")
+    _check_same_model_config(loop, directory)
+    model = loop.backend.unwrap_model(loop.model) if loop.backend else loop.model
+    check_shapes(model, _weight_shapes(directory), str(directory))
+    return state
+
+
+def _check_same_model_config(loop, directory: Path) -> None:
+    """An output_dir of another run: its [model] section differs from this config's."""
+    path = directory / "config.toml"
+    if not path.is_file() or not loop.config.model.factory:
+        return
+    import tomllib
+
+    try:
+        saved = tomllib.loads(path.read_text()).get("model", {})
+    except tomllib.TOMLDecodeError as e:
+        raise CheckpointError(f"Checkpoint file {str(path)!r} is unreadable: {e}.") from None
+    mine = {"factory": loop.config.model.factory, "args": loop.config.model.args}
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
+             for k, v in mine.items() if saved.get(k, {} if k == "args" else None) != v]
+    if diffs:
+        raise CheckpointError(
+            f"Checkpoint {str(directory)!r} belongs to a different run ({'; '.join(diffs)}). Resume "
+            "with the config it was trained with, or choose another train.output_dir."
+        )
+
+
 def load_checkpoint(loop, directory: Path) -> None:
     """Restore model, optimizer, scheduler, RNG, loop and plugin state from ``directory``."""
     backend, s = loop.backend, loop.state
-    state = _read(directory / "loop_state.json", "loop state")
+    state = verify(loop, directory)
     plugins = _read(directory / "plugins.json", "plugin states")
     scheduler = _read(directory / "scheduler.pt", "scheduler state")
+    rng_path = directory / f"rng_state_{backend.process_index}.pth"
+    rng = _read(rng_path, "RNG state") if rng_path.exists() or state.get("world_size", 1) == s.world_size else None
+    _warn_if_not_exact(loop, state)
     load_weights(loop, directory)
     try:
         backend.load_training_state(loop.optimizer, directory)
     except FileNotFoundError as e:
         raise CheckpointError(f"Checkpoint {str(directory)!r}: missing optimizer state ({e}).") from None
-    except (RuntimeError, ValueError, EOFError) as e:
-        raise CheckpointError(f"Checkpoint {str(directory)!r}: unreadable optimizer state: {e}") from None
+    except (RuntimeError, ValueError, EOFError, KeyError) as e:
+        raise CheckpointError(
+            f"Checkpoint {str(directory)!r}: unreadable optimizer state (truncated, or from another "
+            f"optimizer?): {type(e).__name__}: {e}"
+        ) from None
     loop.scheduler.load_state_dict(scheduler)
-    rng_path = directory / f"rng_state_{backend.process_index}.pth"
-    if rng_path.exists():
-        set_rng_state(_read(rng_path, "RNG state"))
+    if rng is not None:
+        set_rng_state(rng)
     restored = LoopState.from_dict(state)
     for key in ("global_step", "epoch", "step_in_epoch", "micro_batches_in_epoch", "log_history",
                 "best_metric", "best_global_step", "best_model_checkpoint",
@@ -252,5 +513,30 @@ def load_checkpoint(loop, directory: Path) -> None:
     s.plugin_states = plugins
     for name, plugin in loop.plugins.pm.list_name_plugin():
         if name in plugins and callable(getattr(plugin, "load_state_dict", None)):
-            plugin.load_state_dict(plugins[name])
+            try:
+                plugin.load_state_dict(plugins[name])
+            except Exception as e:
+                raise PluginError(
+                    f"Plugin {name!r} failed in load_state_dict() restoring {str(directory)!r}: "
+                    f"{type(e).__name__}: {e}."
+                ) from e
     loop._fire("on_load_checkpoint", checkpoint_dir=directory)
+
+
+def _warn_if_not_exact(loop, state: dict[str, Any]) -> None:
+    """A resume with another batch geometry continues, but cannot repeat the same batches."""
+    s = loop.state
+    changed = [
+        f"{k} {state[k]} -> {v}" for k, v in (
+            ("world_size", s.world_size), ("train_batch_size", s.train_batch_size),
+            ("gradient_accumulation_steps", s.gradient_accumulation_steps),
+        ) if k in state and state[k] != v
+    ]
+    if changed:
+        import warnings
+
+        warnings.warn(
+            f"Resuming with a different batch geometry ({', '.join(changed)}): training continues "
+            "from the checkpoint, but not with the batches an uninterrupted run would have seen.",
+            stacklevel=3,
+        )

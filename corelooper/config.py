@@ -41,6 +41,8 @@ class DataConfig:
     """``module:callable`` returning the training dataset."""
     eval: str | None = None
     """``module:callable`` returning the evaluation dataset."""
+    test: str | None = None
+    """``module:callable`` returning the dataset of ``corelooper predict`` (default: ``eval``)."""
     collator: str | None = None
     """Optional ``module:callable`` turning a list of samples into a batch."""
     args: dict = field(default_factory=dict)
@@ -77,7 +79,23 @@ class TrainArgs:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial",
+        "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay", "reduce_lr_on_plateau",
+    ] = "linear"
+    lr_scheduler_kwargs: dict = field(default_factory=dict)
+    """Options of the schedule, e.g. ``{ num_cycles = 2 }`` (corelooper/schedules.py)."""
+    optim: str = "adamw_torch"
+    """adamw_torch, adamw_torch_fused, sgd, adafactor, rmsprop, adagrad, or a plugin's name."""
+    optim_args: str | dict | None = None
+    """Optimizer options: HF's ``"momentum=0.9,nesterov=True"`` or a table."""
+    lr_multipliers: dict = field(default_factory=dict)
+    """``{ "regex" = factor }``: LR times factor for parameters whose name matches (first wins)."""
+    label_smoothing_factor: float = 0.0
+    eval_accumulation_steps: int | None = None
+    """Move evaluation/prediction outputs to the CPU every N batches (default: at the end)."""
+    ignore_data_skip: bool = False
+    """On resume, do not restore/skip the data position: start the data from the beginning."""
     warmup_steps: float = 0
     """An int number of steps, or a float < 1 read as a ratio of the run."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
@@ -92,6 +110,9 @@ class TrainArgs:
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
     save_steps: int = 500
     save_total_limit: int | None = None
+    save_max_shard_size: int | str = "5GB"
+    """Weights above this size are split into ``model-0000k-of-0000n.safetensors`` shards plus
+    ``model.safetensors.index.json`` (as HF ``save_pretrained``): bytes, or "5GB", "500MiB"."""
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
@@ -101,6 +122,17 @@ class TrainArgs:
     """A checkpoint folder, or "latest" for the newest complete one in output_dir."""
     disable_tqdm: bool = False
     use_cpu: bool = False
+    # Language-model options (corelooper/collators.py, model_options.py, throughput.py).
+    group_by_length: bool = False
+    """Batch samples of similar length together (seeded, resumable), as HF."""
+    length_column_name: str = "length"
+    remove_unused_columns: bool = True
+    """Do not pass batch columns the model's forward does not accept (logged once)."""
+    gradient_checkpointing: bool = False
+    torch_compile: bool = False
+    tf32: bool | None = None
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16): logs ``mfu`` when set."""
 
 
 @dataclass
@@ -309,6 +341,17 @@ def check_train_args(a: TrainArgs) -> None:
                 f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
                 f"multiple of train.eval_steps ({a.eval_steps or a.logging_steps})."
             )
+    if a.lr_scheduler_type == "reduce_lr_on_plateau":
+        if a.eval_strategy == "no":
+            raise ConfigError(
+                "train.lr_scheduler_type = 'reduce_lr_on_plateau' is driven by the evaluation metric: "
+                "set train.eval_strategy to 'steps' or 'epoch' (and give eval data)."
+            )
+        needs_metric = True
+    if not 0.0 <= a.label_smoothing_factor < 1.0:
+        raise ConfigError(f"train.label_smoothing_factor must be in [0, 1), got {a.label_smoothing_factor!r}.")
+    if a.eval_accumulation_steps is not None and a.eval_accumulation_steps < 1:
+        raise ConfigError(f"train.eval_accumulation_steps must be >= 1 (or unset), got {a.eval_accumulation_steps}.")
     if needs_metric and a.metric_for_best_model is None:
         a.metric_for_best_model = "loss"
     if a.metric_for_best_model is not None and a.greater_is_better is None:

@@ -48,6 +48,7 @@ class BatchLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         contiguous: bool = False,
+        lengths: Sequence[int] | None = None,
     ):
         self.dataset = dataset
         self.batch_size = batch_size
@@ -60,6 +61,9 @@ class BatchLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.contiguous = contiguous
+        self.lengths = lengths
+        """Per-sample lengths: when given (``group_by_length``), each global batch holds samples
+        of similar length (``collators.length_grouped_order``; still seeded per epoch)."""
         self.epoch = 0
         self._skip = 0
         self._fast_tensors = (
@@ -76,7 +80,13 @@ class BatchLoader:
 
     def batch_indices(self) -> list[list[int]]:
         n = len(self.dataset)
-        order = epoch_permutation(n, self.seed, self.epoch, self.shuffle)
+        if self.lengths is not None and self.shuffle and not self.contiguous:
+            from .collators import length_grouped_order
+
+            order = length_grouped_order(self.lengths, self.batch_size * self.num_replicas,
+                                         self.seed, self.epoch)
+        else:
+            order = epoch_permutation(n, self.seed, self.epoch, self.shuffle)
         B, W, r = self.batch_size, self.num_replicas, self.rank
         if self.contiguous:
             per_rank = math.ceil(n / W)
@@ -126,6 +136,9 @@ class BatchLoader:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=False,
+            # Its own generator: workers' seeds would otherwise be drawn from the global RNG,
+            # which a resume restores *after* this point in the epoch (dropout would diverge).
+            generator=torch.Generator().manual_seed(self.seed + self.epoch),
         )
         return iter(loader)
 

@@ -14,6 +14,7 @@ Two kinds of hooks:
 Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
 
     on_init_end                      (once, when the Loop is constructed)
+    [on_load_checkpoint]             (when resuming: after everything was restored)
     on_train_begin
       on_epoch_begin
         on_step_begin                (first micro-batch of an optimizer step)
@@ -24,7 +25,9 @@ Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
         on_step_end                  (state.global_step already incremented)
         [on_log] [on_prediction_step... on_evaluate] [on_save]   (as control asks)
       on_epoch_end
-      [on_log] [on_evaluate] [on_save]                           (epoch strategies)
+      [on_prediction_step... on_evaluate] [on_save]             (epoch strategies)
+    [on_log]                         (the last logging window, if not logged yet)
+    on_log                           (the run summary: train_runtime, train_loss, ...)
     on_train_end
     on_exception                     (instead of the rest, when anything raises)
 """
@@ -66,7 +69,7 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]] | None:
 def create_backend(loop):
     """Return the backend that runs the model on the hardware.
 
-    Called once at the start of ``train()``/``evaluate()``/``predict()``. The builtin returns
+    Called once, when the ``Loop`` is constructed (before ``on_init_end``). The builtin returns
     ``corelooper.backend.AccelerateBackend``; FSDP and DeepSpeed plugins return their own. A
     backend follows the ``corelooper.backend.Backend`` protocol (prepare, backward, no_sync,
     clip_grad_norm, reduce, save/load of model and optimizer state).
@@ -201,7 +204,11 @@ def on_log(loop, state, control, logs: dict) -> None:
 
 @hookspec
 def on_evaluate(loop, state, control, metrics: dict) -> None:
-    """After an evaluation; ``metrics`` has ``eval_loss`` and the ``eval_``-prefixed metrics."""
+    """After an evaluation; ``metrics`` has ``eval_loss`` and the ``eval_``-prefixed metrics.
+
+    Fires on every process (the metrics are already reduced over processes), so a plugin that
+    sets ``control`` from them decides the same everywhere; one that writes logs checks
+    ``state.is_world_process_zero``."""
 
 
 @hookspec

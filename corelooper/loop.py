@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, preemption
 from .config import Config, TrainArgs, import_object
 from .data import count_input_tokens, count_loss_items, resolve_loss_type
 from .errors import CorelooperError, DataError, PluginError, TrainingError
 from .losses import forward_signature, logits_of, split_batch
 from .plugins import load_plugins
+from .preemption import Preemption
 from .seeding import set_seed
 from .state import Control, LoopState
 
@@ -75,6 +76,7 @@ class Loop:
         self.loss_type = self.args.loss_type
         self.num_micro_batches = 1
         self._events = {}
+        self._setup_backend()  # as HF's Trainer creates its Accelerator: distributed facts known early
         self._fire("on_init_end")
 
     # -- building from the config ---------------------------------------------------------------
@@ -160,6 +162,9 @@ class Loop:
         s.train_batch_size = a.per_device_train_batch_size
         s.gradient_accumulation_steps = a.gradient_accumulation_steps
 
+        from .model_options import apply_model_options
+
+        self.model = apply_model_options(self, self.model)
         optimizer = self.hook.create_optimizer(loop=self, model=self.model)
         self.scheduler = self.hook.create_scheduler(
             loop=self, optimizer=optimizer, num_training_steps=s.max_steps
@@ -178,21 +183,28 @@ class Loop:
         one in ``output_dir``.
         """
         a, s = self.args, self.state
+        self._preemption = Preemption().install()  # SIGTERM/SIGINT: finish the step, save, stop
         try:
-            set_seed(a.seed)
-            loader = self._setup_train()
-            resume = resume_from_checkpoint or a.resume_from_checkpoint
-            output_dir = Path(a.output_dir)
-            if self.backend.is_main_process:
-                checkpoint.prepare_output_dir(self, output_dir, resuming=bool(resume))
-            if resume:
-                checkpoint.load_checkpoint(self, checkpoint.resolve(resume, output_dir))
-            self._fire("on_train_begin")
-            self._train_loop(loader)
-        except BaseException as exc:
-            self._fire_exception(exc)
-            raise self._explain(exc) from exc
-        self._fire("on_train_end")
+            try:
+                set_seed(a.seed)
+                loader = self._setup_train()
+                resume = resume_from_checkpoint or a.resume_from_checkpoint
+                output_dir = Path(a.output_dir)
+                resume_dir = checkpoint.resolve(resume, output_dir) if resume else None
+                if resume_dir is not None:
+                    checkpoint.verify(self, resume_dir)  # a bad checkpoint fails before anything changes
+                if self.backend.is_main_process:
+                    checkpoint.prepare_output_dir(self, output_dir, resuming=bool(resume))
+                if resume_dir is not None:
+                    checkpoint.load_checkpoint(self, resume_dir)
+                self._fire("on_train_begin")
+                self._train_loop(loader)
+            except BaseException as exc:
+                self._fire_exception(exc)
+                raise self._explain(exc) from exc
+            self._fire("on_train_end")
+        finally:
+            self._preemption.restore()
         return s
 
     def _train_loop(self, loader) -> None:
@@ -235,6 +247,8 @@ class Loop:
                 s.num_input_tokens_seen += n_tokens
 
                 self._fire("on_step_end")
+                if self._preemption.requested(self.backend):
+                    preemption.stop(self)
                 if control.should_log:
                     logs = self._window_logs(window_loss, window_steps, grad_norm, window_start,
                                              window_samples, window_tokens)
@@ -245,7 +259,10 @@ class Loop:
                 self._evaluate_and_save()
                 if control.should_epoch_stop or control.should_training_stop:
                     break
-            s.step_in_epoch, s.micro_batches_in_epoch = 0, 0
+            if s.preempted:
+                break  # the epoch did not end: its checkpoint must resume mid-epoch
+            if not (control.should_training_stop and s.step_in_epoch < s.steps_per_epoch):
+                s.step_in_epoch, s.micro_batches_in_epoch = 0, 0  # kept when stopped mid-epoch
             s.epoch = float(epoch + 1) if not control.should_training_stop else s.epoch
             control.should_epoch_stop = False
             self._fire("on_epoch_end")
@@ -253,6 +270,8 @@ class Loop:
             if control.should_training_stop:
                 break
 
+        if s.preempted:
+            return  # checkpoint written; the run is not finished, so no final model
         if window_steps:
             self.log(self._window_logs(window_loss, window_steps, grad_norm, window_start,
                                        window_samples, window_tokens))
@@ -308,8 +327,8 @@ class Loop:
         self._fire("on_optimizer_step", optimizer=optimizer)
         self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if backend.num_processes > 1 and not self._loss_is_mean:
-            step_loss = step_loss / backend.num_processes
+        # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
+        # ranks (reduce_mean when logging) is the global loss, as in one process.
         return step_loss, grad_norm
 
     def _num_items_in_batch(self, micro_batches: list):
@@ -334,6 +353,13 @@ class Loop:
         logs["samples_per_second"] = round(samples / elapsed, 2)
         if tokens:
             logs["tokens_per_second"] = round(tokens / elapsed, 2)
+            if getattr(self, "_throughput", None) is None:
+                from .throughput import ThroughputMeter
+
+                self._throughput = ThroughputMeter(
+                    self.backend.unwrap_model(self.model), self.args.peak_flops, self.state.world_size
+                )
+            logs.update(self._throughput.logs(tokens, samples, elapsed, self.state.num_input_tokens_seen))
         return logs
 
     def log(self, logs: dict) -> None:
@@ -349,6 +375,8 @@ class Loop:
         if control.should_evaluate:
             control.should_evaluate = False
             metrics = self.evaluate()
+            if hasattr(self.scheduler, "step_on_metrics"):  # reduce_lr_on_plateau, on every rank
+                self.scheduler.step_on_metrics(metrics)
             if self._is_new_best(metrics) and a.save_strategy == "best":
                 control.should_save = True
         if control.should_save:
@@ -399,8 +427,9 @@ class Loop:
         metrics, _, _ = self._run_eval(dataset, metric_key_prefix)
         s = self.state
         s.log_history.append({**metrics, "epoch": round(s.epoch, 4), "step": s.global_step})
-        if s.is_world_process_zero:
-            self._fire("on_evaluate", metrics=metrics)
+        # Every process, as in HF: early stopping must decide the same on all ranks; loggers
+        # check state.is_world_process_zero.
+        self._fire("on_evaluate", metrics=metrics)
         return metrics
 
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
@@ -429,14 +458,21 @@ class Loop:
                 self.loss_type = resolve_loss_type(batch)
             n = count_loss_items(batch, self.loss_type)
             has_labels = split_batch(batch)[2] is not None
+            outputs = None
             if has_labels:
-                loss, outputs = self.hook.compute_loss(
+                result = self.hook.compute_loss(
                     loop=self, model=model, batch=batch, num_items_in_batch=n, return_outputs=True
                 )
+                # a provider may ignore return_outputs and give the loss alone
+                loss, outputs = result if isinstance(result, tuple) else (result, None)
                 loss_sum += loss.detach().double() * n
                 items += n
-            else:
+            if outputs is None and (want_outputs or not has_labels):
                 args, kwargs, _ = split_batch(batch)
+                if kwargs:
+                    from .collators import model_inputs
+
+                    kwargs = model_inputs(self, kwargs)
                 outputs = model(*args, **kwargs)
             if want_outputs:
                 preds.append(logits_of(outputs).detach().float().cpu())
@@ -449,6 +485,8 @@ class Loop:
         metrics = {}
         if items.item() > 0:
             metrics[f"{prefix}_loss"] = round((loss_sum / items).item(), 6)
+            if self.loss_type == "causal_lm":  # perplexity of the token-weighted mean loss
+                metrics[f"{prefix}_perplexity"] = round(math.exp(min(metrics[f"{prefix}_loss"], 700)), 4)
         predictions = label_ids = None
         if want_outputs and preds:
             predictions = backend.gather(torch.cat(preds).to(backend.device)).cpu()

@@ -59,8 +59,14 @@ def logits_of(outputs):
     return logits
 
 
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor, loss_type: str) -> torch.Tensor:
-    """Sum (not mean) of the item losses, so the caller can normalise over a whole step."""
+def summed_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_type: str, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """Sum (not mean) of the item losses, so the caller can normalise over a whole step.
+
+    ``label_smoothing`` (HF's ``label_smoothing_factor``): each item's loss is
+    ``(1 - eps) * nll + eps * mean over classes of -log p``, as HF's ``LabelSmoother``.
+    """
     if loss_type == "mse":
         return F.mse_loss(logits.float().view_as(labels), labels.float(), reduction="sum")
     if loss_type == "causal_lm":
@@ -71,12 +77,19 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor, loss_type: str) -> t
         labels.reshape(-1).long(),
         ignore_index=-100,
         reduction="sum",
+        label_smoothing=label_smoothing,
     )
 
 
 def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     sig = loop.forward_signature
-    if sig.accepts_labels and isinstance(batch, Mapping) and "labels" in batch:
+    if isinstance(batch, Mapping):
+        from .collators import model_inputs
+
+        batch = model_inputs(loop, batch)  # drop columns forward() does not take (logged once)
+    smoothing = getattr(loop.args, "label_smoothing_factor", 0.0) if loop.loss_type != "mse" else 0.0
+    # With label smoothing the loss is computed here from the logits, as HF's LabelSmoother does.
+    if sig.accepts_labels and isinstance(batch, Mapping) and "labels" in batch and not smoothing:
         kwargs = dict(batch)
         if sig.accepts_loss_kwargs and num_items_in_batch is not None:
             kwargs["num_items_in_batch"] = num_items_in_batch
@@ -97,7 +110,7 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
             "the compute_loss hook in a plugin."
         )
     logits = logits_of(outputs)
-    total = summed_loss(logits, labels, loop.loss_type)
+    total = summed_loss(logits, labels, loop.loss_type, smoothing)
     if num_items_in_batch is None:
         num_items_in_batch = (labels != -100).sum() if loop.loss_type != "mse" else labels.numel()
     loss = total / num_items_in_batch

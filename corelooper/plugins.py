@@ -89,7 +89,11 @@ class Plugins:
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as e:
-            raise PluginError(f"Plugin {name!r} is invalid: {e}") from None
+            detail = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            raise PluginError(
+                f"Plugin {name!r} is invalid: {detail}. See `corelooper hooks` for each hook's "
+                "arguments (an implementation may take any subset of them, by name)."
+            ) from None
         except ValueError as e:
             raise PluginError(f"Plugin {name!r} could not be registered: {e}") from None
         self._check_names(plugin, name)

@@ -24,7 +24,9 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # as a tensor, not an ndarray: checkpoints load with torch.load(weights_only=True)
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
     except ImportError:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -38,6 +40,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, *rest = state["numpy"]
+        keys = keys.numpy() if torch.is_tensor(keys) else np.asarray(keys)
+        np.random.set_state((kind, keys.astype("uint32"), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,163 @@
+"""corelooper-tensorboard: TensorBoard event files for every corelooper run.
+
+Active as soon as it is installed (local files, cheap): training loss, learning rate, gradient
+norm, throughput and every evaluation metric, each at its ``global_step``, with HF's tag names
+(``train/loss``, ``eval/accuracy``, ...), plus the resolved config as text and as hparams.
+``[tensorboard] enabled = false`` or ``-p no:tensorboard`` turns it off for a project.
+Only the main process writes. ``torch.utils.tensorboard`` is imported when training starts.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from pathlib import Path
+from typing import Any
+
+__version__ = "0.1.0"
+
+SECTION = "tensorboard"
+DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "log_dir": "",  # empty: <output_dir>/tensorboard
+    "log_hparams": True,
+    "flush_secs": 120,
+}
+
+
+def tag(key: str) -> str:
+    """HF's ``rewrite_logs``: ``eval_loss`` -> ``eval/loss``, ``test_x`` -> ``test/x``, else ``train/``."""
+    for prefix in ("eval", "test"):
+        if key.startswith(prefix + "_"):
+            return f"{prefix}/{key[len(prefix) + 1:]}"
+    return f"train/{key}"
+
+
+def scalars(values: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a logs/metrics dict, under their TensorBoard tags."""
+    out = {}
+    for k, v in values.items():
+        if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+            v = v.item()
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[tag(k)] = float(v)
+    return out
+
+
+def flat_hparams(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``{"train": {"learning_rate": 3e-4}}`` -> ``{"train.learning_rate": 3e-4}``; values that are not
+    TensorBoard hparam types (lists, tables) become strings, unset ones are left out."""
+    out: dict[str, Any] = {}
+    for section, values in config.items():
+        for k, v in values.items():
+            if isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
+                out[f"{section}.{k}"] = v
+            elif v is not None:
+                out[f"{section}.{k}"] = str(v)
+    return out
+
+
+class TensorBoardLogger:
+    """The plugin object (the entry point names the instance ``plugin`` below)."""
+
+    name = SECTION
+
+    def __init__(self) -> None:
+        self._writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> writer
+        self._training: weakref.WeakSet = weakref.WeakSet()
+
+    # -- config --------------------------------------------------------------------------------
+    def corelooper_config_sections(self) -> dict[str, dict[str, Any]]:
+        return {SECTION: dict(DEFAULTS)}
+
+    def inactive_reason(self, config) -> str | None:
+        """Why this plugin does nothing for ``config`` (``None``: it is active)."""
+        if not {**DEFAULTS, **config.sections.get(SECTION, {})}["enabled"]:
+            return "[tensorboard] enabled = false"
+        return None
+
+    def log_dir(self, loop) -> Path:
+        configured = loop.config.section(SECTION).get("log_dir") or ""
+        return Path(configured) if configured else Path(loop.args.output_dir) / "tensorboard"
+
+    def _writer(self, loop, state, purge_step: int | None = None):
+        if not state.is_world_process_zero or self.inactive_reason(loop.config):
+            return None
+        writer = self._writers.get(loop)
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # ~1 s: only when needed
+
+            cfg = loop.config.section(SECTION)
+            writer = SummaryWriter(
+                log_dir=str(self.log_dir(loop)), purge_step=purge_step,
+                flush_secs=int(cfg.get("flush_secs", DEFAULTS["flush_secs"])),
+            )
+            self._writers[loop] = writer
+        return writer
+
+    # -- events --------------------------------------------------------------------------------
+    def on_train_begin(self, loop, state) -> None:
+        # On resume, events a killed run wrote after the checkpoint's step are hidden (purge_step).
+        purge = state.global_step + 1 if state.global_step > 0 else None
+        self._close(loop)
+        writer = self._writer(loop, state, purge_step=purge)
+        if writer is None:
+            return
+        self._training.add(loop)
+        from corelooper.config import dumps_toml
+
+        resolved = loop.config.to_dict()
+        text = "\n".join("    " + line for line in dumps_toml(resolved).splitlines())
+        writer.add_text("config", text, state.global_step)
+        if loop.config.section(SECTION).get("log_hparams", True):
+            self._write_hparams(writer, loop, resolved)
+
+    def _write_hparams(self, writer, loop, resolved: dict) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        metrics = {"train/loss": 0.0}
+        if loop.args.eval_strategy != "no":
+            metrics["eval/loss"] = 0.0
+        # In this run's own event file (add_hparams would open a second run in a sub-folder).
+        file_writer = writer._get_file_writer()
+        for summary in hparams(flat_hparams(resolved), metrics):
+            file_writer.add_summary(summary)
+
+    def on_log(self, loop, state, logs) -> None:
+        self._write(loop, state, logs)
+
+    def on_evaluate(self, loop, state, metrics) -> None:
+        self._write(loop, state, metrics, flush=True)
+
+    def on_predict(self, loop, state, metrics) -> None:
+        self._write(loop, state, metrics, flush=True)
+
+    def _write(self, loop, state, values: dict, flush: bool = False) -> None:
+        writer = self._writer(loop, state)
+        if writer is None:
+            return
+        for name, value in scalars(values).items():
+            writer.add_scalar(name, value, state.global_step)
+        if flush or loop not in self._training:  # outside train(): nobody will close it
+            writer.flush()
+
+    def on_save(self, loop) -> None:
+        # A checkpoint and the curves up to it reach the disk together.
+        writer = self._writers.get(loop)
+        if writer is not None:
+            writer.flush()
+
+    def on_train_end(self, loop) -> None:
+        self._close(loop)  # also after a preemption (state.preempted)
+
+    def on_exception(self, loop) -> None:
+        self._close(loop)
+
+    def _close(self, loop) -> None:
+        self._training.discard(loop)
+        writer = self._writers.pop(loop, None)
+        if writer is not None:
+            writer.close()
+
+
+plugin = TensorBoardLogger()
