@@ -154,14 +154,13 @@ def plugins(
 ) -> None:
     """List plugins: version, hooks, config keys, and which provider wins each provider hook."""
     try:
+        from corelooper.config import Config
         from corelooper.hookspecs import PROVIDERS
         from corelooper.plugins import load_plugins
 
         blocked, local = split_plugin_options(p)
         cfg = load_config(config, set_, local) if config else None
         if cfg is None and local:
-            from corelooper.config import Config
-
             cfg = Config()
             cfg.plugins.local = local
         pl = load_plugins(cfg, blocked=blocked)
@@ -171,7 +170,11 @@ def plugins(
         for info in pl.info.values():
             version = f" {info.version}" if info.version else ""
             dist = f" ({info.dist}{version})" if info.dist else ""
-            typer.echo(f"  {info.name}{dist} [{info.kind}, active]")
+            # A loaded plugin may still do nothing for this config (wandb without [wandb], ...).
+            reason = getattr(info.plugin, "inactive_reason", None)
+            why = reason(cfg if cfg is not None else Config()) if callable(reason) else None
+            status = f"inactive for {'this' if cfg else 'an empty'} config: {why}" if why else "active"
+            typer.echo(f"  {info.name}{dist} [{info.kind}, {status}]")
             typer.echo(f"    hooks: {', '.join(info.hooks) or '-'}")
             for section, keys in info.sections.items():
                 shown = ", ".join(f"{k}={v!r}" for k, v in keys.items())
@@ -200,9 +203,120 @@ def hooks() -> None:
         opts = getattr(fn, "corelooper_spec", {}) or {}
         kind = "provider, firstresult" if opts.get("firstresult") else (
             "event" if name.startswith("on_") else "declaration")
-        sig = str(inspect.signature(fn)).split(" ->")[0]
+        sig = str(inspect.signature(fn)).split(" ->")[0].replace("'", "")  # postponed annotations
         typer.echo(f"{name}{sig}  [{kind}]")
         typer.echo("    " + inspect.getdoc(fn).replace("\n", "\n    ") + "\n")
+
+
+CheckpointOpt = Annotated[
+    str, typer.Option("--checkpoint", help="A checkpoint folder, an output_dir with model.safetensors, or 'latest'.")
+]
+
+
+@app.command()
+def predict(
+    config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+    checkpoint: CheckpointOpt,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="FILE.safetensors or FILE.jsonl (default: output_dir/predictions.safetensors).")
+    ] = None,
+    set_: SetOpt = None,
+    p: PluginOpt = None,
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Predict on data.test (else data.eval) with a checkpoint's weights; write the outputs in dataset order."""
+    try:
+        blocked, local = split_plugin_options(p)
+        from corelooper.predict import predict as run_predict
+
+        path, metrics, loop = run_predict(load_config(config, set_, local), checkpoint, output, blocked)
+        if loop.state.is_world_process_zero:
+            import json
+
+            typer.echo(f"predictions written to {path}")
+            if metrics:
+                typer.echo(json.dumps(metrics))
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command("eval")
+def eval_(
+    config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+    checkpoint: CheckpointOpt,
+    set_: SetOpt = None,
+    p: PluginOpt = None,
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Evaluate a checkpoint's weights on data.eval; print the metrics as JSON."""
+    try:
+        blocked, local = split_plugin_options(p)
+        from corelooper.predict import evaluate
+
+        metrics, loop = evaluate(load_config(config, set_, local), checkpoint, blocked)
+        if loop.state.is_world_process_zero:
+            import json
+
+            typer.echo(json.dumps(metrics))
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command()
+def hpo(
+    config: Annotated[Path, typer.Argument(help="The TOML config file, with an [optuna] section.")],
+    trials: Annotated[int | None, typer.Option("--trials", "-n", help="Total trials of the study (default: optuna.n_trials).")] = None,
+    set_: SetOpt = None,
+    p: PluginOpt = None,
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Hyper-parameter search with Optuna (needs the corelooper-optuna plugin)."""
+    try:
+        try:
+            from corelooper_optuna.search import run_study
+        except ImportError as e:
+            from corelooper.errors import PluginError
+
+            raise PluginError(
+                f"`corelooper hpo` is provided by the corelooper-optuna plugin, which is not installed "
+                f"({e}). Install it: pip install corelooper-optuna (or pip install -e plugins/optuna)."
+            ) from None
+        blocked, local = split_plugin_options(p)
+        run_study(load_config(config, set_, local), trials=trials, blocked=blocked, echo=typer.echo)
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command()
+def plot(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run folders (output_dir) holding metrics.jsonl.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="The PNG to write (default: RUN_DIR/metrics.png).")] = None,
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Plot loss, learning rate, grad norm and eval metrics of one or more runs into a PNG."""
+    try:
+        from corelooper.plot import plot_runs
+
+        path = plot_runs(run_dirs, output)
+        typer.echo(f"plot written to {path}")
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command("new-plugin")
+def new_plugin(
+    name: Annotated[str, typer.Argument(help="The plugin's name: entry point and config section (e.g. grad_stats).")],
+    dir_: Annotated[Path | None, typer.Option("--dir", help="Where to write it (default: ./corelooper-NAME).")] = None,
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Write a working plugin package: pyproject with entry point, module, README, passing tests."""
+    try:
+        from corelooper.scaffold import write_plugin
+
+        path = write_plugin(name, dir_)
+        typer.echo(f"wrote {path}/\nnext: pip install -e {path} && pytest {path}")
+    except Exception as e:
+        fail(e, traceback_)
 
 
 def main() -> None:

@@ -41,6 +41,8 @@ def train_dataloader(loop, dataset):
     from .data import BatchLoader
 
     a = loop.args
+    if _is_iterable(dataset):
+        return _streaming_loader(loop, dataset, a.per_device_train_batch_size, cycle=True)
     return BatchLoader(
         dataset,
         a.per_device_train_batch_size,
@@ -56,6 +58,23 @@ def train_dataloader(loop, dataset):
     )
 
 
+def _is_iterable(dataset) -> bool:
+    from torch.utils.data import IterableDataset
+
+    return isinstance(dataset, IterableDataset)
+
+
+def _streaming_loader(loop, dataset, batch_size: int, cycle: bool):
+    from .streaming import StreamingLoader
+
+    a = loop.args
+    return StreamingLoader(
+        dataset, batch_size, loop.data_collator, rank=loop.backend.process_index,
+        num_replicas=loop.backend.num_processes, num_workers=a.dataloader_num_workers,
+        drop_last=a.dataloader_drop_last, pin_memory=loop.backend.device.type == "cuda", cycle=cycle,
+    )
+
+
 def _lengths(loop, dataset):
     from .collators import sample_lengths
 
@@ -67,6 +86,8 @@ def eval_dataloader(loop, dataset):
     from .data import BatchLoader
 
     a = loop.args
+    if _is_iterable(dataset):
+        return _streaming_loader(loop, dataset, a.per_device_eval_batch_size, cycle=False)
     return BatchLoader(
         dataset,
         a.per_device_eval_batch_size,

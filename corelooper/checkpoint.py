@@ -14,6 +14,7 @@ Contents of ``checkpoint-N/``::
     rng_state_{rank}.pth               python / numpy / torch CPU / CUDA RNG states, per process
     loop_state.json                    LoopState: global_step, epoch, position in the epoch, ...
     plugins.json                       state_dict() of every stateful plugin
+    data_state_{rank}.json             a streaming loader's position per shard (streaming.py)
     config.toml                        the resolved config (text, never a pickled object)
     manifest.json                      file -> size in bytes; written last
 """
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import streaming
 from .errors import CheckpointError, PluginError
 from .seeding import rng_state, set_rng_state
 from .state import LoopState
@@ -244,7 +246,8 @@ def save_checkpoint(loop) -> Path:
             torch.save(loop.scheduler.state_dict(), tmp / "scheduler.pt")
             loop.config.write(tmp / "config.toml")
         backend.save_training_state(loop.optimizer, tmp)
-        torch.save(rng_state(), tmp / f"rng_state_{backend.process_index}.pth")
+        torch.save(_process_state(loop), tmp / f"rng_state_{backend.process_index}.pth")
+        streaming.save_data_state(loop, tmp)  # data_state_{rank}.json: a streaming loader's position
         if backend.is_main_process:
             (tmp / "plugins.json").write_text(json.dumps(plugin_states(loop), indent=1))
             (tmp / "loop_state.json").write_text(json.dumps(s.to_dict(), indent=1))
@@ -270,6 +273,17 @@ def save_checkpoint(loop) -> Path:
     backend.wait_for_everyone()
     loop._fire("on_save", checkpoint_dir=final)
     return final
+
+
+def _process_state(loop) -> dict[str, Any]:
+    """This process's RNG states, and its unlogged loss window (so that the first log after a
+    resume averages the same steps as an uninterrupted run would; one host sync, at save time)."""
+    state = rng_state()
+    window = getattr(loop, "_window", None)
+    if window is not None and window[1]:
+        loss, steps, samples, tokens = window
+        state["log_window"] = {"loss": float(loss), "steps": steps, "samples": samples, "tokens": tokens}
+    return state
 
 
 def rotate_checkpoints(loop, output_dir: Path, keep: Path | None = None) -> list[Path]:
@@ -375,21 +389,28 @@ def _aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """Key -> other keys sharing its storage (tied weights, which save_pretrained drops)."""
     by_ptr: dict[tuple[int, int], list[str]] = {}
     for k, v in state_dict.items():
+        v = getattr(v, "_local_tensor", v)  # a sharded (FSDP2 DTensor) value: its local shard
         if v.numel():
             by_ptr.setdefault((v.untyped_storage().data_ptr(), v.storage_offset()), []).append(k)
     return {k: [o for o in group if o != k] for group in by_ptr.values() if len(group) > 1 for k in group}
 
 
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's full shape (DeepSpeed ZeRO-3 keeps a 0-size placeholder, and ds_shape)."""
+    return tuple(getattr(t, "ds_shape", None) or t.shape)
+
+
 def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], where: str) -> list[str]:
     """Raise a CheckpointError naming every mismatch; returns keys to fill from their alias."""
     expected = model.state_dict()
+    expected.update({n: p for n, p in model.named_parameters() if hasattr(p, "ds_shape")})  # ZeRO-3
     aliases = _aliases(expected)
     fill = [k for k in expected if k not in found and any(a in found for a in aliases.get(k, ()))]
     missing = sorted(set(expected) - set(found) - set(fill))
     unexpected = sorted(set(found) - set(expected))
     wrong = [
-        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k].shape)}"
-        for k in expected if k in found and tuple(found[k]) != tuple(expected[k].shape)
+        f"{k}: checkpoint {tuple(found[k])} vs model {_shape(expected[k])}"
+        for k in expected if k in found and tuple(found[k]) != _shape(expected[k])
     ]
     if missing or unexpected or wrong:
         parts = []
@@ -407,8 +428,16 @@ def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], wher
     return fill
 
 
+def _is_adapter_checkpoint(model, directory: Path) -> bool:
+    return (directory / "adapter_model.safetensors").is_file() and callable(getattr(model, "load_adapter", None))
+
+
 def load_weights(loop, directory: Path) -> None:
     model = loop.backend.unwrap_model(loop.model)
+    if _is_adapter_checkpoint(model, directory):
+        # A PEFT model (corelooper-peft) saves only its adapter; load it in place, as HF Trainer does.
+        model.load_adapter(str(directory), getattr(model, "active_adapter", "default"), is_trainable=True)
+        return
     loaded = read_weights(directory)
     fill = check_shapes(model, {k: tuple(v.shape) for k, v in loaded.items()}, str(directory))
     aliases = _aliases(model.state_dict())
@@ -458,7 +487,8 @@ def verify(loop, directory: Path) -> dict[str, Any]:
     state = _read(directory / "loop_state.json", "loop state")
     _check_same_model_config(loop, directory)
     model = loop.backend.unwrap_model(loop.model) if loop.backend else loop.model
-    check_shapes(model, _weight_shapes(directory), str(directory))
+    if not _is_adapter_checkpoint(model, directory):  # peft checks its adapter's shapes itself
+        check_shapes(model, _weight_shapes(directory), str(directory))
     return state
 
 
@@ -467,7 +497,7 @@ def _check_same_model_config(loop, directory: Path) -> None:
     path = directory / "config.toml"
     if not path.is_file() or not loop.config.model.factory:
         return
-    import tomllib
+    from .config import tomllib  # tomli on Python 3.10
 
     try:
         saved = tomllib.loads(path.read_text()).get("model", {})
@@ -496,15 +526,22 @@ def load_checkpoint(loop, directory: Path) -> None:
     try:
         backend.load_training_state(loop.optimizer, directory)
     except FileNotFoundError as e:
-        raise CheckpointError(f"Checkpoint {str(directory)!r}: missing optimizer state ({e}).") from None
-    except (RuntimeError, ValueError, EOFError, KeyError) as e:
+        missing = e.filename or directory
         raise CheckpointError(
-            f"Checkpoint {str(directory)!r}: unreadable optimizer state (truncated, or from another "
-            f"optimizer?): {type(e).__name__}: {e}"
+            f"Checkpoint file {str(missing)!r} is missing (optimizer state). Resume from another "
+            "checkpoint."
+        ) from None
+    except (RuntimeError, ValueError, EOFError, KeyError) as e:
+        where = directory / "optimizer.pt" if (directory / "optimizer.pt").exists() else directory
+        raise CheckpointError(
+            f"Checkpoint file {str(where)!r} (optimizer state) is unreadable (truncated, or from "
+            f"another optimizer?): {type(e).__name__}: {e}"
         ) from None
     loop.scheduler.load_state_dict(scheduler)
     if rng is not None:
         set_rng_state(rng)
+        loop._resumed_window = rng.get("log_window")
+    streaming.load_data_state(loop, directory)  # a streaming loader's position (or a warning)
     restored = LoopState.from_dict(state)
     for key in ("global_step", "epoch", "step_in_epoch", "micro_batches_in_epoch", "log_history",
                 "best_metric", "best_global_step", "best_model_checkpoint",

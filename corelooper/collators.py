@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+
 import torch
 
 from .errors import DataError
@@ -308,7 +309,15 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
     keys = tuple(batch)
     plan = plans.get(keys, 0)
     if plan == 0:
-        plan = accepted_columns(loop.forward_signature, keys)
+        model = loop.backend.unwrap_model(loop.model) if loop.backend is not None else loop.model
+        signature = loop.forward_signature
+        base = getattr(model, "get_base_model", None)  # a PEFT wrapper passes **kwargs through
+        if callable(base):
+            from .losses import forward_signature
+
+            model = base()
+            signature = forward_signature(model)
+        plan = accepted_columns(signature, keys)
         plans[keys] = plan
         if plan is not None:
             dropped = [k for k in keys if k not in plan]
@@ -316,7 +325,7 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
                 "The batch columns %s are not arguments of %s.forward and are not passed to it "
                 "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
                 "sees every column).",
-                dropped, type(loop.backend.unwrap_model(loop.model) if loop.backend else loop.model).__name__,
+                dropped, type(model).__name__,
             )
     if plan is None:
         return batch

@@ -73,6 +73,9 @@ class TrainArgs:
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    auto_find_batch_size: bool = False
+    """On out-of-memory, halve the micro-batch and double the accumulation (same effective
+    batch); needs the corelooper-auto-batch-size plugin, options in [auto_batch_size]."""
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -130,6 +133,9 @@ class TrainArgs:
     """Do not pass batch columns the model's forward does not accept (logged once)."""
     gradient_checkpointing: bool = False
     torch_compile: bool = False
+    torch_compile_backend: str | None = None
+    """``torch.compile`` backend (default "inductor"); setting it implies ``torch_compile``."""
+    torch_compile_mode: str | None = None
     tf32: bool | None = None
     peak_flops: float | None = None
     """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16): logs ``mfu`` when set."""

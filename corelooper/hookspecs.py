@@ -136,6 +136,36 @@ def compute_metrics(loop, predictions, label_ids):
     """
 
 
+@hookspec(firstresult=True)
+def split_micro_batches(loop, micro_batches: list, training: bool):
+    """Return the micro-batches to run instead of ``micro_batches``, or ``None`` to keep them.
+
+    Called only when a plugin implements it: before each training optimizer step with the
+    step's micro-batches (``training=True``, on the device, after ``on_step_begin``), and with
+    each evaluation/prediction batch as a one-element list (``training=False``). The result must
+    hold the same samples in the same order, e.g. each batch cut into smaller pieces along
+    dim 0: ``num_items_in_batch`` is counted over the whole step before the cut, so the
+    gradient is unchanged. ``corelooper-auto-batch-size`` cuts batches to the size it found.
+    """
+
+
+@hookspec(firstresult=True)
+def retry_step(loop, exception: Exception, micro_batches: list | None, training: bool):
+    """A training step or an evaluation raised ``exception``: say how to run it again.
+
+    Training (``training=True``): ``micro_batches`` are the step's micro-batches as they were
+    run; return the micro-batches to run the **same** optimizer step with (the same samples,
+    e.g. cut smaller). The loop then zeroes the step's partial gradients, frees memory
+    (``gc.collect`` and the device cache), and runs the step again: the scheduler, the data
+    order and ``state.global_step`` are unchanged. Events of the micro-batches
+    (``on_before_backward`` ...) fire again for the new attempt; ``on_step_begin`` does not.
+    Evaluation/prediction (``training=False``, ``micro_batches`` is ``None``): return ``True``
+    to run the whole evaluation again from scratch. Return ``None`` (or raise a clearer
+    error) to let the exception propagate. Called only when a plugin implements it, from the
+    ``except`` clause: keep no reference to ``exception`` (its traceback holds activations).
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Events: never return anything
 # --------------------------------------------------------------------------------------------
@@ -262,4 +292,6 @@ PROVIDERS = (
     "eval_dataloader",
     "compute_loss",
     "compute_metrics",
+    "split_micro_batches",
+    "retry_step",
 )

@@ -78,8 +78,7 @@ def describe_failure(error, nproc: int) -> str:
     also = f" (ranks {others} failed too)" if others else ""
     return (
         f"rank {rank} of {nproc} (local rank {failure.local_rank}, pid {failure.pid}) {how}{also}: "
-        f"{message.rstrip('.')}. The other ranks were stopped; fix that error and run again "
-        "(add --traceback for each rank's full traceback)."
+        f"{message.rstrip('.')}. The other ranks were stopped."
     )
 
 

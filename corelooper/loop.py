@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import checkpoint, preemption
-from .config import Config, TrainArgs, import_object
+from .config import Config, TrainArgs, check_train_args, import_object
 from .data import count_input_tokens, count_loss_items, resolve_loss_type
 from .errors import CorelooperError, DataError, PluginError, TrainingError
 from .losses import forward_signature, logits_of, split_batch
@@ -33,6 +33,7 @@ def as_config(config: Config | TrainArgs | dict | None) -> Config:
     if isinstance(config, Config):
         return config
     if isinstance(config, TrainArgs):
+        check_train_args(config)  # as Config.load does: cross-field checks, best-metric defaults
         return Config(train=config)
     if isinstance(config, dict):
         return Config.from_dict(config)
@@ -145,6 +146,7 @@ class Loop:
             raise CorelooperError("No training data: pass train_dataset= or set data.train.")
         self._setup_backend()
         loader = self.hook.train_dataloader(loop=self, dataset=self.train_dataset)
+        self.train_loader = loader  # its state_dict() (streaming data) goes into checkpoints
         try:
             batches_per_epoch = len(loader)
         except TypeError:
@@ -190,13 +192,10 @@ class Loop:
                 loader = self._setup_train()
                 resume = resume_from_checkpoint or a.resume_from_checkpoint
                 output_dir = Path(a.output_dir)
-                resume_dir = checkpoint.resolve(resume, output_dir) if resume else None
-                if resume_dir is not None:
-                    checkpoint.verify(self, resume_dir)  # a bad checkpoint fails before anything changes
+                if resume:  # first: a bad checkpoint fails before output_dir is touched
+                    checkpoint.load_checkpoint(self, checkpoint.resolve(resume, output_dir))
                 if self.backend.is_main_process:
                     checkpoint.prepare_output_dir(self, output_dir, resuming=bool(resume))
-                if resume_dir is not None:
-                    checkpoint.load_checkpoint(self, resume_dir)
                 self._fire("on_train_begin")
                 self._train_loop(loader)
             except BaseException as exc:
@@ -214,6 +213,11 @@ class Loop:
         window_loss = torch.zeros((), device=self.backend.device)
         window_steps, grad_norm = 0, None
         window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+        resumed = getattr(self, "_resumed_window", None)  # stopped mid logging window: continue its sums
+        if resumed:
+            window_loss += resumed["loss"]
+            window_steps, window_samples, window_tokens = resumed["steps"], resumed["samples"], resumed["tokens"]
+            self._resumed_window = None
         self.model.train()
         self._train_start = time.perf_counter()
         self._steps_at_start = s.global_step
@@ -223,7 +227,7 @@ class Loop:
                 break
             if hasattr(loader, "set_epoch"):
                 loader.set_epoch(epoch)
-            if s.micro_batches_in_epoch and hasattr(loader, "skip"):
+            if s.micro_batches_in_epoch and hasattr(loader, "skip") and not a.ignore_data_skip:
                 loader.skip(s.micro_batches_in_epoch)
             batches = iter(loader)
             self._fire("on_epoch_begin")
@@ -256,6 +260,7 @@ class Loop:
                     window_loss = torch.zeros((), device=self.backend.device)
                     window_steps, window_samples, window_tokens = 0, 0, 0
                     window_start = time.perf_counter()
+                self._window = (window_loss, window_steps, window_samples, window_tokens)  # for a checkpoint
                 self._evaluate_and_save()
                 if control.should_epoch_stop or control.should_training_stop:
                     break
@@ -300,6 +305,35 @@ class Loop:
         self.num_micro_batches = len(micro_batches)
         self._fire("on_step_begin")
 
+        if self._optional_hook("split_micro_batches") is not None:
+            micro_batches = self._split(micro_batches, training=True)
+        while True:  # once, unless a retry_step plugin re-runs the step after an error (OOM)
+            try:
+                step_loss = self._accumulate(micro_batches, num_items)
+                break
+            except Exception as exc:
+                retry = self._retry(exc, micro_batches, training=True)
+                if retry is None:
+                    raise
+                micro_batches = retry
+            self._release_failed_attempt(training=True)  # the traceback (activations) is gone now
+
+        grad_norm = None
+        if self.args.max_grad_norm > 0:
+            grad_norm = backend.clip_grad_norm(model, self.args.max_grad_norm)
+        self._fire("on_pre_optimizer_step", optimizer=optimizer)
+        backend.optimizer_step(optimizer)
+        self._fire("on_optimizer_step", optimizer=optimizer)
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
+        # ranks (reduce_mean when logging) is the global loss, as in one process.
+        return step_loss, grad_norm
+
+    def _accumulate(self, micro_batches: list, num_items) -> torch.Tensor:
+        """Forward and backward of each micro-batch of a step; returns the step's summed loss."""
+        model, backend = self.model, self.backend
+        self.num_micro_batches = len(micro_batches)
         step_loss = torch.zeros((), device=backend.device)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -318,18 +352,57 @@ class Loop:
             step_loss += loss.detach()
             if not last:
                 self._fire("on_substep_end")
+        return step_loss
 
-        grad_norm = None
-        if self.args.max_grad_norm > 0:
-            grad_norm = backend.clip_grad_norm(model, self.args.max_grad_norm)
-        self._fire("on_pre_optimizer_step", optimizer=optimizer)
-        backend.optimizer_step(optimizer)
-        self._fire("on_optimizer_step", optimizer=optimizer)
-        self.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
-        # ranks (reduce_mean when logging) is the global loss, as in one process.
-        return step_loss, grad_norm
+    # -- cutting and retrying steps (auto batch size) ----------------------------------------------
+    def _optional_hook(self, name: str):
+        """The caller of a hook no plugin has to implement, or None (looked up once per Loop)."""
+        caller = self._events.get(name, 0)
+        if caller == 0:
+            caller = getattr(self.hook, name) if self.plugins.implemented(name) else None
+            self._events[name] = caller
+        return caller
+
+    def _split(self, micro_batches: list, training: bool) -> list:
+        split = self._optional_hook("split_micro_batches")
+        new = split(loop=self, micro_batches=micro_batches, training=training) if split else None
+        return micro_batches if new is None else new
+
+    def _eval_batches(self, loader):
+        """The evaluation batches, each cut smaller when a split_micro_batches plugin asks."""
+        if self._optional_hook("split_micro_batches") is None:
+            return loader
+        return (piece for batch in loader for piece in self._split([batch], training=False))
+
+    def _retry(self, exc: Exception, micro_batches: list | None, training: bool):
+        """What a retry_step plugin wants to re-run after ``exc``; None: re-raise it."""
+        retry_step = self._optional_hook("retry_step")
+        if retry_step is None:
+            return None
+        return retry_step(loop=self, exception=exc, micro_batches=micro_batches, training=training)
+
+    def _release_failed_attempt(self, training: bool) -> None:
+        """Drop a failed attempt's partial gradients and cached device memory before a retry."""
+        import gc
+
+        if training:
+            self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        device_module = getattr(torch, self.backend.device.type, None)
+        if self.backend.device.type != "cpu" and hasattr(device_module, "empty_cache"):
+            device_module.empty_cache()
+
+    def _eval_with_retry(self, dataset, prefix: str, keep_outputs: bool = False):
+        """``_run_eval``; after an error a retry_step plugin may run it again, from scratch."""
+        was_training = self.model.training
+        while True:
+            try:
+                return self._run_eval(dataset, prefix, keep_outputs=keep_outputs)
+            except Exception as exc:
+                if self._retry(exc, None, training=False) is None:
+                    raise
+            self.model.train(was_training)
+            self._release_failed_attempt(training=False)
 
     def _num_items_in_batch(self, micro_batches: list):
         """Loss-bearing items of the whole optimizer step, over micro-batches and processes."""
@@ -369,6 +442,7 @@ class Loop:
         self.control.should_log = False
         if self.state.is_world_process_zero:
             self._fire("on_log", logs=logs)
+            entry.update(logs)  # keys a (tryfirst) on_log plugin added, e.g. DPO reward margins
 
     def _evaluate_and_save(self) -> None:
         control, a = self.control, self.args
@@ -406,12 +480,16 @@ class Loop:
         s = self.state
         runtime = time.perf_counter() - self._train_start
         steps = s.global_step - self._steps_at_start
-        train_losses = [h["loss"] for h in s.log_history if "loss" in h]
+        # Mean over every optimizer step, as HF's train_loss: each logged window loss counts for
+        # the number of steps it averaged (windows differ, e.g. the last one).
+        windows = [(h["loss"], h["step"]) for h in s.log_history if "loss" in h]
+        prev_steps = [0] + [step for _, step in windows[:-1]]
+        weighted = sum(loss * (step - prev) for (loss, step), prev in zip(windows, prev_steps, strict=True))
         summary = {
             "train_runtime": round(runtime, 4),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
             "train_samples_per_second": round(s.total_samples_seen / max(runtime, 1e-9), 3),
-            "train_loss": sum(train_losses) / len(train_losses) if train_losses else float("nan"),
+            "train_loss": weighted / windows[-1][1] if windows else float("nan"),
         }
         if self.args.load_best_model_at_end and s.best_model_checkpoint:
             checkpoint.load_model(self, Path(s.best_model_checkpoint))
@@ -424,7 +502,7 @@ class Loop:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise CorelooperError("No evaluation data: pass eval_dataset= or set data.eval.")
-        metrics, _, _ = self._run_eval(dataset, metric_key_prefix)
+        metrics, _, _ = self._eval_with_retry(dataset, metric_key_prefix)
         s = self.state
         s.log_history.append({**metrics, "epoch": round(s.epoch, 4), "step": s.global_step})
         # Every process, as in HF: early stopping must decide the same on all ranks; loggers
@@ -434,7 +512,7 @@ class Loop:
 
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
         """Model outputs for every sample, in dataset order: ``(predictions, label_ids, metrics)``."""
-        metrics, preds, labels = self._run_eval(test_dataset, metric_key_prefix, keep_outputs=True)
+        metrics, preds, labels = self._eval_with_retry(test_dataset, metric_key_prefix, keep_outputs=True)
         self._fire("on_predict", metrics=metrics)
         return preds, labels, metrics
 
@@ -450,9 +528,11 @@ class Loop:
         model.eval()
         loss_sum = torch.zeros((), device=backend.device, dtype=torch.float64)
         items = torch.zeros((), device=backend.device, dtype=torch.float64)
-        preds, labels = [], []
+        from .predict import OutputAccumulator
+
+        collected = OutputAccumulator(self.args.eval_accumulation_steps)  # on device, to CPU in chunks
         self.num_micro_batches = 1
-        for batch in loader:
+        for batch in self._eval_batches(loader):
             batch = backend.to_device(batch)
             if self.loss_type == "auto":
                 self.loss_type = resolve_loss_type(batch)
@@ -475,9 +555,7 @@ class Loop:
                     kwargs = model_inputs(self, kwargs)
                 outputs = model(*args, **kwargs)
             if want_outputs:
-                preds.append(logits_of(outputs).detach().float().cpu())
-                if has_labels:
-                    labels.append(split_batch(batch)[2].detach().cpu())
+                collected.add(logits_of(outputs), split_batch(batch)[2] if has_labels else None)
             self._fire("on_prediction_step", batch=batch, outputs=outputs)
         model.train(was_training)
 
@@ -485,13 +563,14 @@ class Loop:
         metrics = {}
         if items.item() > 0:
             metrics[f"{prefix}_loss"] = round((loss_sum / items).item(), 6)
-            if self.loss_type == "causal_lm":  # perplexity of the token-weighted mean loss
+            # exp(loss) is a perplexity for a token-normalised causal-LM loss (a compute_loss that
+            # takes num_items_in_batch), not for e.g. a per-pair DPO loss.
+            impl = self.plugins.provider_impl("compute_loss")
+            if self.loss_type == "causal_lm" and "num_items_in_batch" in impl.argnames:
                 metrics[f"{prefix}_perplexity"] = round(math.exp(min(metrics[f"{prefix}_loss"], 700)), 4)
         predictions = label_ids = None
-        if want_outputs and preds:
-            predictions = backend.gather(torch.cat(preds).to(backend.device)).cpu()
-            if labels:
-                label_ids = backend.gather(torch.cat(labels).to(backend.device)).cpu()
+        if want_outputs and collected:
+            predictions, label_ids = collected.gather(backend)  # dataset order, padded with -100
             extra = self.hook.compute_metrics(loop=self, predictions=predictions, label_ids=label_ids)
             for k, v in (extra or {}).items():
                 metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)

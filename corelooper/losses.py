@@ -112,6 +112,7 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     logits = logits_of(outputs)
     total = summed_loss(logits, labels, loop.loss_type, smoothing)
     if num_items_in_batch is None:
-        num_items_in_batch = (labels != -100).sum() if loop.loss_type != "mse" else labels.numel()
+        counted = labels[..., 1:] if loop.loss_type == "causal_lm" else labels  # after the shift
+        num_items_in_batch = (counted != -100).sum() if loop.loss_type != "mse" else labels.numel()
     loss = total / num_items_in_batch
     return (loss, outputs) if return_outputs else loss

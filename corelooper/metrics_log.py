@@ -36,3 +36,25 @@ def on_log(loop, state, logs):
 @hookimpl
 def on_evaluate(loop, state, metrics):
     _write(loop, state, "eval", metrics)
+
+
+@hookimpl
+def on_load_checkpoint(loop, state):
+    """Resuming: drop the records a cut-short run wrote after its checkpoint, so the file reads
+    as one run (those steps are trained, and logged, again)."""
+    path = Path(loop.args.output_dir) / "metrics.jsonl"
+    if not state.is_world_process_zero or not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) <= state.global_step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:  # a line cut by a kill: drop it
+        return math.inf

@@ -63,8 +63,10 @@ def apply_model_options(loop, model: torch.nn.Module) -> torch.nn.Module:
         torch.backends.cudnn.allow_tf32 = a.tf32
     if getattr(a, "gradient_checkpointing", False):
         enable_gradient_checkpointing(model)
-    if getattr(a, "torch_compile", False) and not getattr(model, "_corelooper_compiled", False):
+    compile_ = getattr(a, "torch_compile", False) or getattr(a, "torch_compile_backend", None)
+    if compile_ and not getattr(model, "_corelooper_compiled", False):
         # In place (nn.Module.compile): the module keeps its type, state_dict keys and signature.
-        model.compile()
+        kwargs = {k: v for k, v in (("backend", a.torch_compile_backend), ("mode", a.torch_compile_mode)) if v}
+        model.compile(**kwargs)
         model._corelooper_compiled = True
     return model

@@ -263,6 +263,11 @@ def load_plugins(
         declared = plugins.declared_sections()
         check_sections(config, declared, plugins)
         config.with_defaults(declared)
+        if getattr(config.train, "auto_find_batch_size", False) and "auto_batch_size" not in declared:
+            raise ConfigError(
+                "train.auto_find_batch_size = true needs the auto_batch_size plugin, which is not "
+                "loaded: `pip install corelooper-auto-batch-size` (or do not disable it)."
+            )
     return plugins
 
 

@@ -29,6 +29,12 @@ class LoopState:
     train_batch_size: int = 0
     """Per-device micro-batch size."""
     gradient_accumulation_steps: int = 1
+    micro_batch_size: int | None = None
+    """Samples per forward/backward when a plugin cuts the batches smaller (auto batch size):
+    each step then runs ``gradient_accumulation_steps * ceil(train_batch_size / micro_batch_size)``
+    micro-batches, with the same data and the same effective batch. None: not cut."""
+    eval_micro_batch_size: int | None = None
+    """The same for evaluation batches (``per_device_eval_batch_size``); None: not cut."""
     num_input_tokens_seen: int = 0
     total_samples_seen: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)

@@ -120,9 +120,17 @@ def run_one(spec: dict) -> dict:
     loop.train(resume_from_checkpoint=spec.get("resume"))
     metrics = loop.evaluate() if spec.get("evaluate", True) else {}
     local = loop.backend.unwrap_model(loop.model)
-    flat = [p.detach().float().reshape(-1) for p in local.parameters()]
-    flat = [getattr(t, "_local_tensor", t).reshape(-1) for t in flat]  # FSDP2: this rank's shard
+    for m in local.modules():  # FSDP2 may keep units unsharded after a forward
+        if hasattr(m, "reshard"):
+            m.reshard()
+    # FSDP2: this rank's shard of each parameter (copied: a later gather may free its storage)
+    # (DeepSpeed ZeRO-3: the partition in ds_tensor)
+    flat = [(p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p))
+            .detach().float().reshape(-1).clone() for p in local.parameters()]
+    full = loop.backend.model_state_dict(loop.model)  # collective: gathered to the main rank
     result = {
+        "full_params": torch.cat([full[k].float().reshape(-1) for k in sorted(full)]).tolist()
+        if loop.backend.is_main_process else None,
         "losses": {str(h["step"]): h["loss"] for h in loop.state.log_history if "loss" in h},
         "grad_norms": {str(h["step"]): h["grad_norm"] for h in loop.state.log_history
                        if "grad_norm" in h},
@@ -165,7 +173,16 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", 0))
     for run in spec["runs"]:
-        result = run_one(run)
+        if run.get("expect_error"):  # a run that must refuse to start: record its message
+            from corelooper.errors import CorelooperError
+
+            try:
+                run_one(run)
+                result = {"error": None}
+            except CorelooperError as e:
+                result = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            result = run_one(run)
         Path(f"{run['result']}.rank{rank}.json").write_text(json.dumps(result))
     import torch.distributed as dist
 

@@ -79,7 +79,7 @@ def test_packing_loses_and_duplicates_no_token(strategy):
     docs = _docs(60, seed=1, hi=90)  # some longer than seq_len: they are split
     ds = PackedDataset(docs, seq_len=64, pad_token_id=0, strategy=strategy, eos_token_id=1)
     assert ds.input_ids.shape[1] == 64
-    kept = [t for row, m in zip(ds.input_ids, ds.attention_mask) for t in row[m.bool()].tolist()]
+    kept = [t for row, m in zip(ds.input_ids, ds.attention_mask, strict=True) for t in row[m.bool()].tolist()]
     expected = [t for d in docs for t in d + [1]]
     assert sorted(kept) == sorted(expected)  # the same multiset of tokens: none lost or duplicated
     if strategy == "wrap":
@@ -145,11 +145,11 @@ def test_group_by_length_loader_shards_ranks_and_resumes_exactly():
     resumed.skip(17)
     rest = list(resumed)
     assert len(rest) == 51 - 17
-    for a, b in zip(batches[17:], rest):
+    for a, b in zip(batches[17:], rest, strict=True):
         assert torch.equal(a["input_ids"], b["input_ids"])
     # Two ranks split each global batch of 8: together they see exactly the one-process samples.
     r0, r1 = loader(0, 2), loader(1, 2)
-    seen = [i for a, b in zip(r0.batch_indices(), r1.batch_indices()) for i in a + b]
+    seen = [i for a, b in zip(r0.batch_indices(), r1.batch_indices(), strict=True) for i in a + b]
     assert sorted(set(seen)) == list(range(203))
     # Padding is lower than with random batches.
     pad = lambda bs: sum((b["attention_mask"] == 0).sum().item() for b in bs)  # noqa: E731
@@ -173,8 +173,8 @@ def test_sample_lengths_prefers_dataset_lengths_and_explains_missing():
 class TinyLM(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.emb = torch.nn.Embedding(50, 8)
-        self.head = torch.nn.Linear(8, 50)
+        self.emb = torch.nn.Embedding(100, 8)
+        self.head = torch.nn.Linear(8, 100)
 
     def forward(self, input_ids, attention_mask=None):
         return self.head(self.emb(input_ids))
@@ -209,3 +209,23 @@ def test_remove_unused_columns_false_passes_everything(tmp_path):
                                      "remove_unused_columns": False}}, train_dataset=data)
     with pytest.raises(TrainingError, match="source_id"):
         loop.train()
+
+
+def test_train_group_by_length_reaches_the_loop_batches(tmp_path):
+    from corelooper import Loop
+
+    docs = _docs(96, seed=5, lo=2, hi=64)
+    data = [{"input_ids": d} for d in docs]
+    padding = {}
+    for flag in (False, True):
+        seen = []
+        loop = Loop(TinyLM(), {"train": {"output_dir": str(tmp_path / str(flag)), "max_steps": 12,
+                                         "save_strategy": "no", "per_device_train_batch_size": 8,
+                                         "group_by_length": flag}},
+                    train_dataset=data, data_collator=DataCollatorForCausalLM(pad_token_id=0))
+        step = loop.training_step
+        loop.training_step = lambda mbs, step=step, seen=seen: (seen.append(mbs[0]), step(mbs))[1]
+        loop.train()
+        assert loop.state.global_step == 12
+        padding[flag] = sum(int((b["attention_mask"] == 0).sum()) for b in seen)
+    assert padding[True] < padding[False] / 3  # far less padding with length-grouped batches

@@ -98,7 +98,8 @@ def test_hf_llama_gets_num_items_in_batch_and_matches(lm_data, train_args):
     spied = copy.deepcopy(model)
     spied.register_forward_pre_hook(spy, with_kwargs=True)
     ga_losses, ga_params, _ = train(spied, lm_data, train_args, batch=2, ga=4, max_steps=3)
-    naive_losses, _, _ = train(model, lm_data, train_args, batch=2, ga=4, max_steps=3, plugins=[MeanLoss()])
+    naive_losses, naive_params, _ = train(model, lm_data, train_args, batch=2, ga=4, max_steps=3,
+                                          plugins=[MeanLoss()])
 
     # the model computed its own loss with the step's token count: same number for the 4
     # micro-batches of a step, and equal to the label tokens after the causal shift
@@ -108,7 +109,8 @@ def test_hf_llama_gets_num_items_in_batch_and_matches(lm_data, train_args):
     assert [int(n) for n in seen] == [n for n in expected for _ in range(4)]
     assert max_loss_diff(base_losses, ga_losses) < TOL
     assert max_param_diff(base_params, ga_params) < TOL
-    assert max_loss_diff(base_losses, naive_losses) > 0.01
+    assert max_loss_diff(base_losses, naive_losses) > 5e-3  # measured: 1.8e-2 (3 steps)
+    assert max_param_diff(base_params, naive_params) > 1e-2  # measured: 5.3e-2
 
 
 def test_micro_batch_without_loss_tokens(train_args):

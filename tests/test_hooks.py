@@ -114,7 +114,7 @@ def test_every_event_receives_loop_state_control_and_its_own_arguments(train_arg
     loop.predict(toys.Blobs(4))
     missing = set(hookspecs.EVENTS) - set(got) - {"on_exception", "on_load_checkpoint"}
     assert not missing
-    for event, values in got.items():
+    for values in got.values():
         assert values["loop"] is loop and values["state"] is loop.state and values["control"] is loop.control
     assert set(got["on_log"]["logs"]) >= {"train_loss"} and "eval_loss" in got["on_evaluate"]["metrics"]
     assert got["on_save"]["checkpoint_dir"].name == "checkpoint-2"
@@ -134,7 +134,7 @@ def test_should_training_stop_from_a_plugin_stops_at_that_step(train_args):
             if state.global_step == 3:
                 control.should_training_stop = True
 
-    args = train_args(per_device_train_batch_size=4, num_train_epochs=5)  # 16 steps per epoch... 4
+    args = train_args(per_device_train_batch_size=4, num_train_epochs=5)  # 4 steps per epoch
     loop = Loop(toys.mlp(), args, train_dataset=toys.Blobs(16), plugins=[Stopper()],
                 blocked_plugins=["console"])
     loop.train()
@@ -150,10 +150,9 @@ def test_subset_arguments_and_unmarked_functions(train_args):
         steps.append(state.global_step)
 
     def on_log(logs):  # only its own argument
-        logs_ = logs
-        logs_seen.append(dict(logs_))
+        seen_logs.append(dict(logs))
 
-    logs_seen = logs
+    seen_logs = logs
     plugin = types.SimpleNamespace(name="plain", on_step_end=on_step_end, on_log=on_log)
     module = types.ModuleType("plain_module")
     module.on_train_end = lambda control: steps.append("end")  # a module plugin, unmarked too
@@ -211,3 +210,26 @@ def test_ordinary_helper_methods_are_not_hooks():
 
     pl = load_plugins(objects=[Helper()], autoload=False)
     assert pl.info["helper"].hooks == ["on_step_end"]
+
+
+def test_on_exception_gets_the_error_and_replaces_the_rest(train_args):
+    rec = Recorder()
+    got = []
+
+    class Raiser:
+        name = "raiser"
+
+        def on_step_end(self, state):
+            if state.global_step == 2:
+                raise ValueError("broken plugin")
+
+        def on_exception(self, exception):
+            got.append(exception)
+
+    loop = Loop(toys.mlp(), train_args(max_steps=4, per_device_train_batch_size=8), train_dataset=toys.Blobs(16),
+                plugins=[rec, Raiser()], blocked_plugins=["console"])
+    with pytest.raises(PluginError, match=r"Plugin 'raiser' raised in hook 'on_step_end' at global_step 2"):
+        loop.train()
+    assert [type(e) for e in got] == [ValueError]
+    assert rec.calls[-1] == ("on_exception", 2)
+    assert ("on_train_end", 2) not in rec.calls

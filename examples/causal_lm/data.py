@@ -77,7 +77,7 @@ def _dataset(split: str, packages, vocab_size: int, seq_len: int, eval_every: in
 
 def _difficulty(tok, ds: PackedDataset) -> torch.Tensor:
     ratios = []
-    for row, mask in zip(ds.input_ids, ds.attention_mask):
+    for row, mask in zip(ds.input_ids, ds.attention_mask, strict=True):
         raw = tok.decode(row[mask.bool()].tolist(), skip_special_tokens=False).encode()
         ratios.append(len(zlib.compress(raw, 9)) / max(len(raw), 1))
     r = torch.tensor(ratios, dtype=torch.float32)

@@ -1,0 +1,34 @@
+"""corelooper-auto-batch-size: find the largest micro-batch that fits, without changing training.
+
+Turned on per run with ``auto_find_batch_size = true`` in ``[train]`` (the Hugging Face name);
+options in ``[auto_batch_size]``. Installed but not turned on, it registers nothing that runs
+during training. See README.md.
+"""
+
+from __future__ import annotations
+
+from corelooper.errors import ConfigError
+
+from .controller import DEFAULTS, SECTION, AutoBatchSize
+
+__all__ = ["AutoBatchSize", "RUN_PLUGIN_NAME"]
+__version__ = "0.1.0"
+
+#: Name under which the per-run part is registered (and saved in a checkpoint's plugins.json).
+RUN_PLUGIN_NAME = "auto_batch_size.run"
+
+
+def corelooper_config_sections():
+    return {SECTION: dict(DEFAULTS)}
+
+
+def on_init_end(loop) -> None:
+    if not getattr(loop.args, "auto_find_batch_size", False):
+        if SECTION in loop.config.sections:
+            raise ConfigError(
+                f"The config has an [{SECTION}] section, but train.auto_find_batch_size is false, "
+                "so the plugin would do nothing: set train.auto_find_batch_size = true to turn it "
+                f"on, or remove the [{SECTION}] section."
+            )
+        return
+    loop.plugins.register(AutoBatchSize(loop), RUN_PLUGIN_NAME, "object")

@@ -1,0 +1,289 @@
+"""corelooper-auto-batch-size: behaviour and numbers.
+
+There is no GPU in CI, so every out-of-memory error here is FAKED: the toy models in
+``auto_batch_toys.py`` raise ``torch.OutOfMemoryError`` when a forward pass gets more rows than
+their limit. The loop, the plugin (loaded through its real entry point), gradient accumulation,
+checkpoints and the 2-process run are all real.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from auto_batch_toys import LimitedLM, blobs, mlp, tokens
+
+from corelooper import Loop
+from corelooper.backend import AccelerateBackend
+from corelooper.config import Config
+from corelooper.errors import ConfigError, TrainingError
+
+HERE = Path(__file__).resolve().parent
+RUN = "auto_batch_size.run"
+
+
+def make_loop(tmp_path, name, model, *, section=None, plugins=(), train_data=None, eval_data=None, **train):
+    base = dict(
+        output_dir=str(tmp_path / name), save_strategy="no", logging_steps=1, learning_rate=1e-2,
+        max_grad_norm=1.0, disable_tqdm=True, num_train_epochs=2, per_device_train_batch_size=16,
+        seed=0,
+    )
+    raw = {"train": {**base, **train}}
+    if section is not None:
+        raw["auto_batch_size"] = section
+    return Loop(model, Config.from_dict(raw), train_dataset=train_data or blobs(64),
+                eval_dataset=eval_data, plugins=plugins)
+
+
+def weights(loop) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in loop.backend.unwrap_model(loop.model).state_dict().items()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def losses(loop) -> list[float]:
+    return [h["loss"] for h in loop.state.log_history if "loss" in h and "train_runtime" not in h]
+
+
+def geometry(loop) -> tuple:
+    s = loop.state
+    return s.train_batch_size, s.gradient_accumulation_steps, s.micro_batch_size
+
+
+def shrinks(loop, key="train_micro_batch_size") -> list[tuple[int, int]]:
+    return [(h["step"], h[key]) for h in loop.state.log_history if key in h]
+
+
+class At:
+    """A test plugin: runs ``action(loop)`` when ``on_step_end`` sees ``global_step == step``."""
+
+    def __init__(self, step, action):
+        self.step, self.action, self.name = step, action, f"at-{step}"
+
+    def on_step_end(self, loop, state):
+        if state.global_step == self.step:
+            self.action(loop)
+
+
+def test_batch_16_that_does_not_fit_trains_exactly_like_4_x_4_accumulation(tmp_path):
+    """OOM on the very first step: 16 fails, 8 fails, 4 fits; same steps, same weights."""
+    oom = make_loop(tmp_path, "oom", mlp(train_limit=4), auto_find_batch_size=True)
+    oom.train()
+    ref = make_loop(tmp_path, "ref", mlp(), per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    ref.train()
+
+    assert oom.state.global_step == ref.state.global_step == 8
+    assert max_diff(weights(oom), weights(ref)) <= 1e-5
+    assert losses(oom) == pytest.approx(losses(ref), rel=1e-5)
+    assert oom.model.ooms == 2
+    assert oom.model.train_sizes()[:3] == [16, 8, 4]
+    assert set(oom.model.train_sizes()[2:]) == {4}
+    assert shrinks(oom) == [(0, 8), (0, 4)]
+    assert [h["micro_batches_per_step"] for h in oom.state.log_history if "micro_batches_per_step" in h] == [2, 4]
+    assert geometry(oom) == (16, 1, 4)  # the loader's batches and GA unchanged, cut into 4s
+    assert oom.plugins.pm.get_plugin(RUN).state_dict() == {"train_micro_batch_size": 4, "eval_batch_size": None}
+
+
+def test_oom_in_backward_discards_the_partial_gradients(tmp_path):
+    """The fake OOM is raised in the backward, after the last layer already got its gradient."""
+    oom = make_loop(tmp_path, "oom", mlp(train_limit=8, in_backward=True), auto_find_batch_size=True,
+                    gradient_accumulation_steps=2, num_train_epochs=3)
+    oom.train()
+    ref = make_loop(tmp_path, "ref", mlp(), per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                    num_train_epochs=3)
+    ref.train()
+    assert oom.model.ooms == 1 and oom.state.global_step == ref.state.global_step == 6
+    assert geometry(oom) == (16, 2, 8)  # 2 x 16 became 4 x 8
+    assert max_diff(weights(oom), weights(ref)) <= 1e-5
+
+
+def test_oom_in_the_middle_of_training(tmp_path):
+    """The limit drops after step 3: step 4 is retried at 8 x 2; the result equals no OOM at all."""
+    def squeeze(loop):
+        loop.backend.unwrap_model(loop.model).train_limit = 8
+
+    oom = make_loop(tmp_path, "oom", mlp(), auto_find_batch_size=True, plugins=[At(3, squeeze)])
+    oom.train()
+    ref = make_loop(tmp_path, "ref", mlp())
+    ref.train()
+    assert oom.state.global_step == ref.state.global_step == 8
+    assert max_diff(weights(oom), weights(ref)) <= 1e-5
+    assert shrinks(oom) == [(3, 8)]
+    assert oom.model.train_sizes()[:4] == [16, 16, 16, 16]  # steps 1-3, then the failed try
+    assert set(oom.model.train_sizes()[4:]) == {8}
+    assert geometry(oom) == (16, 1, 8)
+
+
+def test_eval_oom_shrinks_only_the_eval_batch(tmp_path):
+    kw = dict(eval_data=blobs(24, seed=1), eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=8)
+    oom = make_loop(tmp_path, "oom", mlp(eval_limit=2), auto_find_batch_size=True, **kw)
+    oom.train()
+    ref = make_loop(tmp_path, "ref", mlp(), **kw)
+    ref.train()
+
+    evals = [h["eval_loss"] for h in oom.state.log_history if "eval_loss" in h]
+    assert len(evals) == 2
+    assert evals == pytest.approx([h["eval_loss"] for h in ref.state.log_history if "eval_loss" in h], rel=1e-6)
+    assert max_diff(weights(oom), weights(ref)) <= 1e-5
+    assert oom.model.ooms == 2  # 8 and 4 failed in the first evaluation; the second ran at 2
+    assert shrinks(oom, "eval_batch_size") == [(4, 4), (4, 2)]
+    assert shrinks(oom) == []
+    assert geometry(oom) == (16, 1, None) and oom.state.eval_micro_batch_size == 2
+    assert set(oom.model.train_sizes()) == {16}
+    assert oom.plugins.pm.get_plugin(RUN).state_dict() == {"train_micro_batch_size": None, "eval_batch_size": 2}
+
+
+def test_even_one_sample_does_not_fit_is_a_clear_error_and_keeps_the_checkpoint(tmp_path):
+    hashes = {}
+
+    class Snapshot:
+        name = "snapshot"
+
+        def on_save(self, checkpoint_dir):
+            hashes.update({p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                           for p in checkpoint_dir.iterdir() if p.is_file()})
+
+    def nothing_fits(loop):
+        loop.backend.unwrap_model(loop.model).train_limit = 0
+
+    torch.manual_seed(0)
+    loop = make_loop(tmp_path, "out", LimitedLM(), train_data=tokens(64), save_strategy="steps",
+                     save_steps=2, auto_find_batch_size=True, plugins=[At(2, nothing_fits), Snapshot()])
+    with pytest.raises(TrainingError) as info:
+        loop.train()
+    msg = str(info.value)
+    params = sum(p.numel() for p in loop.model.parameters())
+    assert "even a training micro-batch of 1 sample does not fit" in msg
+    assert f"{params:,} parameters" in msg and "sequence length 12" in msg
+    assert "global_step 2" in msg and "untouched" in msg and str(tmp_path / "out") in msg
+    assert shrinks(loop) == [(2, 8), (2, 4), (2, 2), (2, 1)]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
+    saved = out / "checkpoint-2"
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in saved.iterdir() if p.is_file()} == hashes
+
+
+def test_found_size_is_saved_and_reused_on_resume(tmp_path):
+    full = make_loop(tmp_path, "full", mlp(train_limit=4), auto_find_batch_size=True,
+                     save_strategy="steps", save_steps=4)
+    full.train()
+    ckpt = tmp_path / "full" / "checkpoint-4"
+    state = json.loads((ckpt / "loop_state.json").read_text())
+    assert (state["train_batch_size"], state["gradient_accumulation_steps"], state["micro_batch_size"]) == (16, 1, 4)
+    assert json.loads((ckpt / "plugins.json").read_text())[RUN]["train_micro_batch_size"] == 4
+
+    resumed = make_loop(tmp_path, "resumed", mlp(seed=1, train_limit=4), auto_find_batch_size=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.train(resume_from_checkpoint=str(ckpt))
+    assert not [w for w in caught if "geometry" in str(w.message)]  # same data order as before
+    assert resumed.model.ooms == 0  # split from the first resumed step: no failed attempt
+    assert set(resumed.model.train_sizes()) == {4}
+    assert geometry(resumed) == (16, 1, 4)
+    assert resumed.state.global_step == 8
+    assert max_diff(weights(resumed), weights(full)) <= 1e-5
+
+
+def test_installed_but_not_turned_on_changes_nothing(tmp_path):
+    loop = make_loop(tmp_path, "off", mlp(train_limit=4))
+    assert "auto_batch_size" in loop.plugins.info  # installed, loaded through its entry point
+    assert RUN not in loop.plugins.info
+    assert not loop.plugins.implemented("retry_step")
+    with pytest.raises(TrainingError, match="OutOfMemoryError"):
+        loop.train()
+    assert loop.model.train_sizes() == [16]
+
+    with pytest.raises(ConfigError, match=r"\[auto_batch_size\] section, but train.auto_find_batch_size is false"):
+        make_loop(tmp_path, "section", mlp(), section={"probe": True})
+
+
+def test_backend_that_cannot_change_accumulation_is_refused_at_start(tmp_path):
+    class FixedAccumulation(AccelerateBackend):
+        supports_dynamic_accumulation = False  # as DeepSpeed: GA is fixed at initialisation
+
+    class Provider:
+        name = "fixed-backend"
+
+        def create_backend(self, loop):
+            return FixedAccumulation()
+
+    with pytest.raises(ConfigError) as info:
+        make_loop(tmp_path, "x", mlp(), auto_find_batch_size=True, plugins=[Provider()])
+    msg = str(info.value)
+    assert "auto_find_batch_size" in msg and "FixedAccumulation" in msg and "DeepSpeed" in msg
+
+
+def test_probe_finds_the_size_before_training_and_leaves_no_trace(tmp_path):
+    """Dropout makes the RNG matter: the run equals 4 x 4 only if the probe restored it."""
+    probe = make_loop(tmp_path, "probe", mlp(dropout=0.3, train_limit=4), auto_find_batch_size=True,
+                      section={"probe": True})
+    probe.train()
+    ref = make_loop(tmp_path, "ref", mlp(dropout=0.3), per_device_train_batch_size=4,
+                    gradient_accumulation_steps=4)
+    ref.train()
+    sizes = probe.model.train_sizes()
+    assert sizes[:3] == [16, 8, 4]  # the probe: two fake OOMs, then one micro-batch that fits
+    assert set(sizes[3:]) == {4} and len(sizes[3:]) == 8 * 4  # training never tried 16
+    assert probe.model.ooms == 2
+    assert max_diff(weights(probe), weights(ref)) <= 1e-5
+    assert losses(probe) == pytest.approx(losses(ref), rel=1e-5)
+
+
+def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
+    """Rank 1 alone hits the fake OOM (first at step 1, again mid-run at step 3 of 4); rank 0 never.
+
+    Both ranks shrink together (16 -> 8 -> 4 micro-batches), nobody hangs, and the weights equal
+    a 2-process run that never ran out of memory. Runs ``accelerate.debug_launcher`` (2 real
+    gloo processes) in a subprocess bounded by a timeout.
+    """
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([sys.executable, str(HERE / "auto_batch_two_ranks.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = {(mode, r): json.loads((tmp_path / f"{mode}.rank{r}.json").read_text())
+               for mode in ("oom", "ref") for r in (0, 1)}
+    oom0, oom1, ref0 = results["oom", 0], results["oom", 1], results["ref", 0]
+    assert [oom0["ooms"], oom1["ooms"]] == [0, 2]
+    for r in (0, 1):
+        res = results["oom", r]
+        assert res["global_step"] == ref0["global_step"] == 4
+        assert (res["train_batch_size"], res["gradient_accumulation_steps"], res["micro_batch_size"]) == (16, 1, 4)
+        assert res["shrinks"] == [[0, 8], [2, 4]]
+    w0, w1, wr = (torch.tensor(x["weights"]) for x in (oom0, oom1, ref0))
+    assert (w0 - w1).abs().max().item() == 0.0  # DDP: ranks hold the same weights
+    assert (w0 - wr).abs().max().item() <= 1e-5
+    assert oom0["losses"] == pytest.approx(ref0["losses"], rel=1e-5)
+
+
+def test_cli_run_with_probe_from_a_config_file(tmp_path):
+    """The real CLI in a subprocess: [train] auto_find_batch_size and [auto_batch_size] probe."""
+    def config(name: str, limit: int) -> Path:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(
+            f'[model]\nfactory = "{HERE / "auto_batch_toys.py"}:mlp"\nargs = {{ train_limit = {limit} }}\n'
+            f'[data]\ntrain = "{HERE / "auto_batch_toys.py"}:blobs"\n'
+            f'[train]\noutput_dir = "{tmp_path / name}"\nper_device_train_batch_size = 16\n'
+            "max_steps = 2\nsave_steps = 2\nlogging_steps = 1\nauto_find_batch_size = true\n"
+            "[auto_batch_size]\nprobe = true\n"
+        )
+        return path
+
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    ok = subprocess.run([sys.executable, "-m", "corelooper", "run", str(config("fits", 4))], env=env,
+                        capture_output=True, text=True, timeout=180)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    records = [json.loads(line) for line in (tmp_path / "fits" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train_micro_batch_size"] for r in records if "train_micro_batch_size" in r] == [8, 4]
+    state = json.loads((tmp_path / "fits" / "checkpoint-2" / "loop_state.json").read_text())
+    assert (state["global_step"], state["micro_batch_size"]) == (2, 4)
+

@@ -1,0 +1,235 @@
+"""``DeepSpeedBackend``: the loop's Backend protocol on a ``deepspeed.initialize`` engine.
+
+Driven directly (not through accelerate): no ``transformers`` needed, gloo on CPU works, and
+the loop keeps its own optimizer, scheduler and accumulation. DeepSpeed runs with
+``managed_gradient_accumulation = false``: ``backward`` accumulates, the loop's single
+``optimizer_step`` reduces, clips and updates.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import importlib
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from corelooper.errors import CheckpointError, ConfigError
+
+from . import ds_config
+
+STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint folder inside a corelooper checkpoint
+TAG = "state"
+
+
+def _env_for_one_process() -> None:
+    """Plain ``python`` (no launcher): a group of one; otherwise DeepSpeed looks for MPI."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _teardown() -> None:
+    """At exit: free engines, then leave the group in step (ZeRO-3 on CPU aborts otherwise)."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # a rank already gone: nothing left to synchronise with
+            pass
+
+
+class DeepSpeedBackend:
+    """ZeRO 0-3 data parallelism (with optional CPU offload) through a DeepSpeed engine."""
+
+    # DeepSpeed fixes train_batch_size (micro x accumulation x world) at initialize().
+    supports_dynamic_accumulation = False
+    shards_parameters = True
+
+    def __init__(self, args, section: dict, base: Path | None = None):
+        on_cuda = torch.cuda.is_available() and not args.use_cpu
+        if args.mixed_precision == "fp16" and not on_cuda:
+            raise ConfigError('train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".')
+        if not section.get("cpu_shm_comm", False):
+            # Skip the g++ build of DeepSpeed's shared-memory CPU collectives: gloo is used.
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        import deepspeed
+
+        _env_for_one_process()
+        deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
+        self.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
+        self.process_index = dist.get_rank()
+        self.num_processes = dist.get_world_size()
+        self.is_main_process = self.process_index == 0
+        self.is_local_main_process = self.local_process_index == 0
+        if on_cuda:
+            torch.cuda.set_device(self.local_process_index)
+            self.device = torch.device("cuda", self.local_process_index)
+        else:
+            self.device = torch.device("cpu")
+        self.mixed_precision = args.mixed_precision
+        self.config = ds_config.build(args, section, self.num_processes, on_cuda, base)
+        self.zero_stage = self.config["zero_optimization"]["stage"]
+        self.engine = None
+        self._grad_norm = None
+        atexit.register(_teardown)
+
+    @classmethod
+    def from_loop(cls, loop) -> DeepSpeedBackend:
+        if "fsdp" in loop.config.sections:
+            raise ConfigError(
+                "The config has both [fsdp] and [deepspeed] sections: they are two ways to shard "
+                "the same model. Keep one."
+            )
+        if getattr(loop.args, "torch_compile", False):
+            raise ConfigError(
+                "train.torch_compile = true with [deepspeed]: DeepSpeed wraps the module itself; "
+                "set torch_compile = false (or use the builtin or FSDP backend)."
+            )
+        base = loop.config.source.parent if loop.config.source else None
+        return cls(loop.args, loop.config.section("deepspeed"), base)
+
+    # -- model ---------------------------------------------------------------------------
+    def prepare(self, model, optimizer):
+        import deepspeed
+
+        model.to(self.device)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
+                                               dist_init_required=False)
+        self.engine = engine
+        # The loop's scheduler keeps stepping the optimizer it was built on: ZeRO wraps that one
+        # and shares its param_groups, so learning rates match every other backend. The loop
+        # gets the wrapper: its zero_grad keeps the buffers ZeRO-Offload reuses.
+        return engine, engine.optimizer
+
+    def prepare_model(self, model):
+        if self.engine is not None:
+            return model
+        import deepspeed
+
+        model.to(self.device)
+        config = {k: v for k, v in self.config.items() if k not in ("zero_optimization",)}
+        if self.zero_stage == 3:  # evaluation of a ZeRO-3 model: keep it partitioned
+            config["zero_optimization"] = {"stage": 3}
+        self.engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        return self.engine
+
+    def to_device(self, batch):
+        if self.device.type == "cpu":
+            return batch
+        from accelerate.utils import send_to_device
+
+        return send_to_device(batch, self.device, non_blocking=True)
+
+    def autocast(self):
+        return contextlib.nullcontext()  # DeepSpeed casts the module itself (bf16 / fp16)
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()  # unmanaged accumulation: backward never reduces early
+
+    def backward(self, loss):
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loop already normalised the loss
+
+    def clip_grad_norm(self, model, max_norm: float):
+        # DeepSpeed clips inside step() (gradient_clipping = max_grad_norm); the norm it
+        # measured is filled in after the step, before anything reads it.
+        self._grad_norm = torch.zeros((), device=self.device)
+        return self._grad_norm
+
+    def optimizer_step(self, optimizer) -> None:
+        self.engine.step()
+        if self._grad_norm is not None:
+            norm = self.engine.get_global_grad_norm()
+            if norm is not None:
+                self._grad_norm.fill_(float(norm))
+            self._grad_norm = None
+
+    def unwrap_model(self, model):
+        return getattr(model, "module", model)
+
+    # -- state -----------------------------------------------------------------------------
+    def model_state_dict(self, model):
+        """The full model on the main rank (ZeRO-3 gathers it layer by layer); {} elsewhere."""
+        if self.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+            return dict(state) if state is not None else {}
+        if not self.is_main_process:
+            return {}
+        return {k: v.detach().cpu() for k, v in self.unwrap_model(model).state_dict().items()}
+
+    def load_model_state_dict(self, model, state_dict) -> None:
+        module = self.unwrap_model(model)
+        if self.zero_stage != 3:
+            module.load_state_dict(state_dict)
+            return
+        import deepspeed
+
+        for name, param in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if self.is_main_process:
+                    param.data.copy_(state_dict[name])
+
+    def save_training_state(self, optimizer, directory) -> None:
+        """DeepSpeed's own checkpoint (module + each rank's optimizer partition)."""
+        self.engine.save_checkpoint(str(Path(directory) / STATE_DIR), tag=TAG, save_latest=False)
+
+    def load_training_state(self, optimizer, directory) -> None:
+        path = Path(directory) / STATE_DIR
+        if not (path / TAG).is_dir():
+            raise CheckpointError(
+                f"Checkpoint {str(directory)!r} has no DeepSpeed state ({STATE_DIR}/{TAG}/): it was "
+                "saved by another backend. Resume it without [deepspeed], or start a new run from "
+                "its model.safetensors."
+            )
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        if loaded is None:
+            raise CheckpointError(
+                f"DeepSpeed could not load {str(path / TAG)!r} (saved with another world size or "
+                "ZeRO stage?). Resume with the same number of processes and zero_stage."
+            )
+
+    # -- collectives -----------------------------------------------------------------------
+    def reduce_sum(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def reduce_mean(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        return self.reduce_sum(tensor) / self.num_processes
+
+    def gather(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        from corelooper.backend import gather_varlen
+
+        return gather_varlen(tensor, self.device)
+
+    def broadcast_object(self, obj):
+        if self.num_processes == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def wait_for_everyone(self) -> None:
+        if self.num_processes > 1:
+            dist.barrier()
+
+    def end(self) -> None:
+        """Drop the engine (the process group is left to the launcher and the exit handler)."""
+        self.engine = None
+        gc.collect()

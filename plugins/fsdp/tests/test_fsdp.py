@@ -1,0 +1,123 @@
+"""corelooper-fsdp on 2 real CPU processes (torchrun, gloo) against one plain process.
+
+One torchrun job runs every 2-rank scenario (start-up is the costly part); the references run
+in the test process with the builtin backend (no [fsdp] section).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests"))
+import distributed_worker as dw  # noqa: E402
+
+WRAP = {"fsdp": {"wrap": ["Block"]}}
+LM = {"fsdp": {"wrap": ["Block"], "activation_checkpointing": True, "reshard_after_forward": False,
+               "cpu_offload": True}}
+LM_TRAIN = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
+            "max_steps": 5, "save_strategy": "steps", "save_steps": 2}
+
+
+def close(a, b, tol=1e-5) -> float:
+    diff = (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+    assert diff <= tol, f"differ by {diff}"
+    return diff
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    runs = [
+        {"sections": WRAP, "train": {"per_device_train_batch_size": 4, "max_steps": 6,
+                                     "output_dir": str(tmp / "plain")}},
+        {"task": "lm", "sections": LM, "train": {**LM_TRAIN, "output_dir": str(tmp / "lm")}},
+        {"task": "lm", "sections": LM, "resume": str(tmp / "lm" / "checkpoint-2"),
+         "train": {**LM_TRAIN, "output_dir": str(tmp / "lm_resumed")}},
+        {"task": "lm", "sections": WRAP, "evaluate": False,
+         "train": {**LM_TRAIN, "mixed_precision": "bf16", "max_steps": 3, "save_strategy": "no",
+                   "output_dir": str(tmp / "bf16")}},
+        {"expect_error": True, "sections": {"fsdp": {"wrap": ["Blokc"]}},
+         "train": {"max_steps": 1, "output_dir": str(tmp / "bad")}},
+    ]
+    return tmp, runs, dw.torchrun([dict(r) for r in runs], tmp)
+
+
+def test_fsdp_shards_and_matches_one_process(fsdp_runs, tmp_path):
+    tmp, runs, results = fsdp_runs
+    for run, by_rank in zip(runs[:2], results[:2], strict=True):
+        r0, r1 = by_rank[0], by_rank[1]
+        assert r0["backend"] == "FSDPBackend" and r0["wrapped"].startswith("FSDP")
+        assert r0["world_size"] == 2
+        n_full = len(r0["full_params"])
+        # every rank holds a shard, not a replica
+        assert len(r0["local_params"]) + len(r1["local_params"]) == n_full
+        assert len(r0["local_params"]) < n_full
+        train = dict(run["train"], output_dir=str(tmp_path / run.get("task", "c")), save_strategy="no")
+        train["per_device_train_batch_size"] *= 2
+        ref = dw.run_one({"task": run.get("task", "classify"), "train": train})
+        assert ref["backend"] == "AccelerateBackend"
+        assert r0["losses"].keys() == ref["losses"].keys()
+        close(list(r0["losses"].values()), list(ref["losses"].values()))
+        if "max_grad_norm" in train:
+            close(list(r0["grad_norms"].values()), list(ref["grad_norms"].values()))
+        close(r0["full_params"], ref["full_params"])
+        assert r0["metrics"]["eval_num_predictions"] == 13
+        close([r0["metrics"]["eval_loss"]], [ref["metrics"]["eval_loss"]])
+
+
+def test_fsdp_checkpoint_is_full_safetensors_plus_sharded_state(fsdp_runs):
+    from safetensors.torch import load_file
+
+    tmp, _, results = fsdp_runs
+    ckpt = tmp / "lm" / "checkpoint-2"
+    assert (ckpt / "fsdp_state" / ".metadata").is_file()
+    assert sorted(p.name for p in (ckpt / "fsdp_state").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (ckpt / "optimizer.pt").exists()
+    # the final model: one full safetensors file a plain (unsharded) model loads
+    full = load_file(str(tmp / "lm" / "model.safetensors"))
+    model = dw.TinyLM()
+    model.load_state_dict(full)
+    close(torch.cat([full[k].reshape(-1) for k in sorted(full)]).tolist(), results[1][0]["full_params"], 0)
+
+
+def test_fsdp_resume_is_exact(fsdp_runs):
+    _, _, results = fsdp_runs
+    full, resumed = results[1][0], results[2][0]
+    assert resumed["global_step"] == 5
+    for step in ("3", "4", "5"):
+        assert resumed["losses"][step] == full["losses"][step]
+    assert resumed["full_params"] == full["full_params"]
+    for r in (0, 1):
+        assert results[2][r]["local_params"] == results[1][r]["local_params"]
+
+
+def test_fsdp_bf16_trains_close_to_fp32(fsdp_runs):
+    _, _, results = fsdp_runs
+    bf16, fp32 = results[3][0]["losses"], results[1][0]["losses"]
+    for step in ("1", "2", "3"):
+        assert abs(bf16[step] - fp32[step]) < 0.05
+    assert bf16 != {k: fp32[k] for k in bf16}, "bf16 compute had no effect"
+
+
+def test_fsdp_wrap_names_a_missing_class(fsdp_runs):
+    error = fsdp_runs[2][4][0]["error"]
+    assert error and "fsdp.wrap" in error and "Blokc" in error and "Block" in error
+
+
+def test_fsdp_is_inert_without_its_section(tmp_path):
+    ref = dw.run_one({"train": {"per_device_train_batch_size": 8, "max_steps": 1,
+                                "output_dir": str(tmp_path / "o")}, "evaluate": False})
+    assert ref["backend"] == "AccelerateBackend"
+
+
+def test_fsdp_and_deepspeed_together_are_refused(tmp_path):
+    from corelooper.errors import ConfigError
+
+    sections = {"fsdp": {}, "deepspeed": {}}
+    with pytest.raises(ConfigError, match=r"\[fsdp\] and \[deepspeed\]"):
+        dw.run_one({"sections": sections, "train": {"max_steps": 1, "output_dir": str(tmp_path)}})

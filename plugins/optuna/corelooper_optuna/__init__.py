@@ -1,0 +1,60 @@
+"""corelooper-optuna: hyper-parameter search with Optuna, configured in ``[optuna]``.
+
+``corelooper hpo CONFIG --trials N`` runs the study (``corelooper_optuna.search``). As an
+installed plugin this module only declares the ``[optuna]`` section, so configs that carry one
+validate (and ``corelooper plugins`` lists its keys); it changes nothing in ``corelooper run``.
+During a study each trial's ``Loop`` gets a ``TrialReporter`` that reports every evaluation to
+Optuna and stops the trial when the pruner says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+SECTION = "optuna"
+DEFAULTS: dict[str, Any] = {
+    "n_trials": 10,  # total trials of the study (`--trials` overrides)
+    "metric": "",  # default: train.metric_for_best_model, else eval_loss
+    "direction": "",  # "minimize" | "maximize"; default: from train.greater_is_better / the name
+    "study_name": "",  # default: the name of train.output_dir
+    "storage": "",  # default: sqlite:///<train.output_dir>/optuna.db (resumable)
+    "sampler": "tpe",  # "tpe" | "random"
+    "seed": 0,  # the sampler's seed
+    "pruner": "median",  # "median" | "none"
+    "n_startup_trials": 2,  # the pruner prunes nothing before this many trials are complete
+    "n_warmup_steps": 0,  # ... nor at evaluations before this global step
+    "enqueue": [],  # parameter sets to try first, e.g. [{ "train.learning_rate" = 3e-3 }]
+    "space": {},  # "section.key" = { low, high[, log, step] } | [choices]
+}
+
+
+def corelooper_config_sections() -> dict[str, dict[str, Any]]:
+    return {SECTION: dict(DEFAULTS)}
+
+
+class TrialReporter:
+    """Per-trial plugin: ``on_evaluate`` reports the watched metric; prunes when Optuna says so."""
+
+    name = "optuna_trial"
+
+    def __init__(self, trial, metric: str):
+        self.trial = trial
+        self.metric = metric
+        self.pruned_at: int | None = None
+        self.last: float | None = None
+
+    def on_evaluate(self, state, control, metrics: dict) -> None:
+        if self.metric not in metrics:
+            from corelooper.errors import ConfigError
+
+            raise ConfigError(
+                f"optuna.metric = {self.metric!r} is not among the evaluation metrics {sorted(metrics)}; "
+                "set optuna.metric (or train.metric_for_best_model) to one of them."
+            )
+        self.last = float(metrics[self.metric])
+        self.trial.report(self.last, state.global_step)
+        if self.trial.should_prune():
+            self.pruned_at = state.global_step
+            control.should_training_stop = True

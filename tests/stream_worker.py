@@ -1,0 +1,50 @@
+"""Streaming runs for tests/test_streaming.py, in every rank of a torchrun job.
+
+``torchrun --nproc_per_node 2 tests/stream_worker.py OUT`` trains on a 64-sample stream with 2
+dataloader workers per process (4 shards... 2 x 2), saving at step 5, then resumes from
+checkpoint-5 in a fresh Loop; once for a stream with state_dict/load_state_dict and once for one
+without. Each rank writes ``OUT/result.rank<R>.json``: the stream indices its model saw, per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+
+from streams import Recorder, StatefulStream, Stream  # noqa: E402
+
+from corelooper.config import TrainArgs  # noqa: E402
+from corelooper.loop import Loop  # noqa: E402
+
+
+def args(out: Path, **kw) -> TrainArgs:
+    return TrainArgs(output_dir=str(out), max_steps=16, save_steps=5, per_device_train_batch_size=2,
+                     dataloader_num_workers=2, logging_steps=4, disable_tqdm=True, learning_rate=1e-2,
+                     **kw)
+
+
+def run(out: Path, make) -> dict:
+    model = Recorder()
+    Loop(model, args(out, overwrite_output_dir=True), train_dataset=make()).train()
+    resumed = Recorder()
+    Loop(resumed, args(out), train_dataset=make()).train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    return {"first": model.seen, "resumed": resumed.seen,
+            "params_first": [p.tolist() for p in model.parameters()],
+            "params_resumed": [p.tolist() for p in resumed.parameters()]}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rank = int(os.environ.get("RANK", 0))
+    result = {"stateful": run(out / "stateful", lambda: StatefulStream(64)),
+              "stateless": run(out / "stateless", lambda: Stream(64))}
+    (out / f"result.rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The real ``corelooper`` CLI, run as a subprocess."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+from corelooper import hookspecs
+from corelooper.config import Config
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_digits_example_reaches_the_accuracy_bar(cli, tmp_path):
+    out = tmp_path / "digits"
+    r = cli("run", "examples/digits/config.toml", "--set", f"train.output_dir={out}",
+            "--set", "train.logging_steps=25", "-p", "no:tensorboard")
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    evals = [rec for rec in records if rec["event"] == "eval"]
+    assert len(evals) == 10  # eval_strategy = "epoch", 10 epochs
+    assert evals[-1]["eval_accuracy"] >= 0.95, evals[-1]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    logs = [rec for rec in records if rec["event"] == "log" and "loss" in rec]
+    assert [rec["step"] for rec in logs][:3] == [25, 50, 75]  # the --set override took effect
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    # the resolved config is written to output_dir, overrides included, and loads back
+    resolved = Config.load(out / "config.toml")
+    assert resolved.train.output_dir == str(out) and resolved.train.logging_steps == 25
+    assert resolved.train.learning_rate == 3e-3 and resolved.model.args == {"hidden": 128, "dropout": 0.1}
+    assert (out / "model.safetensors").is_file()
+    assert "eval_accuracy" in r.stdout  # the console plugin printed the evaluations
+
+
+def test_help_lists_commands_and_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "from corelooper.cli.app import main\n"
+        "sys.argv = ['corelooper', '--help']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for command in ("run", "plugins", "hooks", "--version"):
+        assert command in r.stdout
+    assert "EXIT 0" in r.stdout and "TORCH False" in r.stdout
+
+
+def test_run_help(cli):
+    r = cli("run", "--help")
+    assert r.returncode == 0
+    for option in ("--set", "-p", "--resume-from-checkpoint", "--traceback", "CONFIG"):
+        assert option in r.stdout
+
+
+def test_version_from_the_installed_console_script():
+    script = Path(sys.executable).parent / "corelooper"
+    r = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert r.stdout.strip() == f"corelooper {importlib.metadata.version('corelooper')}"
+
+
+def test_hooks_lists_every_hook_with_its_doc(cli):
+    r = cli("hooks")
+    assert r.returncode == 0, r.stderr
+    for name in ("corelooper_config_sections", *hookspecs.PROVIDERS, *hookspecs.EVENTS):
+        doc_first_line = getattr(hookspecs, name).__doc__.strip().splitlines()[0].strip()
+        assert f"\n{name}(" in "\n" + r.stdout, name
+        assert doc_first_line in r.stdout, name
+    assert "compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool)  [provider, firstresult]" in r.stdout
+
+
+def test_set_override_of_a_plugin_section_and_bad_set_syntax(cli, tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[thirdparty]\nmarker = \"\"\n")
+    r = cli("plugins", "--config", str(config), "--set", "thirdparty.optimizer=sgd")
+    assert r.returncode == 0, r.stderr
+    r = cli("plugins", "--config", str(config), "--set", "optimizer")
+    assert r.returncode == 2 and "--set 'optimizer': expected KEY=VALUE" in r.stderr

@@ -1,0 +1,72 @@
+"""``corelooper run CONFIG --nproc 2`` as a real subprocess on the digits example."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "examples/digits/config.toml"
+SHORT = ["--set", "train.num_train_epochs=1", "--set", "model.args.dropout=0.0",
+         "--set", "train.logging_steps=4"]
+
+
+def corelooper(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "corelooper", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    two = corelooper(tmp_path, "run", CONFIG, "--nproc", "2", *SHORT,
+                     "--set", f"train.output_dir={tmp_path / 'two'}")
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "batch 64 x 1 accumulation x 2 processes" in two.stdout
+    assert two.stdout.count("corelooper: training") == 1  # only the main process reports
+    one = corelooper(tmp_path, "run", CONFIG, *SHORT, "--set", "train.per_device_train_batch_size=128",
+                     "--set", f"train.output_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-4000:]
+
+    def logs(run):
+        lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [x for x in lines if "loss" in x and "train_runtime" not in x]
+
+    assert [x["step"] for x in logs("two")] == [4, 8, 12]  # one line per step: one writer
+    for a, b in zip(logs("two"), logs("one"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
+    w2, w1 = load_file(str(tmp_path / "two" / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
+    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) <= 1e-5
+    ckpt = tmp_path / "two" / "checkpoint-12"
+    assert sorted(p.name for p in ckpt.glob("rng_state_*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    evals = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+             if "eval_accuracy" in x]
+    one_evals = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+                 if "eval_accuracy" in x]
+    assert len(evals) == 1 and abs(evals[0]["eval_accuracy"] - one_evals[0]["eval_accuracy"]) < 1e-6
+
+
+def test_a_crash_in_one_rank_ends_all_ranks_naming_it(tmp_path):
+    plugin = tmp_path / "crash_rank1.py"
+    plugin.write_text(
+        "import os\n\n\n"
+        "def on_step_end(state):\n"
+        "    if os.environ.get('RANK') == '1' and state.global_step == 3:\n"
+        "        raise RuntimeError('rank one breaks on purpose')\n"
+    )
+    proc = corelooper(tmp_path, "run", CONFIG, "--nproc", "2", *SHORT, "-p", str(plugin),
+                      "--set", "train.load_best_model_at_end=false", "--set", "train.save_strategy=steps",
+                      "--set", "train.save_steps=2", "--set", f"train.output_dir={tmp_path / 'out'}",
+                      timeout=120)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()
+    error = next(line for line in last if line.startswith("corelooper: error: rank"))
+    assert "rank 1 of 2" in error and "rank one breaks on purpose" in error
+    assert "on_step_end" in error and "other ranks were stopped" in error
+    # the checkpoint saved before the crash is intact; nothing half-written is left
+    assert sorted(p.name for p in (tmp_path / "out").glob("*checkpoint-*")) == ["checkpoint-2"]
+    assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").is_file()

@@ -1,0 +1,99 @@
+"""Every hookspec has a docstring and is documented in docs/hooks.md (as datasette does it).
+
+``python tests/test_hooks_documented.py`` rewrites docs/hooks.md from corelooper/hookspecs.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+from conftest import REPO
+
+from corelooper import hookspecs
+
+DOCS = REPO / "docs" / "hooks.md"
+REGENERATE = "run `python tests/test_hooks_documented.py` to rewrite docs/hooks.md from the hookspecs"
+
+
+def all_hookspecs() -> dict[str, object]:
+    return {name: fn for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+            if hasattr(fn, f"{hookspecs.PROJECT}_spec")}
+
+
+def signature(fn) -> str:
+    return fn.__name__ + str(inspect.signature(fn)).split(" ->")[0].replace("'", "")
+
+
+def test_hook_lists_cover_every_spec():
+    """EVENTS/PROVIDERS drive `corelooper hooks` and the docs: a spec outside them is hidden."""
+    assert set(all_hookspecs()) == {"corelooper_config_sections", *hookspecs.EVENTS, *hookspecs.PROVIDERS}
+    for name in hookspecs.PROVIDERS:
+        assert getattr(hookspecs, name).corelooper_spec["firstresult"], name
+
+
+@pytest.mark.parametrize("name", sorted(all_hookspecs()))
+def test_hookspec_has_a_docstring(name):
+    doc = inspect.getdoc(all_hookspecs()[name]) or ""
+    assert len(doc.split()) >= 5, f"hookspec {name} needs a docstring: when it fires, what it gets, what it returns"
+
+
+@pytest.mark.parametrize("name", sorted(all_hookspecs()))
+def test_hookspec_is_documented_with_its_signature(name):
+    text = DOCS.read_text()
+    assert f"### `{name}`" in text, f"docs/hooks.md has no section for {name}: {REGENERATE}"
+    section = text.split(f"### `{name}`", 1)[1].split("\n### ", 1)[0]
+    assert f"`{signature(all_hookspecs()[name])}`" in section, f"{name}'s signature is stale: {REGENERATE}"
+
+
+def test_docs_list_no_hook_that_does_not_exist():
+    documented = set(re.findall(r"^### `(\w+)`", DOCS.read_text(), re.M))
+    assert documented == set(all_hookspecs())
+
+
+INTRO = """\
+# Hooks
+
+Every hook corelooper calls, generated from `corelooper/hookspecs.py` (the source of truth;
+`corelooper hooks` prints the same) by `python tests/test_hooks_documented.py`. The tests fail
+when a hook is missing here or has no docstring.
+
+- **Events** (`on_*`) keep the Hugging Face `TrainerCallback` names. Each receives `loop`, `state`
+  and `control` by name, plus its own arguments; an implementation takes any subset of them
+  (pluggy's rule): `def on_step_end(state, control): ...` is a complete plugin. Events return
+  nothing; a plugin changes the run through `control` (e.g. `control.should_training_stop = True`).
+- **Providers** are `firstresult`: the first implementation that returns something other than
+  `None` answers. The builtin plugin implements each with `trylast=True`, so any other plugin wins.
+  Among installed plugins the name that sorts first is asked first; local plugins
+  (`[plugins] local`) and objects passed to `Loop(plugins=[...])` come before installed ones.
+  `corelooper plugins` shows which plugin answers each provider.
+- A function named like a hook is an implementation even without `@hookimpl` (as in pytest); a
+  name close to a hook's that is not one (`on_step_ends`) is an error, not silently ignored.
+"""
+
+
+def render() -> str:
+    module_doc = inspect.getdoc(hookspecs)
+    order = module_doc[module_doc.index("Order of events"):].split("::", 1)[1].strip("\n")
+    out = [INTRO, "## Order of events in `Loop.train()`", "", "```", order, "```", ""]
+    specs = all_hookspecs()
+    groups = [("Configuration", ["corelooper_config_sections"]), ("Providers", list(hookspecs.PROVIDERS)),
+              ("Events", list(hookspecs.EVENTS))]
+    listed = {n for _, names in groups for n in names}
+    groups.append(("Other hooks", sorted(set(specs) - listed)))
+    for title, names in groups:
+        if not names:
+            continue
+        out += [f"## {title}", ""]
+        for name in names:
+            kind = "provider (firstresult)" if specs[name].corelooper_spec.get("firstresult") else (
+                "event" if name.startswith("on_") else "declaration")
+            out += [f"### `{name}`", "", f"`{signature(specs[name])}` — {kind}", "",
+                    inspect.getdoc(specs[name]) or "", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    DOCS.write_text(render())
+    print(f"wrote {DOCS}")

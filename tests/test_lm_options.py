@@ -1,0 +1,137 @@
+"""train.gradient_checkpointing / torch_compile / tf32, and the model-FLOPs estimate behind MFU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corelooper import Loop
+from corelooper.errors import ConfigError
+from corelooper.model_options import enable_gradient_checkpointing
+from corelooper.throughput import ThroughputMeter, flops_per_token, non_embedding_parameters
+
+
+class Block(torch.nn.Module):
+    calls = 0
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        Block.calls += 1
+        return x + torch.tanh(self.lin(x))
+
+
+class Deep(torch.nn.Module):
+    def __init__(self, d=16, n=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _grads(model, x, y):
+    model.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_plain_module_checkpointing_recomputes_blocks_and_keeps_loss_and_grads():
+    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 3] * 2)
+    plain, ckpt = Deep(), Deep()
+    loss0, g0 = _grads(plain, x, y)
+    assert enable_gradient_checkpointing(ckpt) == 3
+    Block.calls = 0
+    loss1, g1 = _grads(ckpt, x, y)
+    assert Block.calls == 6  # each block's forward ran again during backward
+    assert torch.equal(loss0, loss1)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    ckpt.eval()
+    Block.calls = 0
+    with torch.no_grad():
+        ckpt(x)
+    assert Block.calls == 3  # no checkpointing outside training
+    assert list(ckpt.state_dict()) == list(plain.state_dict())
+
+
+def test_checkpointing_a_model_without_blocks_is_a_clear_error():
+    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+        enable_gradient_checkpointing(torch.nn.Linear(3, 3))
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+
+
+def _lm_data(n=16, seq=12):
+    ids = torch.randint(0, 64, (n, seq), generator=torch.Generator().manual_seed(2))
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def test_hf_gradient_checkpointing_trains_identically(tmp_path):
+    pytest.importorskip("transformers")
+    runs = {}
+    for flag in (False, True):
+        loop = Loop(_tiny_llama(), {"train": {"output_dir": str(tmp_path / str(flag)), "max_steps": 3,
+                                              "save_strategy": "no", "logging_steps": 1, "learning_rate": 1e-2,
+                                              "per_device_train_batch_size": 4, "gradient_checkpointing": flag}},
+                    train_dataset=_lm_data())
+        loop.train()
+        assert loop.model.is_gradient_checkpointing is flag
+        runs[flag] = ([h["loss"] for h in loop.state.log_history if "loss" in h][:3],
+                      [p.detach() for p in loop.model.parameters()])
+    assert runs[True][0] == pytest.approx(runs[False][0], abs=1e-6)
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_and_tf32_are_applied(tmp_path):
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        data = [(torch.randn(16), torch.tensor(i % 4)) for i in range(16)]
+        losses = {}
+        for compiled in (False, True):
+            train = {"output_dir": str(tmp_path / str(compiled)), "max_steps": 2, "save_strategy": "no",
+                     "logging_steps": 1, "per_device_train_batch_size": 8, "tf32": True}
+            if compiled:  # the eager backend: the torch.compile path without minutes of C++ compiling
+                train.update(torch_compile=True, torch_compile_backend="eager")
+            loop = Loop(Deep(), {"train": train}, train_dataset=data)
+            loop.train()
+            model = loop.backend.unwrap_model(loop.model)
+            assert (getattr(model, "_compiled_call_impl", None) is not None) is compiled
+            losses[compiled] = [h["loss"] for h in loop.state.log_history if "loss" in h][:2]
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert losses[True] == pytest.approx(losses[False], abs=1e-6)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_flops_per_token_follows_the_formula():
+    pytest.importorskip("transformers")
+    model = _tiny_llama()
+    d, i, L, V, kv = 32, 64, 2, 64, 2 * (32 // 4)
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * i + 2 * d  # q, k, v, o, mlp, two norms
+    n = L * per_layer + d + V * d  # + final norm + (tied) output head, a matmul
+    assert non_embedding_parameters(model) == n
+    assert flops_per_token(model, 128) == 6 * n + 12 * L * d * 128
+    meter = ThroughputMeter(model, peak_flops=1e9, world_size=2)
+    logs = meter.logs(tokens=1000, samples=10, elapsed=2.0, tokens_seen=5000)
+    per = 6 * n + 12 * L * d * 100
+    assert logs["model_flops_per_token"] == per
+    assert logs["mfu"] == pytest.approx(per * 1000 / 2.0 / 2e9, rel=1e-5)
+    assert "mfu" not in ThroughputMeter(model, None, 1).logs(1000, 10, 2.0, 5000)
+    # A plain module: 6N, embeddings excluded.
+    emb = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 8))
+    assert flops_per_token(emb, 50) == 6 * (8 * 8 + 8)

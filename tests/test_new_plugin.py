@@ -1,0 +1,63 @@
+"""``corelooper new-plugin NAME``: the skeleton it writes installs, is found through its entry point,
+and its own tests pass (run by pytest in a subprocess, with corelooper.testing's fixtures). The
+tutorial package of docs/plugins.md is installed and tested in the same pip and pytest calls."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+
+from conftest import run_cli
+from test_plugins_doc import write_tutorial
+
+PIP = [sys.executable, "-m", "pip"]
+
+
+def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(tmp_path):
+    dest = tmp_path / "corelooper-grad-stats"
+    made = run_cli("new-plugin", "grad_stats", "--dir", str(dest))
+    assert made.returncode == 0, made.stderr
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
+        "README.md", "corelooper_grad_stats/__init__.py", "pyproject.toml", "tests/test_grad_stats.py",
+    ]
+    assert 'grad_stats = "corelooper_grad_stats:plugin"' in (dest / "pyproject.toml").read_text()
+
+    tutorial = tmp_path / "lossguard"
+    write_tutorial(tutorial)
+
+    install = subprocess.run(
+        [*PIP, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(dest), "-e", str(tutorial)],
+        capture_output=True, text=True, timeout=300,
+    )
+    try:
+        assert install.returncode == 0, install.stderr
+        eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="corelooper")}
+        assert eps.get("grad_stats") == "corelooper_grad_stats:plugin"
+        assert eps.get("lossguard") == "corelooper_lossguard"
+        tests = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
+             str(dest / "tests"), str(tutorial / "tests")],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )
+        assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
+        assert tests.stdout.count("test_grad_stats.py::") == 3 and tests.stdout.count("test_lossguard.py::") == 2
+        assert "5 passed" in tests.stdout
+    finally:  # never leave them installed: every other test would load them
+        subprocess.run([*PIP, "uninstall", "-y", "-q", "corelooper-grad-stats", "corelooper-lossguard"],
+                       capture_output=True, timeout=300)
+    names = {ep.name for ep in importlib.metadata.entry_points(group="corelooper")}
+    assert "grad_stats" not in names and "lossguard" not in names
+
+
+def test_new_plugin_refuses_bad_names_and_non_empty_folders(tmp_path):
+    bad = run_cli("new-plugin", "Grad-Stats", "--dir", str(tmp_path / "x"))
+    assert bad.returncode != 0
+    assert "Plugin name 'Grad-Stats' is not usable" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x").exists()
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    busy = run_cli("new-plugin", "ok", "--dir", str(tmp_path / "busy"))
+    assert busy.returncode != 0 and "already exists and is not an empty folder" in busy.stderr
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["keep.txt"]

@@ -1,0 +1,62 @@
+"""`corelooper plot`: a PNG of loss, LR, grad norm and eval metrics from real runs' metrics.jsonl."""
+
+from __future__ import annotations
+
+import pytest
+
+from corelooper.testing import build_loop
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    dirs = []
+    for lr in (0.05, 0.01):
+        out = base / f"lr{lr}"
+        loop = build_loop(output_dir=out, learning_rate=lr, save_strategy="no", max_grad_norm=1.0,
+                          lr_scheduler_type="linear")
+        loop.train()
+        dirs.append(out)
+    return dirs
+
+
+def png_panels(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.load()
+        assert im.format == "PNG"
+        return im.size, im.text["Description"].removeprefix("panels: ").split(", ")
+
+
+def test_plot_two_runs_has_one_panel_per_quantity(two_runs, cli, tmp_path):
+    out = tmp_path / "compare.png"
+    proc = cli("plot", *map(str, two_runs), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    size, panels = png_panels(out)
+    # the tiny task logs loss, learning_rate, grad_norm; evaluates eval_loss and eval_accuracy
+    assert panels == ["loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy"]
+    # 5 panels in a 3 x 2 grid at 110 dpi
+    assert size == (round(4.6 * 3 * 110), round(3.3 * 2 * 110))
+
+
+def test_plot_series_are_the_logged_numbers(two_runs):
+    import json
+
+    from corelooper.plot import read_metrics, series
+
+    s = series(read_metrics(two_runs[0]))
+    logged = [json.loads(line) for line in (two_runs[0] / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in logged if r["event"] == "eval"]
+    assert s["eval_loss"] == ([r["step"] for r in evals], [r["eval_loss"] for r in evals])
+    assert s["learning_rate"][0] == [2, 4, 6, 8]  # logging_steps 2; the summary is not a point
+    assert s["learning_rate"][1] == pytest.approx([0.05 * (8 - k) / 8 for k in (2, 4, 6, 8)])
+
+
+def test_plot_default_output_and_errors(two_runs, cli, tmp_path):
+    proc = cli("plot", str(two_runs[1]))
+    assert proc.returncode == 0, proc.stderr
+    assert png_panels(two_runs[1] / "metrics.png")[1][0] == "loss"
+    proc = cli("plot", str(tmp_path / "nope"))
+    assert proc.returncode != 0
+    assert "has no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,150 @@
+"""predict()/`corelooper predict`/`corelooper eval`: outputs in dataset order, files, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from corelooper.predict import OutputAccumulator, read_predictions
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+from predict_task import blobs_37  # noqa: E402
+from toys import mlp  # noqa: E402
+
+CONFIG = """
+[model]
+factory = "{tests}/toys.py:mlp"
+[data]
+train = "{tests}/toys.py:blobs_train"
+eval = "{tests}/toys.py:blobs_eval"
+test = "{tests}/predict_task.py:blobs_37"
+[train]
+output_dir = "{out}"
+max_steps = 6
+per_device_train_batch_size = 8
+per_device_eval_batch_size = 4
+learning_rate = 0.05
+logging_steps = 3
+save_steps = 6
+disable_tqdm = true
+[plugins]
+local = ["{tests}/predict_task.py"]
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A config and a trained checkpoint (trained in this process), plus the expected outputs:
+    the checkpoint's model applied to the test set in order."""
+    from safetensors.torch import load_file
+
+    from corelooper.config import Config
+    from corelooper.loop import Loop
+
+    base = tmp_path_factory.mktemp("predict")
+    cfg = base / "config.toml"
+    cfg.write_text(CONFIG.format(tests=TESTS, out=base / "run"))
+    os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    try:
+        Loop(config=Config.load(cfg)).train()
+    finally:
+        os.environ.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD")
+    model = mlp()
+    model.load_state_dict(load_file(str(base / "run" / "checkpoint-6" / "model.safetensors")))
+    data = blobs_37()
+    with torch.no_grad():
+        logits = model(data.x)
+    return base, cfg, logits, data.y
+
+
+def run(args, cwd, nproc: int = 1):
+    env = {**os.environ, "TMPDIR": str(cwd), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
+           "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    launch = [sys.executable, "-m", "corelooper"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "corelooper"]
+    return subprocess.run([*launch, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_predict_across_2_processes_is_in_dataset_order(trained):
+    base, cfg, logits, labels = trained
+    out = base / "preds2.safetensors"
+    proc = run(["predict", str(cfg), "--checkpoint", "latest", "--output", str(out)], base, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    preds, label_ids, metrics = read_predictions(out)
+    assert preds.shape == (37, 4)  # 19 + 18 rows: no padding duplicates
+    torch.testing.assert_close(preds, logits, rtol=1e-5, atol=1e-6)
+    assert torch.equal(label_ids, labels)
+    expected_loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert metrics["test_loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert metrics["test_accuracy"] == pytest.approx((logits.argmax(-1) == labels).float().mean().item())
+    assert metrics["test_count"] == 37
+    assert json.loads((base / "preds2.metrics.json").read_text()) == metrics
+
+
+def test_predict_jsonl_one_process(trained):
+    base, cfg, logits, labels = trained
+    out = base / "preds.jsonl"
+    proc = run(["predict", str(cfg), "--checkpoint", str(base / "run" / "checkpoint-6"), "-o", str(out)], base)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(37))
+    assert [r["label_ids"] for r in rows] == labels.tolist()
+    torch.testing.assert_close(torch.tensor([r["prediction"] for r in rows]), logits, rtol=1e-4, atol=1e-5)
+    assert "test_loss" in json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_eval_command_prints_the_checkpoints_metrics(trained):
+    from toys import blobs_eval
+
+    base, cfg, _, _ = trained
+    proc = run(["eval", str(cfg), "--checkpoint", str(base / "run")], base)  # output_dir's final model
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout.splitlines()[-1])
+    from safetensors.torch import load_file
+
+    model = mlp()
+    model.load_state_dict(load_file(str(base / "run" / "model.safetensors")))
+    data = blobs_eval()
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(data.x), data.y).item()
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["eval_count"] == 32
+
+
+def test_bad_checkpoint_and_output_are_one_paragraph_errors(trained):
+    base, cfg, _, _ = trained
+    proc = run(["predict", str(cfg), "--checkpoint", str(base / "missing")], base)
+    assert proc.returncode != 0 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    from corelooper.errors import ConfigError
+    from corelooper.predict import write_predictions
+
+    with pytest.raises(ConfigError, match=r"p.csv.*\.safetensors or \.jsonl"):
+        write_predictions(base / "p.csv", torch.zeros(2, 2), None, {})
+
+
+def test_eval_accumulation_steps_moves_outputs_in_chunks_and_pads():
+    acc = OutputAccumulator(steps=2)
+    for n, length in enumerate([3, 5, 4, 2, 5]):
+        acc.add(torch.full((2, length), float(n)), torch.full((2, length), n))
+    assert len(acc._cpu_preds) == 2 and len(acc._preds) == 1  # 2 chunks offloaded, 1 batch pending
+    preds, labels = acc.local()
+    assert preds.shape == (10, 5) and labels.shape == (10, 5)
+    assert preds[0].tolist() == [0, 0, 0, -100, -100]  # shorter rows padded with -100, as HF
+    assert labels[6].tolist() == [3, 3, -100, -100, -100]
+
+
+def test_predict_same_with_and_without_accumulation(make_loop):
+    loop = make_loop(eval_accumulation_steps=1)
+    p1, l1, m1 = loop.predict(loop.eval_dataset)
+    loop.args.eval_accumulation_steps = None
+    p2, l2, m2 = loop.predict(loop.eval_dataset)
+    assert torch.equal(p1, p2) and torch.equal(l1, l2) and m1 == m2
+    assert p1.shape[0] == len(loop.eval_dataset)

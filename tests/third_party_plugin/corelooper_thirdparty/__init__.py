@@ -1,0 +1,1 @@
+"""A third-party corelooper plugin package for corelooper's tests."""
