@@ -1,9 +1,9 @@
 """Scaling from 1 to 2 processes on CPU (gloo): corelooper's DDP, FSDP2, ZeRO-2 and ZeRO-3
 backends, and a hand-written torch DDP loop on the same workload for a ratio.
 
-usage: python benchmarks/scaling.py [--steps 40] [--warmup 5] [--repeats 2] [--only ddp,fsdp,...]
+usage: python benchmarks/scaling.py [--steps 30] [--warmup 5] [--repeats 2] [--only ddp,fsdp,...]
 
-Workload: a causal MLP-mixer LM (vocab 512, dim 256, 4 residual blocks, seq 64), per-process
+Workload: a causal MLP LM (vocab 512, dim 128, 2 residual blocks, seq 64), per-process
 batch 8 (weak scaling: the global batch grows with the processes), AdamW, no eval/checkpoints.
 Each configuration runs under ``torch.distributed.run``; rank 0 times steps warmup..steps
 (after the first steps' lazy imports and allocations). 1 process runs with 1 and with 2 threads,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-VOCAB, DIM, BLOCKS, SEQ, BATCH = 512, 256, 4, 64, 8
+VOCAB, DIM, BLOCKS, SEQ, BATCH = 512, 128, 2, 64, 8
 SECTIONS = {
     "ddp": {},
     "fsdp": {"fsdp": {"wrap": ["Block"]}},
@@ -143,7 +143,7 @@ def run_config(kind: str, nproc: int, threads: int, steps: int, warmup: int) -> 
 def main() -> None:
     args = sys.argv[1:]
     opt = {k: v for k, v in zip(args[::2], args[1::2], strict=False)}
-    steps, warmup = int(opt.get("--steps", 40)), int(opt.get("--warmup", 5))
+    steps, warmup = int(opt.get("--steps", 30)), int(opt.get("--warmup", 5))
     repeats = int(opt.get("--repeats", 2))
     kinds = opt.get("--only", "raw,ddp,fsdp,zero2,zero3").split(",")
     layouts = [(1, 1), (1, 2), (2, 1)]  # (processes, threads per process)

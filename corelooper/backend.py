@@ -27,6 +27,9 @@ class Backend(Protocol):
     mixed_precision: str
     #: False when the backend cannot change gradient accumulation mid-run (auto batch size).
     supports_dynamic_accumulation: bool
+    #: True when each rank holds only a shard of the parameters (FSDP, ZeRO-3): a plugin that
+    #: needs the whole model on every rank must refuse at start-up (getattr default: False).
+    shards_parameters: bool
 
     def prepare(self, model, optimizer):
         """Wrap model and optimizer for the hardware; returns ``(model, optimizer)``."""
@@ -65,6 +68,7 @@ class AccelerateBackend:
     """
 
     supports_dynamic_accumulation = True
+    shards_parameters = False
 
     def __init__(self, mixed_precision: str = "no", use_cpu: bool = False):
         from accelerate import Accelerator

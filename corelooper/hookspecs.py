@@ -229,7 +229,9 @@ def on_step_end(loop, state, control) -> None:
 def on_log(loop, state, control, logs: dict) -> None:
     """When the loop logs (every ``logging_steps`` and at the end). ``logs`` holds ``loss``,
     ``learning_rate``, ``grad_norm``, ``epoch``, throughput and anything plugins added; the
-    same dict is appended to ``state.log_history`` with ``step``. Main process only."""
+    same dict is appended to ``state.log_history`` with ``step``. Main process only. To add
+    values (e.g. DPO reward margins), update ``logs`` in a ``tryfirst`` implementation: loggers
+    then see them, and they are kept in ``log_history``."""
 
 
 @hookspec

@@ -1,8 +1,8 @@
 """``train.gradient_checkpointing``, ``train.torch_compile`` and ``train.tf32``, applied once before
 the optimizer is built.
 
-Gradient checkpointing: HF models use their own ``gradient_checkpointing_enable`` (non-reentrant
-checkpoints, as HF recommends). A plain module is checkpointed block by block: every child of
+Gradient checkpointing: HF models use their own ``activation_checkpointing_enable`` (transformers
+5) or ``gradient_checkpointing_enable`` (non-reentrant checkpoints, as HF recommends). A plain module is checkpointed block by block: every child of
 every ``nn.ModuleList`` (the usual container of transformer/residual blocks) recomputes its
 forward during backward instead of keeping activations. A model without a ``ModuleList`` can
 define ``gradient_checkpointing_enable()`` itself.
@@ -32,7 +32,13 @@ def _checkpointed(module: torch.nn.Module, forward):
 def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     """Turn on activation checkpointing; returns the number of checkpointed blocks (-1: the
     model's own ``gradient_checkpointing_enable`` did it)."""
+    newer = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
     enable = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(newer):
+        newer(activation_checkpointing_kwargs={"use_reentrant": False})
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False
+        return -1
     if callable(enable):
         try:
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})

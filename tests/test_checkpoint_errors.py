@@ -146,10 +146,12 @@ def test_cli_truncated_weights(project):
     assert snapshot(project / "out") == before  # config.toml, metrics.jsonl, checkpoints untouched
 
 
-def test_cli_resume_with_another_model_config(project):
+def test_resume_with_another_model_config(project):
     before = snapshot(project / "out")
-    result = cli(project, "--resume-from-checkpoint", "latest", "--set", "model.args.hidden=32")
-    assert_one_paragraph(result, "belongs to a different run", "model.args", "'hidden': 16", "'hidden': 32")
+    loop = loop_for(project, **{"model.args.hidden": 32})
+    with pytest.raises(CheckpointError, match=r"belongs to a different run \(model.args: checkpoint "
+                                              r"\{'hidden': 16\} vs config \{'hidden': 32\}\)"):
+        loop.train(resume_from_checkpoint="latest")
     assert snapshot(project / "out") == before
 
 

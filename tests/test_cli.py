@@ -37,6 +37,7 @@ def test_digits_example_reaches_the_accuracy_bar(cli, tmp_path):
     assert resolved.train.learning_rate == 3e-3 and resolved.model.args == {"hidden": 128, "dropout": 0.1}
     assert (out / "model.safetensors").is_file()
     assert "eval_accuracy" in r.stdout  # the console plugin printed the evaluations
+    assert "[step 25/230] loss=" in r.stdout and "━" not in r.stdout  # plain lines: not a terminal
 
 
 def test_help_lists_commands_and_does_not_import_torch():
@@ -85,3 +86,35 @@ def test_set_override_of_a_plugin_section_and_bad_set_syntax(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     r = cli("plugins", "--config", str(config), "--set", "optimizer")
     assert r.returncode == 2 and "--set 'optimizer': expected KEY=VALUE" in r.stderr
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
+    """The console plugin draws a rich progress bar when stdout is a terminal (a real pty here)."""
+    import os
+    import pty
+
+    toys = REPO / "tests" / "toys.py"
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[model]\nfactory = "{toys}:mlp"\n[data]\ntrain = "{toys}:blobs_train"\n'
+        f'[train]\noutput_dir = "{tmp_path / "out"}"\nmax_steps = 16\nsave_strategy = "no"\nlogging_steps = 8\n'
+    )
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm", "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "corelooper", "run", str(config)], stdout=secondary,
+                            stderr=secondary, cwd=REPO, env=env)
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            data = os.read(primary, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(primary)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert "16/16" in shown and "━" in shown  # rich's bar with its M/N column
+    assert "[step 8/16] loss=" in shown  # log lines are printed above the bar

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import distributed_worker as dw  # noqa: E402
 
 
-
 def params(result) -> torch.Tensor:
     return torch.tensor(result["local_params"], dtype=torch.float64)
 

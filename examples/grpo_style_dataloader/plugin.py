@@ -3,9 +3,8 @@
 ``compute_loss`` provider with GRPO's clipped, group-relative objective.
 
 Per generation batch (``per_device_train_batch_size * steps_per_generation`` rows): each prompt
-gets ``num_generations`` sampled completions from the current policy; reward = the share of the
-reference answer reproduced (common prefix of the completion's text with the true end of the
-line); advantage = reward normalised within the prompt's group, (r - mean) / (std + 1e-4). The old
+gets ``num_generations`` sampled completions from the current policy; reward = the similarity of
+the completion's text to the true end of the line (``difflib`` ratio); advantage = reward normalised within the prompt's group, (r - mean) / (std + 1e-4). The old
 per-token log-probabilities are recorded then, so later steps on the same generation use
 PPO clipping (``epsilon``). The loss is token-normalised by ``num_items_in_batch`` (completion
 tokens of the step). No KL term (beta = 0, as TRL's default).
@@ -36,12 +35,11 @@ def token_logps(model, input_ids, attention_mask, labels) -> torch.Tensor:
 
 
 def reward(text: str, answer: str) -> float:
-    n = 0
-    for a, b in zip(text, answer, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n / max(len(answer), 1)
+    """Similarity of the completion to the true end of the line (difflib ratio, 0..1): dense
+    enough that a group of sampled completions differs in reward from the first step."""
+    import difflib
+
+    return difflib.SequenceMatcher(None, text[: len(answer)], answer, autojunk=False).ratio()
 
 
 def make_generate(loop, cfg: dict):

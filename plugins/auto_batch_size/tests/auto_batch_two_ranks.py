@@ -59,5 +59,8 @@ def worker(mode: str, out: str) -> None:
 if __name__ == "__main__":
     from accelerate import debug_launcher
 
+    from corelooper.plugins import load_plugins
+
+    load_plugins()  # import every installed plugin once, before the processes are forked
     for mode in ("oom", "ref"):
         debug_launcher(partial(worker, mode, sys.argv[1]), num_processes=2)

@@ -246,7 +246,7 @@ def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
     a 2-process run that never ran out of memory. Runs ``accelerate.debug_launcher`` (2 real
     gloo processes) in a subprocess bounded by a timeout.
     """
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(HERE / "auto_batch_two_ranks.py"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

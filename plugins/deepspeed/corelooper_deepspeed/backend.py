@@ -53,7 +53,6 @@ class DeepSpeedBackend:
 
     # DeepSpeed fixes train_batch_size (micro x accumulation x world) at initialize().
     supports_dynamic_accumulation = False
-    shards_parameters = True
 
     def __init__(self, args, section: dict, base: Path | None = None):
         on_cuda = torch.cuda.is_available() and not args.use_cpu
@@ -79,6 +78,7 @@ class DeepSpeedBackend:
         self.mixed_precision = args.mixed_precision
         self.config = ds_config.build(args, section, self.num_processes, on_cuda, base)
         self.zero_stage = self.config["zero_optimization"]["stage"]
+        self.shards_parameters = self.zero_stage == 3
         self.engine = None
         self._grad_norm = None
         atexit.register(_teardown)

@@ -5,6 +5,8 @@ known in advance; training itself is real (the tiny task of corelooper.testing).
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -60,18 +62,18 @@ def test_metric_and_mode_default_to_metric_for_best_model(run_loop):
     assert loop.state.global_step == 4
 
 
-class Preempt:
-    """Stands in for the SIGTERM handler: marks the run preempted and stops it at ``at_step``."""
+class SigtermAt:
+    """Sends this process a real SIGTERM at ``at_step``: the loop's preemption handler finishes the
+    step, saves a checkpoint and ends training with ``state.preempted`` (as a scheduler would)."""
 
-    name = "preempt"
+    name = "sigterm"
 
     def __init__(self, at_step: int):
         self.at_step = at_step
 
-    def on_step_end(self, state, control):
+    def on_step_end(self, state):
         if state.global_step == self.at_step:
-            state.preempted = True
-            control.should_training_stop = True
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_counter_is_saved_in_checkpoints_and_survives_a_resume(run_loop, tmp_path):
@@ -79,7 +81,7 @@ def test_counter_is_saved_in_checkpoints_and_survives_a_resume(run_loop, tmp_pat
     scores = Scores(table(0.5, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4, 0.4))
     args = dict(eval_steps=1, max_steps=10, save_steps=1, output_dir=tmp_path / "run",
                 sections={"early_stopping": {"metric": "score", "patience": 3}})
-    run_loop([es_plugin, scores, Preempt(at_step=3)], **args)
+    run_loop([es_plugin, scores, SigtermAt(at_step=3)], **args)
     saved = json.loads((tmp_path / "run" / "checkpoint-3" / "plugins.json").read_text())
     assert saved["early_stopping"] == {"best": 0.5, "bad_evals": 2}
 

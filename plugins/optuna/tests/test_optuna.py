@@ -117,12 +117,20 @@ def test_a_bad_trial_is_pruned_at_its_first_evaluation(tmp_path):
     assert best["number"] == 0 and best["params"] == {"train.learning_rate": 0.05}
 
 
-def test_errors_are_one_paragraph(tmp_path):
-    cfg = write_config(tmp_path, space='"learning_rate" = [0.1]')
-    proc = hpo(str(cfg), "--trials", "1", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "optuna.space: 'learning_rate' must be a config path" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_space_errors_name_the_key_before_any_trial(tmp_path):
+    from corelooper_optuna.search import run_study
+
+    from corelooper.config import Config
+    from corelooper.errors import ConfigError
+
+    for space, message in [
+        ('"learning_rate" = [0.1]', "optuna.space: 'learning_rate' must be a config path"),
+        ('"train.learning_rate" = { low = 0.0, high = 0.1, log = true }', "low > 0 with log = true"),
+        ('"train.learning_rat" = [0.1]', "Unknown key train.learning_rat"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            run_study(Config.load(write_config(tmp_path, space=space)), trials=1, echo=lambda _: None)
+    assert not (tmp_path / "study" / "trial-0").exists()
 
 
 def test_inert_in_a_normal_run(tmp_path, make_loop):

@@ -4,6 +4,8 @@ compared value by value with what corelooper's metrics.jsonl recorded."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -85,29 +87,30 @@ def test_unknown_key_is_rejected_with_a_hint(make_loop):
         make_loop([tb_plugin], sections={"tensorboard": {"logdir": "x"}})
 
 
-class Preempt:
-    """Stands in for the SIGTERM handler: marks the run preempted and stops it at ``at_step``."""
+class SigtermAt:
+    """Sends this process a real SIGTERM at ``at_step``: the loop's preemption handler finishes the
+    step, saves a checkpoint and ends training with ``state.preempted`` (as a scheduler would)."""
 
-    name = "preempt"
+    name = "sigterm"
 
     def __init__(self, at_step: int):
         self.at_step = at_step
 
-    def on_step_end(self, state, control):
+    def on_step_end(self, state):
         if state.global_step == self.at_step:
-            state.preempted = True
-            control.should_training_stop = True
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_preempted_run_is_flushed_and_a_resume_continues_the_curves(run_loop, tmp_path):
     out = tmp_path / "run"
-    # killed at step 6, after the checkpoint at step 4: events up to 6 reached the disk
-    run_loop([tb_plugin, Preempt(at_step=6)], output_dir=out)
+    # SIGTERM at step 6: the writer is flushed and closed by on_train_end (state.preempted)
+    run_loop([tb_plugin, SigtermAt(at_step=6)], output_dir=out)
     first = scalar_values(read_events(out / "tensorboard"))
     assert sorted(first["train/loss"]) == [2, 4, 6]
     lost = first["train/loss"][6]
 
-    # resumed from checkpoint-4: step 6 of the first attempt is purged, steps 6 and 8 are new
+    # resumed from the older checkpoint-4 (as after a crash): the first attempt's step 6 is
+    # purged, steps 6 and 8 are new
     run_loop([tb_plugin], output_dir=out, resume=str(out / "checkpoint-4"))
     acc = read_events(out / "tensorboard")
     got = scalar_values(acc)

@@ -107,22 +107,31 @@ class WandbLogger:
         cfg = self.settings(loop.config)
         directory = Path(cfg["dir"] or os.environ.get("WANDB_DIR") or loop.args.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        run = wandb.init(
-            project=cfg["project"] or os.environ.get("WANDB_PROJECT") or "corelooper",
-            entity=cfg["entity"] or None,
-            name=cfg["name"] or loop.args.run_name or None,
-            tags=list(cfg["tags"]) or None,
-            group=cfg["group"] or None,
-            notes=cfg["notes"] or None,
-            job_type=cfg["job_type"] or None,
-            mode=cfg["mode"] or None,
-            dir=str(directory),
-            id=run_id,
-            resume="allow",
-            config=loop.config.to_dict(),
-            allow_val_change=True,
-            reinit="finish_previous",
-        )
+        try:
+            run = wandb.init(
+                project=cfg["project"] or os.environ.get("WANDB_PROJECT") or "corelooper",
+                entity=cfg["entity"] or None,
+                name=cfg["name"] or loop.args.run_name or None,
+                tags=list(cfg["tags"]) or None,
+                group=cfg["group"] or None,
+                notes=cfg["notes"] or None,
+                job_type=cfg["job_type"] or None,
+                mode=cfg["mode"] or None,
+                dir=str(directory),
+                id=run_id,
+                resume="allow",
+                config=loop.config.to_dict(),
+                allow_val_change=True,
+                reinit="finish_previous",
+            )
+        except Exception as e:  # no API key, no network, a bad entity/project ...
+            from corelooper.errors import PluginError
+
+            raise PluginError(
+                f"wandb.init failed: {type(e).__name__}: {e}. Log in (`wandb login` or WANDB_API_KEY), "
+                "or log offline (WANDB_MODE=offline or [wandb] mode = \"offline\"), or run without W&B "
+                "(-p no:wandb, or remove the [wandb] section)."
+            ) from e
         run.define_metric(STEP)
         run.define_metric("*", step_metric=STEP, step_sync=True)
         self.run, self.run_id = run, run.id

@@ -4,6 +4,8 @@ back from the run files and compared with what corelooper's metrics.jsonl record
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -73,23 +75,23 @@ def test_offline_run_holds_config_metrics_by_step_and_summary(run_loop, wandb_en
     assert saved["wandb"] == {"run_id": run.run_id}
 
 
-class Preempt:
-    """Stands in for the SIGTERM handler: marks the run preempted and stops it at ``at_step``."""
+class SigtermAt:
+    """Sends this process a real SIGTERM at ``at_step``: the loop's preemption handler finishes the
+    step, saves a checkpoint and ends training with ``state.preempted`` (as a scheduler would)."""
 
-    name = "preempt"
+    name = "sigterm"
 
     def __init__(self, at_step: int):
         self.at_step = at_step
 
-    def on_step_end(self, state, control):
+    def on_step_end(self, state):
         if state.global_step == self.at_step:
-            state.preempted = True
-            control.should_training_stop = True
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_preempted_run_is_finished_and_resume_continues_the_same_run(run_loop, wandb_env, tmp_path):
     out = tmp_path / "run"
-    run_loop([wb_plugin, Preempt(at_step=6)], output_dir=out, sections={"wandb": {}})
+    run_loop([wb_plugin, SigtermAt(at_step=6)], output_dir=out, sections={"wandb": {}})
     (first_path,) = find_runs(wandb_env)
     first = read_run(first_path)
     assert first.preempting and first.exit_code == 0 and first.summary["preempted"] is True
@@ -139,3 +141,12 @@ def test_inactive_unless_configured_and_honours_wandb_mode_disabled(run_loop, wa
     run_loop([wb_plugin], output_dir=tmp_path / "c")
     (path,) = find_runs(wandb_env)
     assert read_run(path).project == "from-env"
+
+
+def test_online_without_credentials_is_one_clear_error(run_loop, wandb_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no stored login either
+    with pytest.raises(PluginError, match=r"wandb.init failed: .*API key.*WANDB_MODE=offline.*-p no:wandb"):
+        run_loop([wb_plugin], sections={"wandb": {}})
+    assert not (tmp_path / "run" / "checkpoint-4").exists()
