@@ -133,7 +133,7 @@ def bench_save_load(root: Path, mb: int, reps: int) -> dict:
         t = time.perf_counter()
         ckpt = checkpoint.save_checkpoint(loop)
         rows["corelooper_save"].append(time.perf_counter() - t)
-        for fsync in (False, True):
+        for fsync in (False, True) if rep % 2 == 0 else (True, False):
             t = time.perf_counter()
             plain_save(fsync)
             rows["torch_save_fsync" if fsync else "torch_save"].append(time.perf_counter() - t)
@@ -178,8 +178,9 @@ def bench_resume(root: Path, samples: int, reps: int) -> dict:
     deep_ckpt = checkpoint.save_checkpoint(base)  # same weights, 99% into the epoch
 
     times = {"start": [], "deep": []}
-    for _ in range(reps):
-        for name, ckpt, step in (("start", start_ckpt, 1), ("deep", deep_ckpt, deep_step)):
+    for rep in range(reps):
+        order = [("start", start_ckpt, 1), ("deep", deep_ckpt, deep_step)]
+        for name, ckpt, step in order[:: 1 if rep % 2 == 0 else -1]:  # alternate who goes first
             loop = make(step + 1)
             t = time.perf_counter()
             loop.train(resume_from_checkpoint=ckpt)

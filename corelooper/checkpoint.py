@@ -70,14 +70,26 @@ def prepare_output_dir(loop, output_dir: Path, resuming: bool) -> None:
             shutil.rmtree(path)
         for path in final_model:
             path.unlink()
-    for stale in output_dir.iterdir():  # debris of a save that was killed: never a checkpoint
-        if _TMP_RE.match(stale.name) and stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
+    _clear_debris(output_dir)
     if not resuming:
         metrics = output_dir / "metrics.jsonl"
         if metrics.exists():
             metrics.unlink()
     loop.config.write(output_dir / "config.toml")
+
+
+def _clear_debris(output_dir: Path) -> None:
+    """Folders of a save that was killed. A complete one (manifest written) whose
+    ``checkpoint-N`` is missing was killed between its renames: it is put in place; the rest
+    are incomplete and removed."""
+    for stale in sorted(output_dir.iterdir(), key=lambda p: not p.name.startswith(".tmp")):
+        if not (_TMP_RE.match(stale.name) and stale.is_dir()):
+            continue
+        final = output_dir / stale.name.split("-", 1)[1]
+        if not final.exists() and (stale / MANIFEST).is_file():
+            os.replace(stale, final)
+        else:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:

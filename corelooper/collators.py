@@ -185,7 +185,9 @@ class PackedDataset(torch.utils.data.Dataset):
     Each item: ``input_ids``, ``labels``, ``attention_mask`` (0 on padding) and ``position_ids``
     (restarting at 0 for every packed sample, so positions match unpacked training). Labels are
     -100 on padding and on the first token of every sample after the first in a sequence (it
-    must not be predicted from the previous, unrelated sample).
+    must not be predicted from the previous, unrelated sample). Attention still spans the whole
+    row unless the model's attention uses ``position_ids`` to separate samples (HF flash-attention
+    varlen does); with ``strategy="wrap"`` that is the intended behaviour (``group_texts``).
     """
 
     def __init__(

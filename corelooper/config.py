@@ -407,8 +407,17 @@ def import_object(ref: str, key: str, base: Path | None = None) -> Any:
     return obj
 
 
+def _package_root(folder: Path) -> Path:
+    """The folder above the package chain ``folder`` belongs to (where ``import a.b`` works)."""
+    while (folder / "__init__.py").exists() and folder.parent != folder:
+        folder = folder.parent
+    return folder
+
+
 def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleType:
-    roots = [str(Path.cwd())] + ([str(base)] if base else [])
+    # The current folder, the config's folder, and the root of the package the config lives in
+    # (so `examples.digits.model:build` resolves wherever the command is run from).
+    roots = [str(Path.cwd())] + ([str(base), str(_package_root(base))] if base else [])
     for root in roots:
         if root not in sys.path:
             sys.path.insert(0, root)

@@ -38,27 +38,27 @@ def child_argv(config: str, overrides: list[str] | None, plugin_options: list[st
     return argv
 
 
-def launch(nproc: int, argv: list[str], master_port: int | None = None) -> None:
+def launch(nproc: int, argv: list[str]) -> None:
     """Run ``python -m corelooper *argv`` in ``nproc`` local processes; raise on failure."""
     if nproc < 1:
         from .errors import ConfigError
 
         raise ConfigError(f"--nproc must be at least 1, got {nproc}.")
+    import uuid
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
     args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.2",
+        [f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.2",
          "-m", "corelooper", *argv]
     )
-    # What --standalone does in torch.distributed.run.run(): a local c10d rendezvous on a free port.
-    import uuid
-
+    # What torchrun --standalone does: a local c10d rendezvous on a free port (no fixed
+    # MASTER_PORT, so several runs on one machine do not collide).
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    args.master_port = master_port or 29500
+    args.master_port = 29500  # unused by the c10d rendezvous; torchrun sets the same default
     config, cmd, cmd_args = config_from_args(args)
-    from torch.distributed.launcher.api import elastic_launch
-
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:

@@ -220,7 +220,7 @@ class Loop:
             self._resumed_window = None
         self.model.train()
         self._train_start = time.perf_counter()
-        self._steps_at_start = s.global_step
+        self._steps_at_start, self._samples_at_start = s.global_step, s.total_samples_seen
 
         for epoch in range(start_epoch, s.num_train_epochs):
             if s.global_step >= s.max_steps:
@@ -488,7 +488,9 @@ class Loop:
         summary = {
             "train_runtime": round(runtime, 4),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
-            "train_samples_per_second": round(s.total_samples_seen / max(runtime, 1e-9), 3),
+            "train_samples_per_second": round(
+                (s.total_samples_seen - self._samples_at_start) / max(runtime, 1e-9), 3
+            ),
             "train_loss": weighted / windows[-1][1] if windows else float("nan"),
         }
         if self.args.load_best_model_at_end and s.best_model_checkpoint:
@@ -579,7 +581,10 @@ class Loop:
     def _setup_eval_model(self) -> None:
         if self.backend is None:
             self._setup_backend()
+        if self.optimizer is None and not getattr(self, "_eval_prepared", False):
+            # evaluate()/predict() before any train(): FSDP / DeepSpeed must wrap the model too
             self.model = self.backend.prepare_model(self.model)
+            self._eval_prepared = True
         if not hasattr(self, "forward_signature"):
             self.forward_signature = forward_signature(self.backend.unwrap_model(self.model))
 

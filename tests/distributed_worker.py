@@ -117,7 +117,8 @@ def run_one(spec: dict) -> dict:
     cfg = Config.from_dict({"train": train, **spec.get("sections", {})})
     loop = Loop(model, cfg, train_dataset=make(n_train, 1), eval_dataset=make(n_eval, 2),
                 plugins=[MetricsProbe()])
-    loop.train(resume_from_checkpoint=spec.get("resume"))
+    if not spec.get("eval_only"):
+        loop.train(resume_from_checkpoint=spec.get("resume"))
     metrics = loop.evaluate() if spec.get("evaluate", True) else {}
     local = loop.backend.unwrap_model(loop.model)
     for m in local.modules():  # FSDP2 may keep units unsharded after a forward
@@ -142,9 +143,6 @@ def run_one(spec: dict) -> dict:
         "local_params": torch.cat(flat).tolist() if flat else [],
         "global_step": loop.state.global_step,
     }
-    end = getattr(loop.backend, "end", None)
-    if spec.get("end_backend", False) and end:
-        end()
     return result
 
 

@@ -24,7 +24,7 @@ def overrides(out: Path) -> list[str]:
         f"train.output_dir={out}", f"train.max_steps={STEPS}", "train.logging_steps=10",
         f"train.eval_steps={STEPS}", f"train.save_steps={STEPS}", "train.per_device_train_batch_size=16",
         "model.args.vocab_size=512", "data.args.vocab_size=512", "data.args.seq_len=64",
-        "model.args.hidden_size=64", "train.peak_flops=1e12",
+        "model.args.hidden_size=64", "train.peak_flops=1e12", "data.args.max_eval_blocks=96",
     ]
 
 

@@ -217,3 +217,20 @@ def test_incomplete_folder_cannot_be_resumed_by_name(project):
     with pytest.raises(CheckpointError, match=f"{half}.* is incomplete"):
         loop_for(project).train(resume_from_checkpoint=half)
     assert half.exists()  # an error deletes nothing
+
+
+def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
+    """A kill between the two renames of a re-save leaves a complete ``.old-checkpoint-N`` and
+    no ``checkpoint-N``: it is put back at the next start; incomplete folders are removed."""
+    from corelooper.checkpoint import _clear_debris, list_checkpoints
+
+    out = project / "out"
+    before = snapshot(out / "checkpoint-4")
+    (out / "checkpoint-4").rename(out / ".old-checkpoint-4")
+    shutil.copytree(out / "checkpoint-2", out / ".tmp-checkpoint-6")
+    (out / ".tmp-checkpoint-6" / MANIFEST).unlink()
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
+    _clear_debris(out)
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert snapshot(out / "checkpoint-4") == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]

@@ -42,11 +42,11 @@ class MeanLoss:
         return (loss, logits) if return_outputs else loss
 
 
-def train(model, samples, train_args, batch, ga, plugins=(), max_steps=-1, epochs=1.0):
+def train(model, samples, train_args, batch, ga, plugins=(), max_steps=-1, epochs=1.0, clip=0.0):
     args = train_args(
         per_device_train_batch_size=batch, gradient_accumulation_steps=ga, max_steps=max_steps,
-        num_train_epochs=epochs, lr_scheduler_type="constant", output_dir=train_args().output_dir
-        + f"-{batch}x{ga}-{len(plugins)}",
+        num_train_epochs=epochs, lr_scheduler_type="constant", max_grad_norm=clip,
+        output_dir=train_args().output_dir + f"-{batch}x{ga}-{len(plugins)}",
     )
     loop = Loop(copy.deepcopy(model), args, train_dataset=samples, plugins=plugins,
                 blocked_plugins=["console"])
@@ -72,13 +72,18 @@ def lm_data():
 
 def test_plain_module_ga_matches_big_batch_naive_does_not(lm_data, train_args):
     model = toys.tiny_lm(seed=0)
-    base_losses, base_params, _ = train(model, lm_data, train_args, batch=8, ga=1)
-    ga_losses, ga_params, loop = train(model, lm_data, train_args, batch=2, ga=4)
-    naive_losses, naive_params, _ = train(model, lm_data, train_args, batch=2, ga=4, plugins=[MeanLoss()])
+    # clipping on (max_grad_norm 0.5): the norm is taken over the whole step's gradient
+    base_losses, base_params, base_loop = train(model, lm_data, train_args, batch=8, ga=1, clip=0.5)
+    ga_losses, ga_params, loop = train(model, lm_data, train_args, batch=2, ga=4, clip=0.5)
+    naive_losses, naive_params, _ = train(model, lm_data, train_args, batch=2, ga=4, clip=0.5,
+                                          plugins=[MeanLoss()])
 
     assert len(base_losses) == 6 and loop.state.global_step == 6  # a loss logged every step
     assert max_loss_diff(base_losses, ga_losses) < TOL
     assert max_param_diff(base_params, ga_params) < TOL
+    norms = [[h["grad_norm"] for h in lp.state.log_history if "grad_norm" in h] for lp in (base_loop, loop)]
+    assert len(norms[0]) == 6 and max_loss_diff(*norms) < TOL
+    assert max(norms[0]) > 0.5  # clipping was active
     # the naive run is visibly off, in every step's loss and in the weights
     assert max_loss_diff(base_losses, naive_losses) > 0.01
     assert max_param_diff(base_params, naive_params) > 1e-3
@@ -94,11 +99,11 @@ def test_hf_llama_gets_num_items_in_batch_and_matches(lm_data, train_args):
     def spy(module, args, kwargs):
         seen.append(kwargs.get("num_items_in_batch"))
 
-    base_losses, base_params, _ = train(model, lm_data, train_args, batch=8, ga=1, max_steps=3)
+    base_losses, base_params, _ = train(model, lm_data, train_args, batch=8, ga=1, max_steps=3, clip=1.0)
     spied = copy.deepcopy(model)
     spied.register_forward_pre_hook(spy, with_kwargs=True)
-    ga_losses, ga_params, _ = train(spied, lm_data, train_args, batch=2, ga=4, max_steps=3)
-    naive_losses, naive_params, _ = train(model, lm_data, train_args, batch=2, ga=4, max_steps=3,
+    ga_losses, ga_params, _ = train(spied, lm_data, train_args, batch=2, ga=4, max_steps=3, clip=1.0)
+    naive_losses, naive_params, _ = train(model, lm_data, train_args, batch=2, ga=4, max_steps=3, clip=1.0,
                                           plugins=[MeanLoss()])
 
     # the model computed its own loss with the step's token count: same number for the 4

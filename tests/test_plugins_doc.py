@@ -100,3 +100,11 @@ def test_every_hook_is_documented_with_its_signature(name):
     docs = DOC.read_text() + (REPO / "docs" / "hooks.md").read_text()
     assert sig in docs, f"{sig} is in neither docs/plugins.md nor docs/hooks.md"
     assert "](hooks.md)" in DOC.read_text()
+
+
+def test_the_hook_table_has_no_stale_signature():
+    rows = re.findall(r"^\| `(\w+)(\(.*?\))` \|", DOC.read_text(), re.M)
+    assert len(rows) >= 20
+    for name, params in rows:
+        assert hasattr(hookspecs, name), f"docs/plugins.md lists {name}, which is not a hook"
+        assert name + params == _signature(getattr(hookspecs, name)), f"docs/plugins.md: {name} is stale"

@@ -357,6 +357,7 @@ def _ddp_run(out: str, results: str, stop_at: int | None, resume: str | None) ->
 def _launch(tmp: Path, name: str, out: Path, stop_at=None, resume=None) -> dict[int, dict]:
     from accelerate import debug_launcher
 
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports, once, before the fork
     results = tmp / name
     results.mkdir()
     debug_launcher(_ddp_run, args=(str(out), str(results), stop_at, resume), num_processes=2)

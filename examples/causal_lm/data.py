@@ -87,18 +87,19 @@ def _difficulty(tok, ds: PackedDataset) -> torch.Tensor:
 class CorpusBlocks(torch.utils.data.Dataset):
     """``{"input_ids", "labels", "attention_mask", "position_ids", "difficulty_score"}`` blocks."""
 
-    def __init__(self, packed: PackedDataset):
+    def __init__(self, packed: PackedDataset, limit: int = 0):
         self.packed = packed
+        self.n = min(limit, len(packed)) if limit > 0 else len(packed)
 
     def __len__(self) -> int:
-        return len(self.packed)
+        return self.n
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {**self.packed[i], "difficulty_score": self.packed.difficulty[i]}
 
     @property
     def lengths(self) -> list[int]:
-        return self.packed.lengths
+        return self.packed.lengths[: self.n]
 
 
 def train_set(packages=("json", "email"), vocab_size: int = 1024, seq_len: int = 128, eval_every: int = 8,
@@ -107,5 +108,6 @@ def train_set(packages=("json", "email"), vocab_size: int = 1024, seq_len: int =
 
 
 def eval_set(packages=("json", "email"), vocab_size: int = 1024, seq_len: int = 128, eval_every: int = 8,
-             packing: str = "wrap", **_) -> CorpusBlocks:
-    return CorpusBlocks(_dataset("eval", packages, vocab_size, seq_len, eval_every, packing))
+             packing: str = "wrap", max_eval_blocks: int = 0, **_) -> CorpusBlocks:
+    """The held-out files' blocks (the first ``max_eval_blocks`` of them when > 0)."""
+    return CorpusBlocks(_dataset("eval", packages, vocab_size, seq_len, eval_every, packing), max_eval_blocks)

@@ -72,6 +72,15 @@ class AutoBatchSize:
     def on_train_begin(self, loop, state) -> None:
         check_backend(loop)
         self._world = loop.backend.num_processes
+        if self._world > 1 and is_sharded(loop.model):
+            raise ConfigError(
+                f"train.auto_find_batch_size = true cannot recover safely with a model sharded over "
+                f"{self._world} processes (FSDP / tensor parallel): its forward and backward gather "
+                "parameters from every process, so an out-of-memory error on one process would "
+                "leave the others waiting in that collective. Choose per_device_train_batch_size "
+                "and gradient_accumulation_steps by hand for sharded runs (auto batch size works "
+                "with the default DDP backend)."
+            )
         self._record(loop)  # sizes restored from a checkpoint, or None
         if self.probe:
             self._probe(loop)
@@ -245,12 +254,26 @@ def check_backend(loop) -> None:
         return
     raise ConfigError(
         f"train.auto_find_batch_size = true cannot work with the {type(backend).__name__} backend: "
-        "it cannot change gradient accumulation during a run (e.g. DeepSpeed fixes it at "
-        "initialisation), so a smaller micro-batch could not keep the effective batch. Set "
-        "train.auto_find_batch_size = false and choose per_device_train_batch_size / "
-        "gradient_accumulation_steps by hand, or use a backend that declares "
-        "supports_dynamic_accumulation = True (the default accelerate/DDP backend does)."
+        "it does not declare supports_dynamic_accumulation = True, i.e. that it can change the "
+        "number of micro-batches per step during a run (DeepSpeed, for one, fixes gradient "
+        "accumulation at initialisation), so a smaller micro-batch could not keep the effective "
+        "batch. Set train.auto_find_batch_size = false and choose per_device_train_batch_size / "
+        "gradient_accumulation_steps by hand, or use a backend that supports it (the default "
+        "accelerate/DDP backend does)."
     )
+
+
+def is_sharded(model) -> bool:
+    """Whether parameters are sharded over processes (FSDP2/tensor parallel DTensors, FSDP1)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        DTensor = ()  # noqa: N806
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return True
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def reset_ddp_reducer(model) -> None:

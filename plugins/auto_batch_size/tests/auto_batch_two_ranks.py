@@ -2,7 +2,7 @@
 
 ``python auto_batch_two_ranks.py OUT_DIR`` runs two trainings, each in 2 processes:
 ``oom`` (batch 16; rank 1's model raises torch.OutOfMemoryError above 8 rows from the start
-and above 4 rows after step 2; rank 0's never does) and ``ref`` (batch 16, no OOM), and writes
+and above 4 rows after step 2; rank 0's never does) and ``fsdp`` (a sharded model: refused at start-up), and writes
 ``OUT_DIR/<mode>.rank<R>.json``. Used by test_auto_batch_size.py.
 """
 
@@ -34,9 +34,22 @@ def worker(mode: str, out: str) -> None:
                  max_grad_norm=1.0, disable_tqdm=True, num_train_epochs=1,
                  per_device_train_batch_size=16, seed=0, auto_find_batch_size=mode == "oom")
     model = mlp()
-    loop = Loop(model, Config.from_dict({"train": train}), train_dataset=blobs(128),
+    raw = {"train": train}
+    if mode == "fsdp":  # sharded: must be refused at start-up, on every rank, without hanging
+        raw = {"train": {**train, "auto_find_batch_size": True}, "fsdp": {"wrap": ["Linear"]}}
+    loop = Loop(model, Config.from_dict(raw), train_dataset=blobs(128),
                 plugins=[Squeeze()] if mode == "oom" else [])
     rank = loop.backend.process_index
+    if mode == "fsdp":
+        from corelooper.errors import ConfigError
+
+        try:
+            loop.train()
+            error = None
+        except ConfigError as e:
+            error = str(e)
+        Path(out, f"{mode}.rank{rank}.json").write_text(json.dumps({"error": error}))
+        return
     if mode == "oom" and rank == 1:
         model.train_limit = 8
     loop.train()
@@ -62,5 +75,5 @@ if __name__ == "__main__":
     from corelooper.plugins import load_plugins
 
     load_plugins()  # import every installed plugin once, before the processes are forked
-    for mode in ("oom", "ref"):
+    for mode in ("oom", "fsdp"):
         debug_launcher(partial(worker, mode, sys.argv[1]), num_processes=2)

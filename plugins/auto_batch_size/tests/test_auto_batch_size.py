@@ -243,26 +243,32 @@ def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
     """Rank 1 alone hits the fake OOM (first at step 1, again mid-run at step 3 of 4); rank 0 never.
 
     Both ranks shrink together (16 -> 8 -> 4 micro-batches), nobody hangs, and the weights equal
-    a 2-process run that never ran out of memory. Runs ``accelerate.debug_launcher`` (2 real
-    gloo processes) in a subprocess bounded by a timeout.
+    those of a run that never ran out of memory (one process, batch 32: the same samples). A third 2-process run with an FSDP-sharded
+    model is refused at start-up on both ranks. Runs ``accelerate.debug_launcher`` (2 real gloo
+    processes) in a subprocess bounded by a timeout.
     """
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(HERE / "auto_batch_two_ranks.py"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = {(mode, r): json.loads((tmp_path / f"{mode}.rank{r}.json").read_text())
-               for mode in ("oom", "ref") for r in (0, 1)}
-    oom0, oom1, ref0 = results["oom", 0], results["oom", 1], results["ref", 0]
+    oom0, oom1 = (json.loads((tmp_path / f"oom.rank{r}.json").read_text()) for r in (0, 1))
+    # The reference: one process with batch 32 sees the samples of 2 processes x 16, no OOM.
+    ref = make_loop(tmp_path, "ref", mlp(), train_data=blobs(128), num_train_epochs=1,
+                    per_device_train_batch_size=32)
+    ref.train()
     assert [oom0["ooms"], oom1["ooms"]] == [0, 2]
-    for r in (0, 1):
-        res = results["oom", r]
-        assert res["global_step"] == ref0["global_step"] == 4
+    for res in (oom0, oom1):
+        assert res["global_step"] == ref.state.global_step == 4
         assert (res["train_batch_size"], res["gradient_accumulation_steps"], res["micro_batch_size"]) == (16, 1, 4)
         assert res["shrinks"] == [[0, 8], [2, 4]]
-    w0, w1, wr = (torch.tensor(x["weights"]) for x in (oom0, oom1, ref0))
+    w0, w1 = torch.tensor(oom0["weights"]), torch.tensor(oom1["weights"])
+    wr = torch.cat([p.detach().flatten() for p in ref.model.parameters()])
     assert (w0 - w1).abs().max().item() == 0.0  # DDP: ranks hold the same weights
     assert (w0 - wr).abs().max().item() <= 1e-5
-    assert oom0["losses"] == pytest.approx(ref0["losses"], rel=1e-5)
+    assert oom0["losses"] == pytest.approx(losses(ref), rel=1e-5)
+    for r in (0, 1):  # an FSDP-sharded model is refused on every rank, before any step
+        error = json.loads((tmp_path / f"fsdp.rank{r}.json").read_text())["error"]
+        assert "sharded over 2 processes" in error and "auto_find_batch_size" in error
 
 
 def test_cli_run_with_probe_from_a_config_file(tmp_path):

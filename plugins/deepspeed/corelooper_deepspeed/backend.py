@@ -112,16 +112,9 @@ class DeepSpeedBackend:
         return engine, engine.optimizer
 
     def prepare_model(self, model):
-        if self.engine is not None:
-            return model
-        import deepspeed
-
-        model.to(self.device)
-        config = {k: v for k, v in self.config.items() if k not in ("zero_optimization",)}
-        if self.zero_stage == 3:  # evaluation of a ZeRO-3 model: keep it partitioned
-            config["zero_optimization"] = {"stage": 3}
-        self.engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
-        return self.engine
+        """evaluate()/predict() before train(): the plain module on its device. (A DeepSpeed
+        engine cannot be initialised twice on one module, and train() needs the real one.)"""
+        return self.unwrap_model(model).to(self.device)
 
     def to_device(self, batch):
         if self.device.type == "cpu":
@@ -159,7 +152,7 @@ class DeepSpeedBackend:
     # -- state -----------------------------------------------------------------------------
     def model_state_dict(self, model):
         """The full model on the main rank (ZeRO-3 gathers it layer by layer); {} elsewhere."""
-        if self.zero_stage == 3:
+        if self.zero_stage == 3 and self.engine is not None:
             state = self.engine._zero3_consolidated_16bit_state_dict()
             return dict(state) if state is not None else {}
         if not self.is_main_process:
@@ -168,7 +161,7 @@ class DeepSpeedBackend:
 
     def load_model_state_dict(self, model, state_dict) -> None:
         module = self.unwrap_model(model)
-        if self.zero_stage != 3:
+        if self.zero_stage != 3 or self.engine is None:
             module.load_state_dict(state_dict)
             return
         import deepspeed

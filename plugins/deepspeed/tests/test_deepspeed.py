@@ -53,6 +53,8 @@ def ds_runs(tmp_path_factory):
         # a DeepSpeed JSON file with "auto" values
         {"task": "lm", "sections": {"deepspeed": {"config": str(tmp / "ds.json")}},
          "train": {**TRAIN, "save_strategy": "no", "output_dir": str(tmp / "json")}},
+        {"task": "lm", "sections": {"deepspeed": {"zero_stage": 3}}, "eval_only": True,
+         "train": {"output_dir": str(tmp / "eval")}},
         {"expect_error": True, "sections": {"deepspeed": {"config": str(tmp / "bad.json")}},
          "train": {"max_steps": 1, "output_dir": str(tmp / "bad")}},
     ]
@@ -120,8 +122,16 @@ def test_offload_and_json_config_match(ds_runs, reference):
 
 
 def test_json_optimizer_section_is_refused(ds_runs):
-    error = ds_runs[2][8][0]["error"]
+    error = ds_runs[2][9][0]["error"]
     assert error and "bad.json" in error and "'optimizer'" in error and "remove it" in error
+
+
+def test_zero3_evaluation_without_training(ds_runs, tmp_path):
+    got = ds_runs[2][8][0]
+    ref = dw.run_one({"task": "lm", "eval_only": True, "train": {"output_dir": str(tmp_path)}})
+    assert got["backend"] == "DeepSpeedBackend"
+    assert got["metrics"]["eval_num_predictions"] == 13
+    close([got["metrics"]["eval_loss"]], [ref["metrics"]["eval_loss"]])
 
 
 def test_config_mapping_never_leaves_deepspeed_defaults():

@@ -149,6 +149,8 @@ class FSDPBackend:
     def prepare(self, model, optimizer):
         # fully_shard swaps every parameter for a DTensor one: point the optimizer (built on
         # the plain module, still without state) at the new parameters, by name.
+        if self.model is model:  # sharded for an evaluate() before train(): the optimizer
+            return model, optimizer  # was built on the sharded parameters already
         names = {id(p): n for n, p in model.named_parameters()}
         model = self._shard(model)
         new = dict(model.named_parameters())

@@ -41,6 +41,7 @@ def fsdp_runs(tmp_path_factory):
         {"task": "lm", "sections": WRAP, "evaluate": False,
          "train": {**LM_TRAIN, "mixed_precision": "bf16", "max_steps": 3, "save_strategy": "no",
                    "output_dir": str(tmp / "bf16")}},
+        {"task": "lm", "sections": WRAP, "eval_only": True, "train": {"output_dir": str(tmp / "eval")}},
         {"expect_error": True, "sections": {"fsdp": {"wrap": ["Blokc"]}},
          "train": {"max_steps": 1, "output_dir": str(tmp / "bad")}},
     ]
@@ -105,8 +106,16 @@ def test_fsdp_bf16_trains_close_to_fp32(fsdp_runs):
 
 
 def test_fsdp_wrap_names_a_missing_class(fsdp_runs):
-    error = fsdp_runs[2][4][0]["error"]
+    error = fsdp_runs[2][5][0]["error"]
     assert error and "fsdp.wrap" in error and "Blokc" in error and "Block" in error
+
+
+def test_fsdp_evaluation_without_training(fsdp_runs, tmp_path):
+    got = fsdp_runs[2][4][0]
+    ref = dw.run_one({"task": "lm", "eval_only": True, "train": {"output_dir": str(tmp_path)}})
+    assert got["backend"] == "FSDPBackend" and got["wrapped"].startswith("FSDP")
+    assert got["metrics"]["eval_num_predictions"] == 13
+    close([got["metrics"]["eval_loss"]], [ref["metrics"]["eval_loss"]])
 
 
 def test_fsdp_is_inert_without_its_section(tmp_path):
