@@ -98,6 +98,10 @@ class AccelerateBackend:
 
     # -- model ---------------------------------------------------------------------------
     def prepare(self, model, optimizer):
+        if getattr(model, "_is_accelerate_prepared", False) and model is self.unwrap_model(model):
+            # prepared for an evaluate() before train() (no DDP): accelerate would refuse to
+            # wrap it again, and every rank would silently train on its own
+            model._is_accelerate_prepared = False
         model = self.accelerator.prepare_model(model)
         if self.accelerator.scaler is not None or self.accelerator.distributed_type.value == "XLA":
             # AcceleratedOptimizer is needed for fp16 loss scaling; elsewhere it only adds

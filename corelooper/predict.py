@@ -162,6 +162,12 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
     directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir))
     loop._setup_eval_model()
     ckpt.load_weights(loop, directory)
+    state = directory / "loop_state.json"
+    if state.is_file():  # metrics logged by this evaluation carry the checkpoint's step
+        try:
+            loop.state.global_step = int(json.loads(state.read_text()).get("global_step", 0))
+        except (ValueError, TypeError):
+            pass
     return loop, directory
 
 

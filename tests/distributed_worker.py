@@ -117,6 +117,8 @@ def run_one(spec: dict) -> dict:
     cfg = Config.from_dict({"train": train, **spec.get("sections", {})})
     loop = Loop(model, cfg, train_dataset=make(n_train, 1), eval_dataset=make(n_eval, 2),
                 plugins=[MetricsProbe()])
+    if spec.get("evaluate_first"):  # HF habit: evaluate the untrained model, then train
+        loop.evaluate()
     if not spec.get("eval_only"):
         loop.train(resume_from_checkpoint=spec.get("resume"))
     metrics = loop.evaluate() if spec.get("evaluate", True) else {}

@@ -1,7 +1,7 @@
 """Streaming runs for tests/test_streaming.py, in every rank of a torchrun job.
 
 ``torchrun --nproc_per_node 2 tests/stream_worker.py OUT`` trains on a 64-sample stream with 2
-dataloader workers per process (4 shards... 2 x 2), saving at step 5, then resumes from
+dataloader workers per process (2 x 2 = 4 shards), saving at step 5, then resumes from
 checkpoint-5 in a fresh Loop; once for a stream with state_dict/load_state_dict and once for one
 without. Each rank writes ``OUT/result.rank<R>.json``: the stream indices its model saw, per step.
 """

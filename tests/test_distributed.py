@@ -44,6 +44,9 @@ def ddp_runs(tmp_path_factory):
         {"dropout": 0.2, "resume": str(tmp / "full" / "checkpoint-3"),
          "train": {"per_device_train_batch_size": 4, "max_steps": 8, "save_strategy": "steps",
                    "save_steps": 3, "num_train_epochs": 2, "output_dir": str(tmp / "resumed")}},
+        # evaluate() before train() must not leave the model unwrapped (each rank on its own)
+        {"evaluate_first": True,
+         "train": {"per_device_train_batch_size": 4, "max_steps": 6, "output_dir": str(tmp / "eval_first")}},
     ]
     return tmp, runs, dw.torchrun([dict(r) for r in runs], tmp)
 
@@ -88,6 +91,14 @@ def test_ddp_resume_is_exact(ddp_runs):
         assert resumed[0]["losses"][step] == full[0]["losses"][step]
     for r in (0, 1):
         assert torch.equal(params(resumed[r]), params(full[r]))
+
+
+def test_ddp_evaluate_before_train_still_trains_distributed(ddp_runs):
+    _, _, results = ddp_runs
+    plain, eval_first = results[0], results[4]
+    assert eval_first[0]["wrapped"] == "DistributedDataParallel"
+    assert eval_first[0]["losses"] == plain[0]["losses"]
+    assert torch.equal(params(eval_first[0]), params(plain[0]))
 
 
 def test_only_main_process_writes(ddp_runs):

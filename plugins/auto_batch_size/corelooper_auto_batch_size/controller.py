@@ -302,11 +302,11 @@ def too_big_message(loop, training: bool, size: int, example, cause) -> str:
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     shape = sample_shape(example) if example is not None else "sample shape unknown"
-    what = "training micro-batch" if training else "evaluation batch"
+    what = "a training micro-batch" if training else "an evaluation batch"
     device = loop.backend.device if loop.backend is not None else "?"
     why = f" ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})" if cause is not None else ""
     return (
-        f"auto_find_batch_size: even a {what} of {size} sample{'s' if size > 1 else ''} does not "
+        f"auto_find_batch_size: even {what} of {size} sample{'s' if size > 1 else ''} does not "
         f"fit in memory on {device} at global_step {loop.state.global_step}{why}. Model: "
         f"{params:,} parameters ({trainable:,} trainable); {shape}; mixed_precision = "
         f"{loop.args.mixed_precision!r}. Shorten the sequences (or the samples), use "

@@ -293,3 +293,29 @@ def test_cli_run_with_probe_from_a_config_file(tmp_path):
     state = json.loads((tmp_path / "fits" / "checkpoint-2" / "loop_state.json").read_text())
     assert (state["global_step"], state["micro_batch_size"]) == (2, 4)
 
+
+
+def test_cut_keeps_samples_order_and_structure():
+    from collections import namedtuple
+
+    from corelooper_auto_batch_size.batches import cut, is_oom, rows
+
+    Pair = namedtuple("Pair", "x y")
+    batch = {
+        "input_ids": torch.arange(10).view(5, 2),
+        "labels": torch.arange(5),
+        "ids": ["a", "b", "c", "d", "e"],  # one entry per sample: cut too
+        "scale": torch.tensor(2.0),  # not per sample: shared by every piece
+        "pair": Pair(torch.arange(5), torch.zeros(5, 3)),
+    }
+    pieces = cut(batch, 2)
+    assert [rows(p) for p in pieces] == [2, 2, 1]
+    assert torch.equal(torch.cat([p["input_ids"] for p in pieces]), batch["input_ids"])
+    assert [p["ids"] for p in pieces] == [["a", "b"], ["c", "d"], ["e"]]
+    assert all(p["scale"] is batch["scale"] for p in pieces)
+    assert isinstance(pieces[2]["pair"], Pair) and pieces[2]["pair"].y.shape == (1, 3)
+    assert cut(batch, 5) == [batch]
+    tup = (torch.arange(6).view(3, 2), torch.arange(3))
+    assert [tuple(t.tolist() for t in p) for p in cut(tup, 2)] == [([[0, 1], [2, 3]], [0, 1]), ([[4, 5]], [2])]
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory")) and is_oom(RuntimeError("CUDA error: out of memory"))
+    assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
