@@ -18,12 +18,11 @@ class PluginProfiler:
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.started = time.perf_counter()
         self.total = 0.0
-        names = {id(p): n for n, p in plugins.pm.list_name_plugin()}
         for name, plugin in plugins.pm.list_name_plugin():
             for hook, impl in plugins._impls(plugin):
                 if impl.hookwrapper or impl.wrapper:
                     continue
-                impl.function = self._timed(impl.function, (names[id(plugin)], hook))
+                impl.function = self._timed(impl.function, (name, hook))
 
     def _timed(self, fn, key):
         calls, seconds, clock = self.calls, self.seconds, time.perf_counter

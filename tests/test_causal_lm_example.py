@@ -53,7 +53,7 @@ def test_causal_lm_example_learns_and_reloads(tmp_path):
     logs = [r for r in records if r["event"] == "log" and "loss" in r]
     evals = [r for r in records if r["event"] == "eval"]
     assert [r["step"] for r in logs] == [10, 20, 30]
-    assert logs[0]["loss"] > logs[-1]["loss"] + 0.5
+    assert logs[0]["loss"] > logs[-1]["loss"] + 0.3
     final = evals[-1]
     assert final["step"] == STEPS
     assert final["eval_perplexity"] < initial["eval_perplexity"] / 2, (initial, final)

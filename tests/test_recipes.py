@@ -130,19 +130,20 @@ def test_dpo_example_trains_logs_reward_margins_and_keeps_the_reference_frozen(t
     cfg = Config.load(ROOT / "examples/dpo/config.toml", [
         f"train.output_dir={tmp_path}", "train.max_steps=6", "train.logging_steps=3", "train.eval_steps=6",
         "model.args.hidden_size=32", "data.args.max_pairs=200", "train.per_device_train_batch_size=8",
-        "train.learning_rate=3e-3",
+        "train.learning_rate=3e-3", "train.logging_first_step=true",
     ])
     loop = Loop(config=cfg)
     ref_before = {k: v.clone() for k, v in loop.dpo_reference.state_dict().items()}
     loop.train()
     logs = [h for h in loop.state.log_history if "loss" in h and "rewards/margins" in h]
-    assert len(logs) == 2
+    assert [h["step"] for h in logs] == [1, 3, 6]
     for h in logs:
         assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies"} <= set(h)
         assert h["rewards/margins"] == pytest.approx(h["rewards/chosen"] - h["rewards/rejected"], abs=2e-6)
     assert loop.state.log_history[0]["loss"] != 0
-    first_step_loss = logs[0]["loss"]
-    assert first_step_loss == pytest.approx(math.log(2), abs=0.01)  # policy == reference at the start
+    assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # step 1: policy == reference
+    assert logs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert logs[-1]["loss"] < math.log(2)  # the policy learned to prefer the true continuations
     assert all(torch.equal(v, ref_before[k]) for k, v in loop.dpo_reference.state_dict().items())
     ev = [h for h in loop.state.log_history if "eval_loss" in h][-1]
     assert "eval_perplexity" not in ev  # exp(DPO loss) is not a perplexity

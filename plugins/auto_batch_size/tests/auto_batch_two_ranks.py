@@ -2,7 +2,8 @@
 
 ``python auto_batch_two_ranks.py OUT_DIR`` runs two trainings, each in 2 processes:
 ``oom`` (batch 16; rank 1's model raises torch.OutOfMemoryError above 8 rows from the start
-and above 4 rows after step 2; rank 0's never does) and ``fsdp`` (a sharded model: refused at start-up), and writes
+and above 4 rows after step 2; rank 0's never does), ``probe`` (the same limits, found by the start-up probe) and ``fsdp``
+(a sharded model: refused at start-up), and writes
 ``OUT_DIR/<mode>.rank<R>.json``. Used by test_auto_batch_size.py.
 """
 
@@ -35,6 +36,9 @@ def worker(mode: str, out: str) -> None:
                  per_device_train_batch_size=16, seed=0, auto_find_batch_size=mode == "oom")
     model = mlp()
     raw = {"train": train}
+    if mode == "probe":  # rank 1 alone fails the start-up probe at 16: both must use 8
+        raw = {"train": {**train, "auto_find_batch_size": True, "max_steps": 1},
+               "auto_batch_size": {"probe": True}}
     if mode == "fsdp":  # sharded: must be refused at start-up, on every rank, without hanging
         raw = {"train": {**train, "auto_find_batch_size": True}, "fsdp": {"wrap": ["Linear"]}}
     loop = Loop(model, Config.from_dict(raw), train_dataset=blobs(128),
@@ -50,7 +54,7 @@ def worker(mode: str, out: str) -> None:
             error = str(e)
         Path(out, f"{mode}.rank{rank}.json").write_text(json.dumps({"error": error}))
         return
-    if mode == "oom" and rank == 1:
+    if mode in ("oom", "probe") and rank == 1:
         model.train_limit = 8
     loop.train()
     inner = loop.backend.unwrap_model(loop.model)
@@ -64,6 +68,7 @@ def worker(mode: str, out: str) -> None:
         "micro_batch_size": loop.state.micro_batch_size,
         "shrinks": [[h["step"], h["train_micro_batch_size"]] for h in loop.state.log_history
                     if "train_micro_batch_size" in h],
+        "train_sizes": inner.train_sizes(),
         "losses": [h["loss"] for h in loop.state.log_history if "loss" in h and "train_runtime" not in h],
     }
     Path(out, f"{mode}.rank{rank}.json").write_text(json.dumps(result))
@@ -75,5 +80,5 @@ if __name__ == "__main__":
     from corelooper.plugins import load_plugins
 
     load_plugins()  # import every installed plugin once, before the processes are forked
-    for mode in ("oom", "fsdp"):
+    for mode in ("oom", "probe", "fsdp"):
         debug_launcher(partial(worker, mode, sys.argv[1]), num_processes=2)

@@ -244,7 +244,8 @@ def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
 
     Both ranks shrink together (16 -> 8 -> 4 micro-batches), nobody hangs, and the weights equal
     those of a run that never ran out of memory (one process, batch 32: the same samples). A third 2-process run with an FSDP-sharded
-    model is refused at start-up on both ranks. Runs ``accelerate.debug_launcher`` (2 real gloo
+    model is refused at start-up on both ranks; with the start-up probe, rank 1 alone fails it
+    and both ranks train with the size found. Runs ``accelerate.debug_launcher`` (2 real gloo
     processes) in a subprocess bounded by a timeout.
     """
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
@@ -266,6 +267,11 @@ def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
     assert (w0 - w1).abs().max().item() == 0.0  # DDP: ranks hold the same weights
     assert (w0 - wr).abs().max().item() <= 1e-5
     assert oom0["losses"] == pytest.approx(losses(ref), rel=1e-5)
+    probe0, probe1 = (json.loads((tmp_path / f"probe.rank{r}.json").read_text()) for r in (0, 1))
+    assert [probe0["ooms"], probe1["ooms"]] == [0, 1]  # only rank 1 failed the probe at 16 ...
+    for res in (probe0, probe1):  # ... and both ranks probed 8, then trained with 8 x 2
+        assert res["shrinks"] == [[0, 8]] and res["micro_batch_size"] == 8
+        assert res["train_sizes"] == [16, 8, 8, 8] and res["global_step"] == 1
     for r in (0, 1):  # an FSDP-sharded model is refused on every rank, before any step
         error = json.loads((tmp_path / f"fsdp.rank{r}.json").read_text())["error"]
         assert "sharded over 2 processes" in error and "auto_find_batch_size" in error
