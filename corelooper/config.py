@@ -88,8 +88,9 @@ class TrainArgs:
     ] = "linear"
     lr_scheduler_kwargs: dict = field(default_factory=dict)
     """Options of the schedule, e.g. ``{ num_cycles = 2 }`` (corelooper/schedules.py)."""
-    optim: str = "adamw_torch"
-    """adamw_torch, adamw_torch_fused, sgd, adafactor, rmsprop, adagrad, or a plugin's name."""
+    optim: str = "adamw_torch_fused"
+    """adamw_torch_fused (HF's default; plain AdamW where the device has no fused kernel),
+    adamw_torch, sgd, adafactor, rmsprop, adagrad, or a plugin's name."""
     optim_args: str | dict | None = None
     """Optimizer options: HF's ``"momentum=0.9,nesterov=True"`` or a table."""
     lr_multipliers: dict = field(default_factory=dict)

@@ -149,7 +149,7 @@ def count_loss_items(batch, loss_type: str) -> torch.Tensor | int:
         batch[-1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
     )
     if labels is None or not torch.is_tensor(labels):
-        return _batch_size(batch)
+        return batch_rows(batch)
     if loss_type == "mse" or labels.is_floating_point():
         return labels.numel()
     if loss_type == "auto":
@@ -173,7 +173,8 @@ def resolve_loss_type(batch) -> str:
     return "cross_entropy"
 
 
-def _batch_size(batch) -> int:
+def batch_rows(batch) -> int:
+    """Samples in a batch (dim 0 of its first tensor)."""
     if torch.is_tensor(batch):
         return batch.shape[0]
     if isinstance(batch, dict):

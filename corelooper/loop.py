@@ -18,7 +18,7 @@ import torch
 
 from . import checkpoint, preemption
 from .config import Config, TrainArgs, check_train_args, import_object
-from .data import count_input_tokens, count_loss_items, resolve_loss_type
+from .data import batch_rows, count_input_tokens, count_loss_items, resolve_loss_type
 from .errors import CorelooperError, DataError, PluginError, TrainingError
 from .losses import forward_signature, logits_of, split_batch
 from .plugins import load_plugins
@@ -243,7 +243,7 @@ class Loop:
                 s.epoch = epoch + (s.step_in_epoch / s.steps_per_epoch if s.steps_per_epoch else 0)
                 window_loss += step_loss
                 window_steps += 1
-                n_samples = sum(_rows(b) for b in micro_batches) * s.world_size
+                n_samples = sum(batch_rows(b) for b in micro_batches) * s.world_size
                 n_tokens = sum(count_input_tokens(b) for b in micro_batches) * s.world_size
                 window_samples += n_samples
                 window_tokens += n_tokens
@@ -612,12 +612,6 @@ class Loop:
             f"{exc}. The error came from the model or its loss; the last complete checkpoint in "
             f"{self.args.output_dir!r} is untouched."
         )
-
-
-def _rows(batch) -> int:
-    from .data import _batch_size
-
-    return _batch_size(batch)
 
 
 def _scalar(v):

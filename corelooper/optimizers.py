@@ -137,7 +137,14 @@ def _adamw(a, groups, extra):
 
 
 def _adamw_fused(a, groups, extra):
-    return torch.optim.AdamW(groups, **{**_adam_defaults(a), "fused": True, **extra})
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    # HF's default (one kernel for all parameters: the cheapest step on CPU and GPU); where the
+    # device has no fused kernel (or parameters are not floating point), the plain AdamW.
+    supported = _get_fused_kernels_supported_devices()
+    params = [p for g in groups for p in g["params"]]
+    fused = all(p.device.type in supported and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(groups, **{**_adam_defaults(a), "fused": fused, **extra})
 
 
 def _sgd(a, groups, extra):

@@ -80,8 +80,9 @@ def finished(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("run")
     (root / "task.py").write_text(textwrap.dedent(TASK))
     (root / "config.toml").write_text(config_text(root / "out"))
-    os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    Loop(config=Config.load(root / "config.toml"), blocked_plugins=["console"]).train()
+    with pytest.MonkeyPatch.context() as mp:  # module scope: no monkeypatch fixture; leak nothing
+        mp.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
+        Loop(config=Config.load(root / "config.toml"), blocked_plugins=["console"]).train()
     return root
 
 

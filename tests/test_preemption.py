@@ -325,13 +325,23 @@ def test_train_in_a_thread_installs_no_handler(tmp_path):
 
 # -- two processes (gloo): the ranks agree on the step to stop at ---------------------------------
 
+# Run in a fresh interpreter: accelerate's debug_launcher forks, and forking a process whose torch
+# thread pools already ran (this pytest process) can deadlock the children.
+DDP_SCRIPT = """
+import json, os, signal, sys
+from pathlib import Path
 
-def _ddp_run(out: str, results: str, stop_at: int | None, resume: str | None) -> None:
-    """One rank of a 2-process job (started by accelerate's debug_launcher)."""
+import torch
+
+sys.path.insert(0, {tests!r})
+os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+
+
+def run(out, results, stop_at, resume):
+    import toys
     from corelooper.config import TrainArgs
     from corelooper.loop import Loop
 
-    os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
     class SignalRank0:  # only rank 0 is signalled: rank 1 must learn it through the all-reduce
@@ -341,8 +351,6 @@ def _ddp_run(out: str, results: str, stop_at: int | None, resume: str | None) ->
             if rank == 0 and state.global_step == stop_at:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    import toys
-
     args = TrainArgs(output_dir=out, max_steps=8, save_strategy="no", per_device_train_batch_size=4,
                      logging_steps=1, learning_rate=1e-2)
     torch.manual_seed(0)
@@ -350,29 +358,35 @@ def _ddp_run(out: str, results: str, stop_at: int | None, resume: str | None) ->
                 blocked_plugins=["console"])
     state = loop.train(resume_from_checkpoint=resume)
     params = torch.cat([p.detach().flatten() for p in loop.model.parameters()]).tolist()
-    Path(results, f"rank{loop.backend.process_index}.json").write_text(json.dumps(
-        {"preempted": state.preempted, "step": state.global_step, "params": params}))
+    Path(results, f"rank{{loop.backend.process_index}}.json").write_text(json.dumps(
+        {{"preempted": state.preempted, "step": state.global_step, "params": params}}))
 
 
-def _launch(tmp: Path, name: str, out: Path, stop_at=None, resume=None) -> dict[int, dict]:
+if __name__ == "__main__":
     from accelerate import debug_launcher
 
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports, once, before the fork
-    results = tmp / name
-    results.mkdir()
-    debug_launcher(_ddp_run, args=(str(out), str(results), stop_at, resume), num_processes=2)
-    return {r: json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1)}
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # its lazy imports, once, before forking
+    tmp = Path(sys.argv[1])
+    for name, out, stop_at, resume in (("stopped", "out", 3, None), ("resumed", "out", None, "latest"),
+                                       ("straight", "straight", None, None)):
+        (tmp / name).mkdir()
+        debug_launcher(run, args=(str(tmp / out), str(tmp / name), stop_at, resume), num_processes=2)
+"""
 
 
-@pytest.mark.usefixtures("_no_autoload")
 def test_two_processes_stop_at_the_same_step_and_resume_exactly(tmp_path):
-    stopped = _launch(tmp_path, "stopped", tmp_path / "out", stop_at=3)
+    script = tmp_path / "ddp_preempt.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = {name: {r: json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)}
+           for name in ("stopped", "resumed", "straight")}
+    stopped, resumed, straight = res["stopped"], res["resumed"], res["straight"]
     assert stopped[0]["preempted"] and stopped[1]["preempted"]
     assert stopped[0]["step"] == stopped[1]["step"] == 3
     ckpt = tmp_path / "out" / "checkpoint-3"
     assert (ckpt / "rng_state_0.pth").exists() and (ckpt / "rng_state_1.pth").exists()
-    resumed = _launch(tmp_path, "resumed", tmp_path / "out", resume="latest")
-    straight = _launch(tmp_path, "straight", tmp_path / "straight")
     for r in (0, 1):
         assert resumed[r]["step"] == straight[r]["step"] == 8 and not resumed[r]["preempted"]
         assert resumed[r]["params"] == straight[r]["params"]

@@ -4,6 +4,7 @@ usage: python corelooper_.py A|B [--plugins5] [--ga8] [--log1]
   --plugins5  register 5 no-op event plugins (on_step_begin/end, on_before/after_backward, on_log)
   --ga8       8 micro-batches of batch/8 per optimizer step (same samples per step)
   --log1      logging_steps=1 (a loss read-out, i.e. a host sync, every step)
+  --adamw     optim="adamw_torch" (raw's optimizer) instead of the default adamw_torch_fused
 Console output and plugin autoload are off so the run measures the loop, not the terminal.
 """
 import os
@@ -64,6 +65,7 @@ config = Config.from_dict({
         lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=C.MAX_GRAD_NORM,
         logging_steps=1 if "--log1" in flags else log_every, save_strategy="no",
         eval_strategy="no", seed=C.SEED, disable_tqdm=True, use_cpu=True,
+        optim="adamw_torch" if "--adamw" in flags else "adamw_torch_fused",
     ),
 })
 loop = Loop(model, config, train_dataset=ds, plugins=plugins, blocked_plugins=["console"])
