@@ -200,6 +200,48 @@ class AccelerateBackend:
         self.accelerator.end_training()
 
 
+class TorchDistributedCollectives:
+    """Collectives straight over ``torch.distributed``, for backends that drive it themselves
+    (the FSDP and DeepSpeed plugins). Needs ``num_processes`` and ``device`` attributes."""
+
+    num_processes: int
+    device: torch.device
+
+    def reduce_sum(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        import torch.distributed as dist
+
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def reduce_mean(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        return self.reduce_sum(tensor) / self.num_processes
+
+    def gather(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        return gather_varlen(tensor, self.device)
+
+    def broadcast_object(self, obj):
+        if self.num_processes == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def wait_for_everyone(self) -> None:
+        if self.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
 def unwrap(model):
     """The user's module inside DDP / torch.compile wrappers. (accelerate's unwrap_model imports
     deepspeed when it is installed: half a second, on every call site.)"""

@@ -40,3 +40,15 @@ def train_args(tmp_path):
         return TrainArgs(**{**base, **overrides})
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _keep_plugin_autoload_setting():
+    """Tests that turn plugin autoload off for themselves must not turn it off for the next ones."""
+    key = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
+    before = os.environ.get(key)
+    yield
+    if before is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = before

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from corelooper.backend import TorchDistributedCollectives
 from corelooper.errors import CheckpointError, ConfigError
 
 from . import ds_config
@@ -48,7 +49,7 @@ def _teardown() -> None:
             pass
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(TorchDistributedCollectives):
     """ZeRO 0-3 data parallelism (with optional CPU offload) through a DeepSpeed engine."""
 
     # DeepSpeed fixes train_batch_size (micro x accumulation x world) at initialize().
@@ -190,37 +191,6 @@ class DeepSpeedBackend:
                 f"DeepSpeed could not load {str(path / TAG)!r} (saved with another world size or "
                 "ZeRO stage?). Resume with the same number of processes and zero_stage."
             )
-
-    # -- collectives -----------------------------------------------------------------------
-    def reduce_sum(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def reduce_mean(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        return self.reduce_sum(tensor) / self.num_processes
-
-    def gather(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        from corelooper.backend import gather_varlen
-
-        return gather_varlen(tensor, self.device)
-
-    def broadcast_object(self, obj):
-        if self.num_processes == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def wait_for_everyone(self) -> None:
-        if self.num_processes > 1:
-            dist.barrier()
 
     def end(self) -> None:
         """Drop the engine (the process group is left to the launcher and the exit handler)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from corelooper.backend import TorchDistributedCollectives
 from corelooper.errors import CheckpointError, ConfigError
 
 SHARDED_DIR = "fsdp_state"  # torch.distributed.checkpoint folder inside a checkpoint
@@ -50,7 +51,7 @@ def checkpointed(module: torch.nn.Module) -> None:
     module.forward = run
 
 
-class FSDPBackend:
+class FSDPBackend(TorchDistributedCollectives):
     """Parameters, gradients and optimizer state sharded over all ranks (FSDP2 / DTensor)."""
 
     supports_dynamic_accumulation = True
@@ -240,37 +241,6 @@ class FSDPBackend:
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, optimizer, model_state_dict=state.get("model", model_sd),
                        optim_state_dict=state["optimizer"])
-
-    # -- collectives -----------------------------------------------------------------------
-    def reduce_sum(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def reduce_mean(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        return self.reduce_sum(tensor) / self.num_processes
-
-    def gather(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        from corelooper.backend import gather_varlen
-
-        return gather_varlen(tensor, self.device)
-
-    def broadcast_object(self, obj):
-        if self.num_processes == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def wait_for_everyone(self) -> None:
-        if self.num_processes > 1:
-            dist.barrier()
 
     def end(self) -> None:
         pass  # the process group belongs to the launcher; torchrun tears it down
