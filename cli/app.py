@@ -136,6 +136,7 @@ def run(
         if profiler is not None and loop.state.is_world_process_zero:
             profiler.stop()
             typer.echo(profiler.report())
+        loop.backend.end()
     except KeyboardInterrupt:
         typer.echo("corelooper: interrupted", err=True)
         raise typer.Exit(130) from None
@@ -143,6 +144,13 @@ def run(
         fail(e, traceback_)
     if preempted_exit:
         raise typer.Exit(preempted_exit)
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        # Everything is written and the process group is down. Skip interpreter teardown: when
+        # rank 0 hosts the rendezvous store (accelerate launch), destroying its server thread at
+        # exit can abort ("terminate called without an active exception") a finished run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @app.command()

@@ -197,7 +197,14 @@ class AccelerateBackend:
             self.accelerator.wait_for_everyone()
 
     def end(self):
+        """After the last collective: tear the process group down before the interpreter exits
+        (gloo/NCCL threads left running at exit can abort the process)."""
         self.accelerator.end_training()
+        import torch.distributed as dist
+
+        if self.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 class TorchDistributedCollectives:

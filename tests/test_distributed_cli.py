@@ -70,3 +70,30 @@ def test_a_crash_in_one_rank_ends_all_ranks_naming_it(tmp_path):
     # the checkpoint saved before the crash is intact; nothing half-written is left
     assert sorted(p.name for p in (tmp_path / "out").glob("*checkpoint-*")) == ["checkpoint-2"]
     assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").is_file()
+
+
+def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m corelooper run CONFIG` (on CPU the
+    backend's Accelerator(cpu=True) makes it MULTI_CPU/gloo): two ranks, one writer, and the
+    same losses as one process with twice the batch."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    steps = ["--set", "train.max_steps=4", "--set", "train.logging_steps=1", "--set", "train.eval_strategy='no'",
+             "--set", "train.save_strategy='no'", "--set", "train.load_best_model_at_end=false",
+             "--set", "model.args.dropout=0.0", "-p", "no:tensorboard"]
+    two = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "corelooper", "run", CONFIG,
+                          *steps, "--set", f"train.output_dir={tmp_path / 'two'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "x 2 processes" in two.stdout and two.stdout.count("corelooper: training") == 1
+    one = corelooper(tmp_path, "run", CONFIG, *steps, "--set", "train.per_device_train_batch_size=128",
+                     "--set", f"train.output_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-4000:]
+
+    def losses(run):
+        lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [x["loss"] for x in lines if "loss" in x and "train_runtime" not in x]
+
+    assert len(losses("two")) == 4
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses("two"), losses("one"), strict=True))
