@@ -60,7 +60,77 @@ def _use_cpu(use_cpu: bool) -> bool:
     return use_cpu or not torch.cuda.is_available()
 
 
-class AccelerateBackend:
+def env_for_one_process() -> None:
+    """Started with plain ``python`` (no launcher): describe a group of one, on a free port."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+class TorchDistributedCollectives:
+    """Ranks and collectives straight over ``torch.distributed``, for backends that drive it
+    themselves (the FSDP and DeepSpeed plugins; accelerate's backend uses the gather/broadcast)."""
+
+    num_processes: int
+    device: torch.device
+
+    def _set_rank_attributes(self, on_cuda: bool) -> None:
+        """Rank facts from the joined process group; one CUDA device per local rank."""
+        import torch.distributed as dist
+
+        self.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
+        self.process_index = dist.get_rank()
+        self.num_processes = dist.get_world_size()
+        self.is_main_process = self.process_index == 0
+        self.is_local_main_process = self.local_process_index == 0
+        if on_cuda:
+            torch.cuda.set_device(self.local_process_index)
+            self.device = torch.device("cuda", self.local_process_index)
+        else:
+            self.device = torch.device("cpu")
+
+    def reduce_sum(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        import torch.distributed as dist
+
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def reduce_mean(self, tensor):
+        if self.num_processes == 1:
+            return tensor
+        return self.reduce_sum(tensor) / self.num_processes
+
+    def gather(self, tensor):
+        """Concatenate ``tensor`` (dim 0 may differ per rank) from every process, rank order."""
+        if self.num_processes == 1:
+            return tensor
+        return gather_varlen(tensor, self.device)
+
+    def broadcast_object(self, obj):
+        if self.num_processes == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def wait_for_everyone(self) -> None:
+        if self.num_processes > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+class AccelerateBackend(TorchDistributedCollectives):
     """DDP / single device / mixed precision through ``accelerate.Accelerator``.
 
     On CPU the accelerator is created with ``cpu=True``: without it, under torchrun, every rank
@@ -177,21 +247,6 @@ class AccelerateBackend:
             return tensor
         return self.accelerator.reduce(tensor, reduction="mean")
 
-    def gather(self, tensor):
-        """Concatenate ``tensor`` (dim 0 may differ per rank) from every process, rank order."""
-        if self.num_processes == 1:
-            return tensor
-        return gather_varlen(tensor, self.device)
-
-    def broadcast_object(self, obj):
-        if self.num_processes == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def wait_for_everyone(self):
         if self.num_processes > 1:
             self.accelerator.wait_for_everyone()
@@ -205,48 +260,6 @@ class AccelerateBackend:
         if self.num_processes > 1 and dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-class TorchDistributedCollectives:
-    """Collectives straight over ``torch.distributed``, for backends that drive it themselves
-    (the FSDP and DeepSpeed plugins). Needs ``num_processes`` and ``device`` attributes."""
-
-    num_processes: int
-    device: torch.device
-
-    def reduce_sum(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        import torch.distributed as dist
-
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def reduce_mean(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        return self.reduce_sum(tensor) / self.num_processes
-
-    def gather(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        return gather_varlen(tensor, self.device)
-
-    def broadcast_object(self, obj):
-        if self.num_processes == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def wait_for_everyone(self) -> None:
-        if self.num_processes > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
 
 
 def unwrap(model):

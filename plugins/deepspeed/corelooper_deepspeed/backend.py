@@ -12,30 +12,18 @@ import atexit
 import contextlib
 import gc
 import importlib
-import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from corelooper.backend import TorchDistributedCollectives
+from corelooper.backend import TorchDistributedCollectives, env_for_one_process
 from corelooper.errors import CheckpointError, ConfigError
 
 from . import ds_config
 
 STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint folder inside a corelooper checkpoint
 TAG = "state"
-
-
-def _env_for_one_process() -> None:
-    """Plain ``python`` (no launcher): a group of one; otherwise DeepSpeed looks for MPI."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _teardown() -> None:
@@ -64,18 +52,9 @@ class DeepSpeedBackend(TorchDistributedCollectives):
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         import deepspeed
 
-        _env_for_one_process()
+        env_for_one_process()  # without a launcher's environment DeepSpeed looks for MPI
         deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
-        self.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
-        self.process_index = dist.get_rank()
-        self.num_processes = dist.get_world_size()
-        self.is_main_process = self.process_index == 0
-        self.is_local_main_process = self.local_process_index == 0
-        if on_cuda:
-            torch.cuda.set_device(self.local_process_index)
-            self.device = torch.device("cuda", self.local_process_index)
-        else:
-            self.device = torch.device("cpu")
+        self._set_rank_attributes(on_cuda)
         self.mixed_precision = args.mixed_precision
         self.config = ds_config.build(args, section, self.num_processes, on_cuda, base)
         self.zero_stage = self.config["zero_optimization"]["stage"]

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from corelooper.backend import TorchDistributedCollectives
+from corelooper.backend import TorchDistributedCollectives, env_for_one_process
 from corelooper.errors import CheckpointError, ConfigError
 
 SHARDED_DIR = "fsdp_state"  # torch.distributed.checkpoint folder inside a checkpoint
@@ -27,12 +25,7 @@ def ensure_process_group(on_cuda: bool) -> None:
     script was started with plain ``python``)."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+    env_for_one_process()
     dist.init_process_group(backend="nccl" if on_cuda else "gloo")
 
 
@@ -61,16 +54,7 @@ class FSDPBackend(TorchDistributedCollectives):
         self.options = options
         on_cuda = torch.cuda.is_available() and not use_cpu
         ensure_process_group(on_cuda)
-        self.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
-        self.process_index = dist.get_rank()
-        self.num_processes = dist.get_world_size()
-        self.is_main_process = self.process_index == 0
-        self.is_local_main_process = self.local_process_index == 0
-        if on_cuda:
-            torch.cuda.set_device(self.local_process_index)
-            self.device = torch.device("cuda", self.local_process_index)
-        else:
-            self.device = torch.device("cpu")
+        self._set_rank_attributes(on_cuda)
         self.mixed_precision = mixed_precision
         param_dtype = options.get("param_dtype") or mixed_precision
         if param_dtype not in _DTYPES:
