@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,20 @@ HookRecorder.on_init_end.__qualname__ = "HookRecorder.on_init_end"
 # --------------------------------------------------------------------------------------------
 # A tiny, fast, real training task
 # --------------------------------------------------------------------------------------------
+
+
+class SigtermAt:
+    """Sends this process a real SIGTERM at ``at_step``: the loop's preemption handler finishes the
+    step, saves a checkpoint and ends training with ``state.preempted`` (as a scheduler would)."""
+
+    name = "sigterm"
+
+    def __init__(self, at_step: int):
+        self.at_step = at_step
+
+    def on_step_end(self, state):
+        if state.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def tiny_task(n_train: int = 64, n_eval: int = 32, features: int = 8, classes: int = 3, seed: int = 0):

@@ -5,14 +5,13 @@ known in advance; training itself is real (the tiny task of corelooper.testing).
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 from corelooper_early_stopping import plugin as es_plugin
 
 from corelooper.errors import ConfigError
+from corelooper.testing import SigtermAt
 
 
 class Scores:
@@ -60,20 +59,6 @@ def test_metric_and_mode_default_to_metric_for_best_model(run_loop):
                     metric_for_best_model="score", greater_is_better=False, **EVERY_STEP)
     assert es_plugin.resolved(loop.config) == ("eval_score", "min", 2, 0.0)
     assert loop.state.global_step == 4
-
-
-class SigtermAt:
-    """Sends this process a real SIGTERM at ``at_step``: the loop's preemption handler finishes the
-    step, saves a checkpoint and ends training with ``state.preempted`` (as a scheduler would)."""
-
-    name = "sigterm"
-
-    def __init__(self, at_step: int):
-        self.at_step = at_step
-
-    def on_step_end(self, state):
-        if state.global_step == self.at_step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_counter_is_saved_in_checkpoints_and_survives_a_resume(run_loop, tmp_path):

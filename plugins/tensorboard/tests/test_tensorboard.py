@@ -4,8 +4,6 @@ compared value by value with what corelooper's metrics.jsonl recorded."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,8 @@ from corelooper_tensorboard import plugin as tb_plugin
 from corelooper_tensorboard import tag
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
+
+from corelooper.testing import SigtermAt
 
 
 def read_events(log_dir: Path) -> EventAccumulator:
@@ -85,20 +85,6 @@ def test_unknown_key_is_rejected_with_a_hint(make_loop):
 
     with pytest.raises(ConfigError, match=r"tensorboard\.logdir.*Did you mean 'log_dir'"):
         make_loop([tb_plugin], sections={"tensorboard": {"logdir": "x"}})
-
-
-class SigtermAt:
-    """Sends this process a real SIGTERM at ``at_step``: the loop's preemption handler finishes the
-    step, saves a checkpoint and ends training with ``state.preempted`` (as a scheduler would)."""
-
-    name = "sigterm"
-
-    def __init__(self, at_step: int):
-        self.at_step = at_step
-
-    def on_step_end(self, state):
-        if state.global_step == self.at_step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_preempted_run_is_flushed_and_a_resume_continues_the_curves(run_loop, tmp_path):

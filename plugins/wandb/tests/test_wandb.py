@@ -4,8 +4,6 @@ back from the run files and compared with what corelooper's metrics.jsonl record
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from corelooper_wandb.offline import find_runs as _find_runs
 from corelooper_wandb.offline import read_run
 
 from corelooper.errors import PluginError
+from corelooper.testing import SigtermAt
 
 
 @pytest.fixture
@@ -73,20 +72,6 @@ def test_offline_run_holds_config_metrics_by_step_and_summary(run_loop, wandb_en
     # the run id is stored in every checkpoint, for resuming
     saved = json.loads((out / "checkpoint-8" / "plugins.json").read_text())
     assert saved["wandb"] == {"run_id": run.run_id}
-
-
-class SigtermAt:
-    """Sends this process a real SIGTERM at ``at_step``: the loop's preemption handler finishes the
-    step, saves a checkpoint and ends training with ``state.preempted`` (as a scheduler would)."""
-
-    name = "sigterm"
-
-    def __init__(self, at_step: int):
-        self.at_step = at_step
-
-    def on_step_end(self, state):
-        if state.global_step == self.at_step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_preempted_run_is_finished_and_resume_continues_the_same_run(run_loop, wandb_env, tmp_path):
