@@ -205,7 +205,7 @@ def hooks() -> None:
 
     from corelooper import hookspecs
 
-    names = ["corelooper_config_sections", *hookspecs.PROVIDERS, *hookspecs.EVENTS]
+    names = [*hookspecs.DECLARATIONS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
     for name in names:
         fn = getattr(hookspecs, name)
         opts = getattr(fn, "corelooper_spec", {}) or {}
@@ -328,6 +328,9 @@ def new_plugin(
 
 
 def main() -> None:
+    from corelooper.plugins import add_plugin_commands
+
+    add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
     app(prog_name="corelooper")
 
 

@@ -60,6 +60,39 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]] | None:
     """
 
 
+@hookspec
+def corelooper_configure(config, plugins) -> None:
+    """Set up this plugin for one run: register per-run objects, state and inactivity.
+
+    Called once for every ``Loop`` (and by ``corelooper plugins --config``) after the config is
+    validated and before the backend is created, with the run's read-only ``config`` and its
+    ``corelooper.plugins.Plugins`` registry. As pytest's ``pytest_configure`` registers a reporter
+    per session, a plugin that keeps state registers a fresh object here, never a module global::
+
+        def corelooper_configure(config, plugins):
+            if "early_stopping" not in config.sections:
+                plugins.set_inactive("early_stopping", "no [early_stopping] section")
+                return
+            stopper = EarlyStopping(config.section("early_stopping"))
+            plugins.register(stopper, "early_stopping.run")
+            plugins.register_for_checkpointing("early_stopping", stopper)
+
+    ``plugins.register_for_checkpointing(name, obj)``: ``obj.state_dict()`` (JSON data) is saved
+    in every checkpoint's ``plugins.json`` under ``name``; ``obj.load_state_dict(d)`` restores it.
+    ``plugins.set_inactive(name, reason)``: ``corelooper plugins --config`` shows the reason.
+    """
+
+
+@hookspec
+def corelooper_add_commands(app) -> None:
+    """Add subcommands to the ``corelooper`` command line (datasette's ``register_commands``).
+
+    Called once when the CLI starts, with the typer ``app``: decorate functions with
+    ``@app.command()``. Import heavy modules (torch) inside the command, not at module level:
+    ``corelooper --help`` loads every installed plugin and must stay fast.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Providers (firstresult): the builtin plugin answers last
 # --------------------------------------------------------------------------------------------
@@ -123,6 +156,21 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     losses of one step add up to the step's mean loss: that makes gradient accumulation exact.
     An implementation that does not take ``num_items_in_batch`` among its arguments is assumed
     to return a *mean* loss; the loop then divides it by the number of micro-batches.
+    """
+
+
+@hookspec(firstresult=True)
+def training_step(loop, micro_batches: list):
+    """Run one whole optimizer step over ``micro_batches``; return ``(loss, grad_norm)``.
+
+    The HF Trainer's second override point, after ``compute_loss``. ``micro_batches`` are the
+    step's batches as fetched (on the CPU); ``loss`` is the step's loss as a detached tensor
+    (no host sync), ``grad_norm`` the clipped-before norm or ``None``. The builtin is
+    ``corelooper.step.default_training_step(loop, micro_batches)``: move to the device, count
+    ``num_items_in_batch``, for each micro-batch (``no_sync`` on all but the last)
+    ``compute_loss`` -> backward, then clip -> optimizer step -> scheduler -> ``zero_grad``.
+    A plugin may replace it (a SAM-style two-pass step), or wrap it by calling
+    ``default_training_step`` itself (auto batch size retries it with smaller micro-batches).
     """
 
 
@@ -278,6 +326,20 @@ def on_train_end(loop, state, control) -> None:
 
 
 @hookspec
+def on_nonfinite(loop, state, control, micro_batches: list, sample_indices, loss, grad_norm,
+                 action: str) -> None:
+    """The step's loss or gradient norm is not finite (the non-finite guard, ``train.on_nonfinite``).
+
+    Fires before the loop acts, with the step's ``micro_batches`` (on the device),
+    ``sample_indices`` (per micro-batch, the dataset indices of its rows, or ``None`` when the
+    loader cannot tell), the step's ``loss`` and ``grad_norm`` tensors, and ``action``:
+    ``"stop"`` or ``"skip_step"``. The
+    gradients of the step are still in place (not yet zeroed). Diagnosis plugins (the doctor)
+    re-run a micro-batch here to name the module that went non-finite.
+    """
+
+
+@hookspec
 def on_exception(loop, state, control, exception: BaseException) -> None:
     """When ``train()`` is about to raise; ``exception`` is what went wrong. Clean up here; the
     last complete checkpoint is left untouched and the exception is re-raised."""
@@ -293,7 +355,9 @@ PROVIDERS = (
     "train_dataloader",
     "eval_dataloader",
     "compute_loss",
+    "training_step",
     "compute_metrics",
     "split_micro_batches",
     "retry_step",
 )
+DECLARATIONS = ("corelooper_config_sections", "corelooper_configure", "corelooper_add_commands")

@@ -58,7 +58,7 @@ def installed_entry_points() -> list[importlib.metadata.EntryPoint]:
     return sorted(eps, key=lambda ep: ep.name)
 
 
-KNOWN_HOOKS = frozenset((*hookspecs.EVENTS, *hookspecs.PROVIDERS, "corelooper_config_sections"))
+KNOWN_HOOKS = frozenset((*hookspecs.EVENTS, *hookspecs.PROVIDERS, *hookspecs.DECLARATIONS))
 
 
 class _Manager(pluggy.PluginManager):
@@ -186,7 +186,7 @@ class Plugins:
 
 
 def _hook_order(name: str) -> int:
-    order = ["corelooper_config_sections", *hookspecs.PROVIDERS, *hookspecs.EVENTS]
+    order = [*hookspecs.DECLARATIONS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
     return order.index(name) if name in order else len(order)
 
 
@@ -296,3 +296,24 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def add_plugin_commands(app) -> None:
+    """Let every installed plugin add CLI subcommands (``corelooper_add_commands``).
+
+    Only entry points are loaded (no builtin, no config): plugin modules import torch lazily,
+    so ``corelooper --help`` stays fast. A plugin that fails to import here is skipped; the
+    error is reported by the command that needs it (``run`` loads plugins strictly).
+    """
+    if os.environ.get(AUTOLOAD_ENV):
+        return
+    pm = _Manager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for ep in installed_entry_points():
+        try:
+            obj = ep.load()
+        except Exception:
+            continue
+        if not isinstance(obj, type) and callable(getattr(obj, "corelooper_add_commands", None)):
+            pm.register(obj, name=ep.name)
+    pm.hook.corelooper_add_commands(app=app)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from corelooper.errors import ConfigError
 
-from .controller import DEFAULTS, SECTION, AutoBatchSize
+from .settings import DEFAULTS, SECTION
 
-__all__ = ["AutoBatchSize", "RUN_PLUGIN_NAME"]
+__all__ = ["RUN_PLUGIN_NAME"]
 __version__ = "0.1.0"
 
 #: Name under which the per-run part is registered (and saved in a checkpoint's plugins.json).
@@ -31,4 +31,6 @@ def on_init_end(loop) -> None:
                 f"on, or remove the [{SECTION}] section."
             )
         return
+    from .controller import AutoBatchSize  # imports torch: only when turned on
+
     loop.plugins.register(AutoBatchSize(loop), RUN_PLUGIN_NAME, "object")

@@ -26,12 +26,7 @@ from .batches import cut, cut_all, is_oom, rows, sample_shape
 
 log = logging.getLogger("corelooper.auto_batch_size")
 
-SECTION = "auto_batch_size"
-DEFAULTS = {
-    "probe": False,
-    "min_micro_batch_size": 1,
-    "eval": True,
-}
+from .settings import DEFAULTS, SECTION  # noqa: F401  (re-exported)
 
 
 class PeerFailed(RuntimeError):

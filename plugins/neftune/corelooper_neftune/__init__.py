@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from corelooper import hookimpl
 from corelooper.errors import ConfigError
 
@@ -44,6 +42,8 @@ def input_embeddings(model: torch.nn.Module, name: str = "") -> torch.nn.Module:
             emb = None
         if emb is not None:
             return emb
+    import torch  # lazily: `corelooper --help` loads this module
+
     for m in model.modules():
         if isinstance(m, torch.nn.Embedding):
             return m
@@ -54,6 +54,8 @@ def input_embeddings(model: torch.nn.Module, name: str = "") -> torch.nn.Module:
 
 
 def neftune_hook(noise_alpha: float):
+    import torch
+
     def hook(module, inputs, output):
         if module.training:
             dims = output.size(1) * output.size(2)
