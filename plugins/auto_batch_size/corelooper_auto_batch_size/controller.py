@@ -26,7 +26,7 @@ from .batches import cut, cut_all, is_oom, rows, sample_shape
 
 log = logging.getLogger("corelooper.auto_batch_size")
 
-from .settings import DEFAULTS, SECTION  # noqa: F401  (re-exported)
+from .settings import DEFAULTS, SECTION  # noqa: F401, E402  (re-exported)
 
 
 class PeerFailed(RuntimeError):

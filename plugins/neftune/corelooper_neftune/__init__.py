@@ -11,9 +11,13 @@ removed when training ends: a model saved or used afterwards is unchanged.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from corelooper import hookimpl
 from corelooper.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 SECTION = "neftune"
 _HANDLE = "_neftune_handle"
