@@ -130,7 +130,7 @@ def run(
         if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
             typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
                        f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
-            preempted_exit = loop._preemption.exit_code
+            preempted_exit = 128 + (state.stop_signal or 15)
         elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
             loop.evaluate()
         if profiler is not None and loop.state.is_world_process_zero:
@@ -162,30 +162,25 @@ def plugins(
 ) -> None:
     """List plugins: version, hooks, config keys, and which provider wins each provider hook."""
     try:
-        from corelooper.config import Config
+        from corelooper.config import Config, PluginsConfig
         from corelooper.hookspecs import PROVIDERS
         from corelooper.plugins import load_plugins
 
         blocked, local = split_plugin_options(p)
-        cfg = load_config(config, set_, local) if config else None
-        if cfg is None and local:
-            cfg = Config()
-            cfg.plugins.local = local
+        cfg = load_config(config, set_, local) if config else Config(plugins=PluginsConfig(local=local))
         pl = load_plugins(cfg, blocked=blocked)
-        if cfg is None:
-            pl.declared_sections()
+        cfg = pl.config  # with the plugins' defaults: the values this run would use
         typer.echo(f"plugins{' for ' + str(config) if config else ''}:")
         for info in pl.info.values():
             version = f" {info.version}" if info.version else ""
             dist = f" ({info.dist}{version})" if info.dist else ""
             # A loaded plugin may still do nothing for this config (wandb without [wandb], ...).
-            reason = getattr(info.plugin, "inactive_reason", None)
-            why = reason(cfg if cfg is not None else Config()) if callable(reason) else None
-            status = f"inactive for {'this' if cfg else 'an empty'} config: {why}" if why else "active"
+            why = pl.inactive.get(info.name)
+            status = f"inactive for {'this' if config else 'an empty'} config: {why}" if why else "active"
             typer.echo(f"  {info.name}{dist} [{info.kind}, {status}]")
             typer.echo(f"    hooks: {', '.join(info.hooks) or '-'}")
-            for section, keys in info.sections.items():
-                shown = ", ".join(f"{k}={v!r}" for k, v in keys.items())
+            for section in info.sections:
+                shown = ", ".join(f"{k}={v!r}" for k, v in cfg.section(section).items())
                 typer.echo(f"    config [{section}]: {shown or '-'}")
         for name, why in pl.skipped.items():
             typer.echo(f"  {name} [installed, inactive: {why}]")

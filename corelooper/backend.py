@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -25,8 +25,6 @@ class Backend(Protocol):
     is_main_process: bool
     is_local_main_process: bool
     mixed_precision: str
-    #: False when the backend cannot change gradient accumulation mid-run (auto batch size).
-    supports_dynamic_accumulation: bool
     #: True when each rank holds only a shard of the parameters (FSDP, ZeRO-3): a plugin that
     #: needs the whole model on every rank must refuse at start-up (getattr default: False).
     shards_parameters: bool
@@ -38,7 +36,6 @@ class Backend(Protocol):
         """Wrap the model alone, for evaluation or prediction without training."""
 
     def to_device(self, batch): ...
-    def autocast(self) -> contextlib.AbstractContextManager: ...
     def no_sync(self, model) -> contextlib.AbstractContextManager: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def clip_grad_norm(self, model, max_norm: float) -> torch.Tensor: ...
@@ -52,7 +49,6 @@ class Backend(Protocol):
     def load_model_state_dict(self, model, state_dict: dict[str, torch.Tensor]) -> None: ...
     def save_training_state(self, optimizer, directory) -> None: ...
     def load_training_state(self, optimizer, directory) -> None: ...
-    def broadcast_object(self, obj: Any) -> Any: ...
     def end(self) -> None: ...
 
 
@@ -114,15 +110,6 @@ class TorchDistributedCollectives:
             return tensor
         return gather_varlen(tensor, self.device)
 
-    def broadcast_object(self, obj):
-        if self.num_processes == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def wait_for_everyone(self) -> None:
         if self.num_processes > 1:
             import torch.distributed as dist
@@ -137,7 +124,6 @@ class AccelerateBackend(TorchDistributedCollectives):
     would silently train on its own (``DistributedType.NO``).
     """
 
-    supports_dynamic_accumulation = True
     shards_parameters = False
 
     def __init__(self, mixed_precision: str = "no", use_cpu: bool = False):
@@ -188,9 +174,6 @@ class AccelerateBackend(TorchDistributedCollectives):
         from accelerate.utils import send_to_device
 
         return send_to_device(batch, self.device, non_blocking=True)
-
-    def autocast(self):
-        return self.accelerator.autocast()
 
     def no_sync(self, model):
         if self.num_processes == 1:

@@ -110,6 +110,20 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs):
 
 
 @hookimpl(trylast=True)
+def training_step(loop, micro_batches):
+    from .step import default_training_step
+
+    return default_training_step(loop, micro_batches)
+
+
+@hookimpl(trylast=True)
+def evaluation_loop(loop, dataset, metric_key_prefix, keep_outputs):
+    from .evaluation import run_evaluation
+
+    return run_evaluation(loop, dataset, metric_key_prefix, keep_outputs)
+
+
+@hookimpl(trylast=True)
 def compute_metrics(loop, predictions, label_ids):
     if loop.compute_metrics_fn is not None:
         return loop.compute_metrics_fn(predictions, label_ids)

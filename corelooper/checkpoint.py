@@ -211,20 +211,19 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard
 
 
 def plugin_states(loop) -> dict[str, Any]:
-    """State of every plugin with ``state_dict``/``load_state_dict`` (JSON-serialisable)."""
+    """``state_dict()`` of every object registered with ``plugins.register_for_checkpointing``."""
     out = {}
-    for name, plugin in loop.plugins.pm.list_name_plugin():
-        if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
-            try:
-                state = plugin.state_dict()
-                json.dumps(state)
-            except Exception as e:
-                raise PluginError(
-                    f"Plugin {name!r} failed in state_dict() while a checkpoint was being saved: "
-                    f"{type(e).__name__}: {e}. state_dict() must return JSON-serialisable data. "
-                    "The previous checkpoints are untouched."
-                ) from e
-            out[name] = state
+    for name, plugin in loop.plugins.stateful.items():
+        try:
+            state = plugin.state_dict()
+            json.dumps(state)
+        except Exception as e:
+            raise PluginError(
+                f"Plugin {name!r} failed in state_dict() while a checkpoint was being saved: "
+                f"{type(e).__name__}: {e}. state_dict() must return JSON-serialisable data. "
+                "The previous checkpoints are untouched."
+            ) from e
+        out[name] = state
     return out
 
 
@@ -283,7 +282,7 @@ def save_checkpoint(loop) -> Path:
         _fsync_dir(output_dir)
         rotate_checkpoints(loop, output_dir, keep=final)
     backend.wait_for_everyone()
-    loop._fire("on_save", checkpoint_dir=final)
+    loop.events.fire("on_save", checkpoint_dir=final)
     return final
 
 
@@ -291,10 +290,9 @@ def _process_state(loop) -> dict[str, Any]:
     """This process's RNG states, and its unlogged loss window (so that the first log after a
     resume averages the same steps as an uninterrupted run would; one host sync, at save time)."""
     state = rng_state()
-    window = getattr(loop, "_window", None)
-    if window is not None and window[1]:
-        loss, steps, samples, tokens = window
-        state["log_window"] = {"loss": float(loss), "steps": steps, "samples": samples, "tokens": tokens}
+    window = loop.log_window.state_dict()
+    if window is not None:
+        state["log_window"] = window
     return state
 
 
@@ -552,7 +550,7 @@ def load_checkpoint(loop, directory: Path) -> None:
     loop.scheduler.load_state_dict(scheduler)
     if rng is not None:
         set_rng_state(rng)
-        loop._resumed_window = rng.get("log_window")
+        loop.log_window.load_state_dict(rng.get("log_window"))
     streaming.load_data_state(loop, directory)  # a streaming loader's position (or a warning)
     restored = LoopState.from_dict(state)
     for key in ("global_step", "epoch", "step_in_epoch", "micro_batches_in_epoch", "log_history",
@@ -560,8 +558,8 @@ def load_checkpoint(loop, directory: Path) -> None:
                 "num_input_tokens_seen", "total_samples_seen"):
         setattr(s, key, getattr(restored, key))
     s.plugin_states = plugins
-    for name, plugin in loop.plugins.pm.list_name_plugin():
-        if name in plugins and callable(getattr(plugin, "load_state_dict", None)):
+    for name, plugin in loop.plugins.stateful.items():
+        if name in plugins:
             try:
                 plugin.load_state_dict(plugins[name])
             except Exception as e:
@@ -569,7 +567,7 @@ def load_checkpoint(loop, directory: Path) -> None:
                     f"Plugin {name!r} failed in load_state_dict() restoring {str(directory)!r}: "
                     f"{type(e).__name__}: {e}."
                 ) from e
-    loop._fire("on_load_checkpoint", checkpoint_dir=directory)
+    loop.events.fire("on_load_checkpoint", checkpoint_dir=directory)
 
 
 def _warn_if_not_exact(loop, state: dict[str, Any]) -> None:

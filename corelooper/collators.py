@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -292,6 +293,7 @@ def length_grouped_order(
 # -- unused columns ------------------------------------------------------------------------------
 
 _LABEL_NAMES = ("labels", "label", "label_ids")
+_column_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> keys -> columns
 
 
 def accepted_columns(signature, keys: Iterable[str]) -> tuple[str, ...] | None:
@@ -307,19 +309,14 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
     of keys, logged once). Off with ``train.remove_unused_columns = false``."""
     if not getattr(loop.args, "remove_unused_columns", True):
         return batch
-    plans = loop.__dict__.setdefault("_column_plans", {})
+    plans = _column_plans.setdefault(loop, {})
     keys = tuple(batch)
     plan = plans.get(keys, 0)
     if plan == 0:
-        model = loop.backend.unwrap_model(loop.model) if loop.backend is not None else loop.model
-        signature = loop.forward_signature
-        base = getattr(model, "get_base_model", None)  # a PEFT wrapper passes **kwargs through
-        if callable(base):
-            from .losses import forward_signature
+        from .losses import forward_signature, innermost_model
 
-            model = base()
-            signature = forward_signature(model)
-        plan = accepted_columns(signature, keys)
+        model = innermost_model(loop.backend.unwrap_model(loop.model))
+        plan = accepted_columns(forward_signature(model), keys)
         plans[keys] = plan
         if plan is not None:
             dropped = [k for k in keys if k not in plan]

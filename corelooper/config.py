@@ -82,6 +82,10 @@ class TrainArgs:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    on_nonfinite: Literal["stop", "skip_step", "ignore"] = "stop"
+    """A NaN/Inf loss or gradient norm: stop the run, skip the step, or carry on."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite = "skip_step": stop after this many skipped steps in a row."""
     lr_scheduler_type: Literal[
         "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial",
         "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay", "reduce_lr_on_plateau",
@@ -316,7 +320,7 @@ def check_train_args(a: TrainArgs) -> None:
 
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         positive(key)
-    for key in ("gradient_accumulation_steps", "logging_steps", "save_steps"):
+    for key in ("gradient_accumulation_steps", "logging_steps", "save_steps", "max_skipped_steps"):
         positive(key)
     for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"):
         positive(key, allow_zero=True)

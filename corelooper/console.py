@@ -1,16 +1,12 @@
 """Console output: a rich progress bar on a terminal, plain log lines otherwise.
 
-Registered as the plugin ``console``; ``-p no:console`` silences it.
+One ``Console`` per run, registered as the builtin plugin ``console``; ``-p no:console``
+silences it. Only the main process prints.
 """
 
 from __future__ import annotations
 
 import sys
-
-from .hookspecs import hookimpl
-
-_progress = None
-_task = None
 
 
 def _format(logs: dict) -> str:
@@ -22,74 +18,63 @@ def _format(logs: dict) -> str:
     return " ".join(parts)
 
 
-def _print(text: str) -> None:
-    if _progress is not None:
-        _progress.console.print(text, highlight=False, markup=False)
-    else:
-        print(text, flush=True)
+class Console:
+    def __init__(self) -> None:
+        self.progress = None
+        self.task = None
 
+    def print(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text, highlight=False, markup=False)
+        else:
+            print(text, flush=True)
 
-@hookimpl
-def on_train_begin(loop, state):
-    global _progress, _task
-    if not state.is_world_process_zero:
-        return
-    _print(
-        f"corelooper: training {state.max_steps} steps ({state.num_train_epochs} epochs x "
-        f"{state.steps_per_epoch} steps), batch {state.train_batch_size} x "
-        f"{state.gradient_accumulation_steps} accumulation x {state.world_size} processes, "
-        f"output in {loop.args.output_dir}"
-    )
-    if loop.args.disable_tqdm or not sys.stdout.isatty():
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    def on_train_begin(self, loop, state) -> None:
+        if not state.is_world_process_zero:
+            return
+        self.print(
+            f"corelooper: training {state.max_steps} steps ({state.num_train_epochs} epochs x "
+            f"{state.steps_per_epoch} steps), batch {state.train_batch_size} x "
+            f"{state.gradient_accumulation_steps} accumulation x {state.world_size} processes, "
+            f"output in {loop.args.output_dir}"
+        )
+        if loop.args.disable_tqdm or not sys.stdout.isatty():
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    _progress = Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        TextColumn("{task.fields[info]}"), transient=False,
-    )
-    _task = _progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
-    _progress.start()
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), transient=False,
+        )
+        self.task = self.progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
+        self.progress.start()
 
+    def on_step_end(self, state) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state.global_step)
 
-@hookimpl
-def on_step_end(state):
-    if _progress is not None:
-        _progress.update(_task, completed=state.global_step)
+    def on_log(self, state, logs) -> None:
+        if not state.is_world_process_zero:
+            return
+        if self.progress is not None and "loss" in logs:
+            self.progress.update(self.task, info=f"loss {logs['loss']:.4g}")
+        self.print(f"[step {state.global_step}/{state.max_steps}] {_format(logs)}")
 
+    def on_evaluate(self, state, metrics) -> None:
+        if state.is_world_process_zero:
+            self.print(f"[step {state.global_step}/{state.max_steps}] {_format(metrics)}")
 
-@hookimpl
-def on_log(state, logs):
-    if _progress is not None and "loss" in logs:
-        _progress.update(_task, info=f"loss {logs['loss']:.4g}")
-    _print(f"[step {state.global_step}/{state.max_steps}] {_format(logs)}")
+    def on_save(self, state, checkpoint_dir) -> None:
+        if state.is_world_process_zero:  # every rank takes part in a save; one reports it
+            self.print(f"saved {checkpoint_dir}")
 
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
-@hookimpl
-def on_evaluate(state, metrics):
-    if not state.is_world_process_zero:
-        return
-    _print(f"[step {state.global_step}/{state.max_steps}] {_format(metrics)}")
+    def on_train_end(self) -> None:
+        self.stop()
 
-
-@hookimpl
-def on_save(state, checkpoint_dir):
-    if state.is_world_process_zero:  # every rank takes part in a save; one reports it
-        _print(f"saved {checkpoint_dir}")
-
-
-def _stop() -> None:
-    global _progress
-    if _progress is not None:
-        _progress.stop()
-        _progress = None
-
-
-@hookimpl
-def on_train_end():
-    _stop()
-
-
-@hookimpl
-def on_exception():
-    _stop()
+    def on_exception(self) -> None:
+        self.stop()

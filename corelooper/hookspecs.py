@@ -11,15 +11,22 @@ Two kinds of hooks:
   with ``trylast=True``, so any other plugin's implementation wins; return ``None`` to let the
   next one answer.
 
+Plugin lifecycle: ``corelooper_config_sections`` (declare keys) -> the config is validated ->
+``corelooper_configure(config, plugins)`` (register per-run objects and checkpointed state) ->
+the backend is created (``create_backend``) -> ``on_init_end``. A plugin registered later, at any
+time, is called from the next event on.
+
 Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
 
     on_init_end                      (once, when the Loop is constructed)
     [on_load_checkpoint]             (when resuming: after everything was restored)
     on_train_begin
       on_epoch_begin
-        on_step_begin                (first micro-batch of an optimizer step)
+        on_step_begin                (the step's GA micro-batches were fetched; then the
+                                      training_step provider runs:)
           on_before_backward, on_after_backward      (each micro-batch)
           on_substep_end             (each micro-batch but the last of the step)
+          [on_nonfinite]             (the loss or gradient norm is NaN/Inf: then stop or skip)
         on_pre_optimizer_step        (after gradient clipping)
         on_optimizer_step            (after optimizer.step(), before zero_grad)
         on_step_end                  (state.global_step already incremented)
@@ -175,42 +182,25 @@ def training_step(loop, micro_batches: list):
 
 
 @hookspec(firstresult=True)
+def evaluation_loop(loop, dataset, metric_key_prefix: str, keep_outputs: bool):
+    """Run the model over ``dataset``; return ``(metrics, predictions, label_ids)``.
+
+    Called by ``Loop.evaluate()`` (``keep_outputs`` false unless metrics need the outputs) and
+    ``Loop.predict()`` (true). ``metrics`` has ``{prefix}_loss`` (token-weighted over the whole
+    set and all processes) and the prefixed ``compute_metrics``; predictions and labels are in
+    dataset order (``None`` when not kept). The builtin is
+    ``corelooper.evaluation.run_evaluation``; a plugin may wrap it (auto batch size re-runs it
+    with smaller batches after an out-of-memory error).
+    """
+
+
+@hookspec(firstresult=True)
 def compute_metrics(loop, predictions, label_ids):
     """Return a dict of metrics (without the ``eval_`` prefix) from the whole evaluation set.
 
     ``predictions`` and ``label_ids`` are the concatenated model outputs (usually logits) and
     labels, on the CPU, in dataset order. Called at the end of ``evaluate()``/``predict()``
     when a plugin implements it or ``Loop(compute_metrics=...)`` was given.
-    """
-
-
-@hookspec(firstresult=True)
-def split_micro_batches(loop, micro_batches: list, training: bool):
-    """Return the micro-batches to run instead of ``micro_batches``, or ``None`` to keep them.
-
-    Called only when a plugin implements it: before each training optimizer step with the
-    step's micro-batches (``training=True``, on the device, after ``on_step_begin``), and with
-    each evaluation/prediction batch as a one-element list (``training=False``). The result must
-    hold the same samples in the same order, e.g. each batch cut into smaller pieces along
-    dim 0: ``num_items_in_batch`` is counted over the whole step before the cut, so the
-    gradient is unchanged. ``corelooper-auto-batch-size`` cuts batches to the size it found.
-    """
-
-
-@hookspec(firstresult=True)
-def retry_step(loop, exception: Exception, micro_batches: list | None, training: bool):
-    """A training step or an evaluation raised ``exception``: say how to run it again.
-
-    Training (``training=True``): ``micro_batches`` are the step's micro-batches as they were
-    run; return the micro-batches to run the **same** optimizer step with (the same samples,
-    e.g. cut smaller). The loop then zeroes the step's partial gradients, frees memory
-    (``gc.collect`` and the device cache), and runs the step again: the scheduler, the data
-    order and ``state.global_step`` are unchanged. Events of the micro-batches
-    (``on_before_backward`` ...) fire again for the new attempt; ``on_step_begin`` does not.
-    Evaluation/prediction (``training=False``, ``micro_batches`` is ``None``): return ``True``
-    to run the whole evaluation again from scratch. Return ``None`` (or raise a clearer
-    error) to let the exception propagate. Called only when a plugin implements it, from the
-    ``except`` clause: keep no reference to ``exception`` (its traceback holds activations).
     """
 
 
@@ -356,8 +346,7 @@ PROVIDERS = (
     "eval_dataloader",
     "compute_loss",
     "training_step",
+    "evaluation_loop",
     "compute_metrics",
-    "split_micro_batches",
-    "retry_step",
 )
 DECLARATIONS = ("corelooper_config_sections", "corelooper_configure", "corelooper_add_commands")

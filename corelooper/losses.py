@@ -36,6 +36,13 @@ def forward_signature(model: torch.nn.Module) -> ForwardSignature:
     return ForwardSignature("labels" in names, bool(accepts_loss_kwargs), names, var_kwargs)
 
 
+def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose ``forward`` declares the real arguments: a wrapper that passes
+    ``**kwargs`` through (a PEFT model, say) names what it wraps with ``get_base_model()``."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
 def split_batch(batch):
     """(args, kwargs, labels) for calling a model that returns logits."""
     if isinstance(batch, Mapping):

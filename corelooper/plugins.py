@@ -28,20 +28,6 @@ ENTRY_POINT_GROUP = "corelooper"
 AUTOLOAD_ENV = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN = "builtin"
 
-# Sections of first-party plugins, so a config naming one that is not installed says what to install.
-KNOWN_SECTIONS = {
-    "tensorboard": "corelooper-tensorboard",
-    "wandb": "corelooper-wandb",
-    "early_stopping": "corelooper-early-stopping",
-    "auto_batch_size": "corelooper-auto-batch-size",
-    "fsdp": "corelooper-fsdp",
-    "deepspeed": "corelooper-deepspeed",
-    "peft": "corelooper-peft",
-    "neftune": "corelooper-neftune",
-    "optuna": "corelooper-optuna",
-}
-
-
 @dataclass
 class PluginInfo:
     name: str
@@ -79,11 +65,23 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.info: dict[str, PluginInfo] = {}
         self.skipped: dict[str, str] = {}  # installed but not loaded -> why
+        self.inactive: dict[str, str] = {}  # loaded, but does nothing for this config -> why
+        self.stateful: dict[str, Any] = {}  # name -> object saved in checkpoints (plugins.json)
         self.hook = self.pm.hook
+        self.version = 0  # bumped by every (un)registration: the loop's event cache checks it
+        self.config = None  # the run's validated config, set by load_plugins
+        self._configuring = False
+
+    def get(self, name: str) -> Any:
+        """The plugin object registered as ``name`` (e.g. ``"early_stopping.run"``), or None."""
+        return self.pm.get_plugin(name)
 
     # -- registration ------------------------------------------------------------------------
-    def register(self, plugin: Any, name: str, kind: str, dist=None, version=None) -> None:
-        if self.pm.is_blocked(name):
+    def register(self, plugin: Any, name: str, kind: str | None = None, dist=None, version=None) -> None:
+        """Register ``plugin`` under ``name``; it is called from the next event on. Objects
+        registered from ``corelooper_configure`` are of kind ``run`` (one per Loop)."""
+        kind = kind or ("run" if self._configuring else "object")
+        if self.pm.is_blocked(name) or self.pm.is_blocked(name.split(".")[0]):
             self.skipped[name] = "disabled"
             return
         try:
@@ -101,7 +99,30 @@ class Plugins:
             {hook for hook, _ in self._impls(plugin)}, key=_hook_order
         )
         self.info[name] = PluginInfo(name, plugin, kind, dist, version, hooks)
+        self.version += 1
 
+    def unregister(self, name: str) -> None:
+        self.pm.unregister(name=name)
+        self.info.pop(name, None)
+        self.stateful.pop(name, None)
+        self.version += 1
+
+    def register_for_checkpointing(self, name: str, obj: Any) -> None:
+        """Save ``obj.state_dict()`` (JSON data) in every checkpoint under ``name``; restore it
+        with ``obj.load_state_dict(...)`` on resume (as accelerate's register_for_checkpointing)."""
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise PluginError(
+                    f"register_for_checkpointing({name!r}, ...): {type(obj).__name__} has no "
+                    f"{method}() method; both state_dict() and load_state_dict() are needed."
+                )
+        if name in self.stateful and self.stateful[name] is not obj:
+            raise PluginError(f"register_for_checkpointing: the name {name!r} is already taken.")
+        self.stateful[name] = obj
+
+    def set_inactive(self, name: str, reason: str) -> None:
+        """Record that plugin ``name`` does nothing for this config (``corelooper plugins``)."""
+        self.inactive[name] = reason
     def _impls(self, plugin):
         """(hook name, HookImpl) for each hook ``plugin`` implements."""
         for hook_caller in self.pm.get_hookcallers(plugin) or []:
@@ -150,6 +171,20 @@ class Plugins:
         impls = [i for i in getattr(self.hook, hook_name).get_hookimpls() if not (i.hookwrapper or i.wrapper)]
         return impls[-1] if impls else None
 
+    def call_provider(self, hook_name: str, **kwargs) -> tuple[Any, Any]:
+        """Call a provider as pluggy's firstresult does; also return the implementation that
+        answered (the loop reads its signature: does it take ``num_items_in_batch``?)."""
+        caller = getattr(self.hook, hook_name)
+        for impl in reversed(caller.get_hookimpls()):  # pluggy's order: tryfirst, last registered
+            if impl.hookwrapper or impl.wrapper:
+                raise PluginError(f"Hook wrappers are not supported on the provider {hook_name!r}.")
+            # Through pluggy's executor, one implementation at a time, so hook-call monitoring
+            # (corelooper.testing's recorder, --profile-plugins) sees each call.
+            result = caller._hookexec(caller.name, [impl], kwargs, True)
+            if result is not None:
+                return result, impl
+        return None, None
+
     def declared_sections(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for impl in self.hook.corelooper_config_sections.get_hookimpls():
@@ -197,7 +232,10 @@ def load_plugins(
     autoload: bool | None = None,
 ) -> Plugins:
     """Build the plugin manager for one run (or for ``corelooper plugins``)."""
-    from . import builtin, console, metrics_log
+    from . import best_metric, builtin, metrics_log
+    from .console import Console
+    from .preemption import PreemptionPlugin
+    from .throughput import Throughput
 
     plugins = Plugins()
     cfg = config.plugins if config is not None else None
@@ -207,8 +245,11 @@ def load_plugins(
     plugins.block(blocked)
     version = _version("corelooper")
     plugins.register(builtin, BUILTIN, "builtin", "corelooper", version)
-    plugins.register(console, "console", "builtin", "corelooper", version)
-    plugins.register(metrics_log, "jsonl", "builtin", "corelooper", version)
+    # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
+    # stateful ones are new objects for every run.
+    for name, obj in (("console", Console()), ("jsonl", metrics_log), ("throughput", Throughput()),
+                      ("preemption", PreemptionPlugin()), ("best_metric", best_metric)):
+        plugins.register(obj, name, "builtin", "corelooper", version)
 
     if autoload is None:
         autoload = not os.environ.get(AUTOLOAD_ENV)
@@ -220,8 +261,8 @@ def load_plugins(
             names = [ep.name for ep in installed]
             raise ConfigError(
                 f"plugins.enable names {sorted(unknown)}, which are not installed plugins. "
-                f"Installed: {names or 'none'}. Install the package (e.g. pip install "
-                f"{KNOWN_SECTIONS.get(sorted(unknown)[0], 'corelooper-' + sorted(unknown)[0])})."
+                f"Installed: {names or 'none'}. Install the plugin's package (first-party ones "
+                f"are named like corelooper-{sorted(unknown)[0].replace('_', '-')})."
             )
     for ep in reversed(installed):  # first name registered last -> asked first
         dist = ep.dist.metadata["Name"] if ep.dist else None
@@ -262,13 +303,41 @@ def load_plugins(
     if config is not None:
         declared = plugins.declared_sections()
         check_sections(config, declared, plugins)
-        config.with_defaults(declared)
-        if getattr(config.train, "auto_find_batch_size", False) and "auto_batch_size" not in declared:
-            raise ConfigError(
-                "train.auto_find_batch_size = true needs the auto_batch_size plugin, which is not "
-                "loaded: `pip install corelooper-auto-batch-size` (or do not disable it)."
-            )
+        config = config.with_defaults(declared) or config
+        plugins.config = config
+        configure(plugins, config)
     return plugins
+
+
+def configure(plugins: Plugins, config: Config) -> None:
+    """``corelooper_configure`` of every plugin registered so far, once: per-run objects that
+    they register are configured too (pytest's historic ``pytest_configure``)."""
+    done: set[int] = set()
+    while True:
+        todo = [
+            (name, impl) for name, impl in _configure_impls(plugins) if id(impl) not in done
+        ]
+        if not todo:
+            return
+        for name, impl in todo:
+            done.add(id(impl))
+            plugins._configuring = True
+            try:
+                impl.function(*({"config": config, "plugins": plugins}[a] for a in impl.argnames))
+            except (ConfigError, PluginError):
+                raise
+            except Exception as e:
+                raise PluginError(
+                    f"Plugin {name!r} raised in hook 'corelooper_configure': {type(e).__name__}: "
+                    f"{e}. Fix the plugin, or disable it with `-p no:{name}`."
+                ) from e
+            finally:
+                plugins._configuring = False
+
+
+def _configure_impls(plugins: Plugins):
+    for impl in reversed(plugins.hook.corelooper_configure.get_hookimpls()):
+        yield plugins.pm.get_name(impl.plugin), impl
 
 
 def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) -> None:
@@ -277,14 +346,10 @@ def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) 
             continue
         if section in plugins.skipped:
             continue  # installed, but disabled for this run: its section is ignored
-        package = KNOWN_SECTIONS.get(section)
-        if package:
-            raise ConfigError(
-                f"The config has a [{section}] section, but no loaded plugin declares it. "
-                f"Install it with `pip install {package}` (or remove the section)."
-            )
         close = difflib.get_close_matches(section, list(declared) + list(Config.CORE), n=1)
-        hint = f" Did you mean [{close[0]}]?" if close else ""
+        hint = (f" Did you mean [{close[0]}]?" if close else
+                f" If a plugin package provides it, install it (`pip install "
+                f"corelooper-{section.replace('_', '-')}` for a first-party one), or remove the section.")
         raise ConfigError(
             f"Unknown config section [{section}]: no loaded plugin declares it.{hint} "
             "Run `corelooper plugins` to see the sections each plugin declares."

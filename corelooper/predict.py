@@ -160,7 +160,7 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
 
     loop = Loop(config=config, blocked_plugins=blocked)
     directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir))
-    loop._setup_eval_model()
+    loop.prepare_for_evaluation()
     ckpt.load_weights(loop, directory)
     state = directory / "loop_state.json"
     if state.is_file():  # metrics logged by this evaluation carry the checkpoint's step
@@ -172,6 +172,7 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
 
 
 def _dataset(loop, split: str):
+    from .build import config_dir
     from .config import import_object
     from .errors import DataError
 
@@ -187,7 +188,7 @@ def _dataset(loop, split: str):
             f"No data to predict on: set data.test (or data.eval) in the config to a 'module:callable' "
             f"returning a dataset (asked for {split!r})."
         )
-    factory = import_object(ref, f"data.{split}", loop._base())
+    factory = import_object(ref, f"data.{split}", config_dir(loop.config))
     return factory(**loop.config.data.args), f"data.{split}"
 
 

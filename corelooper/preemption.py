@@ -72,8 +72,32 @@ class Preemption:
         return 128 + (self.signum if self.signum is not None else signal.SIGTERM)
 
 
-def stop(loop) -> None:
-    """Make the loop save now and stop training (after the current optimizer step)."""
-    loop.state.preempted = True
-    loop.control.should_save = True
-    loop.control.should_training_stop = True
+class PreemptionPlugin:
+    """The builtin plugin ``preemption``: after the step in which a stop signal arrived (on any
+    rank), save and stop (``state.preempted``, ``state.stop_signal``). ``-p no:preemption``
+    leaves SIGTERM/SIGINT to Python's defaults."""
+
+    def __init__(self) -> None:
+        self.preemption: Preemption | None = None
+
+    def on_train_begin(self) -> None:
+        if self.preemption is None:
+            self.preemption = Preemption().install()
+
+    def on_step_end(self, loop, state, control) -> None:
+        if self.preemption is not None and self.preemption.requested(loop.backend):
+            state.preempted = True
+            state.stop_signal = self.preemption.exit_code - 128
+            control.should_save = True
+            control.should_training_stop = True
+
+    def restore(self) -> None:
+        if self.preemption is not None:
+            self.preemption.restore()
+            self.preemption = None
+
+    def on_train_end(self) -> None:
+        self.restore()
+
+    def on_exception(self) -> None:
+        self.restore()

@@ -29,12 +29,6 @@ class LoopState:
     train_batch_size: int = 0
     """Per-device micro-batch size."""
     gradient_accumulation_steps: int = 1
-    micro_batch_size: int | None = None
-    """Samples per forward/backward when a plugin cuts the batches smaller (auto batch size):
-    each step then runs ``gradient_accumulation_steps * ceil(train_batch_size / micro_batch_size)``
-    micro-batches, with the same data and the same effective batch. None: not cut."""
-    eval_micro_batch_size: int | None = None
-    """The same for evaluation batches (``per_device_eval_batch_size``); None: not cut."""
     num_input_tokens_seen: int = 0
     total_samples_seen: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
@@ -46,6 +40,8 @@ class LoopState:
     world_size: int = 1
     preempted: bool = False
     """True when a SIGTERM/SIGINT ended training early (set before ``on_train_end``)."""
+    stop_signal: int | None = None
+    """The signal number that stopped training (the CLI exits with 128 + it)."""
     plugin_states: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,6 +69,3 @@ class Control:
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False
-
-    def reset_step(self) -> None:
-        self.should_log = self.should_evaluate = self.should_save = False

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .hookspecs import hookimpl
+
 
 def non_embedding_parameters(model: torch.nn.Module) -> int:
     """Parameters that take part in matmuls: all but input embedding tables (counted once)."""
@@ -54,10 +56,10 @@ class ThroughputMeter:
         self.peak = peak_flops if peak_flops and peak_flops > 0 else None
         self.world_size = max(1, world_size)
 
-    def logs(self, tokens: int, samples: int, elapsed: float, tokens_seen: int) -> dict:
-        seq_len = tokens / max(samples, 1)  # mean (padded) sequence length in the window
+    def logs(self, tokens_per_second: float, samples_per_second: float, tokens_seen: int) -> dict:
+        seq_len = tokens_per_second / max(samples_per_second, 1e-9)  # mean (padded) sequence length
         per_token = 6.0 * self.n + 12.0 * self.layers * self.width * seq_len
-        flops_per_second = per_token * tokens / max(elapsed, 1e-9)
+        flops_per_second = per_token * tokens_per_second
         out = {
             "num_input_tokens_seen": tokens_seen,
             "model_flops_per_token": round(per_token),
@@ -66,3 +68,21 @@ class ThroughputMeter:
         if self.peak:
             out["mfu"] = round(flops_per_second / (self.peak * self.world_size), 6)
         return out
+
+
+class Throughput:
+    """The builtin plugin ``throughput``: FLOPs and MFU in every log that has tokens/s
+    (``-p no:throughput`` leaves only samples/s and tokens/s)."""
+
+    def __init__(self) -> None:
+        self.meter: ThroughputMeter | None = None
+
+    @hookimpl(tryfirst=True)  # before the loggers, which then write these keys too
+    def on_log(self, loop, state, logs) -> None:
+        if "tokens_per_second" not in logs or "samples_per_second" not in logs:
+            return
+        if self.meter is None:
+            self.meter = ThroughputMeter(loop.backend.unwrap_model(loop.model), loop.args.peak_flops,
+                                         state.world_size)
+        logs.update(self.meter.logs(logs["tokens_per_second"], logs["samples_per_second"],
+                                    state.num_input_tokens_seen))

@@ -28,7 +28,7 @@ def signature(fn) -> str:
 
 def test_hook_lists_cover_every_spec():
     """EVENTS/PROVIDERS drive `corelooper hooks` and the docs: a spec outside them is hidden."""
-    assert set(all_hookspecs()) == {"corelooper_config_sections", *hookspecs.EVENTS, *hookspecs.PROVIDERS}
+    assert set(all_hookspecs()) == {*hookspecs.DECLARATIONS, *hookspecs.EVENTS, *hookspecs.PROVIDERS}
     for name in hookspecs.PROVIDERS:
         assert getattr(hookspecs, name).corelooper_spec["firstresult"], name
 
@@ -78,7 +78,7 @@ def render() -> str:
     order = module_doc[module_doc.index("Order of events"):].split("::", 1)[1].strip("\n")
     out = [INTRO, "## Order of events in `Loop.train()`", "", "```", order, "```", ""]
     specs = all_hookspecs()
-    groups = [("Configuration", ["corelooper_config_sections"]), ("Providers", list(hookspecs.PROVIDERS)),
+    groups = [("Configuration", list(hookspecs.DECLARATIONS)), ("Providers", list(hookspecs.PROVIDERS)),
               ("Events", list(hookspecs.EVENTS))]
     listed = {n for _, names in groups for n in names}
     groups.append(("Other hooks", sorted(set(specs) - listed)))

@@ -22,15 +22,18 @@ def corelooper_config_sections():
     return {SECTION: dict(DEFAULTS)}
 
 
-def on_init_end(loop) -> None:
-    if not getattr(loop.args, "auto_find_batch_size", False):
-        if SECTION in loop.config.sections:
+def corelooper_configure(config, plugins) -> None:
+    if not getattr(config.train, "auto_find_batch_size", False):
+        if SECTION in config.sections:
             raise ConfigError(
                 f"The config has an [{SECTION}] section, but train.auto_find_batch_size is false, "
                 "so the plugin would do nothing: set train.auto_find_batch_size = true to turn it "
                 f"on, or remove the [{SECTION}] section."
             )
+        plugins.set_inactive(SECTION, "train.auto_find_batch_size = false")
         return
     from .controller import AutoBatchSize  # imports torch: only when turned on
 
-    loop.plugins.register(AutoBatchSize(loop), RUN_PLUGIN_NAME, "object")
+    controller = AutoBatchSize(config.section(SECTION), config.train)
+    plugins.register(controller, RUN_PLUGIN_NAME)
+    plugins.register_for_checkpointing(SECTION, controller)

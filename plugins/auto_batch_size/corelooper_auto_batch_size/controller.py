@@ -1,8 +1,8 @@
 """The per-run part of the plugin: finds the largest micro-batch that fits, and remembers it.
 
-One ``AutoBatchSize`` is registered per ``Loop`` (in ``on_init_end``, only when
+One ``AutoBatchSize`` is registered per ``Loop`` (by ``corelooper_configure``, only when
 ``train.auto_find_batch_size`` is true), so its state belongs to that run and is saved in the
-checkpoint's ``plugins.json``.
+checkpoint's ``plugins.json`` (``register_for_checkpointing``).
 
 Multi-process agreement (as Composer's auto-microbatching): every process passes the same two
 sync points per step attempt — after the forward of the step's last micro-batch (before its
@@ -38,22 +38,26 @@ class PeerFailed(RuntimeError):
 
 
 class AutoBatchSize:
-    """Halves the micro-batch (doubling accumulation) on OOM and retries the same step."""
+    """Halves the micro-batch (doubling accumulation) on OOM and retries the same step.
 
-    def __init__(self, loop):
-        opts = loop.config.section(SECTION)
-        self.probe = bool(opts["probe"])
-        self.min_size = int(opts["min_micro_batch_size"])
-        self.handle_eval = bool(opts["eval"])
+    It is the run's ``training_step`` and ``evaluation_loop`` provider: it wraps the builtin
+    ones (``corelooper.step.default_training_step``, ``corelooper.evaluation.run_evaluation``)
+    in a retry loop, and cuts the batches it passes them to the size found.
+    """
+
+    def __init__(self, options: dict, args):
+        self.args = args
+        self.probe = bool(options["probe"])
+        self.min_size = int(options["min_micro_batch_size"])
+        self.handle_eval = bool(options["eval"])
         if self.min_size < 1:
             raise ConfigError(f"{SECTION}.min_micro_batch_size must be >= 1, got {self.min_size}.")
         self.train_size: int | None = None  # rows per training micro-batch, once shrunk
         self.eval_size: int | None = None  # rows per evaluation batch, once shrunk
-        backend = getattr(loop, "backend", None)
-        self._world = backend.num_processes if backend is not None else 1
+        self._world = 1
         self._seen = 0  # micro-batches of the current attempt that reached on_before_backward
+        self._pieces = 0  # micro-batches in the current attempt
         self._last_eval_batch = None
-        check_backend(loop)
 
     # -- checkpointed state ------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -64,8 +68,10 @@ class AutoBatchSize:
         self.eval_size = state.get("eval_batch_size")
 
     # -- events ---------------------------------------------------------------------------------
+    def on_init_end(self, loop) -> None:
+        check_backend(loop.backend)
+
     def on_train_begin(self, loop, state) -> None:
-        check_backend(loop)
         self._world = loop.backend.num_processes
         if self._world > 1 and is_sharded(loop.model):
             raise ConfigError(
@@ -76,56 +82,74 @@ class AutoBatchSize:
                 "and gradient_accumulation_steps by hand for sharded runs (auto batch size works "
                 "with the default DDP backend)."
             )
-        self._record(loop)  # sizes restored from a checkpoint, or None
         if self.probe:
             self._probe(loop)
 
     def on_before_backward(self, loop) -> None:
         self._seen += 1
-        if self._world > 1 and self._seen == loop.num_micro_batches:
+        if self._world > 1 and self._seen == self._pieces:
             self._check_peers(loop)  # before the backward that synchronises gradients
 
     def on_after_backward(self, loop) -> None:
-        if self._world > 1 and self._seen == loop.num_micro_batches:
+        if self._world > 1 and self._seen == self._pieces:
             self._check_peers(loop)
 
     # -- providers --------------------------------------------------------------------------------
-    def split_micro_batches(self, loop, micro_batches: list, training: bool):
-        if training:
-            self._seen = 0
-            size = self.train_size
-        else:
-            self._last_eval_batch = micro_batches[0]
-            size = self.eval_size
+    def training_step(self, loop, micro_batches: list):
+        from corelooper.step import default_training_step
+
+        while True:
+            pieces = self._cut(micro_batches, self.train_size)
+            self._seen, self._pieces = 0, len(pieces)
+            try:
+                return default_training_step(loop, pieces)
+            except Exception as exc:  # keep no reference: its traceback holds the activations
+                if not self._retry_training(loop, exc, pieces):
+                    raise
+            loop.optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
+            free_memory(loop.backend)
+
+    def evaluation_loop(self, loop, dataset, metric_key_prefix: str, keep_outputs: bool):
+        from corelooper.evaluation import run_evaluation
+
+        while True:
+            try:
+                return run_evaluation(loop, dataset, metric_key_prefix, keep_outputs,
+                                      batch_transform=self._cut_eval)
+            except Exception as exc:
+                if not (self.handle_eval and is_oom(exc)):
+                    raise
+                self._shrink(loop, training=False, example=self._last_eval_batch, cause=exc)
+            free_memory(loop.backend)
+
+    def _cut(self, micro_batches: list, size: int | None) -> list:
         if size is None or all(rows(b) <= size for b in micro_batches):
-            return None
+            return micro_batches
         return cut_all(micro_batches, size)
 
-    def retry_step(self, loop, exception: Exception, micro_batches, training: bool):
-        if not training:
-            if not (self.handle_eval and is_oom(exception)):
-                return None
-            self._shrink(loop, training=False, example=self._last_eval_batch, cause=exception)
-            return True
+    def _cut_eval(self, batch) -> list:
+        self._last_eval_batch = batch
+        return self._cut([batch], self.eval_size)
 
+    def _retry_training(self, loop, exception: Exception, pieces: list) -> bool:
+        """After a failed attempt: shrink (True) or let the error propagate (False)."""
         oom = is_oom(exception)
         if isinstance(exception, PeerFailed):
             if exception.fatal:
                 raise TrainingError(
                     f"Another process failed during training step {loop.state.global_step + 1} "
                     "(its error is reported by that process); this one stops too."
-                )
+                ) from None
             oom = True
         elif self._world > 1:  # announce at the place of this attempt's next sync point
             others = self._agree(loop, 1 if oom else 0, fatal=not oom)
             if others > self._world:  # a process failed with something other than OOM
-                return None
+                return False
         if not oom:
-            return None
-        self._seen = 0
+            return False
         reset_ddp_reducer(loop.model)
-        self._shrink(loop, training=True, example=micro_batches[0], cause=exception)
-        return cut_all(micro_batches, self.train_size)
+        self._shrink(loop, training=True, example=pieces[0], cause=exception)
+        return True
 
     # -- helpers ----------------------------------------------------------------------------------
     def _agree(self, loop, flag: int, fatal: bool = False) -> int:
@@ -152,7 +176,6 @@ class AutoBatchSize:
             self.train_size = new
         else:
             self.eval_size = new
-        self._record(loop)
         what = "training micro-batch" if training else "evaluation batch"
         steps = self.micro_batches_per_step(loop)
         extra = f" ({steps} micro-batches per optimizer step)" if training else ""
@@ -162,12 +185,6 @@ class AutoBatchSize:
         logs = {"train_micro_batch_size": new, "micro_batches_per_step": steps} if training else {
             "eval_batch_size": new}
         loop.log(logs)
-
-    def _record(self, loop) -> None:
-        """The sizes in use, in ``loop_state.json``. ``train_batch_size`` and
-        ``gradient_accumulation_steps`` stay as configured: they fix the data order."""
-        loop.state.micro_batch_size = self.train_size
-        loop.state.eval_micro_batch_size = self.eval_size
 
     def micro_batches_per_step(self, loop) -> int:
         a = loop.args
@@ -196,7 +213,6 @@ class AutoBatchSize:
                 piece = cut(batch, size)[0]
                 if loop.loss_type == "auto":
                     loop.loss_type = resolve_loss_type(piece)
-                loop.num_micro_batches = 1
                 oom, fatal = False, None
                 try:
                     self._forward_backward(loop, piece)
@@ -243,18 +259,18 @@ class AutoBatchSize:
             loop.backend.backward(loss)
 
 
-def check_backend(loop) -> None:
-    backend = getattr(loop, "backend", None)
-    if backend is None or getattr(backend, "supports_dynamic_accumulation", False):
+def check_backend(backend) -> None:
+    """DeepSpeed fixes gradient accumulation when its engine is built, so a smaller micro-batch
+    could not keep the effective batch there."""
+    if not type(backend).__module__.startswith("corelooper_deepspeed"):
         return
     raise ConfigError(
         f"train.auto_find_batch_size = true cannot work with the {type(backend).__name__} backend: "
-        "it does not declare supports_dynamic_accumulation = True, i.e. that it can change the "
-        "number of micro-batches per step during a run (DeepSpeed, for one, fixes gradient "
-        "accumulation at initialisation), so a smaller micro-batch could not keep the effective "
-        "batch. Set train.auto_find_batch_size = false and choose per_device_train_batch_size / "
-        "gradient_accumulation_steps by hand, or use a backend that supports it (the default "
-        "accelerate/DDP backend does)."
+        "DeepSpeed fixes the number of micro-batches per step when its engine is built, so a "
+        "smaller micro-batch could not keep the effective batch. Set "
+        "train.auto_find_batch_size = false and choose per_device_train_batch_size / "
+        "gradient_accumulation_steps by hand (or use the default DDP backend, or FSDP on one "
+        "process)."
     )
 
 

@@ -41,7 +41,6 @@ class DeepSpeedBackend(TorchDistributedCollectives):
     """ZeRO 0-3 data parallelism (with optional CPU offload) through a DeepSpeed engine."""
 
     # DeepSpeed fixes train_batch_size (micro x accumulation x world) at initialize().
-    supports_dynamic_accumulation = False
 
     def __init__(self, args, section: dict, base: Path | None = None):
         on_cuda = torch.cuda.is_available() and not args.use_cpu
@@ -102,9 +101,6 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         from accelerate.utils import send_to_device
 
         return send_to_device(batch, self.device, non_blocking=True)
-
-    def autocast(self):
-        return contextlib.nullcontext()  # DeepSpeed casts the module itself (bf16 / fp16)
 
     def no_sync(self, model):
         return contextlib.nullcontext()  # unmanaged accumulation: backward never reduces early

@@ -2,7 +2,8 @@
 ``EarlyStoppingCallback``, configured in ``[early_stopping]``).
 
 Active only when the config has an ``[early_stopping]`` section (as HF users add the callback
-explicitly); ``enabled = false`` keeps the section but switches it off. Its best value and patience
+explicitly); ``enabled = false`` keeps the section but switches it off. One ``EarlyStopping``
+is made for every run (``corelooper_configure``), so two Loops in one process never share it. Its best value and patience
 counter are saved in every checkpoint (``plugins.json``) and restored on resume. Enabled without
 evaluations (``train.eval_strategy = "no"``), it fails when the ``Loop`` is built, not hours later.
 It decides on every process from the same (already reduced) metrics, so all ranks stop together.
@@ -11,7 +12,6 @@ It decides on every process from the same (already reduced) metrics, so all rank
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 from corelooper.errors import ConfigError
@@ -33,50 +33,69 @@ def metric_key(name: str) -> str:
     return name if name.startswith("eval_") else f"eval_{name}"
 
 
+def corelooper_config_sections() -> dict[str, dict[str, Any]]:
+    return {SECTION: dict(DEFAULTS)}
+
+
+def corelooper_configure(config, plugins) -> None:
+    """A fresh stopper for this run, when the config turns it on."""
+    reason = inactive_reason(config)
+    if reason:
+        plugins.set_inactive(SECTION, reason)
+        return
+    stopper = EarlyStopping(*resolved(config))
+    if config.train.eval_strategy == "no":
+        raise ConfigError(
+            "[early_stopping] is enabled but train.eval_strategy = \"no\": it decides from "
+            "evaluations, and none would run. Set train.eval_strategy = \"steps\" (with "
+            "train.eval_steps) or \"epoch\", or remove the [early_stopping] section (or set "
+            "early_stopping.enabled = false)."
+        )
+    plugins.register(stopper, f"{SECTION}.run")
+    plugins.register_for_checkpointing(SECTION, stopper)
+
+
+def settings(config) -> dict[str, Any]:
+    return {**DEFAULTS, **config.sections.get(SECTION, {})}
+
+
+def inactive_reason(config) -> str | None:
+    """Why this plugin does nothing for ``config`` (``None``: it is active)."""
+    if SECTION not in config.sections:
+        return "no [early_stopping] section"
+    if not settings(config)["enabled"]:
+        return "[early_stopping] enabled = false"
+    return None
+
+
+def resolved(config) -> tuple[str, str, int, float]:
+    """(metric key, mode, patience, threshold), or a ConfigError naming the key to fix."""
+    cfg, train = settings(config), config.train
+    metric = metric_key(cfg["metric"] or train.metric_for_best_model or "loss")
+    mode = cfg["mode"]
+    if not mode:
+        same = train.metric_for_best_model and metric_key(train.metric_for_best_model) == metric
+        if same and train.greater_is_better is not None:
+            mode = "max" if train.greater_is_better else "min"
+        else:
+            mode = "min" if "loss" in metric else "max"
+    if mode not in ("min", "max"):
+        raise ConfigError(f'early_stopping.mode must be "min" or "max", got {mode!r}.')
+    if cfg["patience"] < 1:
+        raise ConfigError(f"early_stopping.patience must be >= 1, got {cfg['patience']}.")
+    if cfg["threshold"] < 0:
+        raise ConfigError(f"early_stopping.threshold must be >= 0, got {cfg['threshold']}.")
+    return metric, mode, int(cfg["patience"]), float(cfg["threshold"])
+
+
 class EarlyStopping:
-    """The plugin object (the entry point names the instance ``plugin`` below)."""
+    """One run's stopper: its best value and patience counter are checkpointed."""
 
-    name = SECTION
-
-    def __init__(self) -> None:
+    def __init__(self, metric: str, mode: str, patience: int, threshold: float) -> None:
+        self.metric, self.mode, self.patience, self.threshold = metric, mode, patience, threshold
         self.best: float | None = None
         self.bad_evals = 0  # evaluations since the last improvement
         self.stopped_at: int | None = None  # global_step at which it stopped training
-        self._loop = None  # weak reference to the Loop these numbers belong to
-
-    # -- config --------------------------------------------------------------------------------
-    def corelooper_config_sections(self) -> dict[str, dict[str, Any]]:
-        return {SECTION: dict(DEFAULTS)}
-
-    def settings(self, config) -> dict[str, Any]:
-        return {**DEFAULTS, **config.sections.get(SECTION, {})}
-
-    def inactive_reason(self, config) -> str | None:
-        """Why this plugin does nothing for ``config`` (``None``: it is active)."""
-        if SECTION not in config.sections:
-            return "no [early_stopping] section"
-        if not self.settings(config)["enabled"]:
-            return "[early_stopping] enabled = false"
-        return None
-
-    def resolved(self, config) -> tuple[str, str, int, float]:
-        """(metric key, mode, patience, threshold), or a ConfigError naming the key to fix."""
-        cfg, train = self.settings(config), config.train
-        metric = metric_key(cfg["metric"] or train.metric_for_best_model or "loss")
-        mode = cfg["mode"]
-        if not mode:
-            same = train.metric_for_best_model and metric_key(train.metric_for_best_model) == metric
-            if same and train.greater_is_better is not None:
-                mode = "max" if train.greater_is_better else "min"
-            else:
-                mode = "min" if "loss" in metric else "max"
-        if mode not in ("min", "max"):
-            raise ConfigError(f'early_stopping.mode must be "min" or "max", got {mode!r}.')
-        if cfg["patience"] < 1:
-            raise ConfigError(f"early_stopping.patience must be >= 1, got {cfg['patience']}.")
-        if cfg["threshold"] < 0:
-            raise ConfigError(f"early_stopping.threshold must be >= 0, got {cfg['threshold']}.")
-        return metric, mode, int(cfg["patience"]), float(cfg["threshold"])
 
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -87,55 +106,36 @@ class EarlyStopping:
         self.bad_evals = int(state.get("bad_evals", 0))
 
     # -- events ----------------------------------------------------------------------------------
-    def on_init_end(self, loop) -> None:
-        # A fresh Loop starts counting afresh (a resume then loads the saved numbers).
-        self.best, self.bad_evals, self.stopped_at = None, 0, None
-        self._loop = weakref.ref(loop)
-        if self.inactive_reason(loop.config):
-            return
-        self.resolved(loop.config)
-        if loop.args.eval_strategy == "no":
-            raise ConfigError(
-                "[early_stopping] is enabled but train.eval_strategy = \"no\": it decides from "
-                "evaluations, and none would run. Set train.eval_strategy = \"steps\" (with "
-                "train.eval_steps) or \"epoch\", or remove the [early_stopping] section (or set "
-                "early_stopping.enabled = false)."
-            )
-
-    def on_train_begin(self, loop, state) -> None:
+    def on_train_begin(self, state) -> None:
         if state.global_step == 0:  # a fresh start: forget evaluations made before train()
             self.best, self.bad_evals, self.stopped_at = None, 0, None
 
     def on_evaluate(self, loop, state, control, metrics) -> None:
-        if self.inactive_reason(loop.config) or self._loop is None or self._loop() is not loop:
-            return
-        metric, mode, patience, threshold = self.resolved(loop.config)
-        if metric not in metrics:
+        if not loop.is_training:
+            return  # an evaluation outside train() does not count (as HF)
+        if self.metric not in metrics:
             raise ConfigError(
-                f"early_stopping.metric = {metric!r}, but the evaluation returned only "
+                f"early_stopping.metric = {self.metric!r}, but the evaluation returned only "
                 f"{sorted(metrics)}. Use one of those names (with or without the eval_ prefix)."
             )
-        value = float(metrics[metric])
+        value = float(metrics[self.metric])
         if math.isnan(value):
             improved = False
         elif self.best is None:
             improved = True
         else:
-            delta = value - self.best if mode == "max" else self.best - value
-            improved = delta > threshold
+            delta = value - self.best if self.mode == "max" else self.best - value
+            improved = delta > self.threshold
         if improved:
             self.best, self.bad_evals = value, 0
         else:
             self.bad_evals += 1
-        if self.bad_evals >= patience:
+        if self.bad_evals >= self.patience:
             control.should_training_stop = True
             self.stopped_at = state.global_step
             if state.is_world_process_zero:
                 print(
-                    f"early stopping at step {state.global_step}: {metric} has not improved on "
-                    f"{self.best} for {self.bad_evals} evaluations (patience {patience})",
+                    f"early stopping at step {state.global_step}: {self.metric} has not improved on "
+                    f"{self.best} for {self.bad_evals} evaluations (patience {self.patience})",
                     flush=True,
                 )
-
-
-plugin = EarlyStopping()

@@ -47,7 +47,6 @@ def checkpointed(module: torch.nn.Module) -> None:
 class FSDPBackend(TorchDistributedCollectives):
     """Parameters, gradients and optimizer state sharded over all ranks (FSDP2 / DTensor)."""
 
-    supports_dynamic_accumulation = True
     shards_parameters = True
 
     def __init__(self, options: dict, mixed_precision: str = "no", use_cpu: bool = False):
@@ -154,9 +153,6 @@ class FSDPBackend(TorchDistributedCollectives):
         from accelerate.utils import send_to_device
 
         return send_to_device(batch, self.device, non_blocking=True)
-
-    def autocast(self):
-        return contextlib.nullcontext()  # compute dtype comes from the MixedPrecisionPolicy
 
     @contextlib.contextmanager
     def no_sync(self, model):

@@ -10,7 +10,6 @@ Only the main process writes. ``torch.utils.tensorboard`` is imported when train
 from __future__ import annotations
 
 import math
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -57,53 +56,59 @@ def flat_hparams(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-class TensorBoardLogger:
-    """The plugin object (the entry point names the instance ``plugin`` below)."""
+def corelooper_config_sections() -> dict[str, dict[str, Any]]:
+    return {SECTION: dict(DEFAULTS)}
 
-    name = SECTION
+
+def inactive_reason(config) -> str | None:
+    """Why this plugin does nothing for ``config`` (``None``: it is active)."""
+    if not {**DEFAULTS, **config.sections.get(SECTION, {})}["enabled"]:
+        return "[tensorboard] enabled = false"
+    return None
+
+
+def corelooper_configure(config, plugins) -> None:
+    """One logger (one event file) for every run."""
+    reason = inactive_reason(config)
+    if reason:
+        plugins.set_inactive(SECTION, reason)
+    else:
+        plugins.register(TensorBoardLogger(), f"{SECTION}.run")
+
+
+class TensorBoardLogger:
+    """One run's TensorBoard writer (main process only)."""
 
     def __init__(self) -> None:
-        self._writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> writer
-        self._training: weakref.WeakSet = weakref.WeakSet()
-
-    # -- config --------------------------------------------------------------------------------
-    def corelooper_config_sections(self) -> dict[str, dict[str, Any]]:
-        return {SECTION: dict(DEFAULTS)}
-
-    def inactive_reason(self, config) -> str | None:
-        """Why this plugin does nothing for ``config`` (``None``: it is active)."""
-        if not {**DEFAULTS, **config.sections.get(SECTION, {})}["enabled"]:
-            return "[tensorboard] enabled = false"
-        return None
+        self.writer = None
+        self.training = False
 
     def log_dir(self, loop) -> Path:
         configured = loop.config.section(SECTION).get("log_dir") or ""
         return Path(configured) if configured else Path(loop.args.output_dir) / "tensorboard"
 
     def _writer(self, loop, state, purge_step: int | None = None):
-        if not state.is_world_process_zero or self.inactive_reason(loop.config):
+        if not state.is_world_process_zero:
             return None
-        writer = self._writers.get(loop)
-        if writer is None:
+        if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter  # ~1 s: only when needed
 
             cfg = loop.config.section(SECTION)
-            writer = SummaryWriter(
+            self.writer = SummaryWriter(
                 log_dir=str(self.log_dir(loop)), purge_step=purge_step,
                 flush_secs=int(cfg.get("flush_secs", DEFAULTS["flush_secs"])),
             )
-            self._writers[loop] = writer
-        return writer
+        return self.writer
 
     # -- events --------------------------------------------------------------------------------
     def on_train_begin(self, loop, state) -> None:
         # On resume, events a killed run wrote after the checkpoint's step are hidden (purge_step).
         purge = state.global_step + 1 if state.global_step > 0 else None
-        self._close(loop)
+        self.close()
         writer = self._writer(loop, state, purge_step=purge)
         if writer is None:
             return
-        self._training.add(loop)
+        self.training = True
         from corelooper.config import dumps_toml
 
         resolved = loop.config.to_dict()
@@ -138,26 +143,22 @@ class TensorBoardLogger:
             return
         for name, value in scalars(values).items():
             writer.add_scalar(name, value, state.global_step)
-        if flush or loop not in self._training:  # outside train(): nobody will close it
+        if flush or not self.training:  # outside train(): nobody will close it
             writer.flush()
 
-    def on_save(self, loop) -> None:
+    def on_save(self) -> None:
         # A checkpoint and the curves up to it reach the disk together.
-        writer = self._writers.get(loop)
-        if writer is not None:
-            writer.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
-    def on_train_end(self, loop) -> None:
-        self._close(loop)  # also after a preemption (state.preempted)
+    def on_train_end(self) -> None:
+        self.close()  # also after a preemption (state.preempted)
 
-    def on_exception(self, loop) -> None:
-        self._close(loop)
+    def on_exception(self) -> None:
+        self.close()
 
-    def _close(self, loop) -> None:
-        self._training.discard(loop)
-        writer = self._writers.pop(loop, None)
-        if writer is not None:
-            writer.close()
-
-
-plugin = TensorBoardLogger()
+    def close(self) -> None:
+        self.training = False
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

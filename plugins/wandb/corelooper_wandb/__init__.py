@@ -61,37 +61,48 @@ def _numbers(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class WandbLogger:
-    """The plugin object (the entry point names the instance ``plugin`` below)."""
+def corelooper_config_sections() -> dict[str, dict[str, Any]]:
+    return {SECTION: {**DEFAULTS, "tags": []}}
 
-    name = SECTION
+
+def settings(config) -> dict[str, Any]:
+    return {**DEFAULTS, **config.sections.get(SECTION, {})}
+
+
+def inactive_reason(config) -> str | None:
+    """Why this plugin does nothing for ``config`` (``None``: it is active)."""
+    cfg = settings(config)
+    mode = cfg["mode"] or os.environ.get("WANDB_MODE", "")
+    if not cfg["enabled"]:
+        return "[wandb] enabled = false"
+    if mode == "disabled" or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return "W&B disabled (WANDB_MODE=disabled)"
+    if SECTION not in config.sections and not os.environ.get("WANDB_PROJECT") and not mode:
+        return "no [wandb] section and neither WANDB_PROJECT nor WANDB_MODE is set"
+    return None
+
+
+def corelooper_configure(config, plugins) -> None:
+    """One W&B run for every corelooper run; its id is checkpointed (a resume continues it)."""
+    reason = inactive_reason(config)
+    if reason:
+        plugins.set_inactive(SECTION, reason)
+        return
+    logger = WandbLogger()
+    plugins.register(logger, f"{SECTION}.run")
+    plugins.register_for_checkpointing(SECTION, logger)
+
+
+class WandbLogger:
+    """One run's W&B logger (main process only)."""
 
     def __init__(self) -> None:
         self.run = None
         self.run_id: str | None = None  # the id of the current (or last) run, saved in checkpoints
         self._resume_id: str | None = None  # from a checkpoint being loaded
 
-    # -- config --------------------------------------------------------------------------------
-    def corelooper_config_sections(self) -> dict[str, dict[str, Any]]:
-        return {SECTION: {**DEFAULTS, "tags": []}}
-
-    def settings(self, config) -> dict[str, Any]:
-        return {**DEFAULTS, **config.sections.get(SECTION, {})}
-
-    def inactive_reason(self, config) -> str | None:
-        """Why this plugin does nothing for ``config`` (``None``: it is active)."""
-        cfg = self.settings(config)
-        mode = cfg["mode"] or os.environ.get("WANDB_MODE", "")
-        if not cfg["enabled"]:
-            return "[wandb] enabled = false"
-        if mode == "disabled" or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
-            return "W&B disabled (WANDB_MODE=disabled)"
-        if SECTION not in config.sections and not os.environ.get("WANDB_PROJECT") and not mode:
-            return "no [wandb] section and neither WANDB_PROJECT nor WANDB_MODE is set"
-        return None
-
     def _active(self, loop, state) -> bool:
-        return state.is_world_process_zero and self.inactive_reason(loop.config) is None
+        return state.is_world_process_zero
 
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -104,7 +115,7 @@ class WandbLogger:
     def _init(self, loop, run_id: str):
         import wandb
 
-        cfg = self.settings(loop.config)
+        cfg = settings(loop.config)
         directory = Path(cfg["dir"] or os.environ.get("WANDB_DIR") or loop.args.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
         try:
@@ -193,5 +204,3 @@ class WandbLogger:
         if run is not None:
             run.finish(exit_code=exit_code)
 
-
-plugin = WandbLogger()

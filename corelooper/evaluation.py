@@ -1,0 +1,103 @@
+"""Evaluation and prediction: ``run_evaluation`` is the builtin ``evaluation_loop`` provider.
+
+The loss is token-weighted over the whole set (each batch's loss times its loss-bearing items,
+summed over batches and processes), so it does not depend on the batch size or the number of
+processes. Outputs, when metrics or predictions need them, are gathered in dataset order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .data import count_loss_items, resolve_loss_type
+from .losses import logits_of, split_batch
+
+
+@torch.no_grad()
+def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs: bool = False,
+                   batch_transform: Callable | None = None):
+    """``(metrics, predictions, label_ids)`` over ``dataset``; ``batch_transform`` may cut each
+    batch into pieces (a list of batches with the same samples in the same order)."""
+    from .predict import OutputAccumulator
+
+    loop.prepare_for_evaluation()
+    backend, model = loop.backend, loop.model
+    want_outputs = keep_outputs or loop.plugins.implemented_by_others("compute_metrics") or (
+        loop.compute_metrics_fn is not None
+    )
+    loader = loop.hook.eval_dataloader(loop=loop, dataset=dataset)
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, device=backend.device, dtype=torch.float64)  # loss sum, items
+    collected = OutputAccumulator(loop.args.eval_accumulation_steps)  # on device, to CPU in chunks
+    answered = None
+    try:
+        for batch in loader:
+            for piece in batch_transform(batch) if batch_transform else (batch,):
+                piece = backend.to_device(piece)
+                outputs, answered = _eval_batch(loop, piece, totals, want_outputs, answered)
+                if want_outputs:
+                    collected.add(logits_of(outputs), split_batch(piece)[2])
+    finally:
+        model.train(was_training)
+    return _metrics(loop, totals, collected if want_outputs else None, metric_key_prefix, answered)
+
+
+def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
+    """Loss (weighted by the batch's items) into ``totals``; the outputs when wanted."""
+    if loop.loss_type == "auto":
+        loop.loss_type = resolve_loss_type(batch)
+    has_labels = split_batch(batch)[2] is not None
+    outputs = None
+    if has_labels:
+        n = count_loss_items(batch, loop.loss_type)
+        result, answered = loop.plugins.call_provider(
+            "compute_loss", loop=loop, model=loop.model, batch=batch, num_items_in_batch=n,
+            return_outputs=True,
+        )
+        # a provider may ignore return_outputs and give the loss alone
+        loss, outputs = result if isinstance(result, tuple) else (result, None)
+        totals[0] += loss.detach().double() * n
+        totals[1] += n
+    if outputs is None and (want_outputs or not has_labels):
+        outputs = forward(loop, batch)
+    loop.events.fire("on_prediction_step", batch=batch, outputs=outputs)
+    return outputs, answered
+
+
+def forward(loop, batch):
+    """The model's outputs for ``batch``, with only the columns its ``forward`` accepts."""
+    from .collators import model_inputs
+
+    args, kwargs, _ = split_batch(batch)
+    if kwargs:
+        kwargs = model_inputs(loop, kwargs)
+    return loop.model(*args, **kwargs)
+
+
+def _metrics(loop, totals, collected, prefix: str, answered):
+    totals = loop.backend.reduce_sum(totals)
+    loss_sum, items = totals.tolist()
+    metrics = {}
+    if items > 0:
+        metrics[f"{prefix}_loss"] = round(loss_sum / items, 6)
+        # exp(loss) is a perplexity for a token-normalised causal-LM loss (a compute_loss that
+        # takes num_items_in_batch), not for e.g. a per-pair DPO loss.
+        if loop.loss_type == "causal_lm" and answered is not None and "num_items_in_batch" in answered.argnames:
+            metrics[f"{prefix}_perplexity"] = round(math.exp(min(metrics[f"{prefix}_loss"], 700)), 4)
+    predictions = label_ids = None
+    if collected:
+        predictions, label_ids = collected.gather(loop.backend)  # dataset order, padded with -100
+        extra = loop.hook.compute_metrics(loop=loop, predictions=predictions, label_ids=label_ids)
+        for k, v in (extra or {}).items():
+            metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)
+    return metrics, predictions, label_ids
+
+
+def _scalar(v):
+    if torch.is_tensor(v):
+        return v.item()
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v

@@ -1,0 +1,75 @@
+"""The logging window: what the loop sums between two logs, and the run's summary.
+
+The window's loss stays on the device (a running sum of detached step losses); it is read,
+with one host sync, only when a log is written or a checkpoint saves the window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+
+class LogWindow:
+    """Sums of loss, steps, samples and tokens since the last log."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.steps = self.samples = self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add(self, step_loss: torch.Tensor, samples: int, tokens: int) -> None:
+        self.loss += step_loss
+        self.steps += 1
+        self.samples += samples
+        self.tokens += tokens
+
+    def logs(self, backend, grad_norm, learning_rate: float, epoch: float) -> dict[str, Any]:
+        """The log of this window (HF's keys), in the order HF writes them."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        loss = backend.reduce_mean(self.loss).item() / max(self.steps, 1)
+        logs: dict[str, Any] = {"loss": round(loss, 6) if math.isfinite(loss) else loss}
+        if grad_norm is not None:
+            logs["grad_norm"] = float(grad_norm)
+        logs["learning_rate"] = learning_rate
+        logs["epoch"] = round(epoch, 4)
+        logs["samples_per_second"] = round(self.samples / elapsed, 2)
+        if self.tokens:
+            logs["tokens_per_second"] = round(self.tokens / elapsed, 2)
+        return logs
+
+    # -- checkpointed (so the first log after a resume averages the same steps) --------------
+    def state_dict(self) -> dict[str, Any] | None:
+        if not self.steps:
+            return None
+        return {"loss": float(self.loss), "steps": self.steps, "samples": self.samples, "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.reset()
+        if state:
+            self.loss += state["loss"]
+            self.steps, self.samples, self.tokens = state["steps"], state["samples"], state["tokens"]
+
+
+def run_summary(log_history: list[dict], runtime: float, steps: int, samples: int) -> dict[str, Any]:
+    """``train_runtime``, ``train_steps_per_second``, ``train_samples_per_second``, ``train_loss``.
+
+    ``train_loss`` is the mean over every optimizer step, as HF's: each logged window loss
+    counts for the number of steps it averaged (windows differ, e.g. the last one).
+    """
+    windows = [(h["loss"], h["step"]) for h in log_history if "loss" in h]
+    prev_steps = [0] + [step for _, step in windows[:-1]]
+    weighted = sum(loss * (step - prev) for (loss, step), prev in zip(windows, prev_steps, strict=True))
+    return {
+        "train_runtime": round(runtime, 4),
+        "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
+        "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
+        "train_loss": weighted / windows[-1][1] if windows else float("nan"),
+    }

@@ -1,0 +1,83 @@
+"""The optimizer step: ``default_training_step`` is the builtin ``training_step`` provider.
+
+Read it as nanoGPT's step: fetch -> count the loss-bearing items -> for each micro-batch
+(``no_sync`` on all but the last) ``compute_loss`` -> backward -> clip -> non-finite guard ->
+optimizer step -> scheduler -> ``zero_grad``. A plugin may replace it (``training_step``) or
+call it from its own (auto batch size retries it with smaller micro-batches).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .data import count_loss_items, resolve_loss_type
+
+
+def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over ``micro_batches``; returns (step loss, grad norm), both on the
+    device: the loss is the mean over the step's items, the same as one big batch."""
+    backend, optimizer = loop.backend, loop.optimizer
+    micro_batches = [backend.to_device(b) for b in micro_batches]
+    num_items = num_items_in_batch(loop, micro_batches)
+    losses = [
+        forward_backward(loop, batch, num_items, len(micro_batches), last=i == len(micro_batches) - 1)
+        for i, batch in enumerate(micro_batches)
+    ]
+    step_loss = torch.stack(losses).sum()
+    grad_norm = clip_gradients(loop)
+    logged_norm = grad_norm if loop.args.max_grad_norm > 0 else None  # HF logs it when clipping
+    if not loop.guard.check(loop, micro_batches, losses, grad_norm):
+        optimizer.zero_grad(set_to_none=True)  # skip_step: no update, no scheduler step
+        return step_loss, logged_norm
+    loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
+    backend.optimizer_step(optimizer)
+    loop.events.fire("on_optimizer_step", optimizer=optimizer)
+    loop.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
+    # ranks (reduce_mean when logging) is the global loss, as in one process.
+    return step_loss, logged_norm
+
+
+def forward_backward(loop, batch, num_items, num_micro_batches: int, last: bool) -> torch.Tensor:
+    """``compute_loss`` and backward of one micro-batch; returns its detached loss."""
+    backend, model = loop.backend, loop.model
+    with nullcontext() if last else backend.no_sync(model):
+        loss, answered = loop.plugins.call_provider(
+            "compute_loss", loop=loop, model=model, batch=batch, num_items_in_batch=num_items,
+            return_outputs=False,
+        )
+        if "num_items_in_batch" not in answered.argnames:
+            loss = loss / num_micro_batches  # the provider that answered returns a mean
+        elif backend.num_processes > 1:
+            loss = loss * backend.num_processes  # DDP averages gradients over ranks
+        loop.events.fire("on_before_backward", loss=loss)
+        backend.backward(loss)
+        loop.events.fire("on_after_backward", loss=loss)
+    if not last:
+        loop.events.fire("on_substep_end")
+    return loss.detach()
+
+
+def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor:
+    """Loss-bearing items of the whole optimizer step, over micro-batches and processes."""
+    if loop.loss_type == "auto":
+        loop.loss_type = resolve_loss_type(micro_batches[0])
+    total = sum(count_loss_items(b, loop.loss_type) for b in micro_batches)
+    if not torch.is_tensor(total):
+        total = torch.tensor(total)
+    total = loop.backend.reduce_sum(total.to(loop.backend.device))
+    return total.clamp(min=1)  # a step with no loss tokens has loss 0, not NaN
+
+
+def clip_gradients(loop) -> torch.Tensor | None:
+    """Clip to ``max_grad_norm`` and return the norm before clipping. Without clipping the norm
+    is still computed when the non-finite guard is on (it checks it; nothing is scaled)."""
+    max_norm = loop.args.max_grad_norm
+    if max_norm > 0:
+        return loop.backend.clip_grad_norm(loop.model, max_norm)
+    if loop.args.on_nonfinite != "ignore":
+        return loop.backend.clip_grad_norm(loop.model, float("inf"))
+    return None
