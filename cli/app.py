@@ -171,7 +171,10 @@ def plugins(
         pl = load_plugins(cfg, blocked=blocked)
         cfg = pl.config  # with the plugins' defaults: the values this run would use
         typer.echo(f"plugins{' for ' + str(config) if config else ''}:")
+        runs = [info for info in pl.info.values() if info.kind == "run"]
         for info in pl.info.values():
+            if info.kind == "run":
+                continue  # shown under the plugin that registered it
             version = f" {info.version}" if info.version else ""
             dist = f" ({info.dist}{version})" if info.dist else ""
             # A loaded plugin may still do nothing for this config (wandb without [wandb], ...).
@@ -179,9 +182,12 @@ def plugins(
             status = f"inactive for {'this' if config else 'an empty'} config: {why}" if why else "active"
             typer.echo(f"  {info.name}{dist} [{info.kind}, {status}]")
             typer.echo(f"    hooks: {', '.join(info.hooks) or '-'}")
+            for run in (r for r in runs if r.name.split(".")[0] == info.name):
+                typer.echo(f"    per-run {run.name}: {', '.join(run.hooks) or '-'}")
             for section in info.sections:
-                shown = ", ".join(f"{k}={v!r}" for k, v in cfg.section(section).items())
-                typer.echo(f"    config [{section}]: {shown or '-'}")
+                shown = ", ".join(f"{k}={v!r}" for k, v in cfg.section(section).items()) or "-"
+                where = "" if section in cfg.sections or not config else " (not in this config: defaults)"
+                typer.echo(f"    config [{section}]{where}: {shown}")
         for name, why in pl.skipped.items():
             typer.echo(f"  {name} [installed, inactive: {why}]")
         typer.echo("providers (first answer wins):")
