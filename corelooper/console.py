@@ -93,3 +93,36 @@ def on_train_end():
 @hookimpl
 def on_exception():
     _stop()
+
+
+# Third-party chatter that does not concern the user's run: deprecation notices raised inside
+# torch.distributed / DeepSpeed / accelerate / transformers / peft for their own calls, and
+# the launchers' banners. `corelooper run --verbose` shows all of it.
+_QUIET_MODULES = r"(torch|deepspeed|accelerate|transformers|peft|torchelastic)(\.|$)"
+_QUIET_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher",
+                  "DeepSpeed", "deepspeed", "accelerate")
+
+
+def quiet_third_party(verbose: bool = False) -> None:
+    """Filter third-party deprecation warnings and banners (inherited by launched workers)."""
+    import logging
+    import os
+    import warnings
+
+    if verbose:
+        os.environ["CORELOOPER_VERBOSE"] = "1"
+        return
+    if os.environ.get("CORELOOPER_VERBOSE"):
+        return
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=_QUIET_MODULES)
+    # torch.distributed's own deprecation notices, attributed to the calling library's line
+    warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor|"
+                            r"_reduce_scatter_base|_all_gather_base).*")
+    for name in _QUIET_LOGGERS:  # (workers run this too: their CLI gets --verbose passed on)
+        # a filter, not a level: DeepSpeed resets its logger's level when it is imported
+        logging.getLogger(name).addFilter(_errors_only)
+
+
+def _errors_only(record) -> bool:
+    return record.levelno >= 40  # logging.ERROR

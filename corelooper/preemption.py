@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT") if hasattr(signal, name))
 
@@ -26,6 +27,7 @@ class Preemption:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._noted = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> Preemption:
@@ -45,11 +47,19 @@ class Preemption:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        # One voice: with several ranks only rank 0 speaks (Ctrl-C reaches every rank, and the
+        # launcher forwards its signal once more right after); the stop itself is agreed by all.
+        quiet = os.environ.get("RANK", "0") != "0"
         if self.signum is None:
             self.signum = signum
+            self._noted = time.monotonic()
+            if quiet:
+                return
             msg = (f"\ncorelooper: {name} received: finishing this optimizer step, saving a checkpoint, "
                    "then exiting (resume with --resume-from-checkpoint latest)\n")
         else:
+            if quiet or time.monotonic() - self._noted < 0.5:  # a forwarded copy of the first
+                return
             msg = f"\ncorelooper: {name} received again: already stopping, please wait for the save\n"
         try:
             os.write(2, msg.encode())  # no buffered I/O inside a signal handler
