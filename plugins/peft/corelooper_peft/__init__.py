@@ -158,16 +158,19 @@ ADAPTER_FILE = "adapter_model.safetensors"
 def load_adapter_in_place(loop, directory: Path, adapter_name: str = "default") -> None:
     """Restore ``directory``'s adapter weights into the training model, on every backend.
 
-    peft maps the saved names to the model's (its ``set_peft_model_state_dict``, with the
-    final ``load_state_dict`` captured); the backend copies the tensors (gathering ZeRO-3
+    peft maps the saved names to the model's (its ``set_peft_model_state_dict``, run on index
+    placeholders with the final ``load_state_dict`` captured: peft would otherwise turn values
+    into DTensor shards itself); the backend copies the real tensors (gathering ZeRO-3
     partitions, scattering FSDP shards). A bad file or tensor is a CheckpointError naming it.
     """
+    import torch
     from peft import set_peft_model_state_dict
 
     from corelooper.errors import CheckpointError
 
     path = directory / ADAPTER_FILE
     weights = _read_adapter(path)
+    names = list(weights)
     model = loop.backend.unwrap_model(loop.model)
     mapped: dict = {}
 
@@ -177,11 +180,13 @@ def load_adapter_in_place(loop, directory: Path, adapter_name: str = "default") 
 
     model.load_state_dict = capture  # peft maps the names; the backend does the copying
     try:
-        set_peft_model_state_dict(model, weights, adapter_name=adapter_name)
-    except (KeyError, ValueError, RuntimeError) as e:
+        set_peft_model_state_dict(model, {k: torch.tensor(i) for i, k in enumerate(names)},
+                                  adapter_name=adapter_name)
+    except (KeyError, ValueError, RuntimeError, IndexError) as e:
         raise CheckpointError(f"Checkpoint file {str(path)!r}: peft could not map its tensors: {e}.") from None
     finally:
         del model.load_state_dict
+    mapped = {k: weights[names[int(v)]] if v.dim() == 0 else v for k, v in mapped.items()}
     _check_adapter_tensors(model, mapped, path, adapter_name)
     loop.backend.load_model_state_dict(loop.model, mapped, strict=False)
 
