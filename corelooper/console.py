@@ -99,8 +99,10 @@ def on_exception():
 # torch.distributed / DeepSpeed / accelerate / transformers / peft for their own calls, and
 # the launchers' banners. `corelooper run --verbose` shows all of it.
 _QUIET_MODULES = r"(torch|deepspeed|accelerate|transformers|peft|torchelastic)(\.|$)"
-_QUIET_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher",
-                  "DeepSpeed", "deepspeed", "accelerate")
+# the launcher's own logs (a failed rank is reported by corelooper, naming it): nothing passes
+_LAUNCHER_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
+# the libraries' logs: errors pass
+_LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "accelerate")
 
 
 def quiet_third_party(verbose: bool = False) -> None:
@@ -119,10 +121,12 @@ def quiet_third_party(verbose: bool = False) -> None:
     # torch.distributed's own deprecation notices, attributed to the calling library's line
     warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor|"
                             r"_reduce_scatter_base|_all_gather_base).*")
-    for name in _QUIET_LOGGERS:  # (workers run this too: their CLI gets --verbose passed on)
-        # a filter, not a level: DeepSpeed resets its logger's level when it is imported
-        logging.getLogger(name).addFilter(_errors_only)
-
-
-def _errors_only(record) -> bool:
-    return record.levelno >= 40  # logging.ERROR
+    # (workers run this too: their CLI gets --verbose passed on.) Filters, not levels: DeepSpeed
+    # resets its logger's level when it is imported.
+    for name in _LAUNCHER_LOGGERS:
+        logging.getLogger(name).addFilter(lambda record: False)
+    for name in _LIBRARY_LOGGERS:
+        logging.getLogger(name).addFilter(lambda record: record.levelno >= logging.ERROR)
+    if os.environ.get("RANK", "0") != "0":
+        # One voice: the ranks run the same code, so rank 0 shows every warning once.
+        warnings.simplefilter("ignore")

@@ -37,9 +37,18 @@ class Samples(torch.utils.data.Dataset):
         return {"x": torch.randn(8, generator=g), "labels": torch.randint(0, 3, (), generator=g)}
 
 
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def build():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 3))
+    return Net()
 
 
 def train_set(**_):
