@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT") if hasattr(signal, name))
 
@@ -27,7 +26,6 @@ class Preemption:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._noted = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> Preemption:
@@ -47,18 +45,17 @@ class Preemption:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        # One voice: with several ranks only rank 0 speaks (Ctrl-C reaches every rank, and the
-        # launcher forwards its signal once more right after); the stop itself is agreed by all.
+        # One voice: with several ranks only rank 0 speaks, and only of the first signal (Ctrl-C
+        # reaches every rank, then the launcher forwards its copy); the stop is agreed by all.
         quiet = os.environ.get("RANK", "0") != "0"
         if self.signum is None:
             self.signum = signum
-            self._noted = time.monotonic()
             if quiet:
                 return
             msg = (f"\ncorelooper: {name} received: finishing this optimizer step, saving a checkpoint, "
                    "then exiting (resume with --resume-from-checkpoint latest)\n")
         else:
-            if quiet or time.monotonic() - self._noted < 0.5:  # a forwarded copy of the first
+            if quiet or os.environ.get("WORLD_SIZE", "1") != "1":
                 return
             msg = f"\ncorelooper: {name} received again: already stopping, please wait for the save\n"
         try:
