@@ -157,7 +157,8 @@ def run(
             typer.echo(profiler.report())
         loop.backend.end()
     except KeyboardInterrupt:
-        typer.echo("corelooper: interrupted", err=True)
+        if os.environ.get("RANK", "0") == "0":  # Ctrl-C reaches every rank: one says it
+            typer.echo("corelooper: interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as e:
         fail(e, traceback_)

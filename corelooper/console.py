@@ -116,6 +116,8 @@ def quiet_third_party(verbose: bool = False) -> None:
         return
     if os.environ.get("CORELOOPER_VERBOSE"):
         return
+    # transformers' "Writing model shards" bar at every checkpoint (read when it is imported)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=_QUIET_MODULES)
     # torch.distributed's own deprecation notices, attributed to the calling library's line
