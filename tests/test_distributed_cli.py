@@ -98,3 +98,14 @@ def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
 
     assert len(losses("two")) == 4
     assert all(abs(a - b) <= 1e-5 for a, b in zip(losses("two"), losses("one"), strict=True))
+
+
+def test_a_bad_checkpoint_under_nproc_exits_5_and_is_said_once(tmp_path):
+    """Every rank finds the checkpoint bad: the launcher reports it once, with exit 5 (not 7)."""
+    missing = tmp_path / "no-such-checkpoint"
+    proc = corelooper(tmp_path, "run", CONFIG, "--nproc", "2", *SHORT, "-p", "no:tensorboard",
+                      "--set", f"train.output_dir={tmp_path / 'out'}", "--resume-from-checkpoint", str(missing),
+                      timeout=120)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert proc.stderr.count(f"Checkpoint {str(missing)!r} does not exist") == 1, proc.stderr[-3000:]
+    assert "corelooper: error: rank " in proc.stderr and "Traceback" not in proc.stderr
