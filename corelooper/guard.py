@@ -43,10 +43,17 @@ class NonFiniteGuard:
         if self.policy == "ignore":
             return True
         self.poll(loop)  # the previous step's deferred flag, if any
-        values = torch.stack([*losses, *([grad_norm.float()] if grad_norm is not None else [])])
-        bad = ~torch.isfinite(values).all()
+        # Under fp16 the grad scaler owns overflowing gradients (it skips those steps and lowers
+        # the scale, as it should): only the loss is checked then.
+        fp16 = loop.args.mixed_precision == "fp16"
+        norms = [grad_norm.float()] if grad_norm is not None and not fp16 else []
+        bad = ~torch.isfinite(torch.stack([*losses, *norms])).all()
+        if not norms and loop.backend.num_processes > 1:
+            # Only the gradients are the same on every rank: agree on the losses' verdict, so
+            # that no rank stops while the others wait for it in the next collective.
+            bad = loop.backend.reduce_sum(bad.float()) > 0
         inner = getattr(loop.optimizer, "optimizer", loop.optimizer)  # accelerate's wrapper
-        if self.deferred and getattr(inner, "_step_supports_amp_scaling", False):
+        if self.deferred and not fp16 and getattr(inner, "_step_supports_amp_scaling", False):
             inner.found_inf = bad.float()  # the fused kernel skips the update on the device
             flag = torch.empty((), dtype=torch.bool, pin_memory=bad.is_cuda)
             flag.copy_(bad, non_blocking=True)

@@ -30,6 +30,12 @@ DEFAULTS = {
 
 
 @hookimpl
+def corelooper_configure(config, plugins):
+    if "deepspeed" not in config.sections:  # `corelooper plugins --config` says so
+        plugins.set_inactive("deepspeed", "no [deepspeed] section")
+
+
+@hookimpl
 def corelooper_config_sections():
     return {"deepspeed": {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}}
 

@@ -31,6 +31,12 @@ DEFAULTS = {
 
 
 @hookimpl
+def corelooper_configure(config, plugins):
+    if "fsdp" not in config.sections:  # `corelooper plugins --config` says so
+        plugins.set_inactive("fsdp", "no [fsdp] section")
+
+
+@hookimpl
 def corelooper_config_sections():
     return {"fsdp": dict(DEFAULTS)}
 

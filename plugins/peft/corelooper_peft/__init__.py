@@ -27,6 +27,12 @@ SECTION = "peft"
 
 
 @hookimpl
+def corelooper_configure(config, plugins):
+    if "peft" not in config.sections:  # `corelooper plugins --config` says so
+        plugins.set_inactive("peft", "no [peft] section")
+
+
+@hookimpl
 def corelooper_config_sections():
     return {
         SECTION: {
