@@ -10,11 +10,11 @@ It decides on every process from the same (already reduced) metrics, so all rank
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
 from corelooper.errors import ConfigError
+from corelooper.metric import greater_for, is_better, metric_key
 
 __version__ = "0.1.0"
 
@@ -26,11 +26,6 @@ DEFAULTS: dict[str, Any] = {
     "threshold": 0.0,  # an improvement must exceed this (absolute) to reset the counter
     "mode": "",  # "min" | "max"; default: from train.greater_is_better, else min for *loss*
 }
-
-
-def metric_key(name: str) -> str:
-    """``accuracy`` -> ``eval_accuracy`` (``metric_for_best_model`` style)."""
-    return name if name.startswith("eval_") else f"eval_{name}"
 
 
 class EarlyStopping:
@@ -63,13 +58,7 @@ class EarlyStopping:
         """(metric key, mode, patience, threshold), or a ConfigError naming the key to fix."""
         cfg, train = self.settings(config), config.train
         metric = metric_key(cfg["metric"] or train.metric_for_best_model or "loss")
-        mode = cfg["mode"]
-        if not mode:
-            same = train.metric_for_best_model and metric_key(train.metric_for_best_model) == metric
-            if same and train.greater_is_better is not None:
-                mode = "max" if train.greater_is_better else "min"
-            else:
-                mode = "min" if "loss" in metric else "max"
+        mode = cfg["mode"] or ("max" if greater_for(metric, train) else "min")
         if mode not in ("min", "max"):
             raise ConfigError(f'early_stopping.mode must be "min" or "max", got {mode!r}.')
         if cfg["patience"] < 1:
@@ -116,14 +105,7 @@ class EarlyStopping:
                 f"{sorted(metrics)}. Use one of those names (with or without the eval_ prefix)."
             )
         value = float(metrics[metric])
-        if math.isnan(value):
-            improved = False
-        elif self.best is None:
-            improved = True
-        else:
-            delta = value - self.best if mode == "max" else self.best - value
-            improved = delta > threshold
-        if improved:
+        if is_better(value, self.best, mode == "max", threshold):
             self.best, self.bad_evals = value, 0
         else:
             self.bad_evals += 1

@@ -1,8 +1,9 @@
 """corelooper-optuna: hyper-parameter search with Optuna, configured in ``[optuna]``.
 
-``corelooper hpo CONFIG --trials N`` runs the study (``corelooper_optuna.search``). As an
-installed plugin this module only declares the ``[optuna]`` section, so configs that carry one
-validate (and ``corelooper plugins`` lists its keys); it changes nothing in ``corelooper run``.
+``corelooper hpo CONFIG --trials N`` runs the study (``corelooper_optuna.search``); the plugin adds
+that subcommand through ``corelooper_add_commands``. Otherwise this module only declares the
+``[optuna]`` section, so configs that carry one validate (and ``corelooper plugins`` lists its
+keys); it changes nothing in ``corelooper run``.
 During a study each trial's ``Loop`` gets a ``TrialReporter`` that reports every evaluation to
 Optuna and stops the trial when the pruner says so.
 """
@@ -32,6 +33,12 @@ DEFAULTS: dict[str, Any] = {
 
 def corelooper_config_sections() -> dict[str, dict[str, Any]]:
     return {SECTION: dict(DEFAULTS)}
+
+
+def corelooper_add_commands(app) -> None:
+    from .command import add_hpo_command
+
+    add_hpo_command(app)
 
 
 class TrialReporter:
