@@ -16,7 +16,7 @@ from typing import Any
 from corelooper.errors import ConfigError
 from corelooper.metric import greater_for, is_better, metric_key
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SECTION = "early_stopping"
 DEFAULTS: dict[str, Any] = {

@@ -11,10 +11,11 @@ from typing import Annotated
 
 import typer
 
+# At module level: typer resolves the (postponed) annotations in this module's globals.
+from corelooper.cli.app import PluginOpt, SetOpt, TracebackOpt, fail, load_config, split_plugin_options
+
 
 def add_hpo_command(app: typer.Typer) -> None:
-    from corelooper.cli.app import PluginOpt, SetOpt, TracebackOpt, fail, load_config, split_plugin_options
-
     @app.command()
     def hpo(
         config: Annotated[Path, typer.Argument(help="The TOML config file, with an [optuna] section.")],

@@ -14,7 +14,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SECTION = "tensorboard"
 DEFAULTS: dict[str, Any] = {
