@@ -44,7 +44,7 @@ def child(impl: str, tokens: int, vocab: int, hidden: int, chunk: int) -> dict:
     if impl == "full":
         loss = F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100, reduction="sum")
     else:
-        loss = chunked_cross_entropy(h, w, y, chunk_tokens=chunk)
+        loss = chunked_cross_entropy(h, w, y, chunk_tokens=chunk or None)
     (loss / (y != -100).sum()).backward()
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -64,8 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128_256)  # Llama 3's vocabulary
-    ap.add_argument("--hidden", type=int, default=256)  # small: the logits dominate either way
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=128)  # small: the logits dominate either way
+    ap.add_argument("--chunk", type=int, default=0, help="tokens per chunk (0: the default, ~256 MiB of logits)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", choices=["full", "chunked"])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chunked_ce.json")

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK_TOKENS = 1024  # logits of one chunk: 1024 x 128k x 4 bytes = 512 MiB
+CHUNK_BYTES = 256 * 2**20  # one chunk's float32 logits: ~523 tokens of a 128k vocabulary
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # As the model's lm_head then the HF loss: matmul in the model's dtype, then upcast to float32.
     logits = h @ weight.t()
     if bias is not None:
-        logits = logits + bias
+        logits.add_(bias)
     return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def chunk_tokens_for(vocab: int) -> int:
+    """Tokens per chunk: one chunk's float32 logits stay near ``CHUNK_BYTES``."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -33,13 +38,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for a float64 model
         total = torch.zeros((), dtype=dtype, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
-        vocab = weight.shape[0]
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
-            logits = _chunk_logits(hidden[sl], weight, bias)
-            lse[sl] = torch.logsumexp(logits, dim=-1)
-            total += _chunk_loss(logits, lse[sl], labels[sl], ignore_index, smoothing, vocab)
-            del logits
+            lse[sl], loss = _chunk_forward(_chunk_logits(hidden[sl], weight, bias), labels[sl],
+                                           ignore_index, smoothing)
+            total += loss
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk, ctx.ignore_index, ctx.smoothing = chunk, ignore_index, smoothing
         return total
@@ -56,7 +59,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             sl = slice(start, start + ctx.chunk)
             h = hidden[sl]
             g = _chunk_grad_logits(_chunk_logits(h, weight, bias), lse[sl], labels[sl],
-                                   ctx.ignore_index, ctx.smoothing) * grad_total
+                                   ctx.ignore_index, ctx.smoothing).mul_(grad_total)
             g = g.to(weight.dtype)  # the gradient of the upcast, as autograd would give it
             if need_h:
                 grad_h[sl] = g @ weight
@@ -70,15 +73,22 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def _chunk_loss(logits, lse, labels, ignore_index: int, smoothing: float, vocab: int) -> torch.Tensor:
-    """Summed loss of one chunk: ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``."""
+def _chunk_forward(logits, labels, ignore_index: int, smoothing: float):
+    """(log-sum-exp per token, summed loss) of one chunk; uses ``logits`` as its scratch buffer.
+
+    Each token's loss is ``(1 - eps) * nll + eps * mean over the vocabulary of -log p``, as
+    ``F.cross_entropy(..., label_smoothing=eps)``.
+    """
     counted = labels != ignore_index
     target = labels.masked_fill(~counted, 0)
-    nll = lse - logits.gather(1, target[:, None]).squeeze(1)
+    picked = logits.gather(1, target[:, None]).squeeze(1)
+    mean_logit = logits.mean(-1) if smoothing else None
+    top = logits.amax(-1, keepdim=True)
+    lse = logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(1))  # in place: no second buffer
+    nll = lse - picked
     if smoothing:
-        uniform = lse - logits.sum(-1) / vocab
-        nll = (1.0 - smoothing) * nll + smoothing * uniform
-    return nll.masked_fill(~counted, 0.0).sum()
+        nll = (1.0 - smoothing) * nll + smoothing * (lse - mean_logit)
+    return lse, nll.masked_fill(~counted, 0.0).sum()
 
 
 def _chunk_grad_logits(logits, lse, labels, ignore_index: int, smoothing: float) -> torch.Tensor:
@@ -102,15 +112,17 @@ def chunked_cross_entropy(
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T + bias).float(), labels, reduction="sum")``, chunked.
 
     ``hidden``: ``[..., hidden_size]``; ``weight``: ``[vocab, hidden_size]`` (the lm_head /
     output-embedding weight); ``labels``: ``hidden.shape[:-1]``, already aligned with ``hidden``
-    (shift them first for a causal LM). Returns a float32 scalar: the summed loss over the tokens
-    whose label is not ``ignore_index``.
+    (shift them first for a causal LM). ``chunk_tokens``: tokens per chunk (default: ~256 MiB of
+    float32 logits per chunk). Returns a float32 scalar: the summed loss over the tokens whose
+    label is not ``ignore_index``.
     """
+    chunk_tokens = chunk_tokens_for(weight.shape[0]) if chunk_tokens is None else chunk_tokens
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     h = hidden.reshape(-1, hidden.shape[-1])
