@@ -140,3 +140,64 @@ def test_chunked_needs_an_hf_causal_lm(train_args):
                 blocked_plugins=["console"])
     with pytest.raises(ConfigError, match=r"loss_impl = 'chunked' needs a Hugging Face causal LM.*TinyLM"):
         loop.train()
+
+
+class _Run:
+    """What ``chunked_causal_lm_loss`` reads of the loop: the resolved loss type."""
+
+    loss_type = "causal_lm"
+
+
+def test_label_smoothing_and_shift_labels_as_hf():
+    from corelooper.chunked_ce import chunked_causal_lm_loss
+
+    model = toys.tiny_llama(seed=3)
+    batch = {k: torch.stack([s[k] for s in toys.lm_samples(4, seed=1)]) for k in ("input_ids", "attention_mask", "labels")}
+    n = (batch["labels"][:, 1:] != -100).sum()
+    # label smoothing: the default loss computes it from the logits with F.cross_entropy
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, toys.VOCAB).float(), batch["labels"][:, 1:].reshape(-1),
+                          ignore_index=-100, reduction="sum", label_smoothing=0.1) / n
+    got = chunked_causal_lm_loss(_Run(), model, batch, n, label_smoothing=0.1)
+    assert abs(got.item() - ref.item()) < 1e-6
+    # shift_labels (already shifted, e.g. by a padding-free collator): HF's own loss is the oracle
+    shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    shift[:, :2] = -100
+    hf = model(**batch, shift_labels=shift, num_items_in_batch=(shift != -100).sum()).loss
+    got = chunked_causal_lm_loss(_Run(), model, {**batch, "shift_labels": shift}, (shift != -100).sum())
+    assert abs(got.item() - hf.item()) < 1e-6
+
+
+def test_models_whose_logits_are_not_a_plain_projection_are_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from corelooper.chunked_ce import output_head
+
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    assert gemma.config.final_logit_softcapping  # Gemma 2 soft-caps its logits
+    with pytest.raises(ConfigError, match=r"Gemma2ForCausalLM's logits are not that \(its config sets final_logit_softcapping"):
+        output_head(gemma)
+    llama = toys.tiny_llama()
+    assert output_head(llama) is llama.lm_head
+    llama.lm_head = torch.nn.Sequential(llama.lm_head)  # e.g. a wrapped head (LoRA on lm_head)
+    with pytest.raises(ConfigError, match="its output layer is a Sequential"):
+        output_head(llama)
+
+
+def test_through_a_peft_model_equals_its_own_loss_and_gradients():
+    from peft import LoraConfig, get_peft_model
+
+    from corelooper.chunked_ce import chunked_causal_lm_loss
+
+    model = get_peft_model(toys.tiny_llama(seed=4), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                lora_dropout=0.0, init_lora_weights=False))
+    batch = {k: torch.stack([s[k] for s in toys.lm_samples(4, seed=2)]) for k in ("input_ids", "attention_mask", "labels")}
+    n = (batch["labels"][:, 1:] != -100).sum()
+    lora = [p for name, p in model.named_parameters() if "lora_" in name]
+    ref = model(**batch, num_items_in_batch=n).loss
+    ref_grads = torch.autograd.grad(ref, lora)
+    got = chunked_causal_lm_loss(_Run(), model, batch, n)
+    grads = torch.autograd.grad(got, lora)
+    assert abs(got.item() - ref.item()) < 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(ref_grads, grads, strict=True)) < 1e-6
