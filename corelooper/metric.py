@@ -52,3 +52,20 @@ def is_better(value: float, best: float | None, greater: bool, threshold: float 
         return True
     delta = value - best if greater else best - value
     return delta > threshold
+
+
+def metric_value(metrics: dict[str, Any], name: str, setting: str, prefix: str = "eval") -> float:
+    """The value of metric ``name`` in ``metrics``, or a ConfigError naming ``setting`` to fix.
+
+    ``setting`` is the config key that chose the metric (``train.metric_for_best_model``,
+    ``early_stopping.metric``, ...), so the message says which line of the config to change.
+    """
+    key = metric_key(name, prefix)
+    if key not in metrics:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"{setting} = {name!r} watches {key!r}, but the evaluation returned only {sorted(metrics)}. "
+            f"Set {setting} to one of those names (with or without the {prefix}_ prefix)."
+        )
+    return float(metrics[key])

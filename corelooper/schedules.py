@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
-from .metric import greater_for, metric_key
+from .metric import greater_for, metric_key, metric_value
 
 LambdaFn = Callable[[int], float]
 
@@ -213,12 +213,8 @@ class PlateauScheduler:
         pass
 
     def step_on_metrics(self, metrics: dict[str, float]) -> None:
-        if self.metric not in metrics:
-            raise ConfigError(
-                f"reduce_lr_on_plateau watches {self.metric!r} (train.metric_for_best_model), but the "
-                f"evaluation returned only {sorted(metrics)}."
-            )
-        self.scheduler.step(float(metrics[self.metric]))
+        # the metric is train.metric_for_best_model (default: loss)
+        self.scheduler.step(metric_value(metrics, self.metric, "train.metric_for_best_model"))
 
     def get_last_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

@@ -63,3 +63,39 @@ def test_nan_never_improves():
     assert not is_better(math.nan, None, True)
     assert not is_better(math.nan, 1.0, False)
     assert is_better(1.0, None, False)
+
+
+def test_a_missing_metric_names_the_setting_and_what_there_is():
+    from corelooper.errors import ConfigError
+    from corelooper.metric import metric_value
+
+    metrics = {"eval_loss": 0.5, "eval_accuracy": 0.75}
+    assert metric_value(metrics, "accuracy", "train.metric_for_best_model") == 0.75
+    assert metric_value(metrics, "eval_loss", "early_stopping.metric") == 0.5
+    with pytest.raises(ConfigError) as e:
+        metric_value(metrics, "f1", "early_stopping.metric")
+    assert str(e.value) == (
+        "early_stopping.metric = 'f1' watches 'eval_f1', but the evaluation returned only "
+        "['eval_accuracy', 'eval_loss']. Set early_stopping.metric to one of those names (with or "
+        "without the eval_ prefix).")
+    assert e.value.exit_code == 2
+
+
+def test_plateau_scheduler_uses_the_rule(tmp_path):
+    import torch
+
+    from corelooper.errors import ConfigError
+    from corelooper.schedules import create_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    args = Config.from_dict({"train": {"output_dir": str(tmp_path), "lr_scheduler_type": "reduce_lr_on_plateau",
+                                       "eval_strategy": "steps", "metric_for_best_model": "accuracy",
+                                       "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5}}}).train
+    sched = create_scheduler(args, opt, 10)
+    sched.step_on_metrics({"eval_accuracy": 0.5})
+    sched.step_on_metrics({"eval_accuracy": 0.6})  # higher is better for accuracy: no cut
+    assert sched.get_last_lr() == [1.0]
+    sched.step_on_metrics({"eval_accuracy": 0.55})
+    assert sched.get_last_lr() == [0.5]
+    with pytest.raises(ConfigError, match=r"train.metric_for_best_model = 'eval_accuracy' watches"):
+        sched.step_on_metrics({"eval_loss": 1.0})

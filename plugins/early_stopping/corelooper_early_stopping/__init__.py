@@ -14,7 +14,7 @@ import weakref
 from typing import Any
 
 from corelooper.errors import ConfigError
-from corelooper.metric import greater_for, is_better, metric_key
+from corelooper.metric import greater_for, is_better, metric_key, metric_value
 
 __version__ = "0.2.0"
 
@@ -99,12 +99,8 @@ class EarlyStopping:
         if self.inactive_reason(loop.config) or self._loop is None or self._loop() is not loop:
             return
         metric, mode, patience, threshold = self.resolved(loop.config)
-        if metric not in metrics:
-            raise ConfigError(
-                f"early_stopping.metric = {metric!r}, but the evaluation returned only "
-                f"{sorted(metrics)}. Use one of those names (with or without the eval_ prefix)."
-            )
-        value = float(metrics[metric])
+        setting = "early_stopping.metric" if self.settings(loop.config)["metric"] else "train.metric_for_best_model"
+        value = metric_value(metrics, metric, setting)
         if is_better(value, self.best, mode == "max", threshold):
             self.best, self.bad_evals = value, 0
         else:

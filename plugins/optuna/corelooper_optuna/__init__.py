@@ -53,14 +53,9 @@ class TrialReporter:
         self.last: float | None = None
 
     def on_evaluate(self, state, control, metrics: dict) -> None:
-        if self.metric not in metrics:
-            from corelooper.errors import ConfigError
+        from corelooper.metric import metric_value
 
-            raise ConfigError(
-                f"optuna.metric = {self.metric!r} is not among the evaluation metrics {sorted(metrics)}; "
-                "set optuna.metric (or train.metric_for_best_model) to one of them."
-            )
-        self.last = float(metrics[self.metric])
+        self.last = metric_value(metrics, self.metric, "optuna.metric (or train.metric_for_best_model)")
         self.trial.report(self.last, state.global_step)
         if self.trial.should_prune():
             self.pruned_at = state.global_step
