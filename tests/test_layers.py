@@ -74,3 +74,13 @@ def test_hpo_command_comes_from_the_optuna_plugin():
     off = subprocess.run([str(script), "hpo", "--help"], capture_output=True, text=True, timeout=120,
                          env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"})
     assert off.returncode == 2 and "No such command 'hpo'" in off.stderr
+
+
+def test_the_test_only_plugin_is_not_in_the_environment(thirdparty_plugin):
+    # scripts/setup does not install tests/third_party_plugin; the fixture installs it elsewhere
+    found = importlib.metadata.distribution("corelooper-thirdparty-example")
+    assert Path(str(found.locate_file(""))).resolve().is_relative_to(thirdparty_plugin.resolve())
+    site = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout.strip()
+    assert not list(Path(site).glob("corelooper_thirdparty_example*")), f"installed in {site}"
+    assert "third_party_plugin" not in (REPO / "scripts" / "setup").read_text().split("NOT installed here")[-1]
