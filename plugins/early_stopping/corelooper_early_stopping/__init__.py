@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "metric": "",  # default: train.metric_for_best_model, else "eval_loss"
     "patience": 3,  # evaluations without improvement before stopping
     "threshold": 0.0,  # an improvement must exceed this (absolute) to reset the counter
-    "mode": "",  # "min" | "max"; default: from train.greater_is_better, else min for *loss*
+    "mode": "",  # "min" | "max"; default: corelooper.metric.greater_for (min for a name ending in "loss")
 }
 
 

@@ -18,7 +18,7 @@ SECTION = "optuna"
 DEFAULTS: dict[str, Any] = {
     "n_trials": 10,  # total trials of the study (`--trials` overrides)
     "metric": "",  # default: train.metric_for_best_model, else eval_loss
-    "direction": "",  # "minimize" | "maximize"; default: from train.greater_is_better / the name
+    "direction": "",  # "minimize" | "maximize"; default: corelooper.metric.greater_for (minimize a "...loss")
     "study_name": "",  # default: the name of train.output_dir
     "storage": "",  # default: sqlite:///<train.output_dir>/optuna.db (resumable)
     "sampler": "tpe",  # "tpe" | "random"
