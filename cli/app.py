@@ -292,31 +292,6 @@ def eval_(
 
 
 @app.command()
-def hpo(
-    config: Annotated[Path, typer.Argument(help="The TOML config file, with an [optuna] section.")],
-    trials: Annotated[int | None, typer.Option("--trials", "-n", help="Total trials of the study (default: optuna.n_trials).")] = None,
-    set_: SetOpt = None,
-    p: PluginOpt = None,
-    traceback_: TracebackOpt = False,
-) -> None:
-    """Hyper-parameter search with Optuna (needs the corelooper-optuna plugin)."""
-    try:
-        try:
-            from corelooper_optuna.search import run_study
-        except ImportError as e:
-            from corelooper.errors import PluginError
-
-            raise PluginError(
-                f"`corelooper hpo` is provided by the corelooper-optuna plugin, which is not installed "
-                f"({e}). Install it: pip install corelooper-optuna (or pip install -e plugins/optuna)."
-            ) from None
-        blocked, local = split_plugin_options(p)
-        run_study(load_config(config, set_, local), trials=trials, blocked=blocked, echo=typer.echo)
-    except Exception as e:
-        fail(e, traceback_)
-
-
-@app.command()
 def plot(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run folders (output_dir) holding metrics.jsonl.")],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="The PNG to write (default: RUN_DIR/metrics.png).")] = None,

@@ -110,6 +110,9 @@ class TrainArgs:
     loss_type: Literal["auto", "cross_entropy", "causal_lm", "mse"] = "auto"
     """``auto``: causal-LM shift when ``labels`` has the shape of ``input_ids``, MSE for float
     labels, cross-entropy otherwise."""
+    loss_impl: Literal["default", "chunked"] = "default"
+    """``chunked``: the causal-LM cross-entropy from the last hidden states in chunks of tokens,
+    never the full ``[tokens, vocab]`` float32 logits (corelooper/chunked_ce.py); HF causal LMs."""
     logging_steps: int = 500
     logging_first_step: bool = False
     eval_strategy: Literal["no", "steps", "epoch"] = "no"
@@ -366,7 +369,9 @@ def check_train_args(a: TrainArgs) -> None:
     if needs_metric and a.metric_for_best_model is None:
         a.metric_for_best_model = "loss"
     if a.metric_for_best_model is not None and a.greater_is_better is None:
-        a.greater_is_better = a.metric_for_best_model not in ("loss", "eval_loss")
+        from .metric import greater_is_better
+
+        a.greater_is_better = greater_is_better(a.metric_for_best_model)
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

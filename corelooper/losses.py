@@ -67,6 +67,11 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     if isinstance(batch, Mapping):
         batch = model_inputs(loop, batch)  # drop columns forward() does not take (logged once)
     smoothing = getattr(loop.args, "label_smoothing_factor", 0.0) if loop.loss_type != "mse" else 0.0
+    if getattr(loop.args, "loss_impl", "default") == "chunked" and not return_outputs:
+        # Training only: evaluation and prediction need the logits themselves.
+        from .chunked_ce import chunked_causal_lm_loss
+
+        return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing)
     # With label smoothing the loss is computed here from the logits, as HF's LabelSmoother does.
     if sig.accepts_labels and isinstance(batch, Mapping) and "labels" in batch and not smoothing:
         kwargs = dict(batch)

@@ -26,7 +26,7 @@ version = "0.1.0"
 description = "A corelooper plugin: {name}."
 readme = "README.md"
 requires-python = ">=3.10"
-dependencies = ["corelooper>={core_version}"]
+dependencies = ["corelooper>={core_version},<{next_minor}"]  # the hook contract of this minor version
 
 [project.optional-dependencies]
 test = ["pytest>=8"]
@@ -165,7 +165,9 @@ def write_plugin(name: str, dest: Path | None = None) -> Path:
         raise CorelooperError(
             f"{str(dest)!r} already exists and is not an empty folder: choose another with --dir."
         )
-    values = dict(name=name, dist=dist, module=module, klass=klass, core_version=__version__)
+    major, minor = (int(x) for x in __version__.split(".")[:2])
+    values = dict(name=name, dist=dist, module=module, klass=klass, core_version=f"{major}.{minor}",
+                  next_minor=f"{major}.{minor + 1}")
     files = {
         "pyproject.toml": PYPROJECT,
         f"{module}/__init__.py": MODULE,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .metric import greater_for, metric_key, metric_value
 
 LambdaFn = Callable[[int], float]
 
@@ -205,19 +206,15 @@ class PlateauScheduler:
                 f"train.lr_scheduler_kwargs = {kwargs!r} is not valid for reduce_lr_on_plateau: {e}. "
                 "Options: mode, factor, patience, threshold, threshold_mode, cooldown, min_lr, eps."
             ) from None
-        self.metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+        self.metric = metric_key(metric)
         self.optimizer = optimizer
 
     def step(self, *_: Any) -> None:
         pass
 
     def step_on_metrics(self, metrics: dict[str, float]) -> None:
-        if self.metric not in metrics:
-            raise ConfigError(
-                f"reduce_lr_on_plateau watches {self.metric!r} (train.metric_for_best_model), but the "
-                f"evaluation returned only {sorted(metrics)}."
-            )
-        self.scheduler.step(float(metrics[self.metric]))
+        # the metric is train.metric_for_best_model (default: loss)
+        self.scheduler.step(metric_value(metrics, self.metric, "train.metric_for_best_model"))
 
     def get_last_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -233,9 +230,8 @@ def create_scheduler(args, optimizer, num_training_steps: int):
     """The scheduler for ``args`` (``TrainArgs``): what the builtin ``create_scheduler`` returns."""
     kwargs = dict(args.lr_scheduler_kwargs or {})
     if args.lr_scheduler_type == "reduce_lr_on_plateau":
-        return PlateauScheduler(
-            optimizer, args.metric_for_best_model or "loss", bool(args.greater_is_better), **kwargs
-        )
+        metric = args.metric_for_best_model or "loss"
+        return PlateauScheduler(optimizer, metric, greater_for(metric, args), **kwargs)
     warmup = warmup_steps_for(args.warmup_steps, num_training_steps)
     fn = lr_lambda(args.lr_scheduler_type, warmup, num_training_steps,
                    lr_init=optimizer.defaults["lr"], **kwargs)

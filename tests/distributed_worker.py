@@ -86,6 +86,15 @@ def lm_samples(n: int, seed: int) -> list[dict]:
     return out
 
 
+def tiny_llama():
+    """A 1-layer ``LlamaForCausalLM`` from a config (an HF model computing its own loss)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                        attn_implementation="eager"))
+
+
 class MetricsProbe:
     """compute_metrics that records how many predictions it saw (no duplicated padding)."""
 
@@ -107,9 +116,10 @@ def run_one(spec: dict) -> dict:
     from corelooper.loop import Loop
 
     torch.manual_seed(0)
-    lm = spec.get("task", "classify") == "lm"
+    task = spec.get("task", "classify")
+    lm = task in ("lm", "llama")
     dropout = spec.get("dropout", 0.0)
-    model = TinyLM(dropout=dropout) if lm else Classifier(dropout=dropout)
+    model = tiny_llama() if task == "llama" else TinyLM(dropout=dropout) if lm else Classifier(dropout=dropout)
     n_train, n_eval = spec.get("n_train", 48), spec.get("n_eval", 13)
     make = lm_samples if lm else classification
     train = {"disable_tqdm": True, "logging_steps": 1, "save_strategy": "no", "learning_rate": 1e-2,

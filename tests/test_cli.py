@@ -79,7 +79,7 @@ def test_hooks_lists_every_hook_with_its_doc(cli):
     assert "compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool)  [provider, firstresult]" in r.stdout
 
 
-def test_set_override_of_a_plugin_section_and_bad_set_syntax(cli, tmp_path):
+def test_set_override_of_a_plugin_section_and_bad_set_syntax(cli, tmp_path, thirdparty_plugin):
     config = tmp_path / "c.toml"
     config.write_text("[thirdparty]\nmarker = \"\"\n")
     r = cli("plugins", "--config", str(config), "--set", "thirdparty.optimizer=sgd")

@@ -9,8 +9,8 @@ import json
 import textwrap
 
 import pytest
-import toys
 import torch
+import toys
 from conftest import run_cli
 
 from corelooper import Loop

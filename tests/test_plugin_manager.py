@@ -1,5 +1,6 @@
 """Plugin discovery and mixing, with a real separately installed package
-(tests/third_party_plugin, ``pip install -e``'d by scripts/setup) found through its entry point."""
+(tests/third_party_plugin, pip-installed for these tests by the ``thirdparty_plugin`` fixture of
+conftest.py) found through its entry point."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from corelooper.config import Config, TrainArgs
 from corelooper.errors import ConfigError
 from corelooper.loop import Loop
 from corelooper.plugins import AUTOLOAD_ENV, installed_entry_points, load_plugins
+
+pytestmark = pytest.mark.usefixtures("thirdparty_plugin")
 
 
 def provider_line(out: str, hook: str) -> str:

@@ -12,7 +12,7 @@ from corelooper.errors import ConfigError
 from .settings import DEFAULTS, SECTION
 
 __all__ = ["RUN_PLUGIN_NAME"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: Name under which the per-run part is registered (and saved in a checkpoint's plugins.json).
 RUN_PLUGIN_NAME = "auto_batch_size.run"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from corelooper import hookimpl
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 DEFAULTS = {
     # A DeepSpeed JSON config file (relative to the corelooper config). Its keys win over the

@@ -11,12 +11,12 @@ It decides on every process from the same (already reduced) metrics, so all rank
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from corelooper.errors import ConfigError
+from corelooper.metric import greater_for, is_better, metric_key, metric_value
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SECTION = "early_stopping"
 DEFAULTS: dict[str, Any] = {
@@ -24,13 +24,8 @@ DEFAULTS: dict[str, Any] = {
     "metric": "",  # default: train.metric_for_best_model, else "eval_loss"
     "patience": 3,  # evaluations without improvement before stopping
     "threshold": 0.0,  # an improvement must exceed this (absolute) to reset the counter
-    "mode": "",  # "min" | "max"; default: from train.greater_is_better, else min for *loss*
+    "mode": "",  # "min" | "max"; default: corelooper.metric.greater_for (min for a name ending in "loss")
 }
-
-
-def metric_key(name: str) -> str:
-    """``accuracy`` -> ``eval_accuracy`` (``metric_for_best_model`` style)."""
-    return name if name.startswith("eval_") else f"eval_{name}"
 
 
 def corelooper_config_sections() -> dict[str, dict[str, Any]]:
@@ -43,7 +38,8 @@ def corelooper_configure(config, plugins) -> None:
     if reason:
         plugins.set_inactive(SECTION, reason)
         return
-    stopper = EarlyStopping(*resolved(config))
+    setting = "early_stopping.metric" if settings(config)["metric"] else "train.metric_for_best_model"
+    stopper = EarlyStopping(*resolved(config), setting=setting)
     if config.train.eval_strategy == "no":
         raise ConfigError(
             "[early_stopping] is enabled but train.eval_strategy = \"no\": it decides from "
@@ -72,13 +68,7 @@ def resolved(config) -> tuple[str, str, int, float]:
     """(metric key, mode, patience, threshold), or a ConfigError naming the key to fix."""
     cfg, train = settings(config), config.train
     metric = metric_key(cfg["metric"] or train.metric_for_best_model or "loss")
-    mode = cfg["mode"]
-    if not mode:
-        same = train.metric_for_best_model and metric_key(train.metric_for_best_model) == metric
-        if same and train.greater_is_better is not None:
-            mode = "max" if train.greater_is_better else "min"
-        else:
-            mode = "min" if "loss" in metric else "max"
+    mode = cfg["mode"] or ("max" if greater_for(metric, train) else "min")
     if mode not in ("min", "max"):
         raise ConfigError(f'early_stopping.mode must be "min" or "max", got {mode!r}.')
     if cfg["patience"] < 1:
@@ -91,8 +81,9 @@ def resolved(config) -> tuple[str, str, int, float]:
 class EarlyStopping:
     """One run's stopper: its best value and patience counter are checkpointed."""
 
-    def __init__(self, metric: str, mode: str, patience: int, threshold: float) -> None:
+    def __init__(self, metric: str, mode: str, patience: int, threshold: float, setting: str) -> None:
         self.metric, self.mode, self.patience, self.threshold = metric, mode, patience, threshold
+        self.setting = setting  # the key to name when the metric is missing
         self.best: float | None = None
         self.bad_evals = 0  # evaluations since the last improvement
         self.stopped_at: int | None = None  # global_step at which it stopped training
@@ -113,19 +104,8 @@ class EarlyStopping:
     def on_evaluate(self, loop, state, control, metrics) -> None:
         if not loop.is_training:
             return  # an evaluation outside train() does not count (as HF)
-        if self.metric not in metrics:
-            raise ConfigError(
-                f"early_stopping.metric = {self.metric!r}, but the evaluation returned only "
-                f"{sorted(metrics)}. Use one of those names (with or without the eval_ prefix)."
-            )
-        value = float(metrics[self.metric])
-        if math.isnan(value):
-            improved = False
-        elif self.best is None:
-            improved = True
-        else:
-            delta = value - self.best if self.mode == "max" else self.best - value
-            improved = delta > self.threshold
+        value = metric_value(metrics, self.metric, self.setting)
+        improved = is_better(value, self.best, self.mode == "max", self.threshold)
         if improved:
             self.best, self.bad_evals = value, 0
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from corelooper import hookimpl
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 DEFAULTS = {
     # Module class names sharded as one unit each (e.g. ["LlamaDecoderLayer"]). Empty: a

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from corelooper import hookimpl
 from corelooper.errors import ConfigError
 
+__version__ = "0.2.0"
+
 if TYPE_CHECKING:
     import torch
 

@@ -1,8 +1,9 @@
 """corelooper-optuna: hyper-parameter search with Optuna, configured in ``[optuna]``.
 
-``corelooper hpo CONFIG --trials N`` runs the study (``corelooper_optuna.search``). As an
-installed plugin this module only declares the ``[optuna]`` section, so configs that carry one
-validate (and ``corelooper plugins`` lists its keys); it changes nothing in ``corelooper run``.
+``corelooper hpo CONFIG --trials N`` runs the study (``corelooper_optuna.search``); the plugin adds
+that subcommand through ``corelooper_add_commands``. Otherwise this module only declares the
+``[optuna]`` section, so configs that carry one validate (and ``corelooper plugins`` lists its
+keys); it changes nothing in ``corelooper run``.
 During a study each trial's ``Loop`` gets a ``TrialReporter`` that reports every evaluation to
 Optuna and stops the trial when the pruner says so.
 """
@@ -11,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SECTION = "optuna"
 DEFAULTS: dict[str, Any] = {
     "n_trials": 10,  # total trials of the study (`--trials` overrides)
     "metric": "",  # default: train.metric_for_best_model, else eval_loss
-    "direction": "",  # "minimize" | "maximize"; default: from train.greater_is_better / the name
+    "direction": "",  # "minimize" | "maximize"; default: corelooper.metric.greater_for (minimize a "...loss")
     "study_name": "",  # default: the name of train.output_dir
     "storage": "",  # default: sqlite:///<train.output_dir>/optuna.db (resumable)
     "sampler": "tpe",  # "tpe" | "random"
@@ -34,6 +35,12 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]]:
     return {SECTION: dict(DEFAULTS)}
 
 
+def corelooper_add_commands(app) -> None:
+    from .command import add_hpo_command
+
+    add_hpo_command(app)
+
+
 class TrialReporter:
     """Per-trial plugin: ``on_evaluate`` reports the watched metric; prunes when Optuna says so."""
 
@@ -46,14 +53,9 @@ class TrialReporter:
         self.last: float | None = None
 
     def on_evaluate(self, state, control, metrics: dict) -> None:
-        if self.metric not in metrics:
-            from corelooper.errors import ConfigError
+        from corelooper.metric import metric_value
 
-            raise ConfigError(
-                f"optuna.metric = {self.metric!r} is not among the evaluation metrics {sorted(metrics)}; "
-                "set optuna.metric (or train.metric_for_best_model) to one of them."
-            )
-        self.last = float(metrics[self.metric])
+        self.last = metric_value(metrics, self.metric, "optuna.metric (or train.metric_for_best_model)")
         self.trial.report(self.last, state.global_step)
         if self.trial.should_prune():
             self.pruned_at = state.global_step

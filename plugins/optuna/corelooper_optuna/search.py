@@ -22,6 +22,7 @@ from typing import Any
 
 from corelooper.config import Config
 from corelooper.errors import ConfigError
+from corelooper.metric import greater_for, metric_key
 
 from . import DEFAULTS, SECTION, TrialReporter
 
@@ -45,14 +46,8 @@ def watched(config: Config, s: dict) -> tuple[str, str]:
     """(metric key, direction)."""
     t = config.train
     name = s["metric"] or t.metric_for_best_model or "loss"
-    key = name if name.startswith("eval_") else f"eval_{name}"
-    direction = s["direction"]
-    if not direction:
-        same = t.metric_for_best_model and key.removeprefix("eval_") == t.metric_for_best_model.removeprefix("eval_")
-        if same and t.greater_is_better is not None:
-            direction = "maximize" if t.greater_is_better else "minimize"
-        else:
-            direction = "minimize" if "loss" in key else "maximize"
+    key = metric_key(name)
+    direction = s["direction"] or ("maximize" if greater_for(key, t) else "minimize")
     if direction not in ("minimize", "maximize"):
         raise ConfigError(f'optuna.direction must be "minimize" or "maximize", got {direction!r}.')
     return key, direction

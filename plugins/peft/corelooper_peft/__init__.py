@@ -22,6 +22,8 @@ from pathlib import Path
 from corelooper import hookimpl
 from corelooper.errors import ConfigError
 
+__version__ = "0.2.0"
+
 logger = logging.getLogger("corelooper.peft")
 SECTION = "peft"
 

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SECTION = "tensorboard"
 DEFAULTS: dict[str, Any] = {

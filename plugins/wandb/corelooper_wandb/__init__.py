@@ -17,7 +17,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SECTION = "wandb"
 DEFAULTS: dict[str, Any] = {

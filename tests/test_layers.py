@@ -1,0 +1,86 @@
+"""The layers stay apart: the core (``corelooper/``, ``cli/``) imports no plugin package, plugins
+add their CLI commands through ``corelooper_add_commands``, and ``corelooper --help`` — which
+loads every installed plugin — imports none of the heavy libraries."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = {"torch", "transformers", "accelerate", "optuna", "deepspeed", "peft", "wandb", "tensorboard",
+         "safetensors", "numpy", "datasets", "sklearn", "matplotlib"}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, at any depth (function-level imports count)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_core_and_cli_import_no_plugin_package():
+    files = [*(REPO / "corelooper").rglob("*.py"), *(REPO / "cli").rglob("*.py")]
+    assert len(files) > 20
+    bad = [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in files for line, mod in _imports(f)
+           if mod.split(".")[0].startswith("corelooper_")]
+    assert bad == []
+
+
+def test_the_ast_check_sees_function_level_imports(tmp_path):
+    # the check above must not pass just because it looks only at the top of a module
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from corelooper_optuna.search import run_study\n    import corelooper_peft\n")
+    assert [m for _, m in _imports(probe)] == ["corelooper_optuna.search", "corelooper_peft"]
+
+
+def test_help_with_every_plugin_loaded_imports_no_heavy_library():
+    code = (
+        "import json, sys\n"
+        "from corelooper.cli.app import main\n"
+        "sys.argv = ['corelooper', '--help']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+        "mods = sorted(sys.modules)\n"
+        "print(json.dumps({'exit': code, 'modules': mods}), file=sys.stderr)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    report = json.loads(r.stderr.strip().splitlines()[-1])
+    assert report["exit"] == 0
+    eps = importlib.metadata.entry_points(group="corelooper")
+    loaded = {m.split(".")[0] for m in report["modules"]}
+    installed = {ep.value.split(":")[0].split(".")[0] for ep in eps}
+    assert {"corelooper_optuna", "corelooper_deepspeed", "corelooper_peft", "corelooper_wandb"} <= installed
+    assert installed <= loaded  # every installed plugin really was imported for --help
+    assert sorted(loaded & HEAVY) == []
+    assert "hpo" in r.stdout  # the command corelooper-optuna adds
+
+
+def test_hpo_command_comes_from_the_optuna_plugin():
+    script = Path(sys.executable).parent / "corelooper"
+    r = subprocess.run([str(script), "hpo", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Usage: corelooper hpo [OPTIONS]")
+    for option in ("--trials", "--set", "-p", "--traceback"):
+        assert option in r.stdout
+    # without plugins loaded (autoload off), the core has no such command
+    off = subprocess.run([str(script), "hpo", "--help"], capture_output=True, text=True, timeout=120,
+                         env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"})
+    assert off.returncode == 2 and "No such command 'hpo'" in off.stderr
+
+
+def test_the_test_only_plugin_is_not_in_the_environment(thirdparty_plugin):
+    # scripts/setup does not install tests/third_party_plugin; the fixture installs it elsewhere
+    found = importlib.metadata.distribution("corelooper-thirdparty-example")
+    assert Path(str(found.locate_file(""))).resolve().is_relative_to(thirdparty_plugin.resolve())
+    site = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout.strip()
+    assert not list(Path(site).glob("corelooper_thirdparty_example*")), f"installed in {site}"
+    assert "third_party_plugin" not in (REPO / "scripts" / "setup").read_text().split("NOT installed here")[-1]
