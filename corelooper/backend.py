@@ -140,8 +140,11 @@ class AccelerateBackend(TorchDistributedCollectives):
     supports_dynamic_accumulation = True
     shards_parameters = False
 
-    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False):
+    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False, ddp_timeout: int | None = None):
+        from datetime import timedelta
+
         from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
         from accelerate.state import AcceleratorState
 
         # Several Loops in one process (tests, notebooks) may ask for different precisions.
@@ -153,7 +156,9 @@ class AccelerateBackend(TorchDistributedCollectives):
             raise ConfigError(
                 'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
             )
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        # train.ddp_timeout reaches init_process_group through accelerate's kwargs handler
+        handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else None
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
         acc = self.accelerator
         self.device = acc.device
         self.process_index = acc.process_index
