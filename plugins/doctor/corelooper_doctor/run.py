@@ -57,6 +57,7 @@ class Doctor:
         self.skipped = SkippedBatches(self.out)
         self.skipped.steps.update(self.skipped_steps)
         self.skipped.load()  # steps skipped after the checkpoint this run resumed from, too
+        self.skipped_steps = self.skipped.steps  # one record: checkpoints save what the file has
         self._start_timing(loop)
         self._start_memory()
         self._start_watchdog()
