@@ -43,7 +43,7 @@ def report(phase: str, step: int, b: dict[str, Any] | None, args, world: int, la
            exc: BaseException) -> str:
     what = f"doctor: out of memory at step {step + 1} during {phase}"
     what += f" (per_device_train_batch_size {args.per_device_train_batch_size}, "
-    what += f"gradient_accumulation_steps {args.gradient_accumulation_steps}): {str(exc).splitlines()[0][:200]}."
+    what += f"gradient_accumulation_steps {args.gradient_accumulation_steps}): {str(exc).splitlines()[0][:200].rstrip('.')}."
     if not b:
         return what + (" It happened before the first step finished, so no breakdown was measured; "
                        "start with a smaller per_device_train_batch_size (or "
