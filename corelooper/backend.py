@@ -144,8 +144,8 @@ class AccelerateBackend(TorchDistributedCollectives):
         from datetime import timedelta
 
         from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs
         from accelerate.state import AcceleratorState
+        from accelerate.utils import InitProcessGroupKwargs
 
         # Several Loops in one process (tests, notebooks) may ask for different precisions.
         AcceleratorState._reset_state()

@@ -64,8 +64,10 @@ def window_logs(doc, loop, state, logs: dict) -> None:
         shares = doc.clock.window()
         logs.update(timing.timing_logs(shares))
         warning = timing.input_bound_warning(shares, doc.cfg["input_bound_share"])
-        if warning and not getattr(doc, "_warned_input", False):
-            doc._warned_input = True
+        first = doc.windows_logged == 0  # start-up (first batches, warm-up) is not the data's fault
+        doc.windows_logged += 1
+        if warning and not first and not doc.warned_input:
+            doc.warned_input = True
             doc.say(warning)
     if doc.cfg["memory"]:
         logs.update(memory.log_values(doc.device))

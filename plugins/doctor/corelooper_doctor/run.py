@@ -36,6 +36,7 @@ class Doctor:
         self.watchdog = self.clock = self.hook_timer = self.probe = None
         self.breakdown: dict | None = None
         self.steps_done = 0
+        self.windows_logged, self.warned_input = 0, False
         self.window_steps: deque = deque(maxlen=256)  # (step, position in epoch, micro-batches)
 
     # -- checkpoint state ------------------------------------------------------------------------

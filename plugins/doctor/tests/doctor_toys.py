@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import time
 
+import corelooper_doctor
 import torch
 
 from corelooper import Loop
 from corelooper.config import Config
 from corelooper.testing import TensorSamples
-
-import corelooper_doctor
 
 OUTLIER = 13  # the sample whose features are huge
 

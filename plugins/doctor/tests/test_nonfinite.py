@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from doctor_toys import OUTLIER, Classifier, Square, make_loop, relu_sqrt_model, samples
-
 from corelooper_doctor.batchio import load_batch
 from corelooper_doctor.nonfinite import explain
+from doctor_toys import OUTLIER, Classifier, Square, make_loop, relu_sqrt_model, samples
 
 
 def _loss(model, batch):

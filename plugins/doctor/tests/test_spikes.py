@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 
 import torch
+from corelooper_doctor.spikes import SpikeDetector
 from doctor_toys import doctor_of, make_loop, spike_samples
 
 from corelooper.data import epoch_permutation
-
-from corelooper_doctor.spikes import SpikeDetector
-
 
 N, STEPS = 128, 16
 SPIKE_STEP = 11

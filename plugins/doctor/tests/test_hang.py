@@ -1,0 +1,60 @@
+"""Hangs: 2 real processes (gloo); rank 1 sleeps in a hook, the watchdog ends the run with a report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+HANG_TIMEOUT = 8.0
+SLEEP_LINE = next(n for n, line in enumerate((HERE / "hang_task.py").read_text().splitlines(), 1)
+                  if "time.sleep(600)" in line)
+START_UP = 90  # two torch processes starting on a loaded 2-core machine
+
+
+def _config(tmp_path: Path) -> Path:
+    task = HERE / "hang_task.py"
+    path = tmp_path / "config.toml"
+    path.write_text(f"""
+[model]
+factory = "{task}:model"
+[data]
+train = "{task}:train"
+[train]
+output_dir = "{tmp_path / 'run'}"
+max_steps = 6
+per_device_train_batch_size = 4
+logging_steps = 1
+save_strategy = "no"
+disable_tqdm = true
+[plugins]
+enable = ["doctor"]
+local = ["{task}"]
+[doctor]
+hang_timeout = {HANG_TIMEOUT}
+""")
+    return path
+
+
+def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1")
+    corelooper = Path(sys.executable).parent / "corelooper"
+    # both ranks must be gone within hang_timeout + 30 s of the hang (plus start-up)
+    proc = subprocess.run([str(corelooper), "run", str(_config(tmp_path)), "--nproc", "2"],
+                          capture_output=True, text=True, env=env, timeout=START_UP + HANG_TIMEOUT + 30)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    doctor = tmp_path / "run" / "doctor"
+    report = (doctor / "hang-report.txt").read_text()
+    assert f"rank 1 has been in on_step_end (hang_task.py:{SLEEP_LINE})" in report, report
+    assert "at step 3 while rank 0 waits in all_reduce at step 3" in report, report
+    assert report.strip() in out  # said once, by rank 0
+    for rank in (0, 1):
+        stacks = (doctor / f"hang-rank{rank}.txt").read_text()
+        assert "Thread" in stacks and "most recent call first" in stacks
+    assert 'File "' in (doctor / "hang-rank1.txt").read_text()
+    assert f'hang_task.py", line {SLEEP_LINE} in on_step_end' in (doctor / "hang-rank1.txt").read_text()
