@@ -14,7 +14,7 @@ SLEEP_LINE = next(n for n, line in enumerate((HERE / "hang_task.py").read_text()
 START_UP = 90  # two torch processes starting on a loaded 2-core machine
 
 
-def _config(tmp_path: Path) -> Path:
+def _config(tmp_path: Path, hang_timeout: float = HANG_TIMEOUT, ddp_timeout: int = 1800) -> Path:
     task = HERE / "hang_task.py"
     path = tmp_path / "config.toml"
     path.write_text(f"""
@@ -29,25 +29,30 @@ per_device_train_batch_size = 4
 logging_steps = 1
 save_strategy = "no"
 disable_tqdm = true
+ddp_timeout = {ddp_timeout}
 [plugins]
 enable = ["doctor"]
 local = ["{task}"]
 [doctor]
-hang_timeout = {HANG_TIMEOUT}
+hang_timeout = {hang_timeout}
 """)
     return path
 
 
-def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
+def _run(tmp_path: Path, config: Path, timeout: float) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
     env.update(TMPDIR=str(tmp_path), PYTHONPATH=f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1")
     corelooper = Path(sys.executable).parent / "corelooper"
+    proc = subprocess.run([str(corelooper), "run", str(config), "--nproc", "2"],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
     # both ranks must be gone within hang_timeout + 30 s of the hang (plus start-up)
-    proc = subprocess.run([str(corelooper), "run", str(_config(tmp_path)), "--nproc", "2"],
-                          capture_output=True, text=True, env=env, timeout=START_UP + HANG_TIMEOUT + 30)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out
+    returncode, out = _run(tmp_path, _config(tmp_path), START_UP + HANG_TIMEOUT + 30)
+    assert returncode != 0, out
     doctor = tmp_path / "run" / "doctor"
     report = (doctor / "hang-report.txt").read_text()
     assert f"rank 1 has been in on_step_end (hang_task.py:{SLEEP_LINE})" in report, report
@@ -58,3 +63,11 @@ def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
         assert "Thread" in stacks and "most recent call first" in stacks
     assert 'File "' in (doctor / "hang-rank1.txt").read_text()
     assert f'hang_task.py", line {SLEEP_LINE} in on_step_end' in (doctor / "hang-rank1.txt").read_text()
+
+
+def test_ddp_timeout_reaches_the_process_group(tmp_path):
+    """Watchdog off: the gloo collective itself gives up after train.ddp_timeout seconds."""
+    returncode, out = _run(tmp_path, _config(tmp_path, hang_timeout=0.0, ddp_timeout=5), START_UP + 60)
+    assert returncode != 0, out
+    assert "Timed out waiting 5000ms" in out, out
+    assert not (tmp_path / "run" / "doctor" / "hang-report.txt").exists()
