@@ -6,10 +6,9 @@ import time
 
 import pytest
 import torch
-from doctor_toys import Classifier, SlowSamples, make_loop, samples
-
 from corelooper_doctor.peaks import known_peak
 from corelooper_doctor.timing import PHASES
+from doctor_toys import Classifier, SlowSamples, make_loop, samples
 
 
 def _seconds(loop, samples_per_window: int):
