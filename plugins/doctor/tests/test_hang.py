@@ -64,8 +64,9 @@ def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
     assert 'File "' in (doctor / "hang-rank1.txt").read_text()
     assert f'hang_task.py", line {SLEEP_LINE} in on_step_end' in (doctor / "hang-rank1.txt").read_text()
     # and the post-mortem shows it
+    env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
     post = subprocess.run([str(Path(sys.executable).parent / "corelooper"), "doctor", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
     assert report.strip() in post.stdout and "advice: hang: read the stacks" in post.stdout
 
 
