@@ -3,8 +3,9 @@
 The events give the boundaries (``on_step_begin`` fires once the step's micro-batches were
 fetched; ``on_before_backward``/``on_after_backward`` around each backward;
 ``on_pre_optimizer_step``/``on_optimizer_step`` around the optimizer; ``on_step_end``). Time spent
-inside plugin event hooks is measured by wrapping every event implementation with a timer (as
-``--profile-plugins`` does) and carved out of the phase it fell into, so the shares add up.
+inside plugin event hooks (all plugins' ``on_*`` implementations, the doctor's included) is
+measured around each event dispatch and carved out of the phase it fell into, so the shares add
+up.
 
 Host clock only, no device sync: on CUDA, device work that the host does not wait for shows up
 where the host next waits (usually the optimizer step or the logging sync), and "data" may
@@ -19,38 +20,35 @@ PHASES = ("data", "forward", "backward", "optimizer", "hooks", "other")
 
 
 class HookTimer:
-    """Wraps every event implementation of every plugin; ``seconds`` only grows."""
+    """Time inside event dispatches (every plugin's ``on_*`` implementations); only grows.
+
+    Measured with pluggy's hook-call monitoring around each event call rather than by wrapping
+    implementations: wrapped functions would hide which plugin raised (the loop names the
+    plugin from the implementation's code object in the traceback).
+    """
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._wrapped: list = []
+        self._started: list[float] = []
+        self._undo = None
 
     def install(self, plugins) -> None:
-        for _name, plugin in plugins.pm.list_name_plugin():
-            for hook_caller in plugins.pm.get_hookcallers(plugin) or []:
-                if not hook_caller.name.startswith("on_"):
-                    continue  # providers do the work itself (compute_loss is the forward)
-                for impl in hook_caller.get_hookimpls():
-                    if impl.plugin is plugin and not (impl.hookwrapper or impl.wrapper):
-                        self._wrapped.append((impl, impl.function))
-                        impl.function = self._timed(impl.function)
+        clock, started = time.perf_counter, self._started
 
-    def _timed(self, fn):
-        clock = time.perf_counter
+        def before(hook_name, hook_impls, kwargs):
+            if hook_name.startswith("on_"):
+                started.append(clock())
 
-        def timed(*args):
-            t = clock()
-            try:
-                return fn(*args)
-            finally:
-                self.seconds += clock() - t
+        def after(outcome, hook_name, hook_impls, kwargs):
+            if hook_name.startswith("on_") and started:
+                self.seconds += clock() - started.pop()
 
-        return timed
+        self._undo = plugins.pm.add_hookcall_monitoring(before, after)
 
     def uninstall(self) -> None:
-        for impl, fn in self._wrapped:
-            impl.function = fn
-        self._wrapped.clear()
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
 
 
 class PhaseClock:

@@ -59,3 +59,18 @@ def test_known_gpu_peaks():
     assert known_peak("NVIDIA L4") == 121e12
     assert known_peak("NVIDIA A10G") == 70e12
     assert known_peak("Some Future Accelerator") is None
+
+
+def test_a_plugin_that_raises_is_still_named_with_the_doctor_timing_hooks(tmp_path):
+    from corelooper.errors import PluginError
+
+    class Broken:
+        name = "broken"
+
+        def on_step_end(self, state):
+            if state.global_step == 2:
+                raise ValueError("boom")
+
+    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), plugins=[Broken()])
+    with pytest.raises(PluginError, match="Plugin 'broken' raised in hook 'on_step_end' at global_step 2"):
+        loop.train()
