@@ -40,12 +40,12 @@ def test_time_in_plugin_hooks_is_its_own_share(tmp_path, capsys):
         name = "slow"
 
         def on_optimizer_step(self):
-            time.sleep(0.03)
+            time.sleep(0.2)
 
     loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), plugins=[Slow()], max_steps=6)
     loop.train()
     for window in _seconds(loop, 16)[1:]:  # the first holds the first AdamW step (imports dynamo)
-        assert window["hooks"] >= 0.95 * 2 * 0.03  # two steps' sleeps, carved out of the optimizer
+        assert window["hooks"] >= 0.95 * 2 * 0.2  # two steps' sleeps, carved out of the optimizer
         assert window["optimizer"] < window["hooks"]
     assert "input-bound" not in capsys.readouterr().err
 
