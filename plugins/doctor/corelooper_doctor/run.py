@@ -57,7 +57,8 @@ class Doctor:
         self.device, self.out = loop.backend.device, loop.args.output_dir
         self.skipped = SkippedBatches(self.out)
         self.skipped.steps.update(self.skipped_steps)
-        self.skipped.load()  # steps skipped after the checkpoint this run resumed from, too
+        if state.global_step > 0:  # resuming: also the steps skipped after that checkpoint
+            self.skipped.load()
         self.skipped_steps = self.skipped.steps  # one record: checkpoints save what the file has
         self._start_timing(loop)
         self._start_memory()
@@ -163,8 +164,9 @@ class Doctor:
         self.steps_done += 1
         if self.watchdog is not None:
             self.watchdog.step_time(time.perf_counter() - self._step_t0)
-            done = state.global_step >= state.max_steps
-            self.watchdog.long_phase = bool(control.should_evaluate or control.should_save or done)
+            # Between steps (logging, evaluation, checkpoints, a preemption save, the next
+            # batches) only hang_timeout applies: the median step time says nothing about them.
+            self.watchdog.long_phase = True
         if self.steps_done == 1 and self.probe is not None:
             from .actions import first_step_breakdown
 

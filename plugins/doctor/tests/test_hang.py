@@ -76,3 +76,40 @@ def test_ddp_timeout_reaches_the_process_group(tmp_path):
     assert returncode != 0, out
     assert "Timed out waiting 5000ms" in out, out
     assert not (tmp_path / "run" / "doctor" / "hang-report.txt").exists()
+
+
+def test_watchdog_timeout_follows_the_median_step_inside_steps_only(tmp_path):
+    from corelooper_doctor.hang import Watchdog
+
+    w = Watchdog(str(tmp_path), 0, 1, timeout=300.0, step_factor=20.0)
+    assert w.effective_timeout() == 300.0  # the first step: compilation, warm-up
+    for t in (2.0, 2.5, 3.0):
+        w.step_time(t)
+    w.long_phase = False  # inside a step
+    assert w.effective_timeout() == 50.0  # 20 x median 2.5 s
+    w.step_times[:] = [0.01] * 3
+    assert w.effective_timeout() == 30.0  # never under 30 s
+    w.long_phase = True  # between steps: evaluation, checkpoints
+    assert w.effective_timeout() == 300.0
+
+
+def test_one_process_hang_writes_its_stack_and_exits_non_zero(tmp_path):
+    import threading
+
+    from corelooper_doctor.hang import EXIT_CODE, Watchdog
+
+    codes, done = [], threading.Event()
+
+    def fake_exit(code):  # os._exit would end pytest; the rest is the real thread and files
+        codes.append(code)
+        done.set()
+
+    w = Watchdog(str(tmp_path), 0, 1, timeout=0.5, step_factor=0.0, exit_fn=fake_exit)
+    w.progress(7, "on_step_end")
+    w.start()
+    assert done.wait(30)
+    assert codes == [EXIT_CODE]
+    report = (tmp_path / "doctor" / "hang-report.txt").read_text()
+    assert report.startswith("doctor: the run hung: rank 0 has been in ")
+    assert "at step 7" in report
+    assert "most recent call first" in (tmp_path / "doctor" / "hang-rank0.txt").read_text()
