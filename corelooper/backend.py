@@ -128,9 +128,12 @@ class AccelerateBackend(TorchDistributedCollectives):
 
     shards_parameters = False
 
-    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False):
+    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False, ddp_timeout: int | None = None):
+        from datetime import timedelta
+
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
+        from accelerate.utils import InitProcessGroupKwargs
 
         # Several Loops in one process (tests, notebooks) may ask for different precisions.
         AcceleratorState._reset_state()
@@ -141,7 +144,9 @@ class AccelerateBackend(TorchDistributedCollectives):
             raise ConfigError(
                 'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
             )
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        # train.ddp_timeout reaches init_process_group through accelerate's kwargs handler
+        handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else None
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
         acc = self.accelerator
         self.device = acc.device
         self.process_index = acc.process_index

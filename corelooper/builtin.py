@@ -13,7 +13,7 @@ from .losses import default_loss
 def create_backend(loop):
     from .backend import AccelerateBackend
 
-    return AccelerateBackend(loop.args.mixed_precision, loop.args.use_cpu)
+    return AccelerateBackend(loop.args.mixed_precision, loop.args.use_cpu, loop.args.ddp_timeout)
 
 
 # -- optimizer and scheduler (by name: corelooper/optimizers.py, corelooper/schedules.py) --------

@@ -133,6 +133,10 @@ class TrainArgs:
     """A checkpoint folder, or "latest" for the newest complete one in output_dir."""
     disable_tqdm: bool = False
     use_cpu: bool = False
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait before the process group gives up (HF's name and default);
+    passed to ``init_process_group``. The doctor's ``[doctor] hang_timeout`` usually ends a hang
+    sooner, with a report."""
     # Language-model options (corelooper/collators.py, model_options.py, throughput.py).
     group_by_length: bool = False
     """Batch samples of similar length together (seeded, resumable), as HF."""

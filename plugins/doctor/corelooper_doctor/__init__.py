@@ -1,0 +1,57 @@
+"""corelooper-doctor: non-finite values, loss spikes, out-of-memory, hangs and slow steps,
+diagnosed where they happen, and ``corelooper doctor RUN_DIR`` afterwards.
+
+On by default once installed (``[doctor] enabled = false`` turns it off); cheap when nothing is
+wrong: no host-device sync per step, nothing but timestamps and counters on healthy steps. This
+module must not import torch: ``corelooper --help`` imports every installed plugin.
+"""
+
+from __future__ import annotations
+
+from .settings import DEFAULTS, SECTION
+
+__version__ = "0.1.0"
+
+#: Name of the per-run object (and its key in a checkpoint's plugins.json).
+RUN_PLUGIN_NAME = "doctor.run"
+
+
+def corelooper_config_sections():
+    return {SECTION: dict(DEFAULTS)}
+
+
+def inactive_reason(config) -> str | None:
+    if not config.section(SECTION).get("enabled", True):
+        return "[doctor] enabled = false"
+    return None
+
+
+def corelooper_configure(config, plugins) -> None:
+    """One fresh ``Doctor`` per run (the new per-run lifecycle)."""
+    reason = inactive_reason(config)
+    if reason:
+        if hasattr(plugins, "set_inactive"):
+            plugins.set_inactive(SECTION, reason)
+        return
+    from .run import Doctor  # imports torch lazily inside its methods
+
+    plugins.register(Doctor(config), RUN_PLUGIN_NAME)
+
+
+def on_init_end(loop) -> None:
+    """Until the core calls ``corelooper_configure``: register the per-run object here.
+
+    Remove once every loop calls ``corelooper_configure`` (then this never registers twice:
+    the object is found already registered).
+    """
+    if loop.plugins.pm.get_plugin(RUN_PLUGIN_NAME) is not None or inactive_reason(loop.config):
+        return
+    from .run import Doctor
+
+    loop.plugins.register(Doctor(loop.config), RUN_PLUGIN_NAME, "object")
+
+
+def corelooper_add_commands(app) -> None:
+    from .cli import add_commands
+
+    add_commands(app)

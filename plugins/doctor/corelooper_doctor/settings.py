@@ -1,0 +1,28 @@
+"""The ``[doctor]`` section and its defaults (no torch: read by ``corelooper --help``/``plugins``)."""
+
+SECTION = "doctor"
+DEFAULTS = {
+    "enabled": True,
+    # non-finite values (fires with the core guard, train.on_nonfinite)
+    "explain_nonfinite": True,
+    "max_nonfinite_reports": 3,
+    "save_weights_on_nonfinite": True,
+    # loss spikes
+    "spike_factor": 3.0,
+    "spike_window": 20,
+    "spike_per_step": False,
+    "on_spike": "log",
+    # memory
+    "memory": True,
+    "memory_history": False,
+    # hangs
+    "hang_timeout": 300.0,
+    "hang_step_factor": 20.0,
+    # slow steps
+    "timing": True,
+    "input_bound_share": 0.3,
+}
+ON_SPIKE = ("log", "skip_batch")
+#: Once the median step time is known, a step may take hang_step_factor x median, but never
+#: less than this (a first evaluation or a checkpoint write must not look like a hang).
+MIN_ADAPTIVE_TIMEOUT = 30.0
