@@ -8,7 +8,8 @@ hardware. The step itself is ``corelooper.step.default_training_step``; evaluati
 The public Loop API a plugin may use: ``config``, ``args`` (``[train]``), ``state``,
 ``control``, ``plugins`` (the run's registry), ``hook``, ``events.fire``, ``model``,
 ``optimizer``, ``scheduler``, ``backend``, ``train_dataset``/``eval_dataset``,
-``data_collator``, ``train_loader``, ``loss_type``, ``is_training``, ``log()``, ``evaluate()``,
+``data_collator``, ``train_loader``, ``loss_type``, ``is_training``, ``num_micro_batches``,
+``forward_signature``, ``log()``, ``evaluate()``,
 ``predict()``, ``training_step()``, ``prepare_for_evaluation()``.
 """
 
@@ -85,6 +86,7 @@ class Loop:
         self.loss_type = self.args.loss_type
         self.is_training = False
         self.grad_norm = None  # of the last step (logged with its window)
+        self.num_micro_batches = 0  # of the current step (a step provider may cut them finer)
         self.forward_signature = None
         self._eval_prepared = False
         # As HF's Trainer creates its Accelerator: the distributed facts are known to plugins
@@ -216,6 +218,7 @@ class Loop:
             micro_batches = self._next_micro_batches(batches, self.args.gradient_accumulation_steps)
             if not micro_batches:
                 break
+            self.num_micro_batches = len(micro_batches)
             self.events.fire("on_step_begin")
             step_loss, self.grad_norm = self.training_step(micro_batches)
             self._count_step(epoch, micro_batches, step_loss)

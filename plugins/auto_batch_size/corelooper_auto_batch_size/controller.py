@@ -101,6 +101,7 @@ class AutoBatchSize:
         while True:
             pieces = self._cut(micro_batches, self.train_size)
             self._seen, self._pieces = 0, len(pieces)
+            loop.num_micro_batches = len(pieces)
             try:
                 return default_training_step(loop, pieces)
             except Exception as exc:  # keep no reference: its traceback holds the activations

@@ -30,25 +30,13 @@ def corelooper_configure(config, plugins) -> None:
     """One fresh ``Doctor`` per run (the new per-run lifecycle)."""
     reason = inactive_reason(config)
     if reason:
-        if hasattr(plugins, "set_inactive"):
-            plugins.set_inactive(SECTION, reason)
+        plugins.set_inactive(SECTION, reason)
         return
     from .run import Doctor  # imports torch lazily inside its methods
 
-    plugins.register(Doctor(config), RUN_PLUGIN_NAME)
-
-
-def on_init_end(loop) -> None:
-    """Until the core calls ``corelooper_configure``: register the per-run object here.
-
-    Remove once every loop calls ``corelooper_configure`` (then this never registers twice:
-    the object is found already registered).
-    """
-    if loop.plugins.pm.get_plugin(RUN_PLUGIN_NAME) is not None or inactive_reason(loop.config):
-        return
-    from .run import Doctor
-
-    loop.plugins.register(Doctor(loop.config), RUN_PLUGIN_NAME, "object")
+    doctor = Doctor(config)
+    plugins.register(doctor, RUN_PLUGIN_NAME)
+    plugins.register_for_checkpointing(SECTION, doctor)  # the skipped batches (on_spike)
 
 
 def corelooper_add_commands(app) -> None:

@@ -52,10 +52,7 @@ def replay(step_dir: Path, loop) -> dict:
 
     step_dir = Path(step_dir)
     model = loop.backend.unwrap_model(loop.model)
-    if not hasattr(loop, "forward_signature"):  # a Loop that has not trained: what train() sets
-        from corelooper.losses import forward_signature
-
-        loop.forward_signature = forward_signature(model)
+    loop.prepare_for_evaluation()  # a Loop that has not trained: what train() sets up
     weights = step_dir / "model.safetensors"
     if weights.is_file():
         model.load_state_dict(load_file(str(weights)), strict=False)

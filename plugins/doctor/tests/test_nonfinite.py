@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 import torch
 from corelooper_doctor.batchio import load_batch
 from corelooper_doctor.nonfinite import explain
@@ -63,7 +62,6 @@ def test_weights_already_non_finite_are_named():
     assert report["blame"]["parameters"] == ["body.2.weight"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs core guard (train.on_nonfinite firing on_nonfinite)")
 def test_run_with_an_overflowing_sample_saves_a_replayable_report(tmp_path):
     loop = make_loop(tmp_path, Classifier(Square()), samples(outlier=1e30), on_nonfinite="skip_step")
     loop.train()
