@@ -20,6 +20,7 @@ from . import checkpoint, preemption
 from .config import Config, TrainArgs, check_train_args, import_object
 from .data import batch_rows, count_input_tokens, count_loss_items, resolve_loss_type
 from .errors import CorelooperError, DataError, PluginError, TrainingError
+from .lock import RunLock
 from .losses import forward_signature, logits_of, split_batch
 from .plugins import load_plugins
 from .preemption import Preemption
@@ -192,10 +193,13 @@ class Loop:
                 loader = self._setup_train()
                 resume = resume_from_checkpoint or a.resume_from_checkpoint
                 output_dir = Path(a.output_dir)
-                if resume:  # first: a bad checkpoint fails before output_dir is touched
-                    checkpoint.load_checkpoint(self, checkpoint.resolve(resume, output_dir))
+                if self.backend.is_main_process:  # one run per output_dir, for the run's life
+                    self._run_lock = RunLock.acquire(output_dir)
+                if resume:  # first: a bad checkpoint fails before output_dir is changed
+                    self._load_checkpoint(checkpoint.resolve(resume, output_dir))
                 if self.backend.is_main_process:
-                    checkpoint.prepare_output_dir(self, output_dir, resuming=bool(resume))
+                    checkpoint.prepare_output_dir(output_dir, self.config, resuming=bool(resume),
+                                                  overwrite=a.overwrite_output_dir)
                 self._fire("on_train_begin")
                 self._train_loop(loader)
             except BaseException as exc:
@@ -204,7 +208,39 @@ class Loop:
             self._fire("on_train_end")
         finally:
             self._preemption.restore()
+            if getattr(self, "_run_lock", None) is not None:
+                self._run_lock.release()
         return s
+
+    def _load_checkpoint(self, directory: Path) -> None:
+        restored = checkpoint.load_checkpoint(
+            directory, model=self.model, backend=self.backend, optimizer=self.optimizer,
+            scheduler=self.scheduler, config=self.config, state=self.state)
+        restored.apply(self.state)
+        checkpoint.apply_plugin_states(self._stateful_plugins(), restored.plugin_states, directory)
+        self._resumed_window = restored.extra_process_state.get("log_window")
+        from . import streaming
+
+        streaming.load_data_state(self, directory)  # a streaming loader's position (or a warning)
+        self._fire("on_load_checkpoint", checkpoint_dir=directory)
+
+    def _stateful_plugins(self) -> list:
+        return [(name, p) for name, p in self.plugins.pm.list_name_plugin()
+                if callable(getattr(p, "state_dict", None)) and callable(getattr(p, "load_state_dict", None))]
+
+    def _save_checkpoint(self) -> Path:
+        window = getattr(self, "_window", None)
+        extra = {}
+        if window is not None and window[1]:  # an unlogged loss window: one host sync, at save time
+            loss, steps, samples, tokens = window
+            extra["log_window"] = {"loss": float(loss), "steps": steps, "samples": samples, "tokens": tokens}
+        path = checkpoint.save_checkpoint(
+            Path(self.args.output_dir), model=self.model, backend=self.backend, optimizer=self.optimizer,
+            scheduler=self.scheduler, config=self.config, state=self.state,
+            plugin_states=checkpoint.collect_plugin_states(self._stateful_plugins()),
+            extra_process_state=extra, data_state=checkpoint.loader_state(getattr(self, "train_loader", None)))
+        self._fire("on_save", checkpoint_dir=path)
+        return path
 
     def _train_loop(self, loader) -> None:
         a, s, control = self.args, self.state, self.control
@@ -455,7 +491,7 @@ class Loop:
                 control.should_save = True
         if control.should_save:
             control.should_save = False
-            checkpoint.save_checkpoint(self)
+            self._save_checkpoint()
 
     def _is_new_best(self, metrics: dict) -> bool:
         a, s = self.args, self.state
@@ -494,8 +530,9 @@ class Loop:
             "train_loss": weighted / windows[-1][1] if windows else float("nan"),
         }
         if self.args.load_best_model_at_end and s.best_model_checkpoint:
-            checkpoint.load_model(self, Path(s.best_model_checkpoint))
-        checkpoint.save_model(self, Path(self.args.output_dir))
+            checkpoint.load_weights(Path(s.best_model_checkpoint), model=self.model, backend=self.backend)
+        checkpoint.save_model(Path(self.args.output_dir), model=self.model, backend=self.backend,
+                              max_shard_size=self.args.save_max_shard_size)
         self.log(summary)
 
     # -- evaluation and prediction -------------------------------------------------------------------

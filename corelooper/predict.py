@@ -161,7 +161,7 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
     loop = Loop(config=config, blocked_plugins=blocked)
     directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir))
     loop._setup_eval_model()
-    ckpt.load_weights(loop, directory)
+    ckpt.load_weights(directory, model=loop.model, backend=loop.backend)
     state = directory / "loop_state.json"
     if state.is_file():  # metrics logged by this evaluation carry the checkpoint's step
         try:
