@@ -106,10 +106,14 @@ def run(
 ) -> None:
     """Train (and evaluate) the model described by CONFIG.
 
-    Exit status: 0 done; 2-6 a reported error (config, plugin, data, checkpoint, training);
-    143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume it with
-    --resume-from-checkpoint latest).
+    Exit status: 0 done; 2-6 a reported error (config, plugin, data, checkpoint or I/O,
+    training); 143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume it with
+    --resume-from-checkpoint latest); 75 / 76 stopped by SIGTERM / SIGINT outside training
+    (start-up): no checkpoint written by that stop.
     """
+    from corelooper.preemption import StartupStop, install_startup_handlers
+
+    install_startup_handlers()  # before any work: a signal at start-up exits 75/76, no traceback
     preempted_exit = 0
     try:
         blocked, local = split_plugin_options(p)
@@ -137,9 +141,12 @@ def run(
             profiler.stop()
             typer.echo(profiler.report())
         loop.backend.end()
-    except KeyboardInterrupt:
-        typer.echo("corelooper: interrupted", err=True)
-        raise typer.Exit(130) from None
+    except StartupStop as e:
+        typer.echo(f"corelooper: {e}. Exit {e.exit_code}.", err=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:  # SIGINT in a thread without our handler: nothing was saved
+        typer.echo("corelooper: interrupted, no checkpoint written by this stop", err=True)
+        raise typer.Exit(76) from None
     except Exception as e:
         fail(e, traceback_)
     if preempted_exit:
@@ -291,6 +298,38 @@ def hpo(
             ) from None
         blocked, local = split_plugin_options(p)
         run_study(load_config(config, set_, local), trials=trials, blocked=blocked, echo=typer.echo)
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command()
+def verify(
+    path: Annotated[Path, typer.Argument(help="A run folder (output_dir) or one checkpoint-N folder.")],
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Check checkpoints by content (every file's size and checksum); say which one `latest` resumes.
+
+    Exit status: 0 every checkpoint verifies; 5 one or more do not (each named with its bad file).
+    """
+    try:
+        from corelooper import manifest, output_dir
+
+        if (path / manifest.MANIFEST).exists() or output_dir.PREFIX in path.name:
+            manifest.verify(path)  # CheckpointError naming the file
+            typer.echo(f"{path}: ok")
+            return
+        if not path.is_dir():
+            from corelooper.errors import CheckpointError
+
+            raise CheckpointError(f"{str(path)!r} is not a run folder or a checkpoint folder.")
+        good, bad = output_dir.complete_checkpoints(path)
+        for ckpt in output_dir.list_checkpoints(path):
+            typer.echo(f"{ckpt.name}: {'ok' if ckpt in good else 'FAILED: ' + bad[ckpt]}")
+        typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
+        if bad or not good:
+            raise typer.Exit(5)
+    except typer.Exit:
+        raise
     except Exception as e:
         fail(e, traceback_)
 

@@ -3,7 +3,6 @@ exit, and nothing deleted or changed. Some through the real CLI in a subprocess.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
