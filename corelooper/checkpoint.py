@@ -392,7 +392,9 @@ def _load_optimizer(directory: Path, backend, optimizer) -> None:
             f"Checkpoint file {str(missing)!r} is missing (optimizer state). Resume from another "
             "checkpoint."
         ) from None
-    except (RuntimeError, ValueError, EOFError, KeyError) as e:
+    except CheckpointError:
+        raise
+    except Exception as e:  # incl. UnpicklingError: weights_only refused an object
         where = directory / "optimizer.pt" if (directory / "optimizer.pt").exists() else directory
         raise CheckpointError(
             f"Checkpoint file {str(where)!r} (optimizer state) is unreadable (truncated, or from "

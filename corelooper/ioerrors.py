@@ -61,6 +61,18 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
+def check_is_folder(output_dir: Path) -> None:
+    """A file where output_dir (or a folder above it) should be: named, before anything is written."""
+    for p in (Path(output_dir), *Path(output_dir).parents):
+        if p.exists():
+            if not p.is_dir():
+                raise IOFailure(
+                    f"train.output_dir = {str(output_dir)!r}: {str(p)!r} is a file, not a folder "
+                    "(ENOTDIR). Remove or rename it, or choose another train.output_dir."
+                )
+            return
+
+
 def io_error(exc: BaseException, doing: str, path: Path, intact: str | None = None) -> IOFailure:
     """One paragraph: ``disk full (ENOSPC) while writing checkpoint-20 in /runs/a: ...``."""
     code = errno_of(exc, path) or errno_mod.EIO

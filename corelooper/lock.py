@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .errors import CheckpointError
-from .ioerrors import io_error
+from .ioerrors import check_is_folder, io_error
 
 LOCK_FILE = ".corelooper.lock"
 
@@ -41,6 +41,7 @@ class RunLock:
             return cls(Path(output_dir) / LOCK_FILE, None)
         output_dir = Path(output_dir)
         path = output_dir / LOCK_FILE
+        check_is_folder(output_dir)
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from . import manifest
 from .errors import CheckpointError
-from .ioerrors import io_error
+from .ioerrors import check_is_folder, io_error
 
 logger = logging.getLogger("corelooper")
 
@@ -45,7 +45,7 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
     parse_size(config.train.save_max_shard_size)  # a bad value fails now, not at the first save
     output_dir = Path(output_dir)
     try:
-        _check_is_folder(output_dir)
+        check_is_folder(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         _clear_debris(output_dir)
         existing = list_checkpoints(output_dir)
@@ -68,17 +68,6 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
         config.write(output_dir / "config.toml")
     except OSError as e:
         raise io_error(e, "preparing the output folder", output_dir) from None
-
-
-def _check_is_folder(output_dir: Path) -> None:
-    for p in (output_dir, *output_dir.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise CheckpointError(
-                    f"train.output_dir = {str(output_dir)!r}: {str(p)!r} is a file, not a folder "
-                    "(ENOTDIR). Remove or rename it, or choose another train.output_dir."
-                )
-            return
 
 
 def _clear_debris(output_dir: Path) -> None:
