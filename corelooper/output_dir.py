@@ -136,9 +136,11 @@ def intact_note(output_dir: Path) -> str:
     return f"{last.name} is intact" if last else "no complete checkpoint was written yet"
 
 
-def resolve(resume: str | Path, output_dir: Path) -> Path:
+def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> Path:
     """``"latest"``: the newest checkpoint of ``output_dir`` that verifies, saying in one line
-    which newer ones were skipped and why. A path: that folder, refused unless it verifies."""
+    which newer ones were skipped and why. A path: that folder, refused unless it verifies.
+    ``for_training=False`` (eval/predict): a folder without a manifest (an exported model, a
+    finished run's output_dir) is accepted; one with a manifest must still verify."""
     output_dir = Path(output_dir)
     if str(resume) == "latest":
         skipped = []
@@ -162,7 +164,8 @@ def resolve(resume: str | Path, output_dir: Path) -> Path:
             f"Checkpoint {str(path)!r} does not exist (or is not a folder){hint}. Pass a "
             "checkpoint-N folder, or 'latest' for the newest one in train.output_dir."
         )
-    manifest.verify(path)  # refused, naming the file, when it does not verify
+    if for_training or (path / manifest.MANIFEST).exists():
+        manifest.verify(path)  # refused, naming the file, when it does not verify
     return path
 
 

@@ -159,7 +159,7 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
     from .loop import Loop
 
     loop = Loop(config=config, blocked_plugins=blocked)
-    directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir))
+    directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir), for_training=False)
     loop._setup_eval_model()
     ckpt.load_weights(directory, model=loop.model, backend=loop.backend)
     state = directory / "loop_state.json"
