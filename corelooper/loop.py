@@ -24,6 +24,7 @@ from .lock import RunLock
 from .losses import forward_signature, logits_of, split_batch
 from .plugins import load_plugins
 from .preemption import Preemption
+from .preflight import check_run
 from .seeding import set_seed
 from .state import Control, LoopState
 
@@ -193,6 +194,8 @@ class Loop:
                 loader = self._setup_train()
                 resume = resume_from_checkpoint or a.resume_from_checkpoint
                 output_dir = Path(a.output_dir)
+                check_run(a, has_eval_data=self.eval_dataset is not None, has_compute_metrics=(
+                    self.compute_metrics_fn is not None or self.plugins.implemented_by_others("compute_metrics")))
                 if self.backend.is_main_process:  # one run per output_dir, for the run's life
                     self._run_lock = RunLock.acquire(output_dir)
                 if resume:  # first: a bad checkpoint fails before output_dir is changed

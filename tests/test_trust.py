@@ -425,3 +425,17 @@ def test_kill_anywhere_resumes_bitwise_exact(tmp_path):
     assert ref.keys() == got.keys()
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
+
+
+# -- config problems known at start-up -------------------------------------------------------------------
+
+
+def test_eval_without_eval_data_and_an_impossible_best_metric_fail_at_startup(tmp_path):
+    root = tmp_path / "p"
+    write_project(root, root / "out", eval_strategy="steps", eval_steps=2)
+    one_paragraph(cli(root), 2, "train.eval_strategy = 'steps', but there is no evaluation data")
+    assert not list((root / "out").glob("checkpoint-*")) if (root / "out").exists() else True
+    write_project(root, root / "out", extra='eval = "task.py:eval_set"\n', eval_strategy="steps", eval_steps=2,
+                  metric_for_best_model="accuracy")
+    one_paragraph(cli(root), 2, "metric_for_best_model = 'accuracy'", "no compute_metrics is set")
+    assert not list((root / "out").glob("checkpoint-*"))
