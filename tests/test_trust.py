@@ -308,6 +308,16 @@ def test_disk_full_on_a_real_tmpfs(tmp_path, tmpfs):
     assert f"{ckpts[-1].name}: ok" in verify.stdout, verify.stdout
 
 
+def test_disk_full_while_logging_is_named_as_io(tmp_path, tmpfs):
+    """12 KiB of tmpfs: the lock file and config.toml take a page each, metrics.jsonl fills the third."""
+    disk = tmpfs("12k")
+    root = tmp_path / "p"
+    write_project(root, disk / "out", max_steps=400, save_strategy="no")
+    result = cli(root)
+    one_paragraph(result, 5, "disk full (ENOSPC, errno 28) while writing metrics.jsonl", str(disk / "out"))
+    assert "plugin" not in result.stderr.lower() and "the model" not in result.stderr
+
+
 def test_read_only_output_dir_and_a_file_in_its_place(tmp_path, tmpfs):
     ro = tmpfs("1m", ro=True)
     root = tmp_path / "p"
