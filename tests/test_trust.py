@@ -341,7 +341,8 @@ def test_corrupt_config_in_a_checkpoint_and_a_binary_config(project):
 # -- signals and settings on resume -----------------------------------------------------------------------
 
 
-def test_sigterm_during_startup_exits_75_without_a_traceback(tmp_path):
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 75), (signal.SIGINT, 76)])
+def test_a_signal_during_startup_exits_75_or_76_without_a_traceback(tmp_path, sig, code):
     root = tmp_path / "p"
     write_project(root, root / "out")
     (root / "config.toml").write_text((root / "config.toml").read_text().replace(
@@ -350,10 +351,10 @@ def test_sigterm_during_startup_exits_75_without_a_traceback(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "corelooper", "run", "config.toml"], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(3.0)  # the model factory sleeps 6 s: start-up, after the handlers are in
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 75, err
-    assert "SIGTERM received outside training" in err and "no checkpoint" in err and "Traceback" not in err
+    assert proc.returncode == code, err
+    assert f"{sig.name} received outside training" in err and "no checkpoint" in err and "Traceback" not in err
     assert not list((root / "out").glob("checkpoint-*")) if (root / "out").exists() else True
 
 
