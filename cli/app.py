@@ -374,10 +374,17 @@ def new_plugin(
 
 
 def main() -> None:
-    from corelooper.plugins import add_plugin_commands
+    from corelooper.preemption import StartupStop, install_startup_handlers
 
-    add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
-    app(prog_name="corelooper")
+    install_startup_handlers()  # first thing: a SIGTERM while plugins import exits 75, not -15
+    try:
+        from corelooper.plugins import add_plugin_commands
+
+        add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
+        app(prog_name="corelooper")
+    except StartupStop as e:
+        typer.echo(f"corelooper: {e}. Exit {e.exit_code}.", err=True)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":
