@@ -5,7 +5,9 @@ usage: .venv/bin/python benchmarks/checkpoint_bench.py [--reps 5] [--mb 100] [--
                                                        [--dir /tmp/ckbench] [--json out.json]
 
 Save: ``corelooper.checkpoint.save_checkpoint`` (safetensors weights, optimizer/scheduler/RNG,
-loop and plugin state, config, every file fsynced, manifest, atomic rename) against
+loop and plugin state, config, every file fsynced, a finite-weights check, a manifest with an
+xxh3-128 checksum per file, atomic rename; the hashing alone is also timed, with blake2b for
+comparison) against
 ``torch.save({"model", "optimizer", "scheduler", "rng"})`` of the same state into one file, with
 and without an fsync. Load: ``load_checkpoint`` (manifest + header checks, then weights,
 optimizer, scheduler, RNG restored into the live objects) against ``torch.load`` +
@@ -40,7 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
 
-from corelooper import checkpoint  # noqa: E402
+from corelooper import checkpoint, manifest  # noqa: E402
 from corelooper.config import TrainArgs  # noqa: E402
 from corelooper.loop import Loop  # noqa: E402
 from corelooper.seeding import rng_state, set_rng_state  # noqa: E402
@@ -97,6 +99,27 @@ class Costly(torch.utils.data.Dataset):
         return {"x": (x @ x.T)[0, :16] / 32, "labels": torch.tensor(i % 4)}
 
 
+def save(loop: Loop) -> Path:
+    """The public API, as the loop calls it."""
+    return checkpoint.save_checkpoint(
+        Path(loop.args.output_dir), model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
+        scheduler=loop.scheduler, config=loop.config, state=loop.state, plugin_states={})
+
+
+def load(loop: Loop, ckpt: Path) -> None:
+    checkpoint.load_checkpoint(ckpt, model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
+                               scheduler=loop.scheduler, config=loop.config, state=loop.state).apply(loop.state)
+
+
+def hash_time(ckpt: Path, algorithm: str) -> float:
+    """Seconds to checksum every file of ``ckpt`` (warm page cache, as right after the save)."""
+    t = time.perf_counter()
+    for p in sorted(ckpt.iterdir()):
+        if p.is_file() and p.name != manifest.MANIFEST:
+            manifest.checksum(p, algorithm)
+    return time.perf_counter() - t
+
+
 def median(xs):
     return statistics.median(xs)
 
@@ -126,19 +149,22 @@ def bench_save_load(root: Path, mb: int, reps: int) -> dict:
         loop.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 
-    rows = {k: [] for k in ("corelooper_save", "torch_save", "torch_save_fsync", "corelooper_load", "torch_load")}
+    rows = {k: [] for k in ("corelooper_save", "torch_save", "torch_save_fsync", "corelooper_load", "torch_load",
+                            "xxh3_128_hash", "blake2b_hash")}
     ratios = {"save_vs_torch_save": [], "save_vs_torch_save_fsync": [], "load_vs_torch_load": []}
     for rep in range(reps):
         loop.state.global_step = 100 + rep
         t = time.perf_counter()
-        ckpt = checkpoint.save_checkpoint(loop)
+        ckpt = save(loop)
         rows["corelooper_save"].append(time.perf_counter() - t)
+        rows["xxh3_128_hash"].append(hash_time(ckpt, "xxh3_128"))  # inside the save above, once more
+        rows["blake2b_hash"].append(hash_time(ckpt, "blake2b-128"))
         for fsync in (False, True) if rep % 2 == 0 else (True, False):
             t = time.perf_counter()
             plain_save(fsync)
             rows["torch_save_fsync" if fsync else "torch_save"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        checkpoint.load_checkpoint(loop, ckpt)
+        load(loop, ckpt)
         rows["corelooper_load"].append(time.perf_counter() - t)
         t = time.perf_counter()
         plain_load()
@@ -171,11 +197,11 @@ def bench_resume(root: Path, samples: int, reps: int) -> dict:
     deep_step = int(steps_per_epoch * 0.99)
     base = make(1)
     base.train()
-    start_ckpt = checkpoint.save_checkpoint(base)  # checkpoint-1: 1 step into the epoch
+    start_ckpt = save(base)  # checkpoint-1: 1 step into the epoch
     base.state.global_step = base.state.step_in_epoch = deep_step
     base.state.micro_batches_in_epoch = deep_step
     base.state.epoch = deep_step / steps_per_epoch
-    deep_ckpt = checkpoint.save_checkpoint(base)  # same weights, 99% into the epoch
+    deep_ckpt = save(base)  # same weights, 99% into the epoch
 
     times = {"start": [], "deep": []}
     for rep in range(reps):

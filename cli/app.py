@@ -119,13 +119,16 @@ def run(
 ) -> None:
     """Train (and evaluate) the model described by CONFIG.
 
-    Exit status: 0 done; 2-6 a reported error (config, plugin, data, checkpoint, training);
-    143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume it with
-    --resume-from-checkpoint latest).
+    Exit status: 0 done; 2-6 a reported error (config, plugin, data, checkpoint or I/O,
+    training); 143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume it with
+    --resume-from-checkpoint latest); 75 / 76 stopped by SIGTERM / SIGINT outside training
+    (start-up): no checkpoint written by that stop.
     """
     from corelooper.console import quiet_third_party
     from corelooper.launch import watch_launcher
+    from corelooper.preemption import StartupStop, install_startup_handlers
 
+    install_startup_handlers()  # before any work: a signal at start-up exits 75/76, no traceback
     watch_launcher()  # a worker dies with its launcher (kill -9 leaves no orphans)
     quiet_third_party(verbose)
     preempted_exit = 0
@@ -136,30 +139,15 @@ def run(
             from corelooper.launch import child_argv, launch
 
             return launch(nproc, child_argv(config, set_, p, resume_from_checkpoint, traceback_, verbose))
-        from corelooper.loop import Loop
-
-        loop = Loop(config=cfg, blocked_plugins=blocked)
-        profiler = None
-        if profile_plugins:
-            from corelooper.profiling import PluginProfiler
-
-            profiler = PluginProfiler(loop.plugins)
-        state = loop.train(resume_from_checkpoint=resume_from_checkpoint)
-        if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
-            if state.is_world_process_zero:
-                typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
-                           f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
-            preempted_exit = 128 + (state.stop_signal or 15)
-        elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
-            loop.evaluate()
-        if profiler is not None and loop.state.is_world_process_zero:
-            profiler.stop()
-            typer.echo(profiler.report())
-        loop.backend.end()
-    except KeyboardInterrupt:
+        preempted_exit = _train(cfg, blocked, resume_from_checkpoint, profile_plugins)
+    except StartupStop as e:
+        if os.environ.get("RANK", "0") == "0":
+            typer.echo(f"corelooper: {e}. Exit {e.exit_code}.", err=True)
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:  # SIGINT in a thread without our handler: nothing was saved
         if os.environ.get("RANK", "0") == "0":  # Ctrl-C reaches every rank: one says it
-            typer.echo("corelooper: interrupted", err=True)
-        raise typer.Exit(130) from None
+            typer.echo("corelooper: interrupted, no checkpoint written by this stop", err=True)
+        raise typer.Exit(76) from None
     except Exception as e:
         fail(e, traceback_)
     if preempted_exit:
@@ -171,6 +159,57 @@ def run(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -> int:
+    """Build the Loop, train, evaluate; returns the exit code of a preemption (else 0)."""
+    from corelooper.loop import Loop
+
+    loop = Loop(config=cfg, blocked_plugins=blocked)
+    profiler = None
+    if profile_plugins:
+        from corelooper.profiling import PluginProfiler
+
+        profiler = PluginProfiler(loop.plugins)
+    state = loop.train(resume_from_checkpoint=resume)
+    preempted_exit = 0
+    if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
+        typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
+                   f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
+        preempted_exit = loop._preemption.exit_code
+    elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
+        loop.evaluate()
+    if profiler is not None and loop.state.is_world_process_zero:
+        profiler.stop()
+        typer.echo(profiler.report())
+    loop.backend.end()
+    return preempted_exit
+
+
+def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -> int:
+    """Build the Loop, train, evaluate; returns the exit code of a preemption (else 0)."""
+    from corelooper.loop import Loop
+
+    loop = Loop(config=cfg, blocked_plugins=blocked)
+    profiler = None
+    if profile_plugins:
+        from corelooper.profiling import PluginProfiler
+
+        profiler = PluginProfiler(loop.plugins)
+    state = loop.train(resume_from_checkpoint=resume)
+    preempted_exit = 0
+    if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
+        if state.is_world_process_zero:
+            typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
+                       f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
+        preempted_exit = 128 + (state.stop_signal or 15)
+    elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
+        loop.evaluate()
+    if profiler is not None and loop.state.is_world_process_zero:
+        profiler.stop()
+        typer.echo(profiler.report())
+    loop.backend.end()
+    return preempted_exit
 
 
 @app.command()
@@ -292,6 +331,38 @@ def eval_(
 
 
 @app.command()
+def verify(
+    path: Annotated[Path, typer.Argument(help="A run folder (output_dir) or one checkpoint-N folder.")],
+    traceback_: TracebackOpt = False,
+) -> None:
+    """Check checkpoints by content (every file's size and checksum); say which one `latest` resumes.
+
+    Exit status: 0 every checkpoint verifies; 5 one or more do not (each named with its bad file).
+    """
+    try:
+        from corelooper import manifest, output_dir
+
+        if (path / manifest.MANIFEST).exists() or output_dir.PREFIX in path.name:
+            manifest.verify(path)  # CheckpointError naming the file
+            typer.echo(f"{path}: ok")
+            return
+        if not path.is_dir():
+            from corelooper.errors import CheckpointError
+
+            raise CheckpointError(f"{str(path)!r} is not a run folder or a checkpoint folder.")
+        good, bad = output_dir.complete_checkpoints(path)
+        for ckpt in output_dir.list_checkpoints(path):
+            typer.echo(f"{ckpt.name}: {'ok' if ckpt in good else 'FAILED: ' + bad[ckpt]}")
+        typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
+        if bad or not good:
+            raise typer.Exit(5)
+    except typer.Exit:
+        raise
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command()
 def plot(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run folders (output_dir) holding metrics.jsonl.")],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="The PNG to write (default: RUN_DIR/metrics.png).")] = None,
@@ -324,10 +395,17 @@ def new_plugin(
 
 
 def main() -> None:
-    from corelooper.plugins import add_plugin_commands
+    from corelooper.preemption import StartupStop, install_startup_handlers
 
-    add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
-    app(prog_name="corelooper")
+    install_startup_handlers()  # first thing: a SIGTERM while plugins import exits 75, not -15
+    try:
+        from corelooper.plugins import add_plugin_commands
+
+        add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
+        app(prog_name="corelooper")
+    except StartupStop as e:
+        typer.echo(f"corelooper: {e}. Exit {e.exit_code}.", err=True)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

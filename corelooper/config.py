@@ -211,9 +211,11 @@ class Config:
         if not path.is_file():
             raise ConfigError(f"Config file {str(path)!r} does not exist (or is not a file).")
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"Config file {str(path)!r} is not valid TOML: {e}.") from None
+        except OSError as e:
+            raise ConfigError(f"Config file {str(path)!r} cannot be read: {e.strerror} (errno {e.errno}).") from None
         for item in overrides:
             apply_override(data, item)
         return cls.from_dict(data, source=path.resolve())

@@ -104,10 +104,10 @@ def stop_message(loop, step: int, losses, grad_norm, indices, skipped: int) -> s
     where = (f"the loss of micro-batch {bad[0]} of {len(losses)}" if bad else
              f"the gradient norm ({float(grad_norm)}) with finite losses")
     samples = f" (samples {indices[bad[0] if bad else 0][:16]})" if indices else ""
-    from .checkpoint import list_checkpoints
+    from .output_dir import last_finite_checkpoint
 
-    found = list_checkpoints(Path(loop.args.output_dir))
-    last = (f"the last checkpoint, {found[-1]}, was saved before it and is finite" if found else
+    found = last_finite_checkpoint(Path(loop.args.output_dir))
+    last = (f"the last checkpoint, {found}, was saved before it, verifies and is finite" if found else
             "no checkpoint was written yet")
     after = f" after {skipped} skipped steps in a row (train.max_skipped_steps)" if skipped else ""
     return (

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, loop_checkpoints
 from .build import build_collator, build_dataset, build_model
 from .columns import forward_signature
 from .config import Config, TrainArgs, check_train_args
@@ -32,8 +32,10 @@ from .data import batch_rows, count_input_tokens
 from .errors import CorelooperError, DataError, PluginError, TrainingError
 from .events import Events
 from .guard import NonFiniteGuard
+from .lock import RunLock
 from .logwindow import LogWindow, run_summary
 from .plugins import load_plugins
+from .preflight import check_run
 from .seeding import set_seed
 from .state import Control, LoopState
 
@@ -157,23 +159,32 @@ class Loop:
         """
         a = self.args
         self.is_training = True
+        lock = None
         try:
             set_seed(a.seed)
             loader = self._setup_train()
             resume = resume_from_checkpoint or a.resume_from_checkpoint
             output_dir = Path(a.output_dir)
-            if resume:  # first: a bad checkpoint fails before output_dir is touched
-                checkpoint.load_checkpoint(self, checkpoint.resolve(resume, output_dir))
+            check_run(a, has_eval_data=self.eval_dataset is not None, has_compute_metrics=(
+                self.compute_metrics_fn is not None or self.plugins.implemented_by_others("compute_metrics")))
+            if self.backend.is_main_process:  # one run per output_dir, for the run's life
+                lock = RunLock.acquire(output_dir)
+            if resume:  # first: a bad checkpoint fails before output_dir is changed
+                loop_checkpoints.resume(self, checkpoint.resolve(resume, output_dir))
             if self.backend.is_main_process:
-                checkpoint.prepare_output_dir(self, output_dir, resuming=bool(resume))
+                checkpoint.prepare_output_dir(output_dir, self.config, resuming=bool(resume),
+                                              overwrite=a.overwrite_output_dir)
             self.events.fire("on_train_begin")
             self._train_epochs(loader)
+            self.is_training = False
+            self.events.fire("on_train_end")
         except BaseException as exc:
             self._fire_exception(exc)
             raise self._explain(exc) from exc
         finally:
             self.is_training = False
-        self.events.fire("on_train_end")
+            if lock is not None:  # after on_train_end: loggers still write into output_dir there
+                lock.release()
         return self.state
 
     def _train_epochs(self, loader) -> None:
@@ -201,9 +212,7 @@ class Loop:
         runtime = time.perf_counter() - started
         summary = run_summary(s.log_history, runtime, s.global_step - steps_before,
                               s.total_samples_seen - samples_before)
-        if self.args.load_best_model_at_end and s.best_model_checkpoint:
-            checkpoint.load_model(self, Path(s.best_model_checkpoint))
-        checkpoint.save_model(self, Path(self.args.output_dir))
+        loop_checkpoints.finish(self)
         self.log(summary)
 
     def _train_epoch(self, loader, epoch: int) -> None:
@@ -269,7 +278,7 @@ class Loop:
         if control.should_save:
             control.should_save = False
             self.guard.poll(self, wait=True)
-            checkpoint.save_checkpoint(self)
+            loop_checkpoints.save(self)
 
     def _log_window(self) -> None:
         lr = self.scheduler.get_last_lr()[0]

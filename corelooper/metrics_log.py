@@ -23,9 +23,15 @@ def _write(loop, state, event: str, values: dict) -> None:
         return
     record = {"event": event, "step": state.global_step, **{k: _clean(v) for k, v in values.items()}}
     path = Path(loop.args.output_dir) / "metrics.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # disk full, read-only: an I/O error, not the plugin's or the model's
+        from .ioerrors import io_error
+        from .output_dir import intact_note
+
+        raise io_error(e, "writing metrics.jsonl", path.parent, intact_note(path.parent)) from None
 
 
 @hookimpl

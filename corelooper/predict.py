@@ -15,9 +15,9 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
     from .loop import Loop
 
     loop = Loop(config=config, blocked_plugins=blocked)
-    directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir))
+    directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir), for_training=False)
     loop.prepare_for_evaluation()
-    ckpt.load_weights(loop, directory)
+    ckpt.load_weights(directory, model=loop.model, backend=loop.backend)
     state = directory / "loop_state.json"
     if state.is_file():  # metrics logged by this evaluation carry the checkpoint's step
         try:

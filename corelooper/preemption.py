@@ -7,6 +7,12 @@ SIGINT**, the shell's convention for "killed by that signal" — so job schedule
 not finish. Further signals while that happens are ignored (the save is atomic anyway;
 ``kill -9`` remains the hard stop and still leaves every complete checkpoint intact).
 
+**Before training** (``corelooper run`` installs ``install_startup_handlers()`` first thing,
+before the config is read or torch imported), a SIGTERM/SIGINT stops start-up at once: nothing
+was trained, so no checkpoint is written and the exit code says so — **75 for SIGTERM, 76 for
+SIGINT** (distinct from 143/130, which always mean "a checkpoint was written"). The same codes
+are used for a signal after training returned (final evaluation, teardown).
+
 Handlers are installed only in the main thread (Python allows no other) and the previous ones
 are restored when ``train()`` returns. With several processes, ranks agree on the step to stop
 at with one all-reduce of a flag per optimizer step (only when ``world_size > 1``).
@@ -108,3 +114,35 @@ class PreemptionPlugin:
 
     def on_exception(self) -> None:
         self.restore()
+
+
+NO_CHECKPOINT_EXIT = {getattr(signal, "SIGTERM", 15): 75, getattr(signal, "SIGINT", 2): 76}
+
+
+class StartupStop(BaseException):  # noqa: N818 - like KeyboardInterrupt: not an error, a stop
+    """A stop signal outside ``train()``: nothing to save; ``exit_code`` is 75 / 76."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.exit_code = NO_CHECKPOINT_EXIT.get(signum, 75)
+
+    def __str__(self) -> str:
+        return (f"{signal.Signals(self.signum).name} received outside training: stopped, no checkpoint "
+                "written by this stop")
+
+
+def _startup_handler(signum: int, frame) -> None:
+    raise StartupStop(signum)
+
+
+def install_startup_handlers() -> None:
+    """SIGTERM/SIGINT raise ``StartupStop`` until ``Loop.train`` installs its graceful handlers
+    (and again after it restores them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in SIGNALS:
+        try:
+            signal.signal(sig, _startup_handler)
+        except (ValueError, OSError):
+            pass

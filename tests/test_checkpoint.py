@@ -59,11 +59,11 @@ def test_checkpoint_contents(tmp_path):
     loop.train()
     out = tmp_path / "out"
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]  # no temp folder
     ckpt = out / "checkpoint-4"
     names = {p.name for p in ckpt.iterdir()}
     assert names == {WEIGHTS, "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "loop_state.json",
-                     "plugins.json", "config.toml", MANIFEST}
+                     "plugins.json", "config.toml", "process_state_0.json", MANIFEST}
     # everything loads without unpickling arbitrary objects
     optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert len(optim["state"]) == len(list(loop.model.parameters()))
@@ -78,8 +78,12 @@ def test_checkpoint_contents(tmp_path):
     assert json.loads((ckpt / "plugins.json").read_text()) == {"counter": {"steps": 4}}
     config = tomllib.loads((ckpt / "config.toml").read_text())
     assert config["train"]["save_steps"] == 2 and config["train"]["output_dir"] == str(out)
-    manifest = json.loads((ckpt / MANIFEST).read_text())["files"]
-    assert manifest == {p.name: p.stat().st_size for p in ckpt.iterdir() if p.name != MANIFEST}
+    import xxhash
+
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    assert manifest["algorithm"] == "xxh3_128" and manifest["finite"] is True
+    assert manifest["files"] == {p.name: {"size": p.stat().st_size, "checksum": xxhash.xxh3_128_hexdigest(p.read_bytes())}
+                                 for p in ckpt.iterdir() if p.name != MANIFEST}
     # weights of the last checkpoint and of the final model are the trained ones
     trained = loop.model.state_dict()
     for path in (out / "checkpoint-6" / WEIGHTS, out / WEIGHTS):

@@ -3,7 +3,6 @@ exit, and nothing deleted or changed. Some through the real CLI in a subprocess.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -96,7 +95,9 @@ def project(finished, tmp_path) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file's bytes, except the run lock's (it names the PID of the last run to open the folder)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".corelooper.lock"}
 
 
 def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -142,7 +143,7 @@ def test_cli_truncated_weights(project):
     with open(weights, "r+b") as f:
         f.truncate(size // 2)
     before = snapshot(project / "out")
-    result = cli(project, "--resume-from-checkpoint", "latest")
+    result = cli(project, "--resume-from-checkpoint", str(weights.parent))  # named: refused
     assert_one_paragraph(result, str(weights), f"is {size // 2} bytes, but {size} were written")
     assert snapshot(project / "out") == before  # config.toml, metrics.jsonl, checkpoints untouched
 
@@ -167,9 +168,9 @@ def test_latest_when_there_is_none(tmp_path, project):
 
 def _rewrite_manifest(ckpt: Path) -> None:
     """Make the manifest agree with damaged files, so the deeper checks have to catch them."""
-    m = json.loads((ckpt / MANIFEST).read_text())
-    m["files"] = {n: (ckpt / n).stat().st_size for n in m["files"] if (ckpt / n).exists()}
-    (ckpt / MANIFEST).write_text(json.dumps(m))
+    from corelooper.manifest import write_manifest
+
+    write_manifest(ckpt)
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
@@ -182,7 +183,7 @@ def test_truncated_file_is_named(project, name):
     _rewrite_manifest(ckpt)  # also truncated in the manifest's eyes: the file itself must be checked
     before = snapshot(project / "out")
     with pytest.raises(CheckpointError, match=f"{path}.*(unreadable|truncated)"):
-        loop_for(project).train(resume_from_checkpoint="latest")
+        loop_for(project).train(resume_from_checkpoint=ckpt)
     assert snapshot(project / "out") == before
 
 
@@ -191,10 +192,10 @@ def test_missing_file_is_named(project, name):
     ckpt = project / "out" / "checkpoint-4"
     (ckpt / name).unlink()
     with pytest.raises(CheckpointError, match=f"{ckpt / name}.* missing|{ckpt}.*no model weights"):
-        loop_for(project).train(resume_from_checkpoint="latest")
+        loop_for(project).train(resume_from_checkpoint=ckpt)
     _rewrite_manifest(ckpt)  # even when the manifest does not list it
     with pytest.raises(CheckpointError, match=f"{ckpt / name}.* missing|{ckpt}.*no model weights"):
-        loop_for(project).train(resume_from_checkpoint="latest")
+        loop_for(project).train(resume_from_checkpoint=ckpt)
 
 
 def test_wrong_shape_names_keys_and_shapes(project):
@@ -223,7 +224,7 @@ def test_incomplete_folder_cannot_be_resumed_by_name(project):
 def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
     """A kill between the two renames of a re-save leaves a complete ``.old-checkpoint-N`` and
     no ``checkpoint-N``: it is put back at the next start; incomplete folders are removed."""
-    from corelooper.checkpoint import _clear_debris, list_checkpoints
+    from corelooper.output_dir import _clear_debris, list_checkpoints
 
     out = project / "out"
     before = snapshot(out / "checkpoint-4")
@@ -234,4 +235,4 @@ def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
     _clear_debris(out)
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert snapshot(out / "checkpoint-4") == before
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]

@@ -82,7 +82,7 @@ def test_stop_names_the_step_the_micro_batch_and_its_samples(train_args, tmp_pat
     assert "global_step 7" in msg and "micro-batch 0 of 2" in msg
     indices = loop.train_loader.batch_indices()[12]  # step 7's first micro-batch: batches 12, 13
     assert f"samples {indices}" in msg
-    assert "checkpoint-5" in msg and "is finite" in msg
+    assert "checkpoint-5" in msg and "is finite" in msg and "verifies" in msg
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-5"]  # never rotated away
     assert not (tmp_path / "run" / "model.safetensors").exists()  # no final model from a NaN run
     assert loop.state.global_step == 6 and finite(loop)  # the bad update was never applied

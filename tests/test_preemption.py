@@ -241,7 +241,9 @@ def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path, reference):
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     tmp = out / ".tmp-checkpoint-8"
-    assert tmp.is_dir() and (tmp / "model.safetensors").exists() and not (tmp / MANIFEST).exists()
+    # plugin states are collected before the temp folder is made (the loop hands them to
+    # save_checkpoint): a kill there leaves no folder, or one without a manifest
+    assert not tmp.exists() or not (tmp / MANIFEST).exists()
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4"]
     assert {p.name: p.read_bytes() for p in (out / "checkpoint-4").iterdir()} == before
 

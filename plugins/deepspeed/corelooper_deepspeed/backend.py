@@ -182,6 +182,10 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         """DeepSpeed's own checkpoint (module + each rank's optimizer partition)."""
         self.engine.save_checkpoint(str(Path(directory) / STATE_DIR), tag=TAG, save_latest=False)
 
+    def full_parameter_shapes(self, model) -> dict[str, tuple[int, ...]]:
+        """ZeRO-3 keeps 0-size placeholders in the module: the real shapes, for checkpoint checks."""
+        return {n: tuple(p.ds_shape) for n, p in self.unwrap_model(model).named_parameters() if hasattr(p, "ds_shape")}
+
     def load_training_state(self, optimizer, directory) -> None:
         path = Path(directory) / STATE_DIR
         if not (path / TAG).is_dir():
@@ -190,6 +194,12 @@ class DeepSpeedBackend(TorchDistributedCollectives):
                 "saved by another backend. Resume it without [deepspeed], or start a new run from "
                 "its model.safetensors."
             )
+        from .safe_load import SafeCheckpointEngine, check_state_files
+
+        check_state_files(path / TAG)
+
+        # DeepSpeed's own engine torch.load(weights_only=False)s every file: nothing is unpickled here
+        self.engine.checkpoint_engine = SafeCheckpointEngine()
         loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
                                                 load_lr_scheduler_states=False)
         if loaded is None:

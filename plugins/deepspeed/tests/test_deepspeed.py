@@ -163,3 +163,43 @@ def test_plugin_import_does_not_import_deepspeed():
     code = "import sys, corelooper_deepspeed, corelooper_fsdp; print('deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+class Payload:
+    """Unpickling this runs ``touch MARKER``: the payload a hostile checkpoint would carry."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_deepspeed_payload_in_each_state_file_never_runs(ds_runs, tmp_path):
+    """DeepSpeed's own loader is torch.load(weights_only=False); the plugin swaps in a
+    weights_only engine. A payload planted in each .pt file of a ZeRO-2 checkpoint (manifest
+    rewritten to agree) must be refused on both ranks without running."""
+    import shutil
+
+    from corelooper.manifest import write_manifest
+
+    tmp, _, _ = ds_runs
+    source = tmp / "zero2" / "checkpoint-2"
+    marker = tmp_path / "PWNED"
+    names = sorted(p.name for p in (source / "deepspeed" / "state").glob("*.pt"))
+    assert len(names) == 3
+    runs = []
+    for i, name in enumerate(names):
+        ckpt = tmp_path / f"run{i}" / "checkpoint-2"
+        shutil.copytree(source, ckpt)
+        torch.save({"module": Payload(str(marker))}, ckpt / "deepspeed" / "state" / name)
+        write_manifest(ckpt)
+        runs.append({"task": "lm", "sections": {"deepspeed": {"zero_stage": 2}}, "expect_error": True,
+                     "resume": str(ckpt), "train": {**TRAIN, "output_dir": str(ckpt.parent)}})
+    results = dw.torchrun(runs, tmp_path, timeout=300)
+    assert not marker.exists(), "a planted payload ran"
+    for name, result in zip(names, results, strict=True):
+        errors = [result[r]["error"] for r in (0, 1)]
+        assert any(e and "refused without running it" in e for e in errors), (name, errors)

@@ -204,6 +204,7 @@ class FSDPBackend(TorchDistributedCollectives):
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(Path(directory) / SHARDED_DIR))
 
     def load_training_state(self, optimizer, directory) -> None:
+        """The sharded state back, with nothing unpickled but DCP's metadata classes (safe_dcp)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -214,11 +215,24 @@ class FSDPBackend(TorchDistributedCollectives):
                 "another backend. Resume it without [fsdp], or start a new run from its "
                 "model.safetensors (model.factory loading those weights)."
             )
+        from .safe_dcp import SafeLoadPlanner, SafeReader, read_dcp_metadata
+
+        read_dcp_metadata(path / ".metadata")  # a refused payload fails here, before DCP logs it
         model_sd, optim_sd = get_state_dict(self.model, optimizer)
         state = {"optimizer": optim_sd}
         if self.options.get("sharded_state", True):
             state["model"] = model_sd  # exact sharded weights (model.safetensors was loaded already)
-        dcp.load(state, checkpoint_id=str(path))
+        # DCP's own reader unpickles .metadata and torch.load(weights_only=False)s its byte items
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        except CheckpointException as e:
+            causes = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:200]}" for r, x in e.failures.items())
+            raise CheckpointError(
+                f"The FSDP state in {str(path)!r} could not be loaded ({causes}); nothing in it was "
+                "unpickled. Resume from another checkpoint."
+            ) from None
         set_state_dict(self.model, optimizer, model_state_dict=state.get("model", model_sd),
                        optim_state_dict=state["optimizer"])
 

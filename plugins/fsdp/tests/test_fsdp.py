@@ -130,3 +130,46 @@ def test_fsdp_and_deepspeed_together_are_refused(tmp_path):
     sections = {"fsdp": {}, "deepspeed": {}}
     with pytest.raises(ConfigError, match=r"\[fsdp\] and \[deepspeed\]"):
         dw.run_one({"sections": sections, "train": {"max_steps": 1, "output_dir": str(tmp_path)}})
+
+
+class Payload:
+    """Unpickling this runs ``touch MARKER``: the payload a hostile checkpoint would carry."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_fsdp_payload_in_each_sharded_file_never_runs(fsdp_runs, tmp_path):
+    """DCP unpickles .metadata and torch.load(weights_only=False)s byte items; the plugin's
+    reader refuses every global but DCP's metadata classes. A payload is planted in each file of
+    fsdp_state/ (the manifest rewritten to agree), and 2-rank resumes must refuse without running it."""
+    import pickle
+    import shutil
+
+    from corelooper.manifest import write_manifest
+
+    tmp, _, _ = fsdp_runs
+    source = tmp / "lm" / "checkpoint-2"
+    marker = tmp_path / "PWNED"
+    runs, planted = [], []
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        out = tmp_path / name.strip("._")
+        ckpt = out / "checkpoint-2"
+        shutil.copytree(source, ckpt)
+        (ckpt / "fsdp_state" / name).write_bytes(pickle.dumps(Payload(str(marker))))
+        write_manifest(ckpt)
+        planted.append(name)
+        runs.append({"task": "lm", "sections": LM, "expect_error": True, "resume": str(ckpt),
+                     "train": {**LM_TRAIN, "output_dir": str(out)}})
+    results = dw.torchrun(runs, tmp_path)
+    assert not marker.exists(), "a planted payload ran"
+    for name, result in zip(planted, results, strict=True):
+        for rank in (0, 1):
+            error = result[rank]["error"]
+            assert error and error.startswith("CheckpointError"), (name, rank, error)
+    assert "is not DCP metadata" in results[0][0]["error"] and "posix.system" in results[0][0]["error"]
