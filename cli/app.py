@@ -174,31 +174,6 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
     state = loop.train(resume_from_checkpoint=resume)
     preempted_exit = 0
     if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
-        typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
-                   f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
-        preempted_exit = loop._preemption.exit_code
-    elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
-        loop.evaluate()
-    if profiler is not None and loop.state.is_world_process_zero:
-        profiler.stop()
-        typer.echo(profiler.report())
-    loop.backend.end()
-    return preempted_exit
-
-
-def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -> int:
-    """Build the Loop, train, evaluate; returns the exit code of a preemption (else 0)."""
-    from corelooper.loop import Loop
-
-    loop = Loop(config=cfg, blocked_plugins=blocked)
-    profiler = None
-    if profile_plugins:
-        from corelooper.profiling import PluginProfiler
-
-        profiler = PluginProfiler(loop.plugins)
-    state = loop.train(resume_from_checkpoint=resume)
-    preempted_exit = 0
-    if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
         if state.is_world_process_zero:
             typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
                        f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
