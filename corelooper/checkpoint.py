@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import streaming
+from . import elastic, streaming
 from .errors import CheckpointError, PluginError
 from .seeding import rng_state, set_rng_state
 from .state import LoopState
@@ -100,8 +100,13 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve(resume: str | Path, output_dir: Path) -> Path:
-    """``"latest"`` -> the newest complete checkpoint in ``output_dir``; else the folder given."""
+def resolve(resume: str | Path, output_dir: Path) -> Path | None:
+    """``"latest"`` -> the newest complete checkpoint in ``output_dir``; ``"auto"`` -> the same,
+    or None (start fresh) when there is none yet, so one command both starts a job and resumes
+    it after a requeue; else the folder given."""
+    if str(resume) == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
     if str(resume) == "latest":
         found = list_checkpoints(output_dir)
         if not found:
@@ -533,7 +538,7 @@ def load_checkpoint(loop, directory: Path) -> None:
     scheduler = _read(directory / "scheduler.pt", "scheduler state")
     rng_path = directory / f"rng_state_{backend.process_index}.pth"
     rng = _read(rng_path, "RNG state") if rng_path.exists() or state.get("world_size", 1) == s.world_size else None
-    _warn_if_not_exact(loop, state)
+    state = elastic.adapt(loop, state, str(directory))  # another world size: same global batch and order
     load_weights(loop, directory)
     try:
         backend.load_training_state(loop.optimizer, directory)
@@ -570,22 +575,3 @@ def load_checkpoint(loop, directory: Path) -> None:
                     f"{type(e).__name__}: {e}."
                 ) from e
     loop._fire("on_load_checkpoint", checkpoint_dir=directory)
-
-
-def _warn_if_not_exact(loop, state: dict[str, Any]) -> None:
-    """A resume with another batch geometry continues, but cannot repeat the same batches."""
-    s = loop.state
-    changed = [
-        f"{k} {state[k]} -> {v}" for k, v in (
-            ("world_size", s.world_size), ("train_batch_size", s.train_batch_size),
-            ("gradient_accumulation_steps", s.gradient_accumulation_steps),
-        ) if k in state and state[k] != v
-    ]
-    if changed:
-        import warnings
-
-        warnings.warn(
-            f"Resuming with a different batch geometry ({', '.join(changed)}): training continues "
-            "from the checkpoint, but not with the batches an uninterrupted run would have seen.",
-            stacklevel=3,
-        )

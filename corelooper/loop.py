@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, preemption
+from . import checkpoint, elastic, preemption
 from .config import Config, TrainArgs, check_train_args, import_object
 from .data import batch_rows, count_input_tokens, count_loss_items, resolve_loss_type
 from .errors import CorelooperError, DataError, PluginError, TrainingError
@@ -181,21 +181,24 @@ class Loop:
     def train(self, resume_from_checkpoint: str | Path | None = None) -> LoopState:
         """Train for ``max_steps`` or ``num_train_epochs``; returns the final ``LoopState``.
 
-        ``resume_from_checkpoint``: a checkpoint folder, or ``"latest"`` for the newest complete
-        one in ``output_dir``.
+        ``resume_from_checkpoint``: a checkpoint folder, ``"latest"`` for the newest complete
+        one in ``output_dir``, or ``"auto"``: the newest one if there is one, else start fresh.
         """
         a, s = self.args, self.state
         self._preemption = Preemption().install()  # SIGTERM/SIGINT: finish the step, save, stop
         try:
             try:
                 set_seed(a.seed)
-                loader = self._setup_train()
-                resume = resume_from_checkpoint or a.resume_from_checkpoint
                 output_dir = Path(a.output_dir)
-                if resume:  # first: a bad checkpoint fails before output_dir is touched
-                    checkpoint.load_checkpoint(self, checkpoint.resolve(resume, output_dir))
+                resume = resume_from_checkpoint or a.resume_from_checkpoint
+                resume_dir = checkpoint.resolve(resume, output_dir) if resume else None
+                if resume_dir is not None:  # saved on another world size: keep its global batch
+                    elastic.prepare_resume(self, resume_dir)
+                loader = self._setup_train()
+                if resume_dir is not None:  # first: a bad checkpoint fails before output_dir is touched
+                    checkpoint.load_checkpoint(self, resume_dir)
                 if self.backend.is_main_process:
-                    checkpoint.prepare_output_dir(self, output_dir, resuming=bool(resume))
+                    checkpoint.prepare_output_dir(self, output_dir, resuming=resume_dir is not None)
                 self._fire("on_train_begin")
                 self._train_loop(loader)
             except BaseException as exc:

@@ -159,7 +159,8 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
     from .loop import Loop
 
     loop = Loop(config=config, blocked_plugins=blocked)
-    directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir))
+    # "auto" would mean "none yet" when there is none; evaluating needs one: same as "latest"
+    directory = ckpt.resolve("latest" if checkpoint == "auto" else checkpoint, Path(loop.args.output_dir))
     loop._setup_eval_model()
     ckpt.load_weights(loop, directory)
     state = directory / "loop_state.json"
