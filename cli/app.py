@@ -129,8 +129,9 @@ def run(
             profiler = PluginProfiler(loop.plugins)
         state = loop.train(resume_from_checkpoint=resume_from_checkpoint)
         if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
-            typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
-                       f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
+            if state.is_world_process_zero:  # one rank speaks
+                typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
+                           f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
             preempted_exit = loop._preemption.exit_code
         elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
             loop.evaluate()
