@@ -1,6 +1,8 @@
 """Two "nodes" on one machine: two torchrun agents (``--nnodes 2 --nproc_per_node 1``) meeting
 through a c10d rendezvous on 127.0.0.1, as two hosts of a cluster would, against one torchrun
-with two processes on one node. Same world size, same samples: the final weights agree to 1e-5."""
+with two processes on one node. Same world size, same samples: the final weights agree to 1e-5.
+The second agent reads its settings from ``PET_*`` variables (torchrun's environment form, used
+by Kubernetes operators), the first from flags."""
 
 from __future__ import annotations
 
@@ -21,14 +23,18 @@ def test_two_nodes_match_one_node_with_the_same_world_size(tmp_path):
     nodes_cfg = write_config(tmp_path, tmp_path / "nodes", name="nodes.toml")
     one_cfg = write_config(tmp_path, tmp_path / "one", name="one.toml")
     port, run_id = free_port(), uuid.uuid4().hex
+    settings = {"nnodes": "2", "nproc_per_node": "1", "rdzv_backend": "c10d",
+                "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": run_id, "max_restarts": "0"}
+    flags = [x for k, v in settings.items() for x in (f"--{k}", v)]
+    # Node 0 gets flags; node 1 the same settings as PET_* variables, which is how the Kubeflow
+    # operators (PyTorchJob, TrainJob) hand them to a plain `torchrun` in each pod.
+    pet = {f"PET_{k.upper()}": v for k, v in {**settings, "node_rank": "1"}.items()}
+    commands = [([*torchrun(), *flags, "--node_rank", "0", *_corelooper(nodes_cfg)], {}),
+                ([*torchrun(), *_corelooper(nodes_cfg)], pet)]
     agents = [
-        subprocess.Popen(
-            [*torchrun(), "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-             "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id, "--node_rank", str(rank),
-             "--max_restarts", "0", *_corelooper(nodes_cfg)],
-            cwd=REPO, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank in (0, 1)
+        subprocess.Popen(cmd, cwd=REPO, env={**env(tmp_path), **extra}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for cmd, extra in commands
     ]
     outputs = [a.communicate(timeout=TIMEOUT) for a in agents]
     for agent, (_, err) in zip(agents, outputs, strict=True):
