@@ -107,6 +107,21 @@ def prepare_resume(loop, directory) -> None:
     if loop.state.is_world_process_zero:
         print(f"corelooper: resuming {directory}, saved with {saved.describe()}, on "
               f"{new.world_size} processes: {new.describe()} (global batch kept)", flush=True)
+        _warn_if_epoch_end_differs(len(loop.train_dataset), saved)
+
+
+def _warn_if_epoch_end_differs(n: int, saved: Geometry) -> None:
+    """Full global batches are the same samples on any world size; a last, short one of an
+    epoch is padded (or dropped, ``dataloader_drop_last``) per micro-batch across ranks."""
+    if n % saved.global_batch:
+        import warnings
+
+        warnings.warn(
+            f"The training set ({n} samples) is not a whole number of global batches of "
+            f"{saved.global_batch}: every full step continues exactly, but the last, short step of "
+            "each epoch is padded or dropped per micro-batch, which differs on another world size.",
+            stacklevel=3,
+        )
 
 
 def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[str, Any]:

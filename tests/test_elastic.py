@@ -112,3 +112,15 @@ def test_no_exact_split_is_refused_naming_what_works():
     with pytest.raises(ConfigError, match=r"global batch is 4 per device x 1 accumulation x 2 processes = 8 "
                                           r"samples, and 8 is not divisible by 3.*\(1, 2, 4, 8\)"):
         plan(Geometry(2, 4, 1), 3, 4)
+
+
+def test_a_short_last_step_of_the_epoch_is_named():
+    import warnings
+
+    from corelooper.elastic import _warn_if_epoch_end_differs
+
+    with pytest.warns(UserWarning, match=r"\(60 samples\) is not a whole number of global batches of 8"):
+        _warn_if_epoch_end_differs(60, Geometry(2, 4, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_epoch_end_differs(64, Geometry(2, 4, 1))
