@@ -135,3 +135,6 @@ def test_bad_options_are_one_paragraph_errors(tmp_path):
     assert "Traceback" not in bad.stderr
     missing = corelooper("slurm", str(tmp_path / "nope.toml"), "--dry-run", env=base_env(tmp_path), timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    no_slurm = corelooper("slurm", str(config), env={**base_env(tmp_path), "PATH": str(tmp_path)}, timeout=60)
+    assert no_slurm.returncode == 2 and "sbatch was not found on PATH" in no_slurm.stderr
+    assert "--dry-run" in no_slurm.stderr and "Traceback" not in no_slurm.stderr
