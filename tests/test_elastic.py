@@ -124,3 +124,26 @@ def test_a_short_last_step_of_the_epoch_is_named():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_if_epoch_end_differs(64, Geometry(2, 4, 1))
+
+
+def _claim_two_processes(checkpoint_dir) -> None:
+    """Make a 1-process checkpoint say it was saved by 2 (same byte size: the manifest holds)."""
+    path = checkpoint_dir / "loop_state.json"
+    text = path.read_text()
+    assert '"world_size": 1,' in text
+    path.write_text(text.replace('"world_size": 1,', '"world_size": 2,'))
+
+
+def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(run_loop, make_loop, tmp_path,
+                                                                               capsys):
+    run_loop(max_steps=8)
+    _claim_two_processes(tmp_path / "run" / "checkpoint-4")
+    refused = make_loop(max_steps=8, group_by_length=True, length_column_name="x")
+    with pytest.raises(ConfigError, match=r"on 1 processes with train.group_by_length = true.*Resume on 2"):
+        refused.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    loop = make_loop(max_steps=8)
+    loop.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert (loop.args.per_device_train_batch_size, loop.args.gradient_accumulation_steps) == (8, 2)
+    out = capsys.readouterr().out
+    assert "saved with 8 per device x 1 accumulation x 2 processes = 16, on 1 processes: " \
+           "8 per device x 2 accumulation x 1 processes = 16 (global batch kept)" in out
