@@ -106,7 +106,8 @@ def run(
     set_: SetOpt = None,
     p: PluginOpt = None,
     resume_from_checkpoint: Annotated[
-        str | None, typer.Option("--resume-from-checkpoint", help="'latest' or a checkpoint folder.")
+        str | None, typer.Option("--resume-from-checkpoint",
+                                   help="'latest', a checkpoint folder, or 'auto' (latest if any, else start fresh).")
     ] = None,
     traceback_: TracebackOpt = False,
     nproc: Annotated[

@@ -130,7 +130,8 @@ class TrainArgs:
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
     resume_from_checkpoint: str | None = None
-    """A checkpoint folder, or "latest" for the newest complete one in output_dir."""
+    """A checkpoint folder, "latest" for the newest complete one in output_dir, or "auto": the
+    newest one when there is one, else start fresh (one command for a job and its requeues)."""
     disable_tqdm: bool = False
     use_cpu: bool = False
     ddp_timeout: int = 1800

@@ -29,7 +29,9 @@ class BatchLoader:
     samples and process ``rank`` takes its slice, so N processes with batch B see exactly the
     samples one process with batch N*B would. A last, short global batch is split evenly
     (padded by wrapping to the start of the epoch when needed, as accelerate does) unless
-    ``drop_last``.
+    ``drop_last``. The position in an epoch is global, in samples consumed by all processes
+    together (``skip_samples``), so a run resumed on another number of processes continues the
+    same order (``corelooper.elastic``).
 
     Evaluation (``shuffle=False, contiguous=True``): each rank takes a contiguous block with no
     padding, so gathering in rank order restores dataset order without duplicates.
@@ -65,7 +67,7 @@ class BatchLoader:
         """Per-sample lengths: when given (``group_by_length``), each global batch holds samples
         of similar length (``collators.length_grouped_order``; still seeded per epoch)."""
         self.epoch = 0
-        self._skip = 0
+        self._skip_samples = 0
         self._fast_tensors = (
             collate_fn is None and isinstance(dataset, torch.utils.data.TensorDataset)
         )
@@ -75,10 +77,17 @@ class BatchLoader:
         self.epoch = epoch
 
     def skip(self, num_batches: int) -> None:
-        """Start the next iteration ``num_batches`` batches into the epoch (by index)."""
-        self._skip = num_batches
+        """Start the next iteration ``num_batches`` (per-rank) batches into the epoch, by index."""
+        per_batch = self.batch_size * (1 if self.contiguous else self.num_replicas)
+        self._skip_samples = num_batches * per_batch
 
-    def batch_indices(self) -> list[list[int]]:
+    def skip_samples(self, samples: int) -> None:
+        """Start the next iteration after the first ``samples`` samples of the epoch's global
+        order (all ranks together), by index: nothing is loaded for them."""
+        self._skip_samples = samples
+
+    def batch_indices(self, start: int = 0) -> list[list[int]]:
+        """This rank's batches of the epoch, after the first ``start`` samples of its order."""
         n = len(self.dataset)
         if self.lengths is not None and self.shuffle and not self.contiguous:
             order = length_grouped_order(self.lengths, self.batch_size * self.num_replicas,
@@ -89,10 +98,10 @@ class BatchLoader:
         if self.contiguous:
             per_rank = math.ceil(n / W)
             mine = order[r * per_rank : (r + 1) * per_rank]
-            return [mine[i : i + B] for i in range(0, len(mine), B)]
+            return [mine[i : i + B] for i in range(start, len(mine), B)]
         batches = []
-        for start in range(0, n, B * W):
-            chunk = order[start : start + B * W]
+        for first in range(start, n, B * W):
+            chunk = order[first : first + B * W]
             if len(chunk) < B * W:
                 if self.drop_last:
                     break
@@ -123,8 +132,8 @@ class BatchLoader:
         return self.collate_fn(samples)
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self.batch_indices()[self._skip :]
-        self._skip = 0
+        batches = self.batch_indices(self._skip_samples)
+        self._skip_samples = 0
         if self.num_workers == 0:
             return map(self.fetch, batches)
         loader = torch.utils.data.DataLoader(

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, loop_checkpoints
+from . import checkpoint, elastic, loop_checkpoints
 from .build import build_collator, build_dataset, build_model
 from .columns import forward_signature
 from .config import Config, TrainArgs, check_train_args
@@ -154,25 +154,28 @@ class Loop:
     def train(self, resume_from_checkpoint: str | Path | None = None) -> LoopState:
         """Train for ``max_steps`` or ``num_train_epochs``; returns the final ``LoopState``.
 
-        ``resume_from_checkpoint``: a checkpoint folder, or ``"latest"`` for the newest complete
-        one in ``output_dir``.
+        ``resume_from_checkpoint``: a checkpoint folder, ``"latest"`` for the newest complete
+        one in ``output_dir``, or ``"auto"``: the newest one if there is one, else start fresh.
         """
         a = self.args
         self.is_training = True
         lock = None
         try:
             set_seed(a.seed)
-            loader = self._setup_train()
-            resume = resume_from_checkpoint or a.resume_from_checkpoint
             output_dir = Path(a.output_dir)
+            resume = resume_from_checkpoint or a.resume_from_checkpoint
+            resume_dir = checkpoint.resolve(resume, output_dir) if resume else None  # "auto": maybe None
+            if resume_dir is not None:  # saved on another world size: keep its global batch
+                elastic.prepare_resume(self, resume_dir)
+            loader = self._setup_train()
             check_run(a, has_eval_data=self.eval_dataset is not None, has_compute_metrics=(
                 self.compute_metrics_fn is not None or self.plugins.implemented_by_others("compute_metrics")))
             if self.backend.is_main_process:  # one run per output_dir, for the run's life
                 lock = RunLock.acquire(output_dir)
-            if resume:  # first: a bad checkpoint fails before output_dir is changed
-                loop_checkpoints.resume(self, checkpoint.resolve(resume, output_dir))
+            if resume_dir is not None:  # first: a bad checkpoint fails before output_dir is changed
+                loop_checkpoints.resume(self, resume_dir)
             if self.backend.is_main_process:
-                checkpoint.prepare_output_dir(output_dir, self.config, resuming=bool(resume),
+                checkpoint.prepare_output_dir(output_dir, self.config, resuming=resume_dir is not None,
                                               overwrite=a.overwrite_output_dir)
             self.events.fire("on_train_begin")
             self._train_epochs(loader)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import checkpoint
+from . import checkpoint, elastic
 
 
 def save(loop) -> Path:
@@ -34,6 +34,9 @@ def resume(loop, directory: Path) -> None:
         directory, model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
         scheduler=loop.scheduler, config=loop.config, state=loop.state,
     )
+    # Saved on another world size: the same position, in this run's micro-batches (elastic.py).
+    position = elastic.adapt(loop, restored.loop_state.to_dict(), str(directory))
+    restored.loop_state.micro_batches_in_epoch = position["micro_batches_in_epoch"]
     restored.apply(loop.state)
     checkpoint.apply_plugin_states(loop.plugins.stateful.items(), restored.plugin_states, directory)
     loop.log_window.load_state_dict(restored.extra_process_state.get("log_window"))

@@ -136,12 +136,18 @@ def intact_note(output_dir: Path) -> str:
     return f"{last.name} is intact" if last else "no complete checkpoint was written yet"
 
 
-def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> Path:
+def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> Path | None:
     """``"latest"``: the newest checkpoint of ``output_dir`` that verifies, saying in one line
-    which newer ones were skipped and why. A path: that folder, refused unless it verifies.
+    which newer ones were skipped and why. ``"auto"``: the same, or ``None`` (start fresh) when
+    the run has no checkpoint yet, so one command both starts a job and resumes it after a
+    requeue. A path: that folder, refused unless it verifies.
     ``for_training=False`` (eval/predict): a folder without a manifest (an exported model, a
     finished run's output_dir) is accepted; one with a manifest must still verify."""
     output_dir = Path(output_dir)
+    if str(resume) == "auto":
+        if not list_checkpoints(output_dir):
+            return None
+        resume = "latest"
     if str(resume) == "latest":
         skipped = []
         for path in reversed(list_checkpoints(output_dir)):

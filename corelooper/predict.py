@@ -15,7 +15,9 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
     from .loop import Loop
 
     loop = Loop(config=config, blocked_plugins=blocked)
-    directory = ckpt.resolve(checkpoint, Path(loop.args.output_dir), for_training=False)
+    # "auto" would mean "none yet" when there is none; evaluating needs one: same as "latest"
+    directory = ckpt.resolve("latest" if checkpoint == "auto" else checkpoint, Path(loop.args.output_dir),
+                             for_training=False)
     loop.prepare_for_evaluation()
     ckpt.load_weights(directory, model=loop.model, backend=loop.backend)
     state = directory / "loop_state.json"

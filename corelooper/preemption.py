@@ -16,6 +16,10 @@ are used for a signal after training returned (final evaluation, teardown).
 Handlers are installed only in the main thread (Python allows no other) and the previous ones
 are restored when ``train()`` returns. With several processes, ranks agree on the step to stop
 at with one all-reduce of a flag per optimizer step (only when ``world_size > 1``).
+
+``CORELOOPER_STOP_SIGNALS`` (e.g. ``SIGUSR1``, comma-separated) adds signals that stop the same
+way: schedulers warn a job before its time limit or a preemption with one (Slurm's
+``--signal=USR1@120``; corelooper-slurm's job script sets it). Exit status ``128 + signal``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ import signal
 import threading
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT") if hasattr(signal, name))
+STOP_SIGNALS_ENV = "CORELOOPER_STOP_SIGNALS"
+
+
+def stop_signals() -> tuple[int, ...]:
+    """SIGTERM, SIGINT and those named in ``CORELOOPER_STOP_SIGNALS`` ("SIGUSR1" or "USR1")."""
+    from .errors import ConfigError
+
+    extra = []
+    for name in filter(None, (n.strip().upper() for n in os.environ.get(STOP_SIGNALS_ENV, "").split(","))):
+        sig = getattr(signal, name if name.startswith("SIG") else f"SIG{name}", None)
+        if not isinstance(sig, signal.Signals) or name.startswith("SIG_"):
+            raise ConfigError(
+                f"{STOP_SIGNALS_ENV}={os.environ[STOP_SIGNALS_ENV]!r}: {name!r} is not a signal of this "
+                "system. Use names such as SIGUSR1 or SIGUSR2, comma-separated."
+            )
+        extra.append(sig)
+    return tuple(dict.fromkeys((*SIGNALS, *extra)))
 
 
 class Preemption:
@@ -37,7 +58,7 @@ class Preemption:
     def install(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal.signal would raise; the embedding application owns signals
-        for sig in SIGNALS:
+        for sig in stop_signals():
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except (ValueError, OSError):  # e.g. an embedded interpreter that forbids it
