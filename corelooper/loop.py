@@ -82,6 +82,9 @@ class Loop:
 
     # -- building from the config ---------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
+        from .hf_model import build_model  # WIP loop hook for sft: factory or [model] name_or_path
+
+        return build_model(self.config)
         ref = self.config.model.factory
         if not ref:
             raise CorelooperError("No model: pass one to Loop(model=...) or set model.factory.")
@@ -103,6 +106,10 @@ class Loop:
         if given is not None:
             return given
         ref = getattr(self.config.data, split)
+        from .hf_data import is_data_ref, load_split  # WIP loop hook for sft: data files by path
+
+        if is_data_ref(ref, self._base()) or (split == "eval" and self.config.data.eval_split):
+            return load_split(self.config, split)
         if not ref:
             return None
         key = f"data.{split}"
