@@ -1,0 +1,128 @@
+"""corelooper-sft inside a real Loop: model and data by path, packed == padded, extras in the batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import CHATS, make_model_folder
+
+from corelooper import Loop
+from corelooper.config import Config
+from corelooper.data import count_loss_items
+from corelooper.errors import DataError
+
+
+def write_chats(path, n=24):
+    rows = []
+    for i in range(n):
+        row = json.loads(json.dumps(CHATS[i % len(CHATS)]))
+        row["messages"][-1]["content"] += f" ({i})" * (i % 4)  # uneven lengths
+        row["difficulty_score"] = 0.5 + (i % 5) / 2
+        rows.append(row)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def config(tmp_path, model_dir, sft=None, **train):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = write_chats(tmp_path / "chats.jsonl")
+    return Config.from_dict({
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"train": str(data), "eval": str(data)},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "save_strategy": "no",
+                  "per_device_train_batch_size": 4, "per_device_eval_batch_size": 3, "learning_rate": 1e-2,
+                  **train},
+        "sft": {"assistant_only_loss": True, "max_length": 64, **(sft or {})},
+    })
+
+
+LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True},
+           "bfd": {"packing": True}, "bfd_split": {"packing": True, "packing_strategy": "bfd_split"}}
+# "wrapped" cuts samples at row ends (each piece loses the context before the cut): another loss by design.
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def any_attn_model(request, tmp_path_factory):
+    return make_model_folder(tmp_path_factory.mktemp(request.param), attn=request.param)
+
+
+def test_eval_loss_and_item_counts_are_the_same_packed_and_unpacked(tmp_path, any_attn_model):
+    losses, items = {}, {}
+    for name, sft in LAYOUTS.items():  # max_length above the longest sample: nothing truncated or split
+        loop = Loop(config=config(tmp_path / name, any_attn_model, {**sft, "max_length": 256}))
+        assert loop.eval_dataset.stats.overlong == 0
+        loader = loop.hook.eval_dataloader(loop=loop, dataset=loop.eval_dataset)
+        items[name] = sum(int(count_loss_items(b, "causal_lm")) for b in loader)
+        losses[name] = loop.evaluate()["eval_loss"]
+    assert len(set(items.values())) == 1, items  # num_items_in_batch counts the same tokens
+    for name, loss in losses.items():
+        assert abs(loss - losses["padded"]) <= 1e-5, (name, losses)
+
+
+def test_packing_really_packs_and_trains(tmp_path, model_dir):
+    loop = Loop(config=config(tmp_path, model_dir, {"packing": True, "max_length": 256}, max_steps=3,
+                           logging_steps=1))
+    assert len(loop.train_dataset) < 24 and loop.model.config.use_cache is False
+    batch = loop.data_collator(loop.train_dataset.__getitems__([0, 1]))
+    assert batch["attention_mask"].dim() == 4 and batch["position_ids"].shape == batch["input_ids"].shape
+    loop.train()
+    losses = [h["loss"] for h in loop.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+class WeightedLoss:
+    """The user's only code in the example: difficulty-weighted token loss."""
+
+    def __init__(self):
+        self.seen = []
+
+    def compute_loss(self, model, batch, num_items_in_batch, return_outputs):
+        weight = batch["difficulty_score"]
+        self.seen.append(tuple(weight.shape))
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "difficulty_score")}
+        outputs = model(**inputs)
+        logits, labels = outputs.logits[:, :-1], batch["labels"][:, 1:]
+        per_token = torch.nn.functional.cross_entropy(
+            logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
+        w = weight[:, None] if weight.dim() == 1 else weight[:, 1:]
+        loss = (per_token * w).sum() / num_items_in_batch
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.parametrize("layout", ["padded", "bfd"])
+def test_extra_columns_reach_compute_loss_in_training_and_eval(tmp_path, model_dir, layout):
+    plugin = WeightedLoss()
+    loop = Loop(config=config(tmp_path, model_dir, LAYOUTS[layout]), plugins=[plugin])
+    loop.train()
+    metrics = loop.evaluate()
+    assert plugin.seen and all(len(s) == (1 if layout == "padded" else 2) for s in plugin.seen)
+    assert metrics["eval_loss"] > 0
+
+
+def test_weighted_loss_is_the_same_packed_and_padded(tmp_path, model_dir):
+    out = {}
+    for layout in ("padded", "bfd"):
+        loop = Loop(config=config(tmp_path / layout, model_dir, LAYOUTS[layout]), plugins=[WeightedLoss()])
+        out[layout] = loop.evaluate()["eval_loss"]
+    assert abs(out["padded"] - out["bfd"]) <= 1e-5, out
+
+
+def test_datasets_dataset_passed_in_python_works_as_is(tmp_path, model_dir):
+    from datasets import Dataset
+
+    ds = Dataset.from_list([json.loads(json.dumps(r)) for r in CHATS * 4])
+    cfg = config(tmp_path, model_dir)
+    cfg.data.train = cfg.data.eval = None
+    loop = Loop(config=cfg, train_dataset=ds, eval_dataset=ds)
+    assert loop.evaluate()["eval_loss"] > 0
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path, model_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(CHATS[0]) + "\n" + '{"messages": [}\n', encoding="utf-8")
+    cfg = config(tmp_path, model_dir)
+    cfg.data.train, cfg.data.eval = str(bad), None
+    with pytest.raises(DataError, match=r"bad\.jsonl, line 2: not valid JSON"):
+        Loop(config=cfg)
