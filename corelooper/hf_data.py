@@ -58,7 +58,13 @@ def _files(ref: str, key: str, base: Path | None) -> list[str]:
 
 
 def _quiet() -> None:
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            "[data] names data files, which corelooper reads with the `datasets` library: "
+            "pip install 'corelooper[data]' (or datasets)."
+        ) from None
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
