@@ -84,9 +84,10 @@ def apply_max_length(ds, cfg: Mapping[str, Any], packing: bool, stats: Stats):
     sl = slice(-max_length, None) if keep_end else slice(None, max_length)
 
     def cut(row):
+        out = {**row, "untruncated_length": row["length"]}
         if row["length"] <= max_length:
-            return row
-        return {**row, "input_ids": row["input_ids"][sl], "labels": row["labels"][sl], "length": max_length}
+            return out
+        return {**out, "input_ids": row["input_ids"][sl], "labels": row["labels"][sl], "length": max_length}
 
     ds = ds.map(cut)
     stats.truncated = stats.overlong
@@ -100,9 +101,10 @@ class TokenizedRows:
     """Map-style view of tokenized rows: ``{"input_ids", "labels", <numeric extras>}`` per item."""
 
     def __init__(self, ds, stats: Stats):
-        self.ds = ds.remove_columns(["length"]) if "length" in ds.column_names else ds
         self.stats = stats
         self._lengths = list(ds["length"]) if "length" in ds.column_names else None
+        self.untruncated = list(ds["untruncated_length"]) if "untruncated_length" in ds.column_names else None
+        self.ds = ds.remove_columns([c for c in ("length", "untruncated_length") if c in ds.column_names])
 
     def __len__(self) -> int:
         return len(self.ds)
