@@ -121,3 +121,14 @@ def test_overlong_samples_are_truncated_or_dropped_counted_and_reported_once(pol
 def test_empty_data_set_is_an_error():
     with pytest.raises(DataError, match="empty"):
         prepare([], make_tokenizer(), cfg(), "data.train")
+
+
+def test_tools_column_reaches_the_chat_template():
+    template = ("{%- if tools %}{{ 'TOOLS:' + (tools | map(attribute='name') | join(',')) + '\\n' }}{% endif -%}"
+                + NO_MARKERS)
+    tok = make_tokenizer(template)
+    row = {**CHATS[0], "tools": [{"name": "search"}, {"name": "calc"}]}
+    out = RowTokenizer(tok, cfg(assistant_only_loss=True), "t")(row, 0)
+    assert tok.decode(out["input_ids"]).startswith("TOOLS:search,calc\n<|im_start|>user")
+    trained = tok.decode([t for t, lab in zip(out["input_ids"], out["labels"], strict=True) if lab != -100])
+    assert trained == "Paris.<|im_end|>"
