@@ -126,3 +126,20 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, model_dir):
     cfg.data.train, cfg.data.eval = str(bad), None
     with pytest.raises(DataError, match=r"bad\.jsonl, line 2: not valid JSON"):
         Loop(config=cfg)
+
+
+@pytest.mark.parametrize("layout", ["padded", "bfd", "padding_free"])
+def test_weighted_loss_is_exact_under_gradient_accumulation(tmp_path, model_dir, layout):
+    params = {}
+    for bs, ga in ((4, 1), (2, 2), (1, 4)):
+        cfg = config(tmp_path / f"{bs}x{ga}", model_dir, {**LAYOUTS[layout], "max_length": 256}, max_steps=1,
+                     per_device_train_batch_size=bs, gradient_accumulation_steps=ga, optim="sgd",
+                     max_grad_norm=0.0, learning_rate=1.0)
+        loop = Loop(config=cfg, plugins=[WeightedLoss()])
+        loop.train()
+        params[(bs, ga)] = torch.cat([p.detach().flatten() for p in loop.model.parameters()])
+    start = torch.cat([p.detach().flatten() for p in Loop(config=cfg).model.parameters()])
+    step = params[(4, 1)] - start
+    assert step.abs().max() > 1e-3  # the step moved the weights
+    for key, value in params.items():
+        assert (value - start - step).abs().max().item() <= 1e-5 * step.abs().max().item() + 1e-6, key
