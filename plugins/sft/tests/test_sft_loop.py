@@ -79,7 +79,7 @@ class WeightedLoss:
         self.seen = []
 
     def compute_loss(self, model, batch, num_items_in_batch, return_outputs):
-        weight = batch["difficulty_score"]
+        weight = batch["difficulty_score"]  # weighted in evaluation too: padded == packed is checked on it
         self.seen.append(tuple(weight.shape))
         inputs = {k: v for k, v in batch.items() if k not in ("labels", "difficulty_score")}
         outputs = model(**inputs)
