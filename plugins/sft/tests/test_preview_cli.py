@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CHATS
+from sft_fixtures import CHATS, _datasets_cache, model_dir  # noqa: F401 (fixtures)
 
 CLI = [str(Path(sys.executable).with_name("corelooper"))]
 

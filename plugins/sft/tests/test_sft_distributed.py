@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CHATS
 from safetensors.torch import load_file
+from sft_fixtures import CHATS, _datasets_cache, model_dir  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent

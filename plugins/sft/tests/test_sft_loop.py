@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import CHATS, make_model_folder
+from sft_fixtures import CHATS, _datasets_cache, make_model_folder, model_dir  # noqa: F401 (fixtures)
 
 from corelooper import Loop
 from corelooper.config import Config

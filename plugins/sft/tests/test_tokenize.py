@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import CHATS, NO_MARKERS, WITH_MARKERS, make_tokenizer
 from corelooper_sft import DEFAULTS
 from corelooper_sft.pipeline import prepare
 from corelooper_sft.tokenize import RowTokenizer
+from sft_fixtures import CHATS, NO_MARKERS, WITH_MARKERS, _datasets_cache, make_tokenizer, model_dir  # noqa: F401 (fixtures)
 
 from corelooper.errors import DataError
 

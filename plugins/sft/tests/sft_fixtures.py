@@ -1,4 +1,7 @@
-"""A tiny tokenizer with a ChatML template and a tiny Llama, made here (no download)."""
+"""A tiny tokenizer with a ChatML template and a tiny Llama, made here (no download); fixtures.
+
+Not a conftest.py: the core suite has one, and both would be the module `conftest` in one run.
+"""
 
 from __future__ import annotations
 
