@@ -203,3 +203,13 @@ def test_packed_dataset_bfd_items_do_not_leak_through_default_collate():
             worst = max(worst, (out[r, pos:pos + k] - alone).abs().max().item())
             pos += k
     assert worst <= 1e-5, worst
+
+
+def test_flash_kwargs_reach_a_transformers_forward():
+    from corelooper.collators import accepted_columns
+    from corelooper.losses import forward_signature
+
+    sig = forward_signature(tiny_llama("sdpa"))
+    keys = ["input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+            "max_length_k", "difficulty_score"]
+    assert accepted_columns(sig, keys) == tuple(k for k in keys if k != "difficulty_score")
