@@ -143,3 +143,20 @@ def test_weighted_loss_is_exact_under_gradient_accumulation(tmp_path, model_dir,
     assert step.abs().max() > 1e-3  # the step moved the weights
     for key, value in params.items():
         assert (value - start - step).abs().max().item() <= 1e-5 * step.abs().max().item() + 1e-6, key
+
+
+def test_packed_run_resumes_exactly(tmp_path, model_dir):
+    from safetensors.torch import load_file
+
+    def run(out, resume=None):
+        cfg = config(tmp_path / out, model_dir, {"packing": True, "max_length": 128}, max_steps=4,
+                     per_device_train_batch_size=2, save_strategy="steps", save_steps=2, save_total_limit=3)
+        Loop(config=cfg, plugins=[WeightedLoss()]).train(resume_from_checkpoint=resume)
+        return tmp_path / out / "run"
+
+    straight = run("straight")  # its checkpoint-2 is where the second run resumes, in a fresh folder
+    run("again", resume=str(straight / "checkpoint-2"))
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(tmp_path / "again" / "run" / "model.safetensors"))
+    mid = load_file(str(straight / "checkpoint-2" / "model.safetensors"))
+    assert max((a[k] - mid[k]).abs().max().item() for k in a) > 1e-4  # steps 3-4 changed the weights
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
