@@ -16,9 +16,18 @@ def config_dir(config: Config) -> Path | None:
 
 
 def build_model(config: Config) -> torch.nn.Module:
+    """The ``nn.Module`` that ``[model]`` describes: ``factory`` (a 'module:callable') or
+    ``name_or_path`` (a Hugging Face model folder, corelooper/hf_model.py)."""
     ref = config.model.factory
+    if not ref and config.model.name_or_path:
+        from .hf_model import load_pretrained
+
+        return load_pretrained(config)
     if not ref:
-        raise CorelooperError("No model: pass one to Loop(model=...) or set model.factory.")
+        raise CorelooperError(
+            "No model: pass one to Loop(model=...), or set model.factory (a 'module:callable') or "
+            "model.name_or_path (a Hugging Face model folder)."
+        )
     factory = import_object(ref, "model.factory", config_dir(config))
     try:
         model = factory(**config.model.args)
@@ -33,8 +42,14 @@ def build_model(config: Config) -> torch.nn.Module:
 
 
 def build_dataset(config: Config, split: str):
-    """The dataset of ``data.<split>`` (``None`` when the config names none)."""
+    """The dataset of ``data.<split>`` (``None`` when the config names none): files by path
+    (``data/train.jsonl``, a glob, a mixture, ``eval_split``: corelooper/hf_data.py, lazily
+    read with the ``datasets`` library) or a ``module:callable`` returning a dataset."""
     ref = getattr(config.data, split, None)
+    from .hf_data import is_data_ref, load_split
+
+    if is_data_ref(ref, config_dir(config)) or (split == "eval" and getattr(config.data, "eval_split", None)):
+        return load_split(config, split)
     if not ref:
         return None
     key = f"data.{split}"

@@ -2,7 +2,8 @@
 
 * ``DataCollatorForCausalLM`` pads samples of token ids to one length and masks padding (and,
   optionally, the prompt of prompt/completion samples) with -100 in ``labels``.
-* ``pack_sequences`` / ``PackedDataset`` put short samples into fixed-length sequences.
+* ``pack_sequences`` / ``PackedDataset`` put short samples into fixed-length sequences, each
+  sample attending only to itself (corelooper/packing.py).
 """
 
 from __future__ import annotations
@@ -128,62 +129,37 @@ def pack_sequences(
 ) -> list[list[list[int]]]:
     """Group token sequences into bins of at most ``seq_len`` tokens.
 
-    ``strategy="bfd"`` (best-fit decreasing, as TRL): whole samples go into the fullest bin they
-    fit in; a sample longer than ``seq_len`` is first cut into ``seq_len`` pieces. Returns, per
-    bin, the list of its pieces (so the caller can reset positions / mask the boundaries).
-    ``strategy="wrap"``: concatenate everything (with ``eos_token_id`` after each sample, if
-    given) and cut into ``seq_len`` blocks, like HF's ``group_texts``; each bin is one piece.
-    Every token appears exactly once across the bins; no bin is empty.
+    ``strategy="bfd"`` (best-fit decreasing, as TRL, in ``O(n log n)``: corelooper/packing.py):
+    whole samples go into the fullest bin they fit in; a sample longer than ``seq_len`` is first
+    cut into ``seq_len`` pieces. Returns, per bin, the list of its pieces (so the caller can
+    reset positions / mask the boundaries). ``strategy="wrap"``: concatenate everything (with
+    ``eos_token_id`` after each sample, if given) and cut into ``seq_len`` blocks, like HF's
+    ``group_texts``; each bin is one piece. Every token appears exactly once across the bins.
     """
-    if seq_len <= 0:
-        raise DataError(f"seq_len must be > 0, got {seq_len}.")
-    seqs = [list(s) for s in sequences]
-    if strategy == "wrap":
-        stream: list[int] = []
-        for s in seqs:
-            stream.extend(s)
-            if eos_token_id is not None:
-                stream.append(eos_token_id)
-        return [[stream[i : i + seq_len]] for i in range(0, len(stream), seq_len)]
-    if strategy != "bfd":
+    from .packing import plan_packing
+
+    if strategy not in ("bfd", "wrap"):
         raise DataError(f"Packing strategy must be 'bfd' or 'wrap', got {strategy!r}.")
-    pieces = []
-    for s in seqs:
-        if eos_token_id is not None:
-            s = s + [eos_token_id]
-        pieces.extend(s[i : i + seq_len] for i in range(0, len(s), seq_len))
-    # Stable sort by length, longest first: deterministic for equal lengths.
-    order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
-    bins: list[list[list[int]]] = []
-    free: list[int] = []  # remaining room per bin
-    for i in order:
-        p = pieces[i]
-        if not p:
-            continue
-        best, room = -1, seq_len + 1
-        for b, f in enumerate(free):
-            if len(p) <= f < room:
-                best, room = b, f
-                if f == len(p):
-                    break
-        if best < 0:
-            bins.append([p])
-            free.append(seq_len - len(p))
-        else:
-            bins[best].append(p)
-            free[best] -= len(p)
+    seqs = [list(s) + ([eos_token_id] if eos_token_id is not None else []) for s in sequences]
+    plan = plan_packing([len(s) for s in seqs], seq_len, "bfd_split" if strategy == "bfd" else "wrapped")
+    bins = [[seqs[i][a:b] for i, a, b in row] for row in plan]
+    if strategy == "wrap":
+        bins = [[[t for piece in row for t in piece]] for row in bins]
     return bins
 
 
 class PackedDataset(torch.utils.data.Dataset):
     """Short samples packed into fixed-length sequences of ``seq_len`` tokens.
 
-    Each item: ``input_ids``, ``labels``, ``attention_mask`` (0 on padding) and ``position_ids``
-    (restarting at 0 for every packed sample, so positions match unpacked training). Labels are
-    -100 on padding and on the first token of every sample after the first in a sequence (it
-    must not be predicted from the previous, unrelated sample). Attention still spans the whole
-    row unless the model's attention uses ``position_ids`` to separate samples (HF flash-attention
-    varlen does); with ``strategy="wrap"`` that is the intended behaviour (``group_texts``).
+    Each item: ``input_ids``, ``labels`` (-100 on padding and on the first token of every sample
+    after the first in a row: it must not be predicted from the previous, unrelated sample) and
+    ``position_ids`` (restarting at 0 for every packed sample). With ``strategy="bfd"`` the
+    item's ``attention_mask`` is a ``[1, T, T]`` float block-diagonal causal mask (collated to
+    the ``[B, 1, T, T]`` HF models take): with ``sdpa``/``eager`` attention, position ids alone
+    do not keep packed samples apart. ``mask_dtype`` must be the model's dtype (bf16 models:
+    ``torch.bfloat16``). With ``strategy="wrap"`` a row is one stream (``group_texts``), its
+    ``attention_mask`` 1-D (0 on padding) and tokens attend across documents, as intended.
+    ``corelooper-sft`` packs chat data (``[sft] packing``) with the same plans.
     """
 
     def __init__(
@@ -194,8 +170,11 @@ class PackedDataset(torch.utils.data.Dataset):
         strategy: str = "bfd",
         eos_token_id: int | None = None,
         drop_incomplete: bool = False,
+        mask_dtype: torch.dtype = torch.float32,
     ):
         self.seq_len = seq_len
+        self.strategy = strategy
+        self.mask_dtype = mask_dtype
         bins = pack_sequences(sequences, seq_len, strategy, eos_token_id)
         if drop_incomplete and bins and sum(map(len, bins[-1])) < seq_len and strategy == "wrap":
             bins = bins[:-1]
@@ -204,6 +183,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.long)
         self.attention_mask = torch.zeros((n, seq_len), dtype=torch.long)
         self.position_ids = torch.zeros((n, seq_len), dtype=torch.long)
+        self.seq_lengths = [[len(p) for p in pieces] for pieces in bins]
         for r, pieces in enumerate(bins):
             pos = 0
             for j, piece in enumerate(pieces):
@@ -211,7 +191,7 @@ class PackedDataset(torch.utils.data.Dataset):
                 t = torch.tensor(piece, dtype=torch.long)
                 self.input_ids[r, pos : pos + k] = t
                 self.labels[r, pos : pos + k] = t
-                if j > 0 and strategy == "bfd":
+                if j > 0:
                     self.labels[r, pos] = IGNORE_INDEX
                 self.attention_mask[r, pos : pos + k] = 1
                 self.position_ids[r, pos : pos + k] = torch.arange(k)
@@ -223,10 +203,16 @@ class PackedDataset(torch.utils.data.Dataset):
         return self.input_ids.shape[0]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.strategy == "wrap":
+            mask = self.attention_mask[i]
+        else:  # built per item (T*T floats), not stored for the whole data set
+            from .packing import block_causal_mask
+
+            mask = block_causal_mask([self.seq_lengths[i]], self.seq_len, self.mask_dtype)[0]
         return {
             "input_ids": self.input_ids[i],
             "labels": self.labels[i],
-            "attention_mask": self.attention_mask[i],
+            "attention_mask": mask,
             "position_ids": self.position_ids[i],
         }
 

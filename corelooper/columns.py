@@ -45,6 +45,8 @@ def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
 # -- unused columns ------------------------------------------------------------------------------
 
 _LABEL_NAMES = ("labels", "label", "label_ids")
+# HF's FlashAttentionKwargs: taken through ``**kwargs`` by transformers models (packed varlen batches).
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _column_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> keys -> columns
 
 
@@ -52,6 +54,8 @@ def accepted_columns(signature, keys: Iterable[str]) -> tuple[str, ...] | None:
     """Which of ``keys`` the model's ``forward`` takes (``None``: all of them)."""
     keys = tuple(keys)
     allowed = set(signature.params) | set(_LABEL_NAMES)
+    if signature.var_kwargs:
+        allowed |= set(_FLASH_KWARGS)
     kept = tuple(k for k in keys if k in allowed)
     return None if len(kept) == len(keys) else kept
 

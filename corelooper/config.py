@@ -32,15 +32,33 @@ class ModelConfig:
     factory: str = ""
     """``module:callable`` (or ``path/to/file.py:callable``) returning an ``nn.Module``."""
     args: dict = field(default_factory=dict)
-    """Keyword arguments for the factory."""
+    """Keyword arguments for the factory (or extra ``from_pretrained`` arguments)."""
+    name_or_path: str | None = None
+    """A Hugging Face model folder (relative paths: to the current folder, else the config's),
+    loaded with ``from_pretrained`` of the auto class ``task`` names (corelooper/hf_model.py)."""
+    task: str = "causal_lm"
+    """causal_lm, seq2seq_lm, masked_lm, sequence_classification, token_classification,
+    question_answering, image_classification, base, or an auto class name."""
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """Weights' dtype for ``name_or_path`` (default: float32; "auto": as saved)."""
+    attn_implementation: str | None = None
+    """"sdpa", "eager", "flash_attention_2", ... (default: transformers' choice)."""
+    trust_remote_code: bool = False
+    """Run the model folder's own Python code (off: it is arbitrary code)."""
+    tokenizer: str | None = None
+    """The tokenizer's folder (default: ``name_or_path``)."""
 
 
 @dataclass
 class DataConfig:
-    train: str | None = None
-    """``module:callable`` returning the training dataset."""
-    eval: str | None = None
-    """``module:callable`` returning the evaluation dataset."""
+    train: str | list | None = None
+    """``module:callable`` returning the training dataset, or data files (corelooper/hf_data.py):
+    a path (.jsonl, .json, .parquet, .csv, .arrow, a ``save_to_disk`` folder), a glob of shards,
+    or a mixture ``[{ path = "a.jsonl", weight = 0.7 }, { path = "b.jsonl", weight = 0.3 }]``."""
+    eval: str | list | None = None
+    """Like ``train``; or leave it unset and hold out ``eval_split`` of the training data."""
+    eval_split: float = 0.0
+    """Share (0 < x < 1) or number (>= 1) of training samples held out for evaluation (seeded)."""
     test: str | None = None
     """``module:callable`` returning the dataset of ``corelooper predict`` (default: ``eval``)."""
     collator: str | None = None
@@ -203,6 +221,7 @@ class Config:
                     f"such as [train].{hint}"
                 )
         cfg = cls(**kwargs, sections={k: dict(v) for k, v in data.items()}, source=source)
+        check_model_and_data(cfg.model, cfg.data)
         check_train_args(cfg.train)
         return cfg
 
@@ -318,6 +337,24 @@ def build_dataclass(klass: type, raw: dict[str, Any], section: str):
             )
     values = {k: (float(v) if hints[k] is float and isinstance(v, int) else v) for k, v in raw.items()}
     return klass(**values)
+
+
+def check_model_and_data(m: ModelConfig, d: DataConfig) -> None:
+    """Cross-field checks of [model] and [data], named by key path."""
+    if m.factory and m.name_or_path:
+        raise ConfigError(
+            f"Set model.factory ({m.factory!r}) or model.name_or_path ({m.name_or_path!r}), not both."
+        )
+    if d.eval_split < 0 or (d.eval_split >= 1 and not float(d.eval_split).is_integer()):
+        raise ConfigError(
+            f"data.eval_split = {d.eval_split!r}: use a share 0 < x < 1 or a whole number of samples."
+        )
+    if d.eval_split and d.eval:
+        raise ConfigError("Set data.eval or data.eval_split, not both.")
+    for key in ("train", "eval"):
+        value = getattr(d, key)
+        if isinstance(value, list) and not value:
+            raise ConfigError(f"data.{key} is an empty list: name at least one data file.")
 
 
 def check_train_args(a: TrainArgs) -> None:

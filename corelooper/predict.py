@@ -30,8 +30,7 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
 
 
 def _dataset(loop, split: str):
-    from .build import config_dir
-    from .config import import_object
+    from .build import build_dataset
     from .errors import DataError
 
     ref = getattr(loop.config.data, split, None)
@@ -43,11 +42,10 @@ def _dataset(loop, split: str):
         return loop.train_dataset, "data.train"
     if not ref:
         raise DataError(
-            f"No data to predict on: set data.test (or data.eval) in the config to a 'module:callable' "
-            f"returning a dataset (asked for {split!r})."
+            f"No data to predict on: set data.test (or data.eval) in the config to a data file or a "
+            f"'module:callable' returning a dataset (asked for {split!r})."
         )
-    factory = import_object(ref, f"data.{split}", config_dir(loop.config))
-    return factory(**loop.config.data.args), f"data.{split}"
+    return build_dataset(loop.config, split), f"data.{split}"
 
 
 def predict(config, checkpoint: str, output: str | None, blocked: list[str] = (), split: str = "test"):

@@ -1,0 +1,56 @@
+"""corelooper-sft: supervised fine-tuning from chat files, with TRL's ``SFTConfig`` names.
+
+Inert unless the config has an ``[sft]`` section. Then, when the loop is built (``on_init_end``),
+the training and evaluation data sets are tokenized (chat template, prompt/completion, text, or
+already tokenized rows; formats detected per row), masked (``assistant_only_loss``,
+``completion_only_loss``), cut to ``max_length`` (``overlong = "truncate"`` or ``"drop"``,
+counted and reported once), optionally packed (``packing``, ``packing_strategy`` = ``bfd``,
+``bfd_split``, ``wrapped``) or batched padding-free, and the loop's collator is set to the one
+that matches. Packed and padding-free batches never leak attention between samples
+(``corelooper.packing``). Numeric extra columns (``difficulty_score``) reach the batch.
+
+This module imports neither torch nor transformers nor datasets: ``corelooper --help`` loads it.
+"""
+
+from __future__ import annotations
+
+from corelooper import hookimpl
+
+SECTION = "sft"
+DEFAULTS = {
+    "dataset_text_field": "text",
+    "max_length": 1024,
+    "packing": False,
+    "packing_strategy": "bfd",
+    "padding_free": False,
+    "assistant_only_loss": False,
+    "completion_only_loss": None,
+    "chat_template_path": None,
+    "eos_token": None,
+    "pad_token": None,
+    "truncation_mode": "keep_start",
+    "overlong": "truncate",
+    "pad_to_multiple_of": None,
+    "eval_packing": None,
+}
+
+
+@hookimpl
+def corelooper_config_sections():
+    return {SECTION: dict(DEFAULTS)}
+
+
+@hookimpl
+def on_init_end(loop):
+    if SECTION not in loop.config.sections:
+        return
+    from .setup import setup_loop
+
+    setup_loop(loop, loop.config.section(SECTION))
+
+
+@hookimpl
+def corelooper_add_commands(app):
+    from .preview import register
+
+    register(app)
