@@ -125,7 +125,7 @@ def test_model_by_path_with_dtype_and_attention(llama_dir):
     import torch
     import transformers
 
-    from corelooper.hf_model import build_model
+    from corelooper.build import build_model
 
     cfg = Config.from_dict({"model": {"name_or_path": str(llama_dir), "torch_dtype": "bfloat16",
                                       "attn_implementation": "eager"}})
@@ -141,7 +141,7 @@ def test_model_by_path_with_dtype_and_attention(llama_dir):
 def test_model_task_and_bad_paths_explain(llama_dir, tmp_path):
     import transformers
 
-    from corelooper.hf_model import build_model
+    from corelooper.build import build_model
 
     cls = build_model(Config.from_dict({"model": {"name_or_path": str(llama_dir),
                                                   "task": "sequence_classification"}}))
