@@ -84,7 +84,7 @@ def load_config(config: Path, overrides: list[str] | None, local_plugins: list[s
     from corelooper.config import Config
 
     cfg = Config.load(config, overrides or [])
-    cfg.plugins.local = [*cfg.plugins.local, *local_plugins]
+    cfg = cfg.replace("plugins", local=[*cfg.plugins.local, *local_plugins])
     return cfg
 
 
@@ -169,8 +169,7 @@ def plugins(
         blocked, local = split_plugin_options(p)
         cfg = load_config(config, set_, local) if config else None
         if cfg is None and local:
-            cfg = Config()
-            cfg.plugins.local = local
+            cfg = Config().replace("plugins", local=local)
         pl = load_plugins(cfg, blocked=blocked)
         if cfg is None:
             pl.declared_sections()

@@ -62,6 +62,8 @@ class Loop:
         self.config = as_config(config)
         self.args = self.config.train
         self.plugins = load_plugins(self.config, objects=plugins, blocked=blocked_plugins)
+        self.config = self.plugins.config  # read-only, with the plugins' section defaults
+        self.args = self.config.train
         self.hook = self.plugins.hook
         set_seed(self.args.seed)  # before the model is built: same init every run
         self.model = model if model is not None else self._build_model()

@@ -79,6 +79,8 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.info: dict[str, PluginInfo] = {}
         self.skipped: dict[str, str] = {}  # installed but not loaded -> why
+        self.config: Config | None = None
+        """The run's config with plugin-section defaults filled in (a new, read-only Config)."""
         self.hook = self.pm.hook
 
     # -- registration ------------------------------------------------------------------------
@@ -262,7 +264,7 @@ def load_plugins(
     if config is not None:
         declared = plugins.declared_sections()
         check_sections(config, declared, plugins)
-        config.with_defaults(declared)
+        plugins.config = config.with_defaults(declared)  # a new Config: the given one is not changed
         if getattr(config.train, "auto_find_batch_size", False) and "auto_batch_size" not in declared:
             raise ConfigError(
                 "train.auto_find_batch_size = true needs the auto_batch_size plugin, which is not "

@@ -69,9 +69,12 @@ def test_malformed_toml(cli, tmp_path):
 def test_unknown_key_with_did_you_mean(cli, tmp_path):
     path = write_config(tmp_path, train="learning_rat = 1e-3")
     assert_clean_error(cli("run", str(path)), "train.learning_rat", "Did you mean 'learning_rate'?")
-    # a name from HF TrainingArguments that is spelt differently here says where it went
-    path = write_config(tmp_path, train="bf16 = true")
-    assert_clean_error(cli("run", str(path)), "train.bf16", 'mixed_precision = "bf16"')
+    # an HF TrainingArguments name that corelooper does not support says why, naming the key
+    path = write_config(tmp_path, train="save_only_model = true")
+    assert_clean_error(cli("run", str(path)), "train.save_only_model = True", "exact resume")
+    # a misspelt HF name is offered the HF name and what it is here (not an unrelated field)
+    path = write_config(tmp_path, train='deepspeeed = "ds.json"')
+    assert_clean_error(cli("run", str(path)), "train.deepspeeed", "Did you mean 'deepspeed'?", "[deepspeed]")
     # and a --set override is checked the same way
     path = write_config(tmp_path)
     r = cli("run", str(path), "--set", "train.num_train_epoch=3")

@@ -216,7 +216,7 @@ def test_config_built_in_python_trains_like_the_toml_file(tmp_path):
     from_file = Config.load(path)
     assert from_file.to_dict() == cfg.to_dict()
     Loop(config=cfg, blocked_plugins=["console"]).train()
-    from_file.train.output_dir = str(tmp_path / "toml")
+    from_file = from_file.replace("train", output_dir=str(tmp_path / "toml"))
     Loop(config=from_file, blocked_plugins=["console"]).train()
     assert jsonl_losses(str(tmp_path / "py")) == jsonl_losses(str(tmp_path / "toml"))
     # and the resolved config written to output_dir is this config

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 
@@ -54,9 +55,9 @@ def _config(tmp_path, sections: str, **train) -> Config:
     cfg = Config.from_dict({"train": {"output_dir": str(tmp_path / "out"), "save_strategy": "no",
                                       "max_steps": 2, "disable_tqdm": True, **train}})
     extra = Config.from_dict(__import__("tomllib").loads(textwrap.dedent(sections)))
-    cfg.sections, cfg.plugins = extra.sections, extra.plugins
+    cfg = dataclasses.replace(cfg, sections=extra.sections, plugins=extra.plugins)
     if cfg.plugins.enable is None:  # only these two: other installed plugins must not change the outcome
-        cfg.plugins.enable = ["thirdparty", "thirdparty_rival"]
+        cfg = cfg.replace("plugins", enable=["thirdparty", "thirdparty_rival"])
     return cfg
 
 
@@ -149,8 +150,9 @@ def test_plugin_sections_are_validated(tmp_path):
         load_plugins(_config(tmp_path, '[thirdparti]\noptimizer = "sgd"\n'))
     # declared defaults are filled in
     cfg = _config(tmp_path, '[thirdparty]\noptimizer = "sgd"\n')
-    load_plugins(cfg)
-    assert cfg.section("thirdparty") == {"optimizer": "sgd", "marker": ""}
+    pl = load_plugins(cfg)
+    assert pl.config.section("thirdparty") == {"optimizer": "sgd", "marker": ""}
+    assert cfg.section("thirdparty") == {"optimizer": "sgd"}  # the given config is not changed
     assert TrainArgs().seed == 42
 
 
