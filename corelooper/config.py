@@ -376,7 +376,8 @@ def _did_you_mean(key: str, options: list[str]) -> str:
     hf = hf_hint(key)
     if hf is not None and key in _OTHER_TOOLS:
         return f" Did you mean {hf}?"
-    close = difflib.get_close_matches(key, options, n=1, cutoff=0.75)
+    # Long names share many letters by chance (deepspeed ~ seed: 0.62): ask for more of them.
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.6 if len(key) <= 6 else 0.75)
     if close:
         about = hf_hint(close[0])  # a misspelt HF name: say what it is here
         return f" Did you mean {close[0]!r}?" + (f" (HF's name; here: {about})" if about else "")
