@@ -326,6 +326,7 @@ class Loop:
         self._fire("on_pre_optimizer_step", optimizer=optimizer)
         backend.optimizer_step(optimizer)
         self._fire("on_optimizer_step", optimizer=optimizer)
+        self._applied_lr = self.scheduler.get_last_lr()[0]  # logged: the rate this step used (HF #36973)
         self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
@@ -423,7 +424,7 @@ class Loop:
         logs = {"loss": round(loss, 6) if math.isfinite(loss) else loss}
         if grad_norm is not None:
             logs["grad_norm"] = float(grad_norm)
-        logs["learning_rate"] = self.scheduler.get_last_lr()[0]
+        logs["learning_rate"] = getattr(self, "_applied_lr", None) or self.scheduler.get_last_lr()[0]
         logs["epoch"] = round(self.state.epoch, 4)
         logs["samples_per_second"] = round(samples / elapsed, 2)
         if tokens:
