@@ -424,7 +424,8 @@ class Loop:
         logs = {"loss": round(loss, 6) if math.isfinite(loss) else loss}
         if grad_norm is not None:
             logs["grad_norm"] = float(grad_norm)
-        logs["learning_rate"] = getattr(self, "_applied_lr", None) or self.scheduler.get_last_lr()[0]
+        lr = getattr(self, "_applied_lr", None)  # 0.0 at the first warmup step is a real value
+        logs["learning_rate"] = lr if lr is not None else self.scheduler.get_last_lr()[0]
         logs["epoch"] = round(self.state.epoch, 4)
         logs["samples_per_second"] = round(samples / elapsed, 2)
         if tokens:
