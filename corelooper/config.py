@@ -174,7 +174,11 @@ class TrainArgs:
     def __init__(self, output_dir: str | None = None, /, **kwargs: Any) -> None:
         if output_dir is not None:
             kwargs["output_dir"] = output_dir
+        # `TrainArgs(**other.__dict__)` copies: what other's HF names became comes along
+        carried_sections, carried_notes = kwargs.pop("_sections", {}), kwargs.pop("_notes", ())
         values, sections, notes = _train_values(kwargs)
+        sections = {**carried_sections, **sections}
+        notes = [*carried_notes, *notes]
         for f in dataclasses.fields(self):
             if f.name in values:
                 value = values[f.name]
@@ -234,7 +238,10 @@ def _train_values(raw: dict[str, Any]):
     values = {}
     for key, value in tr.train.items():
         if key not in names:
-            raise ConfigError(f"Unknown key train.{key}.{_did_you_mean(key, sorted(names) + hf_names())}")
+            hint = _did_you_mean(key, sorted(names) + hf_names())
+            if "Known keys" in hint:  # no close name: list corelooper's, not every HF one
+                hint = _did_you_mean(key, sorted(names))
+            raise ConfigError(f"Unknown key train.{key}.{hint}")
         tp = hints[key]
         if value is None and not _matches(None, tp):
             continue  # HF passes None for "unset": the default

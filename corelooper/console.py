@@ -66,13 +66,6 @@ def on_log(state, logs):
 
 
 @hookimpl
-def on_evaluate(state, metrics):
-    if not state.is_world_process_zero:
-        return
-    _print(f"[step {state.global_step}/{state.max_steps}] {_format(metrics)}")
-
-
-@hookimpl
 def on_save(state, checkpoint_dir):
     if state.is_world_process_zero:  # every rank takes part in a save; one reports it
         _print(f"saved {checkpoint_dir}")

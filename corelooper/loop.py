@@ -509,10 +509,9 @@ class Loop:
         if dataset is None:
             raise CorelooperError("No evaluation data: pass eval_dataset= or set data.eval.")
         metrics, _, _ = self._eval_with_retry(dataset, metric_key_prefix)
-        s = self.state
-        s.log_history.append({**metrics, "epoch": round(s.epoch, 4), "step": s.global_step})
-        # Every process, as in HF: early stopping must decide the same on all ranks; loggers
-        # check state.is_world_process_zero.
+        # As HF's evaluate(): the metrics are logged (on_log, so every logger sees them), then
+        # on_evaluate fires on every process (early stopping must decide the same on all ranks).
+        self.log({**metrics, "epoch": round(self.state.epoch, 4)})
         self._fire("on_evaluate", metrics=metrics)
         return metrics
 

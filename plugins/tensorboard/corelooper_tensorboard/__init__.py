@@ -124,10 +124,8 @@ class TensorBoardLogger:
             file_writer.add_summary(summary)
 
     def on_log(self, loop, state, logs) -> None:
-        self._write(loop, state, logs)
-
-    def on_evaluate(self, loop, state, metrics) -> None:
-        self._write(loop, state, metrics, flush=True)
+        # Evaluation metrics arrive here too (on_log before on_evaluate, as in HF): flush them.
+        self._write(loop, state, logs, flush=any(k.startswith("eval_") for k in logs))
 
     def on_predict(self, loop, state, metrics) -> None:
         self._write(loop, state, metrics, flush=True)

@@ -166,10 +166,7 @@ class WandbLogger:
             self._finish()
 
     def on_log(self, loop, state, logs) -> None:
-        self._log(loop, state, logs)
-
-    def on_evaluate(self, loop, state, metrics) -> None:
-        self._log(loop, state, metrics)
+        self._log(loop, state, logs)  # evaluation metrics too (on_log before on_evaluate, as in HF)
 
     def on_predict(self, loop, state, metrics) -> None:
         self._log(loop, state, metrics)
