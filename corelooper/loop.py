@@ -273,6 +273,13 @@ class Loop:
             s.epoch = float(epoch + 1) if not control.should_training_stop else s.epoch
             control.should_epoch_stop = False
             self._fire("on_epoch_end")
+            if control.should_log and window_steps:  # logging_strategy = "epoch"
+                self.log(self._window_logs(window_loss, window_steps, grad_norm, window_start,
+                                           window_samples, window_tokens))
+                window_loss = torch.zeros((), device=self.backend.device)
+                window_steps, window_samples, window_tokens = 0, 0, 0
+                window_start = time.perf_counter()
+            control.should_log = False
             self._evaluate_and_save()
             if control.should_training_stop:
                 break
