@@ -199,7 +199,7 @@ class Loop:
                 if self.backend.is_main_process:
                     checkpoint.prepare_output_dir(self, output_dir, resuming=bool(resume))
                 self._fire("on_train_begin")
-                if a.eval_on_start and not resume:  # as HF: once, before the first step
+                if a.eval_on_start:  # as HF: once, before the first step (also on resume)
                     self.evaluate()
                 self._train_loop(loader)
             except BaseException as exc:
