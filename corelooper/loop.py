@@ -18,7 +18,9 @@ import torch
 
 from . import checkpoint, preemption
 from .config import Config, TrainArgs, check_train_args, import_object
-from .data import batch_rows, count_input_tokens, count_loss_items, resolve_loss_type
+from .data import (
+    batch_rows, count_input_tokens, count_loss_items, count_tokens_seen, pad_token_id_of, resolve_loss_type,
+)
 from .errors import CorelooperError, DataError, PluginError, TrainingError
 from .losses import forward_signature, logits_of, split_batch
 from .plugins import load_plugins
@@ -252,7 +254,10 @@ class Loop:
                 window_samples += n_samples
                 window_tokens += n_tokens
                 s.total_samples_seen += n_samples
-                s.num_input_tokens_seen += n_tokens
+                s.num_input_tokens_seen += count_tokens_seen(
+                    micro_batches, a.tokens_seen_mode, self.backend, pad_token_id_of(self.data_collator),
+                    getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids"),
+                )
 
                 self._fire("on_step_end")
                 if self._preemption.requested(self.backend):
@@ -446,10 +451,14 @@ class Loop:
                     self.backend.unwrap_model(self.model), self.args.peak_flops, self.state.world_size
                 )
             logs.update(self._throughput.logs(tokens, samples, elapsed, self.state.num_input_tokens_seen))
+            if self.args.tokens_seen_mode == "no":
+                logs.pop("num_input_tokens_seen", None)
         return logs
 
     def log(self, logs: dict) -> None:
         """Record ``logs`` at the current step (``log_history``) and fire ``on_log``."""
+        if self.args.tokens_seen_mode != "no":  # as HF's log(): in every log, eval ones too
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.control.should_log = False
