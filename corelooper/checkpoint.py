@@ -319,6 +319,16 @@ def rotate_checkpoints(loop, output_dir: Path, keep: Path | None = None) -> list
     return deleted
 
 
+def keep_only_best(output_dir: Path, best: str | Path) -> list[Path]:
+    """End of training with ``save_total_limit = 1`` and a best checkpoint (HF 5.x
+    ``_finalize_training``): every other checkpoint is deleted, the best one stays. Returns
+    the deleted folders."""
+    deleted = [p for p in list_checkpoints(output_dir) if p.name != Path(best).name]
+    for path in deleted:
+        shutil.rmtree(path, ignore_errors=True)
+    return deleted
+
+
 def save_model(loop, directory: Path) -> None:
     """The final (or best) model: ``directory/model.safetensors`` (sharded above the limit)."""
     state_dict = loop.backend.model_state_dict(loop.model)

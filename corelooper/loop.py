@@ -518,6 +518,8 @@ class Loop:
         if self.args.load_best_model_at_end and s.best_model_checkpoint:
             checkpoint.load_model(self, Path(s.best_model_checkpoint))
         checkpoint.save_model(self, Path(self.args.output_dir))
+        if self.args.save_total_limit == 1 and s.best_model_checkpoint and self.backend.is_main_process:
+            checkpoint.keep_only_best(Path(self.args.output_dir), s.best_model_checkpoint)
         self.log(summary)
 
     # -- evaluation and prediction -------------------------------------------------------------------
