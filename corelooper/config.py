@@ -15,9 +15,9 @@ import math
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 from .errors import ConfigError
