@@ -19,10 +19,15 @@ import torch
 from . import checkpoint, preemption
 from .config import Config, TrainArgs, check_train_args, import_object
 from .data import (
-    batch_rows, count_input_tokens, count_loss_items, count_tokens_seen, pad_token_id_of, resolve_loss_type,
+    batch_rows,
+    count_input_tokens,
+    count_loss_items,
+    count_tokens_seen,
+    pad_token_id_of,
+    resolve_loss_type,
 )
 from .errors import CorelooperError, DataError, PluginError, TrainingError
-from .losses import forward_signature, logits_of, split_batch
+from .losses import forward_signature, predictions_of, split_batch
 from .plugins import load_plugins
 from .preemption import Preemption
 from .seeding import set_seed
@@ -580,7 +585,9 @@ class Loop:
                     kwargs = model_inputs(self, kwargs)
                 outputs = model(*args, **kwargs)
             if want_outputs:
-                collected.add(logits_of(outputs), split_batch(batch)[2] if has_labels else None)
+                predictions = predictions_of(outputs)  # the loss dropped, as HF's prediction_step
+                if predictions is not None:
+                    collected.add(predictions, split_batch(batch)[2] if has_labels else None)
             self._fire("on_prediction_step", batch=batch, outputs=outputs)
         model.train(was_training)
 
