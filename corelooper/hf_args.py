@@ -57,7 +57,8 @@ def _renamed(new: str, note: str = "") -> Mapper:
     """A 4.x (or other tools') name for a corelooper field."""
 
     def mapper(value: Any, tr: Translation, old: str = "") -> None:
-        _set(tr, new, value, old)
+        if value is not None:  # HF's "unset"
+            _set(tr, new, value, old)
 
     mapper.new_name = new  # type: ignore[attr-defined]
     mapper.note = note  # type: ignore[attr-defined]
@@ -245,7 +246,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "log_level": Unsupported("corelooper's console is quiet by design; set Python logging levels yourself "
                              "(logging.getLogger('transformers')).", ("passive",)),
     "log_level_replica": Unsupported("only rank 0 speaks; other ranks print nothing.", ("warning", "passive")),
-    "project": _TRACKIO,
+    "project": Unsupported("trackio has no corelooper plugin; for W&B use [wandb] project.",
+                           ("huggingface",)),
     "trackio_space_id": _TRACKIO,
     "trackio_bucket_id": _TRACKIO,
     "trackio_static_space_id": _TRACKIO,

@@ -603,6 +603,7 @@ class Loop:
         predictions = label_ids = None
         if want_outputs and collected:
             predictions, label_ids = collected.gather(backend)  # dataset order, padded with -100
+        if label_ids is not None:  # as HF: metrics need labels (predict() on unlabelled data has none)
             extra = self.hook.compute_metrics(loop=self, predictions=predictions, label_ids=label_ids)
             for k, v in (extra or {}).items():
                 metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)
