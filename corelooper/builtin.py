@@ -142,7 +142,7 @@ def on_step_end(loop, state, control):
             control.should_save = True
         # Not in HF (see docs/hooks.md, "Differences from the HF Trainer"): the last, partial
         # logging window is logged rather than dropped, so every step's loss reaches the loggers.
-        if a.logging_strategy != "no":
+        if a.logging_strategy == "steps":
             control.should_log = True
 
 

@@ -165,17 +165,22 @@ def regression_data(n: int, seed: int = 0):
     return [{"input_x": x[i], "labels": y[i]} for i in range(n)]
 
 
-def documented_differences(events: list[tuple[str, int]], kw: dict, max_steps: int) -> list[tuple[str, int]]:
-    """HF's sequence with corelooper's documented differences applied (docs/hooks.md): the last,
-    partial logging window is logged (one on_log right after the last on_step_end) when
-    logging_strategy is "steps" and the last step is not a logging step."""
+def documented_differences(events: list[tuple[str, int]], kw: dict, max_steps: int,
+                           last_step: int) -> list[tuple[str, int]]:
+    """HF's sequence with corelooper's documented difference applied (docs/hooks.md): with
+    logging_strategy "steps", the last, partial logging window is logged rather than dropped --
+    one on_log right after the last on_step_end when training reaches max_steps, or just before
+    the run summary's on_log when a plugin stopped it earlier."""
     steps = kw.get("logging_steps", 500)
-    last_logged = max_steps % steps == 0 or (max_steps == 1 and kw.get("logging_first_step"))
+    last_logged = last_step % steps == 0 or (last_step == 1 and kw.get("logging_first_step"))
     if kw.get("logging_strategy", "steps") != "steps" or last_logged:
         return events
     out = list(events)
-    i = out.index(("on_step_end", max_steps))
-    out.insert(i + 1, ("on_log", max_steps))
+    if last_step == max_steps:
+        out.insert(out.index(("on_step_end", max_steps)) + 1, ("on_log", max_steps))
+    else:
+        summary = max(i for i, e in enumerate(out) if e[0] == "on_log")
+        out.insert(summary, ("on_log", last_step))
     return out
 
 
@@ -209,7 +214,8 @@ def test_event_flow_is_hfs(tmp_path, flow, ga):
     loop = cl_loop(copy.deepcopy(model), tmp_path / "cl", train, evaluation, [cl_rec], **kw)
     loop.train()
     assert loop.state.global_step == hf.state.global_step
-    assert cl_rec.events == documented_differences(hf_rec.events, kw, hf.state.max_steps)
+    expected = documented_differences(hf_rec.events, kw, hf.state.max_steps, hf.state.global_step)
+    assert cl_rec.events == expected
     cl_evals = [h["step"] for h in loop.state.log_history if "eval_loss" in h]
     assert cl_evals == [h["step"] for h in hf.state.log_history if "eval_loss" in h]
 
