@@ -225,6 +225,7 @@ def load_plugins(
                 f"Installed: {names or 'none'}. Install the package (e.g. pip install "
                 f"{KNOWN_SECTIONS.get(sorted(unknown)[0], 'corelooper-' + sorted(unknown)[0])})."
             )
+    reporters: list[str] = []
     for ep in reversed(installed):  # first name registered last -> asked first
         dist = ep.dist.metadata["Name"] if ep.dist else None
         version = ep.dist.version if ep.dist else None
@@ -250,7 +251,14 @@ def load_plugins(
                 f"Plugin {ep.name!r} (package {dist}): its entry point names the class "
                 f"{obj.__name__}; it must name a module or an instance."
             )
+        if getattr(obj, "reports", False):  # a logger (HF's report_to integrations)
+            reporters.append(ep.name)
+            if config is not None and not config.train.reports_to(ep.name):
+                plugins.skipped[ep.name] = "not in train.report_to"
+                continue
         plugins.register(obj, ep.name, "installed", dist, version)
+    if config is not None and autoload:
+        check_report_to(config, [*reporters, *plugins.skipped])
 
     base = config.source.parent if config is not None and config.source else None
     for ref in cfg.local if cfg else ():
@@ -271,6 +279,20 @@ def load_plugins(
                 "loaded: `pip install corelooper-auto-batch-size` (or do not disable it)."
             )
     return plugins
+
+
+def check_report_to(config: Config, known: list[str]) -> None:
+    """``train.report_to`` names only installed logging plugins (or "all" / "none"); ``known``
+    also holds the installed plugins skipped for this run (disabled, not enabled)."""
+    wanted = config.train.report_to
+    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+    unknown = sorted(set(wanted) - {"all", "none"} - set(known))
+    if unknown:
+        raise ConfigError(
+            f"train.report_to names {unknown}, which no installed logging plugin provides "
+            f"(installed: {sorted(known) or 'none'}). Install the plugin (e.g. pip install "
+            f"corelooper-{unknown[0]}), or use \"all\" / \"none\"."
+        )
 
 
 def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) -> None:

@@ -194,3 +194,19 @@ def test_cli_plugins_shows_installed_plugin_and_winner(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "thirdparty [installed, inactive: autoload off" in r.stdout
     assert provider_line(r.stdout, "create_optimizer") == "create_optimizer: builtin"
+
+
+def test_report_to_chooses_the_logging_plugins_as_hf(monkeypatch):
+    """HF's report_to: only the named loggers run; "none" runs none; an unknown name is an error."""
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    names = {ep.name for ep in installed_entry_points()}
+    if not {"tensorboard", "wandb"} <= names:
+        pytest.fail("the tensorboard and wandb plugins are part of the development install")
+    pl = load_plugins(Config.from_dict({"train": {"report_to": ["wandb"]}}))
+    assert "wandb" in pl.info and pl.skipped["tensorboard"] == "not in train.report_to"
+    pl = load_plugins(Config.from_dict({"train": {"report_to": "none"}}))
+    assert {"wandb", "tensorboard"} <= set(pl.skipped) and "wandb" not in pl.info
+    pl = load_plugins(Config.from_dict({"train": {}}))  # corelooper's default: "all"
+    assert {"wandb", "tensorboard"} <= set(pl.info)
+    with pytest.raises(ConfigError, match=r"train.report_to names \['mlflow'\].*pip install corelooper-mlflow"):
+        load_plugins(Config.from_dict({"train": {"report_to": ["mlflow"]}}))

@@ -61,6 +61,7 @@ class TensorBoardLogger:
     """The plugin object (the entry point names the instance ``plugin`` below)."""
 
     name = SECTION
+    reports = True  # a logger: loaded only when train.report_to wants it (HF's report_to)
 
     def __init__(self) -> None:
         self._writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> writer

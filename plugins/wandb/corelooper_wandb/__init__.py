@@ -65,6 +65,7 @@ class WandbLogger:
     """The plugin object (the entry point names the instance ``plugin`` below)."""
 
     name = SECTION
+    reports = True  # a logger: loaded only when train.report_to wants it (HF's report_to)
 
     def __init__(self) -> None:
         self.run = None
