@@ -20,9 +20,9 @@ import copy
 import dataclasses
 
 import pytest
-import toys
 import torch
 import torch.nn.functional as F
+import toys
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
