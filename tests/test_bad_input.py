@@ -151,3 +151,12 @@ def test_traceback_flag_shows_the_traceback(cli, tmp_path):
     path = write_config(tmp_path, train="learning_rat = 1e-3")
     r = cli("run", str(path), "--traceback")
     assert r.returncode == 2 and "Traceback" in r.stderr and "train.learning_rat" in r.stderr
+
+
+@pytest.mark.parametrize("line", ["learning_rate = inf", "weight_decay = inf", "max_grad_norm = nan",
+                                  "num_train_epochs = nan"])
+def test_values_that_can_only_give_nan_fail_at_start_up(cli, tmp_path, line):
+    path = write_config(tmp_path, train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\n{line}')
+    key = line.split(" = ")[0]
+    assert_clean_error(cli("run", str(path)), f"train.{key}", "not a finite number", code=2)
+    assert not (tmp_path / "out").exists()  # refused before anything was written

@@ -444,3 +444,55 @@ class _no_warning:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_documented_defaults_differ_from_hf(tmp_path):
+    """docs/hooks.md, "Differences from the HF Trainer": the three defaults that differ."""
+    from corelooper.errors import ConfigError
+
+    hf = TrainingArguments(output_dir=str(tmp_path))
+    ours = TrainArgs()
+    assert hf.include_num_input_tokens_seen == "no" and ours.tokens_seen_mode == "all"
+    assert hf.report_to == [] or hf.report_to == "none"
+    assert ours.report_to == "all" and ours.reports_to("tensorboard")
+    assert hf.logging_nan_inf_filter is True
+    with pytest.raises(ConfigError, match=r"logging_nan_inf_filter = true is not supported.*on_nonfinite"):
+        TrainArgs(logging_nan_inf_filter=True)
+    with pytest.raises(ConfigError, match=r"train.logging_steps must be int, got 0.1"):
+        TrainArgs(logging_steps=0.1)
+
+
+@pytest.mark.parametrize("kw", [
+    {"deepspeeed": "ds.json"}, {"save_only_model": True}, {"lr": 1e-3}, {"seed": "1"},
+    {"learning_rate": float("inf")}, {"eval_strategy": "step"}, {"dataloader_pin_memori": False},
+    {"load_best_model_at_end": True},
+])
+def test_python_trainargs_gives_the_toml_message(kw):
+    from corelooper.config import Config
+    from corelooper.errors import ConfigError
+
+    with pytest.raises(ConfigError) as from_python:
+        TrainArgs(**kw)
+    with pytest.raises(ConfigError) as from_toml:
+        Config.from_dict({"train": kw})
+    assert str(from_python.value) == str(from_toml.value)
+    assert "train." in str(from_python.value)
+
+
+def test_config_is_read_only_after_validation(tmp_path):
+    from corelooper.config import Config
+
+    args = TrainArgs(output_dir=str(tmp_path), eval_strategy="epoch", save_strategy="epoch",
+                     load_best_model_at_end=True)
+    assert args.metric_for_best_model == "loss" and args.greater_is_better is False  # HF's defaults
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.learning_rate = 1.0
+    cfg = Config.from_dict({"train": {"output_dir": str(tmp_path)}, "neftune": {"noise_alpha": 1.0}})
+    with pytest.raises(TypeError):
+        cfg.sections["neftune"]["noise_alpha"] = 2.0
+    with pytest.raises(TypeError):
+        cfg.sections["other"] = {}
+    changed = cfg.replace("train", learning_rate=1e-3)  # a validated copy
+    assert changed.train.learning_rate == 1e-3 and cfg.train.learning_rate == 5e-5
+    with pytest.raises(Exception, match="learning_rate"):
+        cfg.replace("train", learning_rate=float("nan"))
