@@ -140,7 +140,7 @@ class AccelerateBackend(TorchDistributedCollectives):
     supports_dynamic_accumulation = True
     shards_parameters = False
 
-    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False):
+    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False, ddp_kwargs: dict | None = None):
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
 
@@ -153,7 +153,12 @@ class AccelerateBackend(TorchDistributedCollectives):
             raise ConfigError(
                 'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
             )
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision)
+        handlers = []
+        if ddp_kwargs:  # HF's ddp_find_unused_parameters, ddp_bucket_cap_mb, ... (train.ddp_*)
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
         acc = self.accelerator
         self.device = acc.device
         self.process_index = acc.process_index

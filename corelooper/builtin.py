@@ -13,7 +13,10 @@ from .losses import default_loss
 def create_backend(loop):
     from .backend import AccelerateBackend
 
-    return AccelerateBackend(loop.args.mixed_precision, loop.args.use_cpu)
+    a = loop.args
+    ddp = {"find_unused_parameters": a.ddp_find_unused_parameters, "bucket_cap_mb": a.ddp_bucket_cap_mb,
+           "broadcast_buffers": a.ddp_broadcast_buffers, "static_graph": a.ddp_static_graph}
+    return AccelerateBackend(a.mixed_precision, a.use_cpu, {k: v for k, v in ddp.items() if v is not None})
 
 
 # -- optimizer and scheduler (by name: corelooper/optimizers.py, corelooper/schedules.py) --------

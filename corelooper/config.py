@@ -151,6 +151,12 @@ class TrainArgs:
     dataloader_drop_last: bool = False
     dataloader_pin_memory: bool = True
     """Pinned host memory for batches when training on a GPU (ignored on the CPU)."""
+    # DDP options of the builtin backend (torch's defaults when unset), as HF.
+    ddp_find_unused_parameters: bool | None = None
+    """True when some parameters get no gradient in a step (e.g. a branch not taken)."""
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
     resume_from_checkpoint: str | None = None
     """A checkpoint folder, or "latest" for the newest complete one in output_dir."""
     disable_tqdm: bool = False

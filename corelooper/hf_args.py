@@ -296,12 +296,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "label_names": Unsupported(
         "labels are batch['labels'] (or the last element of a tuple sample): rename the column in the "
         "dataset or the collator, or implement compute_loss.", (None, ["labels"])),
-    "ddp_find_unused_parameters": Unsupported(
-        "not supported by the builtin DDP backend yet: every parameter must get a gradient each step "
-        "(freeze unused ones with requires_grad_(False)).", (None, False)),
-    "ddp_bucket_cap_mb": Unsupported("not supported: DDP's default bucket size (25 MB) is used.", (None,)),
-    "ddp_broadcast_buffers": Unsupported("not supported: DDP's default (broadcast) is used.", (None, True)),
-    "ddp_static_graph": Unsupported("not supported by the builtin DDP backend.", (None, False)),
     "ddp_backend": Unsupported(
         "the process group uses gloo on CPU and nccl on GPU; another backend needs a create_backend plugin.",
         (None,)),

@@ -496,3 +496,42 @@ def test_config_is_read_only_after_validation(tmp_path):
     assert changed.train.learning_rate == 1e-3 and cfg.train.learning_rate == 5e-5
     with pytest.raises(Exception, match="learning_rate"):
         cfg.replace("train", learning_rate=float("nan"))
+
+
+class HalfUsed(nn.Module):
+    """A parameter that never gets a gradient: DDP needs find_unused_parameters for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(2, 1)
+        self.unused = nn.Linear(2, 1)
+
+    def forward(self, input_x, labels):
+        y = self.used(input_x).squeeze(-1)
+        return {"loss": F.mse_loss(y, labels)}
+
+
+def _ddp_run(find_unused):
+    def run():
+        import tempfile
+
+        data = [{"input_x": torch.randn(2), "labels": torch.randn(())} for _ in range(16)]
+        args = TrainArgs(output_dir=tempfile.mkdtemp(), use_cpu=True, max_steps=3, save_strategy="no",
+                         per_device_train_batch_size=2, ddp_find_unused_parameters=find_unused,
+                         disable_tqdm=True)
+        loop = Loop(HalfUsed(), args, train_dataset=data, blocked_plugins=["console", "jsonl"])
+        assert loop.backend.num_processes == 2
+        loop.train()
+        assert loop.state.global_step == 3
+
+    return run
+
+
+def test_ddp_find_unused_parameters_reaches_ddp():
+    """HF's ddp_find_unused_parameters on a real 2-rank gloo run: without it DDP fails at the
+    second step (a parameter had no gradient); with it the run trains."""
+    from accelerate import debug_launcher
+
+    debug_launcher(_ddp_run(True), num_processes=2)
+    with pytest.raises(Exception, match="did not receive gradient"):
+        debug_launcher(_ddp_run(False), num_processes=2)
