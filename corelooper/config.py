@@ -371,8 +371,23 @@ class Config:
         Path(path).write_text(dumps_toml(self.to_dict()))
 
 
+class ReadOnlyDict(dict):
+    """A dict that refuses changes (a ``MappingProxyType`` could not be pickled or deep-copied,
+    and an HPO study or a spawned worker copies configs)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("the config is read-only after validation: use Config.replace(...) or "
+                        "dataclasses.replace(...) for a changed copy")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self):
+        return (ReadOnlyDict, (dict(self),))
+
+
 def _read_only(sections: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Mapping[str, Any]]:
-    return types.MappingProxyType({k: types.MappingProxyType(dict(v)) for k, v in sections.items()})
+    return ReadOnlyDict({k: ReadOnlyDict(v) for k, v in sections.items()})
 
 
 # --------------------------------------------------------------------------------------------

@@ -492,6 +492,9 @@ def test_config_is_read_only_after_validation(tmp_path):
         cfg.sections["neftune"]["noise_alpha"] = 2.0
     with pytest.raises(TypeError):
         cfg.sections["other"] = {}
+    import pickle
+
+    assert copy.deepcopy(cfg) == cfg == pickle.loads(pickle.dumps(cfg))  # HPO studies copy configs
     changed = cfg.replace("train", learning_rate=1e-3)  # a validated copy
     assert changed.train.learning_rate == 1e-3 and cfg.train.learning_rate == 5e-5
     with pytest.raises(Exception, match="learning_rate"):
