@@ -530,11 +530,23 @@ def _ddp_run(find_unused):
     return run
 
 
+def _launch(find_unused: bool):
+    """Two gloo ranks (accelerate's debug_launcher) in a fresh interpreter: a process group
+    left initialised by an earlier test in this process would be inherited by forked ranks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from accelerate import debug_launcher; import test_hf_oracle as t; "
+            f"debug_launcher(t._ddp_run({find_unused}), num_processes=2)")
+    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_ddp_find_unused_parameters_reaches_ddp():
     """HF's ddp_find_unused_parameters on a real 2-rank gloo run: without it DDP fails at the
     second step (a parameter had no gradient); with it the run trains."""
-    from accelerate import debug_launcher
-
-    debug_launcher(_ddp_run(True), num_processes=2)
-    with pytest.raises(Exception, match="did not receive gradient"):
-        debug_launcher(_ddp_run(False), num_processes=2)
+    ok = _launch(True)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    failed = _launch(False)
+    assert failed.returncode != 0 and "did not receive gradient" in failed.stderr, failed.stderr[-3000:]
