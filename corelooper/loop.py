@@ -584,10 +584,9 @@ class Loop:
 
                     kwargs = model_inputs(self, kwargs)
                 outputs = model(*args, **kwargs)
-            if want_outputs:
-                predictions = predictions_of(outputs)  # the loss dropped, as HF's prediction_step
-                if predictions is not None:
-                    collected.add(predictions, split_batch(batch)[2] if has_labels else None)
+            # the loss dropped, as HF's prediction_step
+            if want_outputs and (predictions := predictions_of(outputs)) is not None:
+                collected.add(predictions, split_batch(batch)[2] if has_labels else None)
             self._fire("on_prediction_step", batch=batch, outputs=outputs)
         model.train(was_training)
 

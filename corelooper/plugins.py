@@ -251,11 +251,8 @@ def load_plugins(
                 f"Plugin {ep.name!r} (package {dist}): its entry point names the class "
                 f"{obj.__name__}; it must name a module or an instance."
             )
-        if getattr(obj, "reports", False):  # a logger (HF's report_to integrations)
-            reporters.append(ep.name)
-            if config is not None and not config.train.reports_to(ep.name):
-                plugins.skipped[ep.name] = "not in train.report_to"
-                continue
+        if _unwanted_reporter(obj, ep.name, config, plugins, reporters):
+            continue
         plugins.register(obj, ep.name, "installed", dist, version)
     if config is not None and autoload:
         check_report_to(config, [*reporters, *plugins.skipped])
@@ -279,6 +276,17 @@ def load_plugins(
                 "loaded: `pip install corelooper-auto-batch-size` (or do not disable it)."
             )
     return plugins
+
+
+def _unwanted_reporter(obj, name: str, config: Config | None, plugins: Plugins, reporters: list[str]) -> bool:
+    """A logging plugin (``reports = True``, HF's report_to integrations) not in train.report_to."""
+    if not getattr(obj, "reports", False):
+        return False
+    reporters.append(name)
+    if config is not None and not config.train.reports_to(name):
+        plugins.skipped[name] = "not in train.report_to"
+        return True
+    return False
 
 
 def check_report_to(config: Config, known: list[str]) -> None:
