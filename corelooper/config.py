@@ -118,7 +118,8 @@ class TrainArgs:
     """``auto``: causal-LM shift when ``labels`` has the shape of ``input_ids``, MSE for float
     labels, cross-entropy otherwise."""
     logging_strategy: Literal["no", "steps", "epoch"] = "steps"
-    logging_steps: int = 500
+    logging_steps: int | float = 500
+    """Steps between logs; a float < 1 is a ratio of the run (HF: ceil(ratio * max_steps))."""
     logging_first_step: bool = False
     logging_nan_inf_filter: bool = False
     """HF's default is true (a non-finite loss is logged as the mean of the window's others);
@@ -132,14 +133,15 @@ class TrainArgs:
     """Logging plugins to feed: ``"all"`` (every installed one), ``"none"``, or names
     (``["tensorboard", "wandb"]``); the plugin manager turns the others off."""
     eval_strategy: Literal["no", "steps", "epoch"] = "no"
-    eval_steps: int | None = None
-    """Defaults to ``logging_steps``."""
+    eval_steps: int | float | None = None
+    """Defaults to ``logging_steps``; a float < 1 is a ratio of the run."""
     eval_delay: float = 0
     """No evaluation before this many steps (epochs with ``eval_strategy = "epoch"``)."""
     eval_on_start: bool = False
     """Evaluate once before the first step (a sanity check of the evaluation code)."""
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
-    save_steps: int = 500
+    save_steps: int | float = 500
+    """A float < 1 is a ratio of the run."""
     save_total_limit: int | None = None
     save_max_shard_size: int | str = "5GB"
     """Weights above this size are split into ``model-0000k-of-0000n.safetensors`` shards plus
@@ -466,7 +468,14 @@ def build_dataclass(klass: type, raw: dict[str, Any], section: str):
 
 # Float settings that can only produce NaN (or no training) when not finite.
 _FINITE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "warmup_steps",
-           "adam_beta1", "adam_beta2", "adam_epsilon", "label_smoothing_factor", "eval_delay", "peak_flops")
+           "adam_beta1", "adam_beta2", "adam_epsilon", "label_smoothing_factor", "eval_delay", "peak_flops",
+           "logging_steps", "eval_steps", "save_steps")
+
+
+def resolve_interval(steps: int | float, max_steps: int) -> int:
+    """An interval in steps: HF's rule for ``logging_steps``/``eval_steps``/``save_steps``
+    (a float < 1 is ``ceil(steps * max_steps)``)."""
+    return max(1, math.ceil(steps * max_steps)) if steps < 1 else int(steps)
 
 
 def check_train_args(a: TrainArgs) -> dict[str, Any]:
@@ -498,10 +507,10 @@ def check_train_args(a: TrainArgs) -> dict[str, Any]:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(a, key)!r}.")
     if a.max_steps <= 0 and a.num_train_epochs <= 0:
         raise ConfigError("Set train.num_train_epochs > 0 or train.max_steps > 0: nothing to train.")
-    if a.warmup_steps >= 1 and not float(a.warmup_steps).is_integer():
-        raise ConfigError(
-            f"train.warmup_steps = {a.warmup_steps!r}: use an int number of steps or a ratio < 1."
-        )
+    for key in ("warmup_steps", "logging_steps", "eval_steps", "save_steps"):
+        v = getattr(a, key)
+        if v is not None and v >= 1 and not float(v).is_integer():
+            raise ConfigError(f"train.{key} = {v!r}: use an int number of steps or a ratio < 1.")
     if a.logging_nan_inf_filter:
         raise ConfigError(
             "train.logging_nan_inf_filter = true is not supported: corelooper logs the true loss, and a "
@@ -534,7 +543,9 @@ def _check_best_model(a: TrainArgs) -> None:
                 f"match train.eval_strategy ({a.eval_strategy!r}), so that every evaluated model "
                 "is saved."
             )
-        if a.save_strategy == "steps" and a.save_steps % (a.eval_steps or a.logging_steps):
+        eval_steps = a.eval_steps or a.logging_steps
+        ratios = a.save_steps < 1 or eval_steps < 1  # checked once max_steps is known
+        if a.save_strategy == "steps" and not ratios and a.save_steps % eval_steps:
             raise ConfigError(
                 f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
                 f"multiple of train.eval_steps ({a.eval_steps or a.logging_steps})."

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -172,6 +173,7 @@ def documented_differences(events: list[tuple[str, int]], kw: dict, max_steps: i
     one on_log right after the last on_step_end when training reaches max_steps, or just before
     the run summary's on_log when a plugin stopped it earlier."""
     steps = kw.get("logging_steps", 500)
+    steps = math.ceil(steps * max_steps) if steps < 1 else steps  # a ratio of the run
     last_logged = last_step % steps == 0 or (last_step == 1 and kw.get("logging_first_step"))
     if kw.get("logging_strategy", "steps") != "steps" or last_logged:
         return events
@@ -197,6 +199,7 @@ FLOWS = [
     {"logging_strategy": "epoch", "eval_strategy": "steps", "eval_steps": 3, "save_strategy": "no"},
     {"stop_at": 3, "logging_steps": 2, "eval_strategy": "epoch"},
     {"eval_on_start": True, "eval_strategy": "steps", "eval_steps": 4, "logging_steps": 2},
+    {"logging_steps": 0.25, "eval_strategy": "steps", "eval_steps": 0.4, "save_steps": 0.5},  # ratios
 ]
 
 
@@ -458,8 +461,8 @@ def test_documented_defaults_differ_from_hf(tmp_path):
     assert hf.logging_nan_inf_filter is True
     with pytest.raises(ConfigError, match=r"logging_nan_inf_filter = true is not supported.*on_nonfinite"):
         TrainArgs(logging_nan_inf_filter=True)
-    with pytest.raises(ConfigError, match=r"train.logging_steps must be int, got 0.1"):
-        TrainArgs(logging_steps=0.1)
+    with pytest.raises(ConfigError, match=r"train.logging_steps = 2.5: use an int number of steps or a ratio"):
+        TrainArgs(logging_steps=2.5)
 
 
 @pytest.mark.parametrize("kw", [
