@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import checkpoint, preemption
-from .config import Config, TrainArgs, check_train_args, import_object
+from .config import Config, TrainArgs, check_train_args, import_object, resolve_interval
 from .data import (
     batch_rows,
     count_input_tokens,
@@ -168,8 +168,9 @@ class Loop:
         s.steps_per_epoch = math.ceil(batches_per_epoch / a.gradient_accumulation_steps)
         s.max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * s.steps_per_epoch)
         s.num_train_epochs = math.ceil(s.max_steps / s.steps_per_epoch) if s.steps_per_epoch else 1
-        s.logging_steps, s.save_steps = a.logging_steps, a.save_steps
-        s.eval_steps = a.eval_steps or a.logging_steps
+        s.logging_steps = resolve_interval(a.logging_steps, s.max_steps)  # a float < 1: a ratio (HF)
+        s.save_steps = resolve_interval(a.save_steps, s.max_steps)
+        s.eval_steps = resolve_interval(a.eval_steps or a.logging_steps, s.max_steps)
         s.train_batch_size = a.per_device_train_batch_size
         s.gradient_accumulation_steps = a.gradient_accumulation_steps
 
