@@ -96,7 +96,7 @@ def load_config(config: Path, overrides: list[str] | None, local_plugins: list[s
     from corelooper.config import Config
 
     cfg = Config.load(config, overrides or [])
-    cfg.plugins.local = [*cfg.plugins.local, *local_plugins]
+    cfg = cfg.replace("plugins", local=[*cfg.plugins.local, *local_plugins])
     return cfg
 
 
@@ -197,12 +197,12 @@ def plugins(
 ) -> None:
     """List plugins: version, hooks, config keys, and which provider wins each provider hook."""
     try:
-        from corelooper.config import Config, PluginsConfig
+        from corelooper.config import Config
         from corelooper.hookspecs import PROVIDERS
         from corelooper.plugins import load_plugins
 
         blocked, local = split_plugin_options(p)
-        cfg = load_config(config, set_, local) if config else Config(plugins=PluginsConfig(local=local))
+        cfg = load_config(config, set_, local) if config else Config().replace("plugins", local=local)
         pl = load_plugins(cfg, blocked=blocked)
         cfg = pl.config  # with the plugins' defaults: the values this run would use
         typer.echo(f"plugins{' for ' + str(config) if config else ''}:")

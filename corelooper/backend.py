@@ -128,7 +128,8 @@ class AccelerateBackend(TorchDistributedCollectives):
 
     shards_parameters = False
 
-    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False, ddp_timeout: int | None = None):
+    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False, ddp_timeout: int | None = None,
+                 ddp_kwargs: dict | None = None):
         from datetime import timedelta
 
         from accelerate import Accelerator
@@ -144,8 +145,13 @@ class AccelerateBackend(TorchDistributedCollectives):
             raise ConfigError(
                 'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
             )
-        # train.ddp_timeout reaches init_process_group through accelerate's kwargs handler
-        handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))] if ddp_timeout else None
+        handlers = []
+        if ddp_timeout:  # train.ddp_timeout reaches init_process_group through accelerate
+            handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout)))
+        if ddp_kwargs:  # HF's ddp_find_unused_parameters, ddp_bucket_cap_mb, ... (train.ddp_*)
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
         self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
         acc = self.accelerator
         self.device = acc.device

@@ -13,7 +13,11 @@ from .losses import default_loss
 def create_backend(loop):
     from .backend import AccelerateBackend
 
-    return AccelerateBackend(loop.args.mixed_precision, loop.args.use_cpu, loop.args.ddp_timeout)
+    a = loop.args
+    ddp = {"find_unused_parameters": a.ddp_find_unused_parameters, "bucket_cap_mb": a.ddp_bucket_cap_mb,
+           "broadcast_buffers": a.ddp_broadcast_buffers, "static_graph": a.ddp_static_graph}
+    return AccelerateBackend(a.mixed_precision, a.use_cpu, a.ddp_timeout,
+                             {k: v for k, v in ddp.items() if v is not None})
 
 
 # -- optimizer and scheduler (by name: corelooper/optimizers.py, corelooper/schedules.py) --------
@@ -47,13 +51,13 @@ def train_dataloader(loop, dataset):
         dataset,
         a.per_device_train_batch_size,
         collate_fn=loop.data_collator,
-        shuffle=True,
+        shuffle=a.train_sampling_strategy != "sequential",
         seed=a.data_seed if a.data_seed is not None else a.seed,
         drop_last=a.dataloader_drop_last,
         num_replicas=loop.backend.num_processes,
         rank=loop.backend.process_index,
         num_workers=a.dataloader_num_workers,
-        pin_memory=loop.backend.device.type == "cuda",
+        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
         lengths=_lengths(loop, dataset) if a.group_by_length else None,
     )
 
@@ -71,7 +75,8 @@ def _streaming_loader(loop, dataset, batch_size: int, cycle: bool):
     return StreamingLoader(
         dataset, batch_size, loop.data_collator, rank=loop.backend.process_index,
         num_replicas=loop.backend.num_processes, num_workers=a.dataloader_num_workers,
-        drop_last=a.dataloader_drop_last, pin_memory=loop.backend.device.type == "cuda", cycle=cycle,
+        drop_last=a.dataloader_drop_last, cycle=cycle,
+        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
     )
 
 
@@ -96,7 +101,7 @@ def eval_dataloader(loop, dataset):
         num_replicas=loop.backend.num_processes,
         rank=loop.backend.process_index,
         num_workers=a.dataloader_num_workers,
-        pin_memory=loop.backend.device.type == "cuda",
+        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
         contiguous=True,
     )
 
@@ -130,30 +135,41 @@ def compute_metrics(loop, predictions, label_ids):
     return None
 
 
-# -- flow: when to log, evaluate, save (HF's DefaultFlowCallback) ------------------------------
+# -- flow: when to log, evaluate, save (HF's DefaultFlowCallback, transformers 5.24) ----------
 
 
 @hookimpl(tryfirst=True)
 def on_step_end(loop, state, control):
     a = loop.args
     step = state.global_step
-    if step % state.logging_steps == 0 or (step == 1 and a.logging_first_step):
+    if step == 1 and a.logging_first_step:
         control.should_log = True
-    if a.eval_strategy == "steps" and step % state.eval_steps == 0:
+    if a.logging_strategy == "steps" and step % state.logging_steps == 0:
+        control.should_log = True
+    evaluating = a.eval_strategy == "steps" and a.eval_delay <= step
+    if evaluating and step % state.eval_steps == 0:
         control.should_evaluate = True
     if a.save_strategy == "steps" and step % state.save_steps == 0:
         control.should_save = True
     if step >= state.max_steps:
         control.should_training_stop = True
-        control.should_log = True
+        # HF 5.x: one more evaluation at the end when the last step is not an eval step
+        if evaluating and step % state.eval_steps != 0:
+            control.should_evaluate = True
         if a.save_strategy == "steps":
             control.should_save = True
+        # Not in HF (see docs/hooks.md, "Differences from the HF Trainer"): the last, partial
+        # logging window is logged rather than dropped, so every step's loss reaches the loggers.
+        if a.logging_strategy == "steps":
+            control.should_log = True
 
 
 @hookimpl(tryfirst=True)
 def on_epoch_end(loop, state, control):
     a = loop.args
-    if a.eval_strategy == "epoch":
+    if a.logging_strategy == "epoch":
+        control.should_log = True
+    if a.eval_strategy == "epoch" and a.eval_delay <= state.epoch:
         control.should_evaluate = True
     if a.save_strategy == "epoch":
         control.should_save = True

@@ -15,6 +15,7 @@ import math
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -27,7 +28,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     factory: str = ""
     """``module:callable`` (or ``path/to/file.py:callable``) returning an ``nn.Module``."""
@@ -49,7 +50,7 @@ class ModelConfig:
     """The tokenizer's folder (default: ``name_or_path``)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     train: str | list | None = None
     """``module:callable`` returning the training dataset, or data files (corelooper/hf_data.py):
@@ -67,7 +68,7 @@ class DataConfig:
     """Keyword arguments passed to the dataset factories."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PluginsConfig:
     enable: list[str] | None = None
     """Allow-list of installed plugins to load (``None``: all installed plugins)."""
@@ -77,12 +78,20 @@ class PluginsConfig:
     """Modules (``pkg.module`` or ``path/to/file.py``) registered as plugins for this project."""
 
 
-@dataclass
+@dataclass(frozen=True, init=False)
 class TrainArgs:
-    """Training settings; names and meanings follow HF ``TrainingArguments``."""
+    """Training settings; names and meanings follow HF ``TrainingArguments`` (5.x).
+
+    ``TrainArgs(output_dir=..., **kwargs)`` validates like the ``[train]`` table of a config file
+    (same messages: unknown keys get a hint, HF names are mapped or refused, see
+    ``corelooper/hf_args.py``) and is read-only afterwards; ``dataclasses.replace`` makes a
+    changed copy, validated again.
+    """
 
     output_dir: str = "runs/corelooper"
     overwrite_output_dir: bool = False
+    """Start over in an output_dir that holds checkpoints (deletes them). A Transformers 4.x
+    name, kept: corelooper refuses to train into a used output_dir without it."""
     run_name: str | None = None
     seed: int = 42
     data_seed: int | None = None
@@ -123,21 +132,41 @@ class TrainArgs:
     ignore_data_skip: bool = False
     """On resume, do not restore/skip the data position: start the data from the beginning."""
     warmup_steps: float = 0
-    """An int number of steps, or a float < 1 read as a ratio of the run."""
+    """An int number of steps, or a float < 1 read as a ratio of the run (HF 5.x; the 4.x
+    ``warmup_ratio`` is read as this)."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """HF's ``bf16 = true`` / ``fp16 = true`` are read as this."""
     loss_type: Literal["auto", "cross_entropy", "causal_lm", "mse"] = "auto"
     """``auto``: causal-LM shift when ``labels`` has the shape of ``input_ids``, MSE for float
     labels, cross-entropy otherwise."""
     loss_impl: Literal["default", "chunked"] = "default"
     """``chunked``: the causal-LM cross-entropy from the last hidden states in chunks of tokens,
     never the full ``[tokens, vocab]`` float32 logits (corelooper/chunked_ce.py); HF causal LMs."""
-    logging_steps: int = 500
+    logging_strategy: Literal["no", "steps", "epoch"] = "steps"
+    logging_steps: int | float = 500
+    """Steps between logs; a float < 1 is a ratio of the run (HF: ceil(ratio * max_steps))."""
     logging_first_step: bool = False
+    logging_nan_inf_filter: bool = False
+    """HF's default is true (a non-finite loss is logged as the mean of the window's others);
+    corelooper logs the true loss and only accepts false."""
+    include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = "all"
+    """What ``state.num_input_tokens_seen`` counts (and logs): ``"all"`` (``input_ids.numel()``),
+    ``"non_padding"`` (``attention_mask.sum()``; without a mask, ids != the collator's
+    ``pad_token_id``), ``"no"``. HF's default is ``"no"``; corelooper counts from tensor shapes
+    with no device sync, so ``"all"`` costs nothing."""
+    report_to: str | list[str] = "all"
+    """Logging plugins to feed: ``"all"`` (every installed one), ``"none"``, or names
+    (``["tensorboard", "wandb"]``); the plugin manager turns the others off."""
     eval_strategy: Literal["no", "steps", "epoch"] = "no"
-    eval_steps: int | None = None
-    """Defaults to ``logging_steps``."""
+    eval_steps: int | float | None = None
+    """Defaults to ``logging_steps``; a float < 1 is a ratio of the run."""
+    eval_delay: float = 0
+    """No evaluation before this many steps (epochs with ``eval_strategy = "epoch"``)."""
+    eval_on_start: bool = False
+    """Evaluate once before the first step (a sanity check of the evaluation code)."""
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
-    save_steps: int = 500
+    save_steps: int | float = 500
+    """A float < 1 is a ratio of the run."""
     save_total_limit: int | None = None
     save_max_shard_size: int | str = "5GB"
     """Weights above this size are split into ``model-0000k-of-0000n.safetensors`` shards plus
@@ -147,6 +176,14 @@ class TrainArgs:
     greater_is_better: bool | None = None
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
+    dataloader_pin_memory: bool = True
+    """Pinned host memory for batches when training on a GPU (ignored on the CPU)."""
+    # DDP options of the builtin backend (torch's defaults when unset), as HF.
+    ddp_find_unused_parameters: bool | None = None
+    """True when some parameters get no gradient in a step (e.g. a branch not taken)."""
+    ddp_bucket_cap_mb: int | None = None
+    ddp_broadcast_buffers: bool | None = None
+    ddp_static_graph: bool | None = None
     resume_from_checkpoint: str | None = None
     """A checkpoint folder, "latest" for the newest complete one in output_dir, or "auto": the
     newest one when there is one, else start fresh (one command for a job and its requeues)."""
@@ -157,8 +194,9 @@ class TrainArgs:
     passed to ``init_process_group``. The doctor's ``[doctor] hang_timeout`` usually ends a hang
     sooner, with a report."""
     # Language-model options (corelooper/collators.py, model_options.py, throughput.py).
-    group_by_length: bool = False
-    """Batch samples of similar length together (seeded, resumable), as HF."""
+    train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = "random"
+    """Training order: a seeded permutation per epoch, the dataset's order, or similar lengths
+    batched together (seeded, resumable; the 4.x ``group_by_length = true``)."""
     length_column_name: str = "length"
     remove_unused_columns: bool = True
     """Do not pass batch columns the model's forward does not accept (logged once)."""
@@ -171,24 +209,131 @@ class TrainArgs:
     peak_flops: float | None = None
     """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16): logs ``mfu`` when set."""
 
+    def __init__(self, output_dir: str | None = None, /, **kwargs: Any) -> None:
+        if output_dir is not None:
+            kwargs["output_dir"] = output_dir
+        # `TrainArgs(**other.__dict__)` copies: what other's HF names became comes along
+        carried_sections, carried_notes = kwargs.pop("_sections", {}), kwargs.pop("_notes", ())
+        values, sections, notes = _train_values(kwargs)
+        sections = {**carried_sections, **sections}
+        notes = [*carried_notes, *notes]
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                value = values[f.name]
+            else:
+                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "_sections", sections)
+        object.__setattr__(self, "_notes", tuple(notes))
+        for key, value in check_train_args(self).items():  # derived defaults, set before freezing
+            object.__setattr__(self, key, value)
 
-@dataclass
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What HF (4.x) names were read as, one line each."""
+        return self._notes
+
+    @property
+    def plugin_sections(self) -> dict[str, dict[str, Any]]:
+        """Plugin-section values given as HF ``[train]`` names (``deepspeed``, ``fsdp``, ...)."""
+        return {k: dict(v) for k, v in self._sections.items()}
+
+    @property
+    def group_by_length(self) -> bool:
+        return self.train_sampling_strategy == "group_by_length"
+
+    @property
+    def tokens_seen_mode(self) -> str:
+        """``include_num_input_tokens_seen`` as HF normalises it (true: "all", false: "no")."""
+        v = self.include_num_input_tokens_seen
+        return ("all" if v else "no") if isinstance(v, bool) else v
+
+    def reports_to(self, name: str) -> bool:
+        """Whether the logging plugin ``name`` is wanted by ``report_to``."""
+        wanted = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        if "none" in wanted:
+            return False
+        return "all" in wanted or name in wanted
+
+
+_TRAIN_FIELDS = None
+
+
+def _train_fields() -> tuple[dict[str, Any], set[str]]:
+    global _TRAIN_FIELDS
+    if _TRAIN_FIELDS is None:
+        hints = typing.get_type_hints(TrainArgs)
+        _TRAIN_FIELDS = (hints, {f.name for f in dataclasses.fields(TrainArgs)})
+    return _TRAIN_FIELDS
+
+
+def _train_values(raw: dict[str, Any]):
+    """HF names translated, unknown keys named with a hint, types checked, ints made floats."""
+    from .hf_args import hf_names, translate
+
+    hints, names = _train_fields()
+    tr = translate(raw, names)
+    values = {}
+    for key, value in tr.train.items():
+        if key not in names:
+            hint = _did_you_mean(key, sorted(names) + hf_names())
+            if "Known keys" in hint:  # no close name: list corelooper's, not every HF one
+                hint = _did_you_mean(key, sorted(names))
+            raise ConfigError(f"Unknown key train.{key}.{hint}")
+        tp = hints[key]
+        if value is None and not _matches(None, tp):
+            continue  # HF passes None for "unset": the default
+        if not _matches(value, tp):
+            raise ConfigError(f"train.{key} must be {_describe(tp)}, got {value!r} ({type(value).__name__}).")
+        values[key] = float(value) if tp is float and isinstance(value, int) else value
+    if "report_to" in values and not isinstance(values["report_to"], str):
+        values["report_to"] = list(values["report_to"])
+    return values, tr.sections, tr.notes
+
+
+@dataclass(frozen=True)
 class Config:
+    """The whole run's configuration, validated when built and read-only afterwards."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainArgs = field(default_factory=TrainArgs)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
-    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Plugin sections, as written (defaults are merged in by ``section``)."""
+    sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Plugin sections, as written (defaults are merged in by ``section``); read-only."""
     source: Path | None = None
     """The file this config came from (relative factory paths resolve against its folder)."""
-    _defaults: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
 
     CORE = ("model", "data", "train", "plugins")
 
+    def __post_init__(self) -> None:
+        sections = {k: dict(v) for k, v in self.sections.items()}
+        for name, values in self.train.plugin_sections.items():  # train.deepspeed -> [deepspeed]
+            given = sections.setdefault(name, {})
+            for key, value in values.items():
+                if key in given and given[key] != value:
+                    raise ConfigError(
+                        f"[{name}] {key} = {given[key]!r} contradicts the HF name in [train] that sets "
+                        f"it to {value!r}: set only one."
+                    )
+                given[key] = value
+        object.__setattr__(self, "sections", _read_only(sections))
+        object.__setattr__(self, "_defaults", _read_only(self._defaults))
+
     def section(self, name: str) -> dict[str, Any]:
-        """A plugin section with its declared defaults filled in."""
+        """A plugin section with its declared defaults filled in (a copy)."""
         return {**self._defaults.get(name, {}), **self.sections.get(name, {})}
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.train.notes
+
+    def replace(self, part: str, **changes: Any) -> Config:
+        """A copy with ``part`` ("model", "data", "train", "plugins") changed, validated again."""
+        if part not in self.CORE:
+            raise ValueError(f"part must be one of {self.CORE}, not {part!r}")
+        return dataclasses.replace(self, **{part: dataclasses.replace(getattr(self, part), **changes)})
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -212,7 +357,7 @@ class Config:
             raw = data.pop(name, {})
             if not isinstance(raw, dict):
                 raise ConfigError(f"[{name}] must be a table of keys, got {raw!r}.")
-            kwargs[name] = build_dataclass(klass, raw, name)
+            kwargs[name] = TrainArgs(**raw) if klass is TrainArgs else build_dataclass(klass, raw, name)
         for name, raw in data.items():
             if not isinstance(raw, dict):
                 hint = _did_you_mean(name, list(cls.CORE))
@@ -222,7 +367,6 @@ class Config:
                 )
         cfg = cls(**kwargs, sections={k: dict(v) for k, v in data.items()}, source=source)
         check_model_and_data(cfg.model, cfg.data)
-        check_train_args(cfg.train)
         return cfg
 
     @classmethod
@@ -240,50 +384,67 @@ class Config:
             apply_override(data, item)
         return cls.from_dict(data, source=path.resolve())
 
-    def with_defaults(self, declared: dict[str, dict[str, Any]]) -> None:
-        """Validate plugin sections against what the loaded plugins declare."""
-        self._defaults = {k: dict(v) for k, v in declared.items() if k not in self.CORE}
+    def with_defaults(self, declared: dict[str, dict[str, Any]]) -> Config:
+        """A copy whose plugin sections are checked against, and filled from, what the loaded
+        plugins declare (``corelooper_config_sections``). ``self`` is not changed."""
+        defaults = {k: dict(v) for k, v in declared.items() if k not in self.CORE}
         for name, values in self.sections.items():
-            if name not in self._defaults:
+            if name not in defaults:
                 continue
-            defaults = self._defaults[name]
             for key, value in values.items():
-                if key not in defaults:
-                    hint = _did_you_mean(key, list(defaults))
+                if key not in defaults[name]:
+                    hint = _did_you_mean(key, list(defaults[name]))
                     raise ConfigError(f"Unknown key {name}.{key}.{hint}")
-                default = defaults[key]
+                default = defaults[name][key]
                 if default is not None and not _matches(value, type(default)):
                     raise ConfigError(
                         f"{name}.{key} must be of type {type(default).__name__} "
                         f"(like its default {default!r}), got {value!r}."
                     )
+        return dataclasses.replace(self, _defaults=defaults)
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(dumps_toml(self.to_dict()))
+
+
+class ReadOnlyDict(dict):
+    """A dict that refuses changes (a ``MappingProxyType`` could not be pickled or deep-copied,
+    and an HPO study or a spawned worker copies configs)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("the config is read-only after validation: use Config.replace(...) or "
+                        "dataclasses.replace(...) for a changed copy")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self):
+        return (ReadOnlyDict, (dict(self),))
+
+
+def _read_only(sections: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Mapping[str, Any]]:
+    return ReadOnlyDict({k: ReadOnlyDict(v) for k, v in sections.items()})
 
 
 # --------------------------------------------------------------------------------------------
 # Validation helpers
 # --------------------------------------------------------------------------------------------
 
-# Names users bring from other tools, and where the concept lives here.
-_RENAMED = {
-    "bf16": 'mixed_precision = "bf16"',
-    "fp16": 'mixed_precision = "fp16"',
-    "evaluation_strategy": "eval_strategy",
-    "warmup_ratio": "warmup_steps (a float < 1 is a ratio)",
-    "lr": "learning_rate",
-    "batch_size": "per_device_train_batch_size",
-    "epochs": "num_train_epochs",
-}
+
+_OTHER_TOOLS = ("lr", "batch_size", "epochs")
 
 
 def _did_you_mean(key: str, options: list[str]) -> str:
-    if key in _RENAMED:
-        return f" Did you mean {_RENAMED[key]}?"
-    close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
+    from .hf_args import hf_hint
+
+    hf = hf_hint(key)
+    if hf is not None and key in _OTHER_TOOLS:
+        return f" Did you mean {hf}?"
+    # Long names share many letters by chance (deepspeed ~ seed: 0.62): ask for more of them.
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.6 if len(key) <= 6 else 0.75)
     if close:
-        return f" Did you mean {close[0]!r}?"
+        about = hf_hint(close[0])  # a misspelt HF name: say what it is here
+        return f" Did you mean {close[0]!r}?" + (f" (HF's name; here: {about})" if about else "")
     return f" Known keys: {', '.join(sorted(options))}." if options else ""
 
 
@@ -294,7 +455,7 @@ def _matches(value: Any, tp: Any) -> bool:
     if origin in (Union, types.UnionType):
         return any(_matches(value, a) for a in typing.get_args(tp))
     if origin is Literal:
-        return value in typing.get_args(tp)
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
     if tp is float:
@@ -303,9 +464,9 @@ def _matches(value: Any, tp: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
+        return isinstance(value, (list, tuple)) and all(_matches(v, item) for v in value)
     if origin is dict or tp is dict:
-        return isinstance(value, dict)
+        return isinstance(value, Mapping)
     if isinstance(tp, type):
         return isinstance(value, tp)
     return True
@@ -357,8 +518,30 @@ def check_model_and_data(m: ModelConfig, d: DataConfig) -> None:
             raise ConfigError(f"data.{key} is an empty list: name at least one data file.")
 
 
-def check_train_args(a: TrainArgs) -> None:
-    """Cross-field checks, named by key path."""
+# Float settings that can only produce NaN (or no training) when not finite.
+_FINITE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "warmup_steps",
+           "adam_beta1", "adam_beta2", "adam_epsilon", "label_smoothing_factor", "eval_delay", "peak_flops",
+           "logging_steps", "eval_steps", "save_steps")
+
+
+def resolve_interval(steps: int | float, max_steps: int) -> int:
+    """An interval in steps: HF's rule for ``logging_steps``/``eval_steps``/``save_steps``
+    (a float < 1 is ``ceil(steps * max_steps)``)."""
+    return max(1, math.ceil(steps * max_steps)) if steps < 1 else int(steps)
+
+
+def check_train_args(a: TrainArgs) -> dict[str, Any]:
+    """Cross-field checks, named by key path; returns the derived defaults (HF's rules).
+
+    Does not change ``a`` (``TrainArgs`` applies the returned values while it is built).
+    """
+    for key in _FINITE:
+        v = getattr(a, key)
+        if v is not None and not math.isfinite(v):
+            raise ConfigError(
+                f"train.{key} = {v!r} is not a finite number: training could only produce NaN. "
+                "Give a finite value."
+            )
 
     def positive(key: str, allow_zero: bool = False) -> None:
         v = getattr(a, key)
@@ -369,18 +552,36 @@ def check_train_args(a: TrainArgs) -> None:
         positive(key)
     for key in ("gradient_accumulation_steps", "logging_steps", "save_steps", "max_skipped_steps"):
         positive(key)
-    for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"):
+    for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "eval_delay"):
         positive(key, allow_zero=True)
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(a, key) < 1.0:
+            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(a, key)!r}.")
     if a.max_steps <= 0 and a.num_train_epochs <= 0:
         raise ConfigError("Set train.num_train_epochs > 0 or train.max_steps > 0: nothing to train.")
-    if a.warmup_steps >= 1 and not float(a.warmup_steps).is_integer():
+    for key in ("warmup_steps", "logging_steps", "eval_steps", "save_steps"):
+        v = getattr(a, key)
+        if v is not None and v >= 1 and not float(v).is_integer():
+            raise ConfigError(f"train.{key} = {v!r}: use an int number of steps or a ratio < 1.")
+    if a.logging_nan_inf_filter:
         raise ConfigError(
-            f"train.warmup_steps = {a.warmup_steps!r}: use an int number of steps or a ratio < 1."
+            "train.logging_nan_inf_filter = true is not supported: corelooper logs the true loss, and a "
+            "non-finite loss is handled by the non-finite guard (train.on_nonfinite) instead of being "
+            "hidden in the logs. Remove the key (or set it to false)."
         )
     if a.eval_steps is not None and a.eval_steps <= 0:
         raise ConfigError(f"train.eval_steps must be > 0, got {a.eval_steps!r}.")
     if a.save_total_limit is not None and a.save_total_limit < 1:
         raise ConfigError(f"train.save_total_limit must be >= 1 (or unset), got {a.save_total_limit}.")
+    _check_best_model(a)
+    if not 0.0 <= a.label_smoothing_factor < 1.0:
+        raise ConfigError(f"train.label_smoothing_factor must be in [0, 1), got {a.label_smoothing_factor!r}.")
+    if a.eval_accumulation_steps is not None and a.eval_accumulation_steps < 1:
+        raise ConfigError(f"train.eval_accumulation_steps must be >= 1 (or unset), got {a.eval_accumulation_steps}.")
+    return _derived(a)
+
+
+def _check_best_model(a: TrainArgs) -> None:
     needs_metric = a.load_best_model_at_end or a.save_strategy == "best"
     if needs_metric and a.eval_strategy == "no":
         raise ConfigError(
@@ -394,28 +595,33 @@ def check_train_args(a: TrainArgs) -> None:
                 f"match train.eval_strategy ({a.eval_strategy!r}), so that every evaluated model "
                 "is saved."
             )
-        if a.save_strategy == "steps" and a.save_steps % (a.eval_steps or a.logging_steps):
+        eval_steps = a.eval_steps or a.logging_steps
+        ratios = a.save_steps < 1 or eval_steps < 1  # checked once max_steps is known
+        if a.save_strategy == "steps" and not ratios and a.save_steps % eval_steps:
             raise ConfigError(
                 f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
                 f"multiple of train.eval_steps ({a.eval_steps or a.logging_steps})."
             )
-    if a.lr_scheduler_type == "reduce_lr_on_plateau":
-        if a.eval_strategy == "no":
-            raise ConfigError(
-                "train.lr_scheduler_type = 'reduce_lr_on_plateau' is driven by the evaluation metric: "
-                "set train.eval_strategy to 'steps' or 'epoch' (and give eval data)."
-            )
-        needs_metric = True
-    if not 0.0 <= a.label_smoothing_factor < 1.0:
-        raise ConfigError(f"train.label_smoothing_factor must be in [0, 1), got {a.label_smoothing_factor!r}.")
-    if a.eval_accumulation_steps is not None and a.eval_accumulation_steps < 1:
-        raise ConfigError(f"train.eval_accumulation_steps must be >= 1 (or unset), got {a.eval_accumulation_steps}.")
-    if needs_metric and a.metric_for_best_model is None:
-        a.metric_for_best_model = "loss"
-    if a.metric_for_best_model is not None and a.greater_is_better is None:
+    if a.lr_scheduler_type == "reduce_lr_on_plateau" and a.eval_strategy == "no":
+        raise ConfigError(
+            "train.lr_scheduler_type = 'reduce_lr_on_plateau' is driven by the evaluation metric: "
+            "set train.eval_strategy to 'steps' or 'epoch' (and give eval data)."
+        )
+
+
+def _derived(a: TrainArgs) -> dict[str, Any]:
+    """HF's defaults that depend on other fields: the metric for the best model and its direction."""
+    out: dict[str, Any] = {}
+    needs_metric = a.load_best_model_at_end or a.save_strategy == "best" or (
+        a.lr_scheduler_type == "reduce_lr_on_plateau")
+    metric = a.metric_for_best_model
+    if needs_metric and metric is None:
+        metric = out["metric_for_best_model"] = "loss"
+    if metric is not None and a.greater_is_better is None:
         from .metric import greater_is_better
 
-        a.greater_is_better = greater_is_better(a.metric_for_best_model)
+        out["greater_is_better"] = greater_is_better(metric)
+    return out
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

@@ -60,10 +60,6 @@ class Console:
             self.progress.update(self.task, info=f"loss {logs['loss']:.4g}")
         self.print(f"[step {state.global_step}/{state.max_steps}] {_format(logs)}")
 
-    def on_evaluate(self, state, metrics) -> None:
-        if state.is_world_process_zero:
-            self.print(f"[step {state.global_step}/{state.max_steps}] {_format(metrics)}")
-
     def on_save(self, state, checkpoint_dir) -> None:
         if state.is_world_process_zero:  # every rank takes part in a save; one reports it
             self.print(f"saved {checkpoint_dir}")

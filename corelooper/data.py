@@ -196,7 +196,10 @@ def batch_rows(batch) -> int:
 
 
 def count_input_tokens(batch) -> int:
-    """Tokens fed to the model (``input_ids`` numel; 0 without input_ids). No device sync."""
+    """Tokens fed to the model (``input_ids`` numel; 0 without input_ids). No device sync.
+
+    What throughput (tokens/s, MFU) counts: padding is computed too. ``state.num_input_tokens_seen``
+    follows ``include_num_input_tokens_seen`` instead (``count_tokens_seen``)."""
     if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
         return batch["input_ids"].numel()
     return 0
@@ -220,3 +223,60 @@ def length_grouped_order(
     if megabatches:
         megabatches[0][0], megabatches[k][0] = megabatches[k][0], megabatches[0][0]
     return [i for m in megabatches for i in m]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+
+
+def pad_token_id_of(collator) -> int | None:
+    """The padding id HF's "non_padding" count falls back to without an attention mask: the
+    collator's ``pad_token_id`` (corelooper's collators), or its tokenizer's (HF's collators)."""
+    for owner in (collator, getattr(collator, "tokenizer", None)):
+        pad = getattr(owner, "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return None
+
+
+def count_tokens_seen(micro_batches, mode: str, backend=None, pad_token_id: int | None = None,
+                      main_input: str = "input_ids") -> int:
+    """HF's ``_track_num_input_tokens`` for one optimizer step, summed over processes.
+
+    ``"all"``: ``input_ids.numel()``; ``"non_padding"``: ``attention_mask.sum()``, else ids !=
+    ``pad_token_id``, else (with a warning, as HF) every token; ``"no"``: 0. Batches without
+    ``main_input`` are not counted (HF warns; here only in "non_padding", asked for explicitly). Shapes only (no sync) for "all" in
+    one process; counting padding or summing over processes reads the count once per step.
+    """
+    if mode == "no":
+        return 0
+    counts = []
+    for batch in micro_batches:
+        ids = batch.get(main_input) if isinstance(batch, dict) else None
+        if not torch.is_tensor(ids):
+            if mode == "non_padding":  # asked for explicitly ("all" is the default: stay quiet)
+                _warn_once(f"include_num_input_tokens_seen: the batches have no {main_input!r}; tokens are "
+                           "not counted (set the model's main_input_name).")
+            continue
+        if mode != "non_padding":
+            counts.append(ids.numel())
+        elif torch.is_tensor(batch.get("attention_mask")):
+            counts.append(batch["attention_mask"].sum())
+        elif pad_token_id is not None:
+            counts.append((ids != pad_token_id).sum())
+        else:
+            _warn_once("include_num_input_tokens_seen = 'non_padding': no attention_mask and no "
+                       "pad_token_id, counting all tokens (as HF).")
+            counts.append(ids.numel())
+    total = sum(counts)
+    world = getattr(backend, "num_processes", 1)
+    if world > 1:  # exact, as HF's gather: ranks' batches may be padded to different lengths
+        total = backend.reduce_sum(torch.as_tensor(total, dtype=torch.int64, device=backend.device))
+    return int(total)

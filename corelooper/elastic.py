@@ -82,8 +82,8 @@ def plan(saved: Geometry, world_size: int, per_device: int) -> Geometry:
 
 
 def prepare_resume(loop, directory) -> None:
-    """Before the loader, optimizer and schedule are built: on another world size, set
-    ``loop.args`` to the geometry that keeps the checkpoint's global batch (one line says so).
+    """Before the loader, optimizer and schedule are built: on another world size, give the loop
+    a config with the geometry that keeps the checkpoint's global batch (one line says so).
 
     Called by ``Loop.train`` with the resolved checkpoint folder. A missing or unreadable
     ``loop_state.json`` is left to the checkpoint's own verification, which names the file.
@@ -102,8 +102,10 @@ def prepare_resume(loop, directory) -> None:
         return  # a stream: its per-shard positions decide (streaming.load_data_state)
     _check_order_independent_of_geometry(loop, saved, str(directory))
     new = now if now.global_batch == saved.global_batch else plan(saved, now.world_size, now.per_device)
-    a = loop.args
-    a.per_device_train_batch_size, a.gradient_accumulation_steps = new.per_device, new.accumulation
+    # The config is read-only: the run continues with a copy that has the new geometry.
+    loop.config = loop.config.replace("train", per_device_train_batch_size=new.per_device,
+                                      gradient_accumulation_steps=new.accumulation)
+    loop.args = loop.config.train
     if loop.state.is_world_process_zero:
         print(f"corelooper: resuming {directory}, saved with {saved.describe()}, on "
               f"{new.world_size} processes: {new.describe()} (global batch kept)", flush=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .data import count_loss_items, resolve_loss_type
-from .losses import logits_of, split_batch
+from .losses import predictions_of, split_batch
 
 
 @torch.no_grad()
@@ -39,8 +39,9 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
             for piece in batch_transform(batch) if batch_transform else (batch,):
                 piece = backend.to_device(piece)
                 outputs, answered = _eval_batch(loop, piece, totals, want_outputs, answered)
-                if want_outputs:
-                    collected.add(logits_of(outputs), split_batch(piece)[2])
+                kept = predictions_of(outputs) if want_outputs else None
+                if kept is not None:
+                    collected.add(kept, split_batch(piece)[2])
     finally:
         model.train(was_training)
     return _metrics(loop, totals, collected if want_outputs else None, metric_key_prefix, answered)
@@ -91,6 +92,7 @@ def _metrics(loop, totals, collected, prefix: str, answered):
     predictions = label_ids = None
     if collected:
         predictions, label_ids = collected.gather(loop.backend)  # dataset order, padded with -100
+    if label_ids is not None:  # as HF: metrics need labels
         extra = loop.hook.compute_metrics(loop=loop, predictions=predictions, label_ids=label_ids)
         for k, v in (extra or {}).items():
             metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)

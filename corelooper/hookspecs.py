@@ -21,6 +21,7 @@ Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
     on_init_end                      (once, when the Loop is constructed)
     [on_load_checkpoint]             (when resuming: after everything was restored)
     on_train_begin
+      [on_prediction_step... on_log on_evaluate]  (eval_on_start)
       on_epoch_begin
         on_step_begin                (the step's GA micro-batches were fetched; then the
                                       training_step provider runs:)
@@ -30,9 +31,9 @@ Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
         on_pre_optimizer_step        (after gradient clipping)
         on_optimizer_step            (after optimizer.step(), before zero_grad)
         on_step_end                  (state.global_step already incremented)
-        [on_log] [on_prediction_step... on_evaluate] [on_save]   (as control asks)
+        [on_log] [on_prediction_step... on_log on_evaluate] [on_save]   (as control asks)
       on_epoch_end
-      [on_prediction_step... on_evaluate] [on_save]             (epoch strategies)
+      [on_log] [on_prediction_step... on_log on_evaluate] [on_save]   (epoch strategies)
     [on_log]                         (the last logging window, if not logged yet)
     on_log                           (the run summary: train_runtime, train_loss, ...)
     on_train_end
@@ -265,9 +266,12 @@ def on_step_end(loop, state, control) -> None:
 
 @hookspec
 def on_log(loop, state, control, logs: dict) -> None:
-    """When the loop logs (every ``logging_steps`` and at the end). ``logs`` holds ``loss``,
-    ``learning_rate``, ``grad_norm``, ``epoch``, throughput and anything plugins added; the
-    same dict is appended to ``state.log_history`` with ``step``. Main process only. To add
+    """When the loop logs (every ``logging_steps`` and at the end) and after each evaluation
+    (before ``on_evaluate``, as HF). A training log holds ``loss``, ``learning_rate`` (the rate
+    that step used), ``grad_norm``, ``epoch``, throughput and anything plugins added; an
+    evaluation log the ``eval_`` metrics and ``epoch``; both ``num_input_tokens_seen`` unless
+    ``include_num_input_tokens_seen = "no"``. The same dict is appended to
+    ``state.log_history`` with ``step``. Main process only. To add
     values (e.g. DPO reward margins), update ``logs`` in a ``tryfirst`` implementation: loggers
     then see them, and they are kept in ``log_history``."""
 

@@ -27,8 +27,8 @@ import torch
 from . import checkpoint, elastic, loop_checkpoints
 from .build import build_collator, build_dataset, build_model
 from .columns import forward_signature
-from .config import Config, TrainArgs, check_train_args
-from .data import batch_rows, count_input_tokens
+from .config import Config, TrainArgs, check_train_args, resolve_interval
+from .data import batch_rows, count_input_tokens, count_tokens_seen, pad_token_id_of
 from .errors import CorelooperError, DataError, PluginError, TrainingError
 from .events import Events
 from .guard import NonFiniteGuard
@@ -88,6 +88,8 @@ class Loop:
         self.loss_type = self.args.loss_type
         self.is_training = False
         self.grad_norm = None  # of the last step (logged with its window)
+        self.learning_rate = None  # the rate the last optimizer step used (logged with its window)
+        self._tokens_pending = 0  # this process's input tokens not yet summed over processes
         self.num_micro_batches = 0  # of the current step (a step provider may cut them finer)
         self.forward_signature = None
         self._eval_prepared = False
@@ -136,8 +138,9 @@ class Loop:
         s.steps_per_epoch = math.ceil(batches_per_epoch / a.gradient_accumulation_steps)
         s.max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * s.steps_per_epoch)
         s.num_train_epochs = math.ceil(s.max_steps / s.steps_per_epoch) if s.steps_per_epoch else 1
-        s.logging_steps, s.save_steps = a.logging_steps, a.save_steps
-        s.eval_steps = a.eval_steps or a.logging_steps
+        s.logging_steps = resolve_interval(a.logging_steps, s.max_steps)  # a float < 1: a ratio (HF)
+        s.save_steps = resolve_interval(a.save_steps, s.max_steps)
+        s.eval_steps = resolve_interval(a.eval_steps or a.logging_steps, s.max_steps)
         s.train_batch_size = a.per_device_train_batch_size
         s.gradient_accumulation_steps = a.gradient_accumulation_steps
 
@@ -178,6 +181,8 @@ class Loop:
                 checkpoint.prepare_output_dir(output_dir, self.config, resuming=resume_dir is not None,
                                               overwrite=a.overwrite_output_dir)
             self.events.fire("on_train_begin")
+            if a.eval_on_start:  # as HF: once, before the first step (also on resume)
+                self.evaluate()
             self._train_epochs(loader)
             self.is_training = False
             self.events.fire("on_train_end")
@@ -264,14 +269,27 @@ class Loop:
         samples = sum(batch_rows(b) for b in micro_batches) * s.world_size
         tokens = sum(count_input_tokens(b) for b in micro_batches) * s.world_size
         s.total_samples_seen += samples
-        s.num_input_tokens_seen += tokens
         self.log_window.add(step_loss, samples, tokens)
+        # HF's include_num_input_tokens_seen, counted on the fetched (host) batches; summed over
+        # processes only when logged or saved, so no step waits for a collective.
+        a = self.args
+        self._tokens_pending += int(count_tokens_seen(
+            micro_batches, a.tokens_seen_mode, None, pad_token_id_of(self.data_collator),
+            getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids")))
+
+    def _sum_tokens_seen(self) -> None:
+        """Add every process's pending token count to ``state.num_input_tokens_seen``."""
+        pending, self._tokens_pending = self._tokens_pending, 0
+        if self.state.world_size > 1:
+            pending = int(self.backend.reduce_sum(torch.tensor(pending, device=self.backend.device)).item())
+        self.state.num_input_tokens_seen += pending
 
     # -- logging, evaluation, saving -----------------------------------------------------------------
     def _log_evaluate_save(self) -> None:
         control = self.control
-        if control.should_log:
+        if control.should_log and self.log_window.steps:
             self._log_window()
+        control.should_log = False
         if control.should_evaluate:
             control.should_evaluate = False
             self.guard.poll(self, wait=True)
@@ -281,10 +299,11 @@ class Loop:
         if control.should_save:
             control.should_save = False
             self.guard.poll(self, wait=True)
+            self._sum_tokens_seen()
             loop_checkpoints.save(self)
 
     def _log_window(self) -> None:
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.learning_rate if self.learning_rate is not None else self.scheduler.get_last_lr()[0]
         logs = self.log_window.logs(self.backend, self.grad_norm, lr, self.state.epoch)
         if self.guard.skipped_total:
             logs["skipped_steps"] = self.guard.skipped_total
@@ -293,6 +312,11 @@ class Loop:
 
     def log(self, logs: dict) -> None:
         """Record ``logs`` at the current step (``log_history``) and fire ``on_log``."""
+        if self.args.tokens_seen_mode != "no":  # as HF's log(): in every log, eval ones too
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+        if self.args.tokens_seen_mode != "no":
+            self._sum_tokens_seen()
+            logs.setdefault("num_input_tokens_seen", self.state.num_input_tokens_seen)
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.control.should_log = False
@@ -309,10 +333,9 @@ class Loop:
         metrics, _, _ = self.hook.evaluation_loop(
             loop=self, dataset=dataset, metric_key_prefix=metric_key_prefix, keep_outputs=False
         )
-        s = self.state
-        s.log_history.append({**metrics, "epoch": round(s.epoch, 4), "step": s.global_step})
-        # Every process, as in HF: early stopping must decide the same on all ranks; loggers
-        # check state.is_world_process_zero.
+        # As HF: the metrics are logged (on_log, rank 0) before on_evaluate, which fires on every
+        # process: early stopping must decide the same on all ranks.
+        self.log({**metrics, "epoch": round(self.state.epoch, 4)})
         self.events.fire("on_evaluate", metrics=metrics)
         return metrics
 

@@ -51,3 +51,7 @@ def finish(loop) -> None:
         checkpoint.load_weights(Path(s.best_model_checkpoint), model=loop.model, backend=loop.backend)
     checkpoint.save_model(Path(a.output_dir), model=loop.model, backend=loop.backend,
                           max_shard_size=a.save_max_shard_size)
+    if a.save_total_limit == 1 and s.best_model_checkpoint and loop.backend.is_main_process:
+        from .output_dir import keep_only_best
+
+        keep_only_best(Path(a.output_dir), s.best_model_checkpoint)  # HF 5.x, once training is over

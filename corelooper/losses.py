@@ -40,6 +40,31 @@ def logits_of(outputs):
     return logits
 
 
+def predictions_of(outputs):
+    """What evaluation and ``predict`` keep of a model's outputs: HF's ``prediction_step`` rule.
+
+    A tensor is kept; a dict or ``ModelOutput``: every value but ``loss`` (unset ones are absent
+    from a ``ModelOutput``); a tuple or list: without its leading loss (a 0-dim tensor, as HF's
+    ``outputs[1:]`` when the model computed one). One value left: that tensor; several: a tuple
+    of them (``compute_metrics`` then receives a tuple, as in HF). None when nothing is left.
+    """
+    if outputs is None or torch.is_tensor(outputs):
+        return outputs
+    if isinstance(outputs, Mapping):  # ModelOutput is a Mapping (an OrderedDict)
+        kept = [v for k, v in outputs.items() if k != "loss" and v is not None]
+    elif isinstance(outputs, (tuple, list)):
+        kept = list(outputs)
+        if kept and torch.is_tensor(kept[0]) and kept[0].dim() == 0:
+            kept = kept[1:]
+    else:
+        logits = getattr(outputs, "logits", None)
+        kept = [logits] if logits is not None else []
+    kept = [v for v in kept if torch.is_tensor(v) or isinstance(v, (tuple, list))]
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else tuple(kept)
+
+
 def summed_loss(
     logits: torch.Tensor, labels: torch.Tensor, loss_type: str, label_smoothing: float = 0.0
 ) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""``output_dir/metrics.jsonl``: one JSON object per log or evaluation event, each with "step".
+"""``output_dir/metrics.jsonl``: one JSON object per ``on_log`` (training logs and evaluation
+metrics: ``"event"`` is ``"log"`` or ``"eval"``), each with "step".
 
 Registered as the plugin ``jsonl``; written by the main process only.
 """
@@ -34,14 +35,15 @@ def _write(loop, state, event: str, values: dict) -> None:
         raise io_error(e, "writing metrics.jsonl", path.parent, intact_note(path.parent)) from None
 
 
+def _event(logs: dict) -> str:
+    """Evaluation metrics reach on_log too (as in HF); they are the ones with a split prefix
+    (the test HF's loggers use to file them under eval/ and test/)."""
+    return "eval" if any(k.startswith(("eval_", "test_")) for k in logs) else "log"
+
+
 @hookimpl
 def on_log(loop, state, logs):
-    _write(loop, state, "log", logs)
-
-
-@hookimpl
-def on_evaluate(loop, state, metrics):
-    _write(loop, state, "eval", metrics)
+    _write(loop, state, _event(logs), logs)
 
 
 @hookimpl

@@ -195,6 +195,16 @@ def rotate_checkpoints(output_dir: Path, limit: int | None, keep: Path | None = 
     return deleted
 
 
+def keep_only_best(output_dir: Path, best: str | Path) -> list[Path]:
+    """End of training with ``save_total_limit = 1`` and a best checkpoint (HF 5.x
+    ``_finalize_training``): every other checkpoint is deleted, the best one stays. Returns
+    the deleted folders."""
+    deleted = [p for p in list_checkpoints(output_dir) if p.name != Path(best).name]
+    for path in deleted:
+        _remove_dir(path)
+    return deleted
+
+
 def relative_to_run(path: str | Path | None) -> str | None:
     """A checkpoint path as stored on disk: its folder name, resolved against the folder that
     holds the checkpoint when read back (so a moved or copied run still finds it)."""

@@ -51,9 +51,20 @@ class OutputAccumulator:
         self._cpu_labels: list[torch.Tensor] = []
 
     def __bool__(self) -> bool:
-        return bool(self._preds or self._cpu_preds)
+        return bool(self._preds or self._cpu_preds or getattr(self, "_parts", None))
 
-    def add(self, predictions: torch.Tensor, labels: torch.Tensor | None) -> None:
+    def add(self, predictions, labels: torch.Tensor | None) -> None:
+        """``predictions``: a tensor, or a tuple of them (several model outputs, as HF keeps them)."""
+        if isinstance(predictions, (tuple, list)):
+            if not hasattr(self, "_parts"):
+                self._parts = [OutputAccumulator(self.steps) for _ in predictions]
+            for part, p in zip(self._parts, predictions, strict=True):
+                part.add(p, None)
+            if labels is not None:
+                self._labels.append(labels.detach())
+                if self.steps and len(self._labels) >= self.steps:
+                    self._offload()
+            return
         self._preds.append(predictions.detach().float())
         if labels is not None:
             self._labels.append(labels.detach())
@@ -76,6 +87,9 @@ class OutputAccumulator:
     def gather(self, backend) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every process's outputs, in rank order (= dataset order), on the CPU of every process."""
         preds, labels = self.local()
+        if getattr(self, "_parts", None):
+            preds = tuple(part.gather(backend)[0] for part in self._parts)
+            return preds, _gather(labels, backend)
         return _gather(preds, backend), _gather(labels, backend)
 
 

@@ -253,7 +253,7 @@ def load_plugins(
 
     if autoload is None:
         autoload = not os.environ.get(AUTOLOAD_ENV)
-    _register_installed(plugins, cfg, blocked, autoload)
+    _register_installed(plugins, cfg, blocked, autoload, config)
     base = config.source.parent if config is not None and config.source else None
     for ref in cfg.local if cfg else ():
         module = import_module(ref, "plugins.local", base)
@@ -272,8 +272,9 @@ def load_plugins(
     return plugins
 
 
-def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool) -> None:
-    """Installed plugins (entry points), minus the disabled ones; the first name is asked first."""
+def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool, config: Config | None) -> None:
+    """Installed plugins (entry points), minus the disabled ones and the logging plugins that
+    ``train.report_to`` leaves out; the first name is asked first."""
     enable = set(cfg.enable) if cfg and cfg.enable is not None else None
     installed = installed_entry_points()
     if enable is not None:
@@ -285,6 +286,7 @@ def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool
                 f"Installed: {names or 'none'}. Install the plugin's package (first-party ones "
                 f"are named like corelooper-{sorted(unknown)[0].replace('_', '-')})."
             )
+    reporters: list[str] = []
     for ep in reversed(installed):  # first name registered last -> asked first
         if not autoload:
             plugins.skipped[ep.name] = f"autoload off ({AUTOLOAD_ENV})"
@@ -295,7 +297,36 @@ def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool
         else:
             dist = ep.dist.metadata["Name"] if ep.dist else None
             version = ep.dist.version if ep.dist else None
-            plugins.register(_load_entry_point(ep, dist, version), ep.name, "installed", dist, version)
+            obj = _load_entry_point(ep, dist, version)
+            if not _unwanted_reporter(obj, ep.name, config, plugins, reporters):
+                plugins.register(obj, ep.name, "installed", dist, version)
+    if config is not None and autoload:
+        check_report_to(config, [*reporters, *plugins.skipped])
+
+
+def _unwanted_reporter(obj, name: str, config: Config | None, plugins: Plugins, reporters: list[str]) -> bool:
+    """A logging plugin (``reports = True``, HF's report_to integrations) not in train.report_to."""
+    if not getattr(obj, "reports", False):
+        return False
+    reporters.append(name)
+    if config is not None and not config.train.reports_to(name):
+        plugins.skipped[name] = "not in train.report_to"
+        return True
+    return False
+
+
+def check_report_to(config: Config, known: list[str]) -> None:
+    """``train.report_to`` names only installed logging plugins (or "all" / "none"); ``known``
+    also holds the installed plugins skipped for this run (disabled, not enabled)."""
+    wanted = config.train.report_to
+    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+    unknown = sorted(set(wanted) - {"all", "none"} - set(known))
+    if unknown:
+        raise ConfigError(
+            f"train.report_to names {unknown}, which no installed logging plugin provides "
+            f"(installed: {sorted(known) or 'none'}). Install the plugin (e.g. pip install "
+            f"corelooper-{unknown[0]}), or use \"all\" / \"none\"."
+        )
 
 
 def _load_entry_point(ep, dist: str | None, version: str | None):

@@ -34,6 +34,7 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
     backend.optimizer_step(optimizer)
     loop.events.fire("on_optimizer_step", optimizer=optimizer)
+    loop.learning_rate = loop.scheduler.get_last_lr()[0]  # the rate this step used: logged (HF 5.x)
     loop.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over

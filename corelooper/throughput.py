@@ -47,7 +47,7 @@ def flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
 
 
 class ThroughputMeter:
-    """Adds ``num_input_tokens_seen``, ``model_flops_per_token``, ``model_tflops_per_second`` and
+    """Adds ``model_flops_per_token``, ``model_tflops_per_second`` and
     ``mfu`` (with ``train.peak_flops``) to a window's logs. Parameters are counted once."""
 
     def __init__(self, model: torch.nn.Module, peak_flops: float | None, world_size: int):
@@ -61,7 +61,6 @@ class ThroughputMeter:
         per_token = 6.0 * self.n + 12.0 * self.layers * self.width * seq_len
         flops_per_second = per_token * tokens_per_second
         out = {
-            "num_input_tokens_seen": tokens_seen,
             "model_flops_per_token": round(per_token),
             "model_tflops_per_second": round(flops_per_second / 1e12, 6),
         }

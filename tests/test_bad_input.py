@@ -69,9 +69,12 @@ def test_malformed_toml(cli, tmp_path):
 def test_unknown_key_with_did_you_mean(cli, tmp_path):
     path = write_config(tmp_path, train="learning_rat = 1e-3")
     assert_clean_error(cli("run", str(path)), "train.learning_rat", "Did you mean 'learning_rate'?")
-    # a name from HF TrainingArguments that is spelt differently here says where it went
-    path = write_config(tmp_path, train="bf16 = true")
-    assert_clean_error(cli("run", str(path)), "train.bf16", 'mixed_precision = "bf16"')
+    # an HF TrainingArguments name that corelooper does not support says why, naming the key
+    path = write_config(tmp_path, train="save_only_model = true")
+    assert_clean_error(cli("run", str(path)), "train.save_only_model = True", "exact resume")
+    # a misspelt HF name is offered the HF name and what it is here (not an unrelated field)
+    path = write_config(tmp_path, train='deepspeeed = "ds.json"')
+    assert_clean_error(cli("run", str(path)), "train.deepspeeed", "Did you mean 'deepspeed'?", "[deepspeed]")
     # and a --set override is checked the same way
     path = write_config(tmp_path)
     r = cli("run", str(path), "--set", "train.num_train_epoch=3")
@@ -148,3 +151,12 @@ def test_traceback_flag_shows_the_traceback(cli, tmp_path):
     path = write_config(tmp_path, train="learning_rat = 1e-3")
     r = cli("run", str(path), "--traceback")
     assert r.returncode == 2 and "Traceback" in r.stderr and "train.learning_rat" in r.stderr
+
+
+@pytest.mark.parametrize("line", ["learning_rate = inf", "weight_decay = inf", "max_grad_norm = nan",
+                                  "num_train_epochs = nan"])
+def test_values_that_can_only_give_nan_fail_at_start_up(cli, tmp_path, line):
+    path = write_config(tmp_path, train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\n{line}')
+    key = line.split(" = ")[0]
+    assert_clean_error(cli("run", str(path)), f"train.{key}", "not a finite number", code=2)
+    assert not (tmp_path / "out").exists()  # refused before anything was written

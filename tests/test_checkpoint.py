@@ -195,7 +195,10 @@ def test_rotation_keeps_best_and_latest_and_loads_best(tmp_path):
 
         def on_save(self, state, checkpoint_dir):
             best_weights[checkpoint_dir.name] = load_file(checkpoint_dir / WEIGHTS)
+            saved.append(checkpoint_dir)
+            kept.append([p.name for p in list_checkpoints(out)])
 
+    saved, kept = [], []
     loop = make_loop(out, eval_dataset=toys.Blobs(16, seed=1), compute_metrics=metrics, max_steps=10,
                      eval_strategy="steps", eval_steps=2, save_total_limit=1, load_best_model_at_end=True,
                      metric_for_best_model="accuracy", plugins=[Grab()])
@@ -203,7 +206,12 @@ def test_rotation_keeps_best_and_latest_and_loads_best(tmp_path):
     assert metrics.calls == 5
     assert state.best_metric == 0.9 and state.best_global_step == 4
     assert state.best_model_checkpoint == str(out / "checkpoint-4")
-    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4", "checkpoint-10"]
+    # during training the best and the newest were kept; at the end, with save_total_limit = 1,
+    # only the best stays (HF 5.x _finalize_training)
+    assert [c.name for c in saved] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8",
+                                       "checkpoint-10"]
+    assert kept[-1] == ["checkpoint-4", "checkpoint-10"]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4"]
     final = load_file(out / WEIGHTS)  # the best model, loaded at the end, is the final one
     assert all(torch.equal(final[k], best_weights["checkpoint-4"][k]) for k in final)
     assert not all(torch.equal(final[k], best_weights["checkpoint-10"][k]) for k in final)

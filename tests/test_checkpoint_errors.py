@@ -205,7 +205,7 @@ def test_wrong_shape_names_keys_and_shapes(project):
     torch.manual_seed(0)
     model = import_object("task.py:build", "model.factory", project)(hidden=32)
     cfg = Config.load(project / "config.toml")
-    cfg.model.factory = ""
+    cfg = cfg.replace("model", factory="")
     loop = Loop(model, cfg, train_dataset=loop_for(project).train_dataset, blocked_plugins=["console"])
     with pytest.raises(CheckpointError, match=r"net\.0\.weight: checkpoint \(16, 8\) vs model \(32, 8\)"):
         loop.train(resume_from_checkpoint=project / "out" / "checkpoint-2")

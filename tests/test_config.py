@@ -107,8 +107,8 @@ def test_bad_set_syntax(item, message):
 
 @pytest.mark.parametrize(("train", "message"), [
     ({"learning_rat": 1e-3}, r"Unknown key train.learning_rat. Did you mean 'learning_rate'\?"),
-    ({"evaluation_strategy": "steps"}, r"Did you mean eval_strategy\?"),
-    ({"warmup_ratio": 0.1}, r"warmup_steps \(a float < 1 is a ratio\)"),
+    ({"evaluation_strategy": "steps", "eval_strategy": "epoch"}, r"contradicts train.eval_strategy"),
+    ({"lr": 0.1}, r"Unknown key train.lr. Did you mean learning_rate\?"),
     ({"seed": "1"}, r"train.seed must be int, got '1' \(str\)"),
     ({"learning_rate": True}, r"train.learning_rate must be float"),
     ({"eval_strategy": "step"}, r"train.eval_strategy must be one of 'no', 'steps', 'epoch'"),

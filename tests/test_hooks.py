@@ -3,6 +3,7 @@ counts, and plugins written in every allowed style work."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -55,7 +56,7 @@ def expected_train_events(micro_per_step: list[int], epochs: int, logging_steps:
             if step % logging_steps == 0 or step == max_steps:
                 out.append(("on_log", step))
         out.append(("on_epoch_end", step))
-        out += [("on_prediction_step", step)] * eval_batches + [("on_evaluate", step)]
+        out += [("on_prediction_step", step)] * eval_batches + [("on_log", step), ("on_evaluate", step)]
         out.append(("on_save", step))
     out += [("on_log", step), ("on_train_end", step)]  # the run summary, then the end
     return out
@@ -81,7 +82,7 @@ def test_documented_order_and_counts_with_gradient_accumulation(train_args):
 
     # resuming: on_load_checkpoint after the restore, before on_train_begin
     rec2 = Recorder()
-    args2 = train_args(**{**args.__dict__, "num_train_epochs": 3})
+    args2 = train_args(**{**dataclasses.asdict(args), "num_train_epochs": 3})
     loop2 = Loop(toys.mlp(), args2, train_dataset=toys.Blobs(10), eval_dataset=toys.Blobs(6, seed=1),
                  plugins=[rec2], blocked_plugins=["console"])
     loop2.train(resume_from_checkpoint="latest")

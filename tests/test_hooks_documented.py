@@ -73,6 +73,15 @@ when a hook is missing here or has no docstring.
 """
 
 
+DIFFERENCES = "## Differences from the HF Trainer"
+
+
+def differences_section() -> str:
+    """The hand-written tail of docs/hooks.md (kept when the rest is regenerated)."""
+    text = DOCS.read_text() if DOCS.exists() else ""
+    return text[text.index(DIFFERENCES):] if DIFFERENCES in text else ""
+
+
 def render() -> str:
     module_doc = inspect.getdoc(hookspecs)
     order = module_doc[module_doc.index("Order of events"):].split("::", 1)[1].strip("\n")
@@ -91,7 +100,8 @@ def render() -> str:
                 "event" if name.startswith("on_") else "declaration")
             out += [f"### `{name}`", "", f"`{signature(specs[name])}` — {kind}", "",
                     inspect.getdoc(specs[name]) or "", ""]
-    return "\n".join(out).rstrip() + "\n"
+    tail = differences_section()
+    return "\n".join(out).rstrip() + "\n" + ("\n" + tail if tail else "")
 
 
 if __name__ == "__main__":

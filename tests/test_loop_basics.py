@@ -111,9 +111,11 @@ def test_logging_window_averages_and_fields(train_args):
         assert h["loss"] == pytest.approx(sum(window) / len(window), abs=2e-6)
         step = h["step"]
         assert h["grad_norm"] == pytest.approx(rec.norms[step - 1], rel=1e-5)
-        # the LR the next step will use (as HF logs it): linear warmup 2, decay to 0 at 7
-        expected_lr = 0.1 * (step / 2 if step < 2 else max(0.0, (7 - step) / 5))
+        # the LR this step used (as HF logs it since PR #36973): linear warmup 2, decay to 0 at 7
+        done = step - 1  # scheduler steps before this step
+        expected_lr = 0.1 * (done / 2 if done < 2 else max(0.0, (7 - done) / 5))
         assert h["learning_rate"] == pytest.approx(expected_lr)
+        assert h["learning_rate"] == pytest.approx(rec.lrs[step - 1])
         assert h["epoch"] == pytest.approx(step / 8, abs=1e-4)
         assert h["samples_per_second"] > 0
     assert rec.lrs[:3] == pytest.approx([0.0, 0.05, 0.1])  # warmup, then decay
@@ -216,7 +218,7 @@ def test_config_built_in_python_trains_like_the_toml_file(tmp_path):
     from_file = Config.load(path)
     assert from_file.to_dict() == cfg.to_dict()
     Loop(config=cfg, blocked_plugins=["console"]).train()
-    from_file.train.output_dir = str(tmp_path / "toml")
+    from_file = from_file.replace("train", output_dir=str(tmp_path / "toml"))
     Loop(config=from_file, blocked_plugins=["console"]).train()
     assert jsonl_losses(str(tmp_path / "py")) == jsonl_losses(str(tmp_path / "toml"))
     # and the resolved config written to output_dir is this config

@@ -4,6 +4,7 @@ conftest.py) found through its entry point."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 
@@ -57,9 +58,9 @@ def _config(tmp_path, sections: str, **train) -> Config:
     cfg = Config.from_dict({"train": {"output_dir": str(tmp_path / "out"), "save_strategy": "no",
                                       "max_steps": 2, "disable_tqdm": True, **train}})
     extra = Config.from_dict(__import__("tomllib").loads(textwrap.dedent(sections)))
-    cfg.sections, cfg.plugins = extra.sections, extra.plugins
+    cfg = dataclasses.replace(cfg, sections=extra.sections, plugins=extra.plugins)
     if cfg.plugins.enable is None:  # only these two: other installed plugins must not change the outcome
-        cfg.plugins.enable = ["thirdparty", "thirdparty_rival"]
+        cfg = cfg.replace("plugins", enable=["thirdparty", "thirdparty_rival"])
     return cfg
 
 
@@ -152,8 +153,9 @@ def test_plugin_sections_are_validated(tmp_path):
         load_plugins(_config(tmp_path, '[thirdparti]\noptimizer = "sgd"\n'))
     # declared defaults are filled in
     cfg = _config(tmp_path, '[thirdparty]\noptimizer = "sgd"\n')
-    load_plugins(cfg)
-    assert cfg.section("thirdparty") == {"optimizer": "sgd", "marker": ""}
+    pl = load_plugins(cfg)
+    assert pl.config.section("thirdparty") == {"optimizer": "sgd", "marker": ""}
+    assert cfg.section("thirdparty") == {"optimizer": "sgd"}  # the given config is not changed
     assert TrainArgs().seed == 42
 
 
@@ -195,3 +197,19 @@ def test_cli_plugins_shows_installed_plugin_and_winner(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "thirdparty [installed, inactive: autoload off" in r.stdout
     assert provider_line(r.stdout, "create_optimizer") == "create_optimizer: builtin"
+
+
+def test_report_to_chooses_the_logging_plugins_as_hf(monkeypatch):
+    """HF's report_to: only the named loggers run; "none" runs none; an unknown name is an error."""
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    names = {ep.name for ep in installed_entry_points()}
+    if not {"tensorboard", "wandb"} <= names:
+        pytest.fail("the tensorboard and wandb plugins are part of the development install")
+    pl = load_plugins(Config.from_dict({"train": {"report_to": ["wandb"]}}))
+    assert "wandb" in pl.info and pl.skipped["tensorboard"] == "not in train.report_to"
+    pl = load_plugins(Config.from_dict({"train": {"report_to": "none"}}))
+    assert {"wandb", "tensorboard"} <= set(pl.skipped) and "wandb" not in pl.info
+    pl = load_plugins(Config.from_dict({"train": {}}))  # corelooper's default: "all"
+    assert {"wandb", "tensorboard"} <= set(pl.info)
+    with pytest.raises(ConfigError, match=r"train.report_to names \['mlflow'\].*pip install corelooper-mlflow"):
+        load_plugins(Config.from_dict({"train": {"report_to": ["mlflow"]}}))

@@ -152,7 +152,6 @@ def test_eval_accumulation_steps_moves_outputs_in_chunks_and_pads():
 def test_predict_same_with_and_without_accumulation(make_loop):
     loop = make_loop(eval_accumulation_steps=1)
     p1, l1, m1 = loop.predict(loop.eval_dataset)
-    loop.args.eval_accumulation_steps = None
-    p2, l2, m2 = loop.predict(loop.eval_dataset)
+    p2, l2, m2 = make_loop().predict(loop.eval_dataset)
     assert torch.equal(p1, p2) and torch.equal(l1, l2) and m1 == m2
     assert p1.shape[0] == len(loop.eval_dataset)

@@ -60,6 +60,8 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]]:
     return {SECTION: dict(DEFAULTS)}
 
 
+reports = True  # a logger: loaded only when train.report_to wants it (HF's report_to)
+
 def inactive_reason(config) -> str | None:
     """Why this plugin does nothing for ``config`` (``None``: it is active)."""
     if not {**DEFAULTS, **config.sections.get(SECTION, {})}["enabled"]:
@@ -129,10 +131,8 @@ class TensorBoardLogger:
             file_writer.add_summary(summary)
 
     def on_log(self, loop, state, logs) -> None:
-        self._write(loop, state, logs)
-
-    def on_evaluate(self, loop, state, metrics) -> None:
-        self._write(loop, state, metrics, flush=True)
+        # Evaluation metrics arrive here too (on_log before on_evaluate, as in HF): flush them.
+        self._write(loop, state, logs, flush=any(k.startswith("eval_") for k in logs))
 
     def on_predict(self, loop, state, metrics) -> None:
         self._write(loop, state, metrics, flush=True)

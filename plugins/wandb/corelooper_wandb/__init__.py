@@ -65,6 +65,8 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]]:
     return {SECTION: {**DEFAULTS, "tags": []}}
 
 
+reports = True  # a logger: loaded only when train.report_to wants it (HF's report_to)
+
 def settings(config) -> dict[str, Any]:
     return {**DEFAULTS, **config.sections.get(SECTION, {})}
 
@@ -177,10 +179,7 @@ class WandbLogger:
             self._finish()
 
     def on_log(self, loop, state, logs) -> None:
-        self._log(loop, state, logs)
-
-    def on_evaluate(self, loop, state, metrics) -> None:
-        self._log(loop, state, metrics)
+        self._log(loop, state, logs)  # evaluation metrics too (on_log before on_evaluate, as in HF)
 
     def on_predict(self, loop, state, metrics) -> None:
         self._log(loop, state, metrics)
