@@ -76,7 +76,7 @@ def run_once(n_plugins: int, steps: int, probe_holder: list) -> dict:
     assert loop.state.global_step == steps, loop.state.global_step
     del torch
     st = probe.step_t
-    diffs = sorted(b - a for a, b in zip(st, st[1:]))
+    diffs = sorted(b - a for a, b in zip(st, st[1:], strict=False))
     return {"loop_s": loop_s, "step_us_median": 1e6 * diffs[len(diffs) // 2],
             "step_us_mean": 1e6 * (st[-1] - st[0]) / (len(st) - 1)}
 
@@ -92,9 +92,9 @@ def summarize(runs: dict[int, list[dict]], counts: list[int]) -> list[dict]:
     table = []
     print(f"{'plugins':>7s} {'step_us':>9s} {'x none':>7s} {'[min-max]':>11s} {'us/step/plugin':>14s} {'loop_s':>7s}")
     for n in counts:
-        ratios = [r["step_us_median"] / b["step_us_median"] for r, b in zip(runs[n], base)]
+        ratios = [r["step_us_median"] / b["step_us_median"] for r, b in zip(runs[n], base, strict=True)]
         step = statistics.median(r["step_us_median"] for r in runs[n])
-        per_plugin = [(r["step_us_median"] - b["step_us_median"]) / n for r, b in zip(runs[n], base)] if n else []
+        per_plugin = [(r["step_us_median"] - b["step_us_median"]) / n for r, b in zip(runs[n], base, strict=True)] if n else []
         row = dict(plugins=n, step_us_median=round(step, 1), over_none=round(statistics.median(ratios), 4),
                    over_none_range=[round(min(ratios), 4), round(max(ratios), 4)],
                    us_per_step_per_plugin=round(statistics.median(per_plugin), 2) if per_plugin else None,
@@ -103,7 +103,7 @@ def summarize(runs: dict[int, list[dict]], counts: list[int]) -> list[dict]:
         table.append(row)
         pp = f"{row['us_per_step_per_plugin']:14.2f}" if per_plugin else f"{'-':>14s}"
         print(f"{n:7d} {step:9.1f} {row['over_none']:7.3f} "
-              f"{'%.2f-%.2f' % tuple(row['over_none_range']):>11s} {pp} {row['loop_s']:7.3f}")
+              f"{'{:.2f}-{:.2f}'.format(*row['over_none_range']):>11s} {pp} {row['loop_s']:7.3f}")
     return table
 
 

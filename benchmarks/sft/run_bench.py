@@ -85,9 +85,9 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
                    data_prep_s=med([r.get("data_prep_s") for r in ok]), layout=ok[0].get("layout"),
                    same_trained_tokens=all(r["same_trained_tokens"] for r in ok))
         table.append(row)
-        print(f"{m:18s} {len(ok):2d} {row['trained_tok_per_s']:13.0f} {'%.0f-%.0f' % tuple(row['trained_tok_per_s_range']):>15s} "
+        print(f"{m:18s} {len(ok):2d} {row['trained_tok_per_s']:13.0f} {'{:.0f}-{:.0f}'.format(*row['trained_tok_per_s_range']):>15s} "
               f"{row['padding_share']:8.1%} {row['peak_rss_mib']:8.0f} {row['eval_loss']:9.3f} "
-              f"{'%.3f-%.3f' % tuple(row['eval_loss_range']):>13s} {row['steps']:5.0f} {row['same_trained_tokens']}")
+              f"{'{:.3f}-{:.3f}'.format(*row['eval_loss_range']):>13s} {row['steps']:5.0f} {row['same_trained_tokens']}")
     return table
 
 
