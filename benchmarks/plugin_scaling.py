@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "overhead"))
-sys.path.insert(0, str(HERE.parent))
+sys.path.append(str(HERE.parent))  # for benchmarks.*; an installed corelooper (or PYTHONPATH) wins
 
 import common as C  # noqa: E402
 

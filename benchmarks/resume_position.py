@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.append(str(HERE.parent))  # for benchmarks.*; an installed corelooper (or PYTHONPATH) wins
 
 BATCH = 32
 POSITIONS = {"start": None, "middle": 0.5, "end": 0.99}

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.append(str(HERE.parent))  # for benchmarks.*; an installed corelooper (or PYTHONPATH) wins
 
 CHUNK = 16 * 2**20
 
@@ -76,7 +76,9 @@ def make_loop(root: Path, mb: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=int, default=256, help="MiB of fp32 weights (checkpoint ~3x)")
+    ap.add_argument("--mb", type=int, default=256,
+                    help="MiB of fp32 weights, in 16 MiB layers (checkpoint ~3x: + AdamW moments)")
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of one save (top 25)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=str(HERE / "results" / "save_bandwidth.json"))
@@ -116,7 +118,8 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     mib = nbytes / 2**20
     med = {k: statistics.median(v) for k, v in rows.items()}
-    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, weights_MiB=a.mb,
+    weights = sum(t.numel() * t.element_size() for t in loop.model.state_dict().values()) / 2**20
+    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, weights_MiB=round(weights, 1),
                checkpoint_MiB=round(mib, 1), dir=str(root),
                loadavg_start=[round(x, 2) for x in load_start],
                loadavg_end=[round(x, 2) for x in os.getloadavg()],
@@ -132,6 +135,28 @@ def main() -> None:
           f"{'met' if out['met'] else 'NOT met'})")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    if a.profile:
+        profile_one_save(a.mb)
+
+
+def profile_one_save(mb: int) -> None:
+    """Where a save's time goes (the gap to the disk's bandwidth), by cumulative time."""
+    import cProfile
+    import pstats
+
+    from corelooper import checkpoint
+
+    root = Path(tempfile.mkdtemp(prefix="savebw-prof-", dir=os.getcwd()))
+    try:
+        loop = make_loop(root, mb)
+        loop.state.global_step = 7
+        prof = cProfile.Profile()
+        prof.enable()
+        checkpoint.save_checkpoint(loop)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

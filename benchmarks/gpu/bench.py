@@ -5,7 +5,7 @@ usage: python benchmarks/gpu/bench.py [--budget-s 420] [--steps a,b,...] [--out 
        python benchmarks/gpu/bench.py --cpu-smoke      # tiny sizes on a CPU: validates the script
        python benchmarks/gpu/bench.py --dry-run        # list the steps and the plan, run nothing
 
-Writes benchmarks/results/gpu-<date>.json (``--cpu-smoke``: gpu-smoke-<date>.json) with the
+Writes benchmarks/results/gpu-<date>.json (``--cpu-smoke``: $TMPDIR/gpu-smoke-<date>.json) with the
 environment (GPU, torch, CUDA, packages), every step's result or error, its wall time, and the
 ratios corelooper / hand-written for the paired steps.
 """
@@ -145,7 +145,10 @@ def main() -> None:
     summary = {"environment": env, "size": size, "sizes": steps.SIZES[size], "budget_s": a.budget_s,
                "results": results, "ratios": ratios(results)}
     stamp = time.strftime("%Y-%m-%d")
-    out = Path(a.out or ROOT / "benchmarks" / "results" / (f"gpu-smoke-{stamp}.json" if a.cpu_smoke else f"gpu-{stamp}.json"))
+    # A smoke run's numbers are not figures: they go to the temp folder, not benchmarks/results.
+    default = (Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-smoke-{stamp}.json" if a.cpu_smoke
+               else ROOT / "benchmarks" / "results" / f"gpu-{stamp}.json")
+    out = Path(a.out or default)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["ratios"], indent=1))
