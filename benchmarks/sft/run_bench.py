@@ -174,6 +174,8 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"load average {out['loadavg_start']} -> {out['loadavg_end']}; wrote {a.out}")
+    if max(r.get("loadavg", 0) for recs in runs.values() for r in recs) > (os.cpu_count() or 1):
+        print(f"WARNING: the load average exceeded the {os.cpu_count()} CPUs during the run: not quotable.")
 
 
 if __name__ == "__main__":
