@@ -104,7 +104,7 @@ def main() -> None:
     import steps
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget-s", type=float, default=420, help="total seconds for all steps (install not included)")
+    ap.add_argument("--budget-s", type=float, default=360, help="total seconds for all steps (install not included)")
     ap.add_argument("--steps", default=",".join(steps.STEPS))
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--dry-run", action="store_true")

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu/run.sh --cpu-smoke     # tiny sizes on a CPU (uses the existing .venv)
 #   bash benchmarks/gpu/run.sh --dry-run       # the plan only
 # Env: GPU_VENV (default .gpu-venv), WHEELHOUSE (a folder of wheels for an offline machine:
-# pip --find-links), SKIP_INSTALL=1 (use the python on PATH as is), BUDGET_S (default 420:
+# pip --find-links), SKIP_INSTALL=1 (use the python on PATH as is), BUDGET_S (default 360:
 # the steps' share of the 8 minutes; install time comes on top), STEPS (comma list).
 # CI never runs this.
 set -uo pipefail
@@ -44,5 +44,5 @@ else
   echo "install took $(( $(date +%s) - START )) s"
 fi
 
-"$PY" benchmarks/gpu/bench.py --budget-s "${BUDGET_S:-420}" ${STEPS:+--steps "$STEPS"} "${ARGS[@]}"
+"$PY" benchmarks/gpu/bench.py --budget-s "${BUDGET_S:-360}" ${STEPS:+--steps "$STEPS"} "${ARGS[@]}"
 echo "total $(( $(date +%s) - START )) s"

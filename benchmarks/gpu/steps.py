@@ -139,7 +139,7 @@ def raw_loop(size: str, precision: str = "bf16", lora: bool = False, compile_: b
     if compile_:
         model = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=device().type == "cuda" or None)
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)  # the kernel corelooper's default builds
     scaler = torch.amp.GradScaler(device().type) if precision == "fp16" else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     data = chat_data(size, s["batch"] * s["steps"])
@@ -253,7 +253,7 @@ def cl_packing(size: str, attn: str) -> dict:
     import torch
 
     s = SIZES[size]
-    samples = [x for x in sft.make_samples(s["batch"] * s["steps"] * 8, "train") if len(x.input_ids) <= s["seq"]]
+    samples = [x for x in sft.make_samples(s["batch"] * s["steps"] * 12, "train") if len(x.input_ids) <= s["seq"]]
     vocab = s["vocab_size"]
     plan = plan_packing([len(x.input_ids) for x in samples], s["seq"], "bfd")
     rows = [[Segment([t % vocab for t in samples[i].input_ids[a:b]],
