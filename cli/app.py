@@ -30,6 +30,9 @@ PluginOpt = Annotated[
     typer.Option("-p", help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one."),
 ]
 TracebackOpt = Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Also show third-party warnings, banners and launcher logs."),
+]
 
 
 def _version_callback(value: bool) -> None:
@@ -61,22 +64,31 @@ def split_plugin_options(options: list[str] | None) -> tuple[list[str], list[str
 
 
 def fail(exc: BaseException, show_traceback: bool) -> None:
-    """Print a one-paragraph error (or the traceback when asked) and exit non-zero."""
+    """Print a one-paragraph error (or the traceback when asked) and exit non-zero.
+
+    A worker of ``--nproc`` hands its error to the launcher (which prints it once, naming the
+    rank) instead of printing it; under another launcher a rank names itself."""
     from corelooper.errors import CorelooperError
 
+    code = exc.exit_code if isinstance(exc, CorelooperError) else 1
+    if getattr(exc, "exit_code", None) in (130, 143):  # launcher: the ranks stopped on a signal
+        raise typer.Exit(exc.exit_code)
     if show_traceback or os.environ.get("CORELOOPER_TRACEBACK"):
         import traceback
 
         traceback.print_exception(exc)
+    recorded = False
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a rank under torchrun: name it to the launcher
-        from corelooper.launch import record_child_error
+        from corelooper.launch import record_child_error, under_launcher
 
-        record_child_error(exc)
-    code = exc.exit_code if isinstance(exc, CorelooperError) else 1
-    prefix = "error" if isinstance(exc, CorelooperError) else f"unexpected error ({type(exc).__name__})"
-    typer.echo(f"corelooper: {prefix}: {exc}", err=True)
-    if not show_traceback:
-        typer.echo("(run with --traceback for the full traceback)", err=True)
+        recorded = record_child_error(exc) and under_launcher()
+    if not recorded:
+        prefix = "error" if isinstance(exc, CorelooperError) else f"unexpected error ({type(exc).__name__})"
+        world = os.environ.get("WORLD_SIZE", "1")
+        rank = f" (rank {os.environ.get('RANK', '0')} of {world})" if world != "1" else ""
+        typer.echo(f"corelooper: {prefix}{rank}: {exc}", err=True)
+        if not show_traceback:
+            typer.echo("(run with --traceback for the full traceback)", err=True)
     raise typer.Exit(code)
 
 
@@ -103,6 +115,7 @@ def run(
     profile_plugins: Annotated[
         bool, typer.Option("--profile-plugins", help="Print the time spent in each plugin's hooks.")
     ] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Train (and evaluate) the model described by CONFIG.
 
@@ -110,6 +123,11 @@ def run(
     143 / 130 stopped by SIGTERM / SIGINT after saving a checkpoint (resume it with
     --resume-from-checkpoint latest).
     """
+    from corelooper.console import quiet_third_party
+    from corelooper.launch import watch_launcher
+
+    watch_launcher()  # a worker dies with its launcher (kill -9 leaves no orphans)
+    quiet_third_party(verbose)
     preempted_exit = 0
     try:
         blocked, local = split_plugin_options(p)
@@ -117,7 +135,7 @@ def run(
         if nproc is not None:  # checked above once, then run by every child without --nproc
             from corelooper.launch import child_argv, launch
 
-            return launch(nproc, child_argv(config, set_, p, resume_from_checkpoint, traceback_))
+            return launch(nproc, child_argv(config, set_, p, resume_from_checkpoint, traceback_, verbose))
         from corelooper.loop import Loop
 
         loop = Loop(config=cfg, blocked_plugins=blocked)
@@ -128,8 +146,9 @@ def run(
             profiler = PluginProfiler(loop.plugins)
         state = loop.train(resume_from_checkpoint=resume_from_checkpoint)
         if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
-            typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
-                       f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
+            if state.is_world_process_zero:
+                typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
+                           f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
             preempted_exit = 128 + (state.stop_signal or 15)
         elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
             loop.evaluate()
@@ -138,7 +157,8 @@ def run(
             typer.echo(profiler.report())
         loop.backend.end()
     except KeyboardInterrupt:
-        typer.echo("corelooper: interrupted", err=True)
+        if os.environ.get("RANK", "0") == "0":  # Ctrl-C reaches every rank: one says it
+            typer.echo("corelooper: interrupted", err=True)
         raise typer.Exit(130) from None
     except Exception as e:
         fail(e, traceback_)
@@ -171,7 +191,10 @@ def plugins(
         pl = load_plugins(cfg, blocked=blocked)
         cfg = pl.config  # with the plugins' defaults: the values this run would use
         typer.echo(f"plugins{' for ' + str(config) if config else ''}:")
+        runs = [info for info in pl.info.values() if info.kind == "run"]
         for info in pl.info.values():
+            if info.kind == "run":
+                continue  # shown under the plugin that registered it
             version = f" {info.version}" if info.version else ""
             dist = f" ({info.dist}{version})" if info.dist else ""
             # A loaded plugin may still do nothing for this config (wandb without [wandb], ...).
@@ -179,9 +202,12 @@ def plugins(
             status = f"inactive for {'this' if config else 'an empty'} config: {why}" if why else "active"
             typer.echo(f"  {info.name}{dist} [{info.kind}, {status}]")
             typer.echo(f"    hooks: {', '.join(info.hooks) or '-'}")
+            for run in (r for r in runs if r.name.split(".")[0] == info.name):
+                typer.echo(f"    per-run {run.name}: {', '.join(run.hooks) or '-'}")
             for section in info.sections:
-                shown = ", ".join(f"{k}={v!r}" for k, v in cfg.section(section).items())
-                typer.echo(f"    config [{section}]: {shown or '-'}")
+                shown = ", ".join(f"{k}={v!r}" for k, v in cfg.section(section).items()) or "-"
+                where = "" if section in cfg.sections or not config else " (not in this config: defaults)"
+                typer.echo(f"    config [{section}]{where}: {shown}")
         for name, why in pl.skipped.items():
             typer.echo(f"  {name} [installed, inactive: {why}]")
         typer.echo("providers (first answer wins):")

@@ -3,16 +3,11 @@
 * ``DataCollatorForCausalLM`` pads samples of token ids to one length and masks padding (and,
   optionally, the prompt of prompt/completion samples) with -100 in ``labels``.
 * ``pack_sequences`` / ``PackedDataset`` put short samples into fixed-length sequences.
-* ``length_grouped_order`` is HF's ``group_by_length`` ordering, seeded per epoch; ``BatchLoader``
-  uses it so resume stays exact (batches are still decided by index).
-* ``model_inputs`` drops batch columns the model's ``forward`` does not accept (HF's
-  ``remove_unused_columns``), deciding once per set of keys and saying which in a log line.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -266,66 +261,3 @@ def sample_lengths(dataset, length_column_name: str = "length") -> list[int]:
                 "to measure. Give the dataset a `lengths` attribute or a length column."
             )
     return out
-
-
-def length_grouped_order(
-    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, mega_batch_mult: int = 50
-) -> list[int]:
-    """HF's ``get_length_grouped_indices``: a seeded random permutation cut into mega-batches of
-    ``mega_batch_mult * batch_size`` samples, each sorted by length (longest first), with the
-    longest batch moved to the front (an OOM shows up on the first step, not hours later).
-    ``batch_size`` is the global batch (per-device size times processes)."""
-    from .data import epoch_permutation
-
-    perm = epoch_permutation(len(lengths), seed, epoch, True)
-    mega = max(1, mega_batch_mult) * batch_size
-    megabatches = [
-        sorted(perm[i : i + mega], key=lambda j: -lengths[j]) for i in range(0, len(perm), mega)
-    ]
-    # Longest sample's mega-batch head to the very front.
-    heads = [lengths[m[0]] for m in megabatches]
-    k = max(range(len(heads)), key=heads.__getitem__) if heads else 0
-    if megabatches:
-        megabatches[0][0], megabatches[k][0] = megabatches[k][0], megabatches[0][0]
-    return [i for m in megabatches for i in m]
-
-
-# -- unused columns ------------------------------------------------------------------------------
-
-_LABEL_NAMES = ("labels", "label", "label_ids")
-_column_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> keys -> columns
-
-
-def accepted_columns(signature, keys: Iterable[str]) -> tuple[str, ...] | None:
-    """Which of ``keys`` the model's ``forward`` takes (``None``: all of them)."""
-    keys = tuple(keys)
-    allowed = set(signature.params) | set(_LABEL_NAMES)
-    kept = tuple(k for k in keys if k in allowed)
-    return None if len(kept) == len(keys) else kept
-
-
-def model_inputs(loop, batch: Mapping) -> Mapping:
-    """``batch`` without the columns the model's ``forward`` does not accept (decided once per set
-    of keys, logged once). Off with ``train.remove_unused_columns = false``."""
-    if not getattr(loop.args, "remove_unused_columns", True):
-        return batch
-    plans = _column_plans.setdefault(loop, {})
-    keys = tuple(batch)
-    plan = plans.get(keys, 0)
-    if plan == 0:
-        from .losses import forward_signature, innermost_model
-
-        model = innermost_model(loop.backend.unwrap_model(loop.model))
-        plan = accepted_columns(forward_signature(model), keys)
-        plans[keys] = plan
-        if plan is not None:
-            dropped = [k for k in keys if k not in plan]
-            logger.warning(
-                "The batch columns %s are not arguments of %s.forward and are not passed to it "
-                "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
-                "sees every column).",
-                dropped, type(model).__name__,
-            )
-    if plan is None:
-        return batch
-    return {k: batch[k] for k in plan}

@@ -78,3 +78,42 @@ class Console:
 
     def on_exception(self) -> None:
         self.stop()
+
+
+# Third-party chatter that does not concern the user's run: deprecation notices raised inside
+# torch.distributed / DeepSpeed / accelerate / transformers / peft for their own calls, and
+# the launchers' banners. `corelooper run --verbose` shows all of it.
+_QUIET_MODULES = r"(torch|deepspeed|accelerate|transformers|peft|torchelastic)(\.|$)"
+# the launcher's own logs (a failed rank is reported by corelooper, naming it): nothing passes
+_LAUNCHER_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
+# the libraries' logs: errors pass
+_LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "accelerate")
+
+
+def quiet_third_party(verbose: bool = False) -> None:
+    """Filter third-party deprecation warnings and banners (inherited by launched workers)."""
+    import logging
+    import os
+    import warnings
+
+    if verbose:
+        os.environ["CORELOOPER_VERBOSE"] = "1"
+        return
+    if os.environ.get("CORELOOPER_VERBOSE"):
+        return
+    # transformers' "Writing model shards" bar at every checkpoint (read when it is imported)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=_QUIET_MODULES)
+    # torch.distributed's own deprecation notices, attributed to the calling library's line
+    warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor|"
+                            r"_reduce_scatter_base|_all_gather_base).*")
+    # (workers run this too: their CLI gets --verbose passed on.) Filters, not levels: DeepSpeed
+    # resets its logger's level when it is imported.
+    for name in _LAUNCHER_LOGGERS:
+        logging.getLogger(name).addFilter(lambda record: False)
+    for name in _LIBRARY_LOGGERS:
+        logging.getLogger(name).addFilter(lambda record: record.levelno >= logging.ERROR)
+    if os.environ.get("RANK", "0") != "0":
+        # One voice: the ranks run the same code, so rank 0 shows every warning once.
+        warnings.simplefilter("ignore")

@@ -81,8 +81,6 @@ class BatchLoader:
     def batch_indices(self) -> list[list[int]]:
         n = len(self.dataset)
         if self.lengths is not None and self.shuffle and not self.contiguous:
-            from .collators import length_grouped_order
-
             order = length_grouped_order(self.lengths, self.batch_size * self.num_replicas,
                                          self.seed, self.epoch)
         else:
@@ -193,3 +191,23 @@ def count_input_tokens(batch) -> int:
     if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
         return batch["input_ids"].numel()
     return 0
+
+
+def length_grouped_order(
+    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, mega_batch_mult: int = 50
+) -> list[int]:
+    """HF's ``get_length_grouped_indices``: a seeded random permutation cut into mega-batches of
+    ``mega_batch_mult * batch_size`` samples, each sorted by length (longest first), with the
+    longest batch moved to the front (an OOM shows up on the first step, not hours later).
+    ``batch_size`` is the global batch (per-device size times processes)."""
+    perm = epoch_permutation(len(lengths), seed, epoch, True)
+    mega = max(1, mega_batch_mult) * batch_size
+    megabatches = [
+        sorted(perm[i : i + mega], key=lambda j: -lengths[j]) for i in range(0, len(perm), mega)
+    ]
+    # Longest sample's mega-batch head to the very front.
+    heads = [lengths[m[0]] for m in megabatches]
+    k = max(range(len(heads)), key=heads.__getitem__) if heads else 0
+    if megabatches:
+        megabatches[0][0], megabatches[k][0] = megabatches[k][0], megabatches[0][0]
+    return [i for m in megabatches for i in m]

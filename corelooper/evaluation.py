@@ -21,7 +21,7 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
                    batch_transform: Callable | None = None):
     """``(metrics, predictions, label_ids)`` over ``dataset``; ``batch_transform`` may cut each
     batch into pieces (a list of batches with the same samples in the same order)."""
-    from .predict import OutputAccumulator
+    from .outputs import OutputAccumulator
 
     loop.prepare_for_evaluation()
     backend, model = loop.backend, loop.model
@@ -70,7 +70,7 @@ def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
 
 def forward(loop, batch):
     """The model's outputs for ``batch``, with only the columns its ``forward`` accepts."""
-    from .collators import model_inputs
+    from .columns import model_inputs
 
     args, kwargs, _ = split_batch(batch)
     if kwargs:

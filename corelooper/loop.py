@@ -25,13 +25,13 @@ import torch
 
 from . import checkpoint
 from .build import build_collator, build_dataset, build_model
+from .columns import forward_signature
 from .config import Config, TrainArgs, check_train_args
 from .data import batch_rows, count_input_tokens
 from .errors import CorelooperError, DataError, PluginError, TrainingError
 from .events import Events
 from .guard import NonFiniteGuard
 from .logwindow import LogWindow, run_summary
-from .losses import forward_signature
 from .plugins import load_plugins
 from .seeding import set_seed
 from .state import Control, LoopState

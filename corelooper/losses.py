@@ -8,39 +8,13 @@ Other models return logits, and the loss is computed here.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .columns import model_inputs
 from .errors import DataError
-
-
-@dataclass(frozen=True)
-class ForwardSignature:
-    accepts_labels: bool
-    accepts_loss_kwargs: bool
-    params: frozenset[str]
-    var_kwargs: bool
-
-
-def forward_signature(model: torch.nn.Module) -> ForwardSignature:
-    params = inspect.signature(model.forward).parameters
-    names = frozenset(params)
-    var_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepts_loss_kwargs = getattr(model, "accepts_loss_kwargs", None)
-    if accepts_loss_kwargs is None:
-        accepts_loss_kwargs = "num_items_in_batch" in names or (var_kwargs and "labels" in names)
-    return ForwardSignature("labels" in names, bool(accepts_loss_kwargs), names, var_kwargs)
-
-
-def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model whose ``forward`` declares the real arguments: a wrapper that passes
-    ``**kwargs`` through (a PEFT model, say) names what it wraps with ``get_base_model()``."""
-    base = getattr(model, "get_base_model", None)
-    return base() if callable(base) else model
 
 
 def split_batch(batch):
@@ -91,8 +65,6 @@ def summed_loss(
 def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     sig = loop.forward_signature
     if isinstance(batch, Mapping):
-        from .collators import model_inputs
-
         batch = model_inputs(loop, batch)  # drop columns forward() does not take (logged once)
     smoothing = getattr(loop.args, "label_smoothing_factor", 0.0) if loop.loss_type != "mse" else 0.0
     # With label smoothing the loss is computed here from the logits, as HF's LabelSmoother does.
@@ -104,8 +76,12 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
         loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
         if loss is None:
             loss = outputs[0]
-        if not sig.accepts_loss_kwargs:
-            loss = loss / loop.num_micro_batches  # the model can only give a mean loss
+        if not sig.accepts_loss_kwargs and num_items_in_batch is not None:
+            # The model can only give the mean over this batch's items: weigh it by their share
+            # of the step's, which is sum / num_items_in_batch, exact under GA and across ranks.
+            from .data import count_loss_items
+
+            loss = loss * (count_loss_items(batch, loop.loss_type) / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     args, kwargs, labels = split_batch(batch)

@@ -253,44 +253,7 @@ def load_plugins(
 
     if autoload is None:
         autoload = not os.environ.get(AUTOLOAD_ENV)
-    enable = set(cfg.enable) if cfg and cfg.enable is not None else None
-    installed = installed_entry_points()
-    if enable is not None:
-        unknown = enable - {ep.name for ep in installed}
-        if unknown:
-            names = [ep.name for ep in installed]
-            raise ConfigError(
-                f"plugins.enable names {sorted(unknown)}, which are not installed plugins. "
-                f"Installed: {names or 'none'}. Install the plugin's package (first-party ones "
-                f"are named like corelooper-{sorted(unknown)[0].replace('_', '-')})."
-            )
-    for ep in reversed(installed):  # first name registered last -> asked first
-        dist = ep.dist.metadata["Name"] if ep.dist else None
-        version = ep.dist.version if ep.dist else None
-        if not autoload:
-            plugins.skipped[ep.name] = f"autoload off ({AUTOLOAD_ENV})"
-            continue
-        if ep.name in blocked:
-            plugins.skipped[ep.name] = "disabled"
-            continue
-        if enable is not None and ep.name not in enable:
-            plugins.skipped[ep.name] = "not in plugins.enable"
-            continue
-        try:
-            obj = ep.load()
-        except Exception as e:
-            raise PluginError(
-                f"Plugin {ep.name!r} (package {dist or '?'} {version or ''}, entry point "
-                f"{ep.value!r}) failed to import: {type(e).__name__}: {e}. Fix or uninstall the "
-                f"package, or skip it with `-p no:{ep.name}` or [plugins] disable = [{ep.name!r}]."
-            ) from e
-        if isinstance(obj, type):
-            raise PluginError(
-                f"Plugin {ep.name!r} (package {dist}): its entry point names the class "
-                f"{obj.__name__}; it must name a module or an instance."
-            )
-        plugins.register(obj, ep.name, "installed", dist, version)
-
+    _register_installed(plugins, cfg, blocked, autoload)
     base = config.source.parent if config is not None and config.source else None
     for ref in cfg.local if cfg else ():
         module = import_module(ref, "plugins.local", base)
@@ -307,6 +270,49 @@ def load_plugins(
         plugins.config = config
         configure(plugins, config)
     return plugins
+
+
+def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool) -> None:
+    """Installed plugins (entry points), minus the disabled ones; the first name is asked first."""
+    enable = set(cfg.enable) if cfg and cfg.enable is not None else None
+    installed = installed_entry_points()
+    if enable is not None:
+        unknown = enable - {ep.name for ep in installed}
+        if unknown:
+            names = [ep.name for ep in installed]
+            raise ConfigError(
+                f"plugins.enable names {sorted(unknown)}, which are not installed plugins. "
+                f"Installed: {names or 'none'}. Install the plugin's package (first-party ones "
+                f"are named like corelooper-{sorted(unknown)[0].replace('_', '-')})."
+            )
+    for ep in reversed(installed):  # first name registered last -> asked first
+        if not autoload:
+            plugins.skipped[ep.name] = f"autoload off ({AUTOLOAD_ENV})"
+        elif ep.name in blocked:
+            plugins.skipped[ep.name] = "disabled"
+        elif enable is not None and ep.name not in enable:
+            plugins.skipped[ep.name] = "not in plugins.enable"
+        else:
+            dist = ep.dist.metadata["Name"] if ep.dist else None
+            version = ep.dist.version if ep.dist else None
+            plugins.register(_load_entry_point(ep, dist, version), ep.name, "installed", dist, version)
+
+
+def _load_entry_point(ep, dist: str | None, version: str | None):
+    try:
+        obj = ep.load()
+    except Exception as e:
+        raise PluginError(
+            f"Plugin {ep.name!r} (package {dist or '?'} {version or ''}, entry point {ep.value!r}) "
+            f"failed to import: {type(e).__name__}: {e}. Fix or uninstall the package, or skip it with "
+            f"`-p no:{ep.name}` or [plugins] disable = [{ep.name!r}]."
+        ) from e
+    if isinstance(obj, type):
+        raise PluginError(
+            f"Plugin {ep.name!r} (package {dist}): its entry point names the class "
+            f"{obj.__name__}; it must name a module or an instance."
+        )
+    return obj
 
 
 def configure(plugins: Plugins, config: Config) -> None:

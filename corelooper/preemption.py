@@ -45,11 +45,18 @@ class Preemption:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        # One voice: with several ranks only rank 0 speaks, and only of the first signal (Ctrl-C
+        # reaches every rank, then the launcher forwards its copy); the stop is agreed by all.
+        quiet = os.environ.get("RANK", "0") != "0"
         if self.signum is None:
             self.signum = signum
+            if quiet:
+                return
             msg = (f"\ncorelooper: {name} received: finishing this optimizer step, saving a checkpoint, "
                    "then exiting (resume with --resume-from-checkpoint latest)\n")
         else:
+            if quiet or os.environ.get("WORLD_SIZE", "1") != "1":
+                return
             msg = f"\ncorelooper: {name} received again: already stopping, please wait for the save\n"
         try:
             os.write(2, msg.encode())  # no buffered I/O inside a signal handler

@@ -33,7 +33,7 @@ test = ["pytest>=8"]
 
 # corelooper finds the plugin through this entry point: installed means loaded.
 [project.entry-points.corelooper]
-{name} = "{module}:plugin"
+{name} = "{module}"
 
 [tool.setuptools]
 packages = ["{module}"]
@@ -42,9 +42,9 @@ packages = ["{module}"]
 MODULE = '''\
 """{dist}: a corelooper plugin.
 
-It remembers the lowest training loss seen, keeps it across a resume (``state_dict``), and
-declares a ``[{name}]`` config section. Replace the hooks with yours: ``corelooper hooks`` lists
-every hook with its arguments.
+It remembers the lowest training loss seen, keeps it across a resume, and declares a
+``[{name}]`` config section. Replace the hooks with yours: ``corelooper hooks`` lists every hook
+with its arguments.
 """
 
 from __future__ import annotations
@@ -54,39 +54,35 @@ from typing import Any
 SECTION = "{name}"
 
 
-class {klass}:
-    name = SECTION
+# The config keys this plugin owns, with their defaults: unknown keys are rejected.
+def corelooper_config_sections() -> dict[str, dict[str, Any]]:
+    return {{SECTION: {{"enabled": True}}}}
 
+
+# Once per run: register this run's own object (never share one between two Loops).
+def corelooper_configure(config, plugins) -> None:
+    if not config.section(SECTION)["enabled"]:
+        plugins.set_inactive(SECTION, "[{name}] enabled = false")  # `corelooper plugins` shows it
+        return
+    tracker = {klass}()
+    plugins.register(tracker, f"{{SECTION}}.run")
+    plugins.register_for_checkpointing(SECTION, tracker)  # saved in plugins.json, restored on resume
+
+
+class {klass}:
     def __init__(self) -> None:
         self.lowest_loss: float | None = None
 
-    # The config keys this plugin owns, with their defaults: unknown keys are rejected.
-    def corelooper_config_sections(self) -> dict[str, dict[str, Any]]:
-        return {{SECTION: {{"enabled": True}}}}
-
-    # Shown by `corelooper plugins --config CONFIG` (None: active).
-    def inactive_reason(self, config) -> str | None:
-        return None if config.section(SECTION).get("enabled", True) else "[{name}] enabled = false"
-
     # Events take any subset of their arguments, by name.
-    def on_init_end(self) -> None:
-        self.lowest_loss = None  # a new Loop starts afresh; a resume then loads the saved state
-
-    def on_log(self, loop, state, logs) -> None:
-        if self.inactive_reason(loop.config) or "loss" not in logs:
-            return
-        if self.lowest_loss is None or logs["loss"] < self.lowest_loss:
+    def on_log(self, logs) -> None:
+        if "loss" in logs and (self.lowest_loss is None or logs["loss"] < self.lowest_loss):
             self.lowest_loss = logs["loss"]
 
-    # Saved in every checkpoint (plugins.json) and restored on --resume-from-checkpoint.
     def state_dict(self) -> dict[str, Any]:
         return {{"lowest_loss": self.lowest_loss}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lowest_loss = state.get("lowest_loss")
-
-
-plugin = {klass}()
 '''
 
 TEST = '''\
@@ -95,15 +91,19 @@ TEST = '''\
 import json
 
 import pytest
-from {module} import plugin
 
+import {module} as plugin
 from corelooper.errors import ConfigError
 
 
+def tracker(loop):
+    return loop.plugins.get("{name}.run")
+
+
 def test_remembers_the_lowest_training_loss(run_loop, hook_recorder):
-    run_loop([plugin, hook_recorder])
+    loop = run_loop([plugin, hook_recorder])
     losses = [c["logs"]["loss"] for c in hook_recorder.calls_of("on_log") if "loss" in c["logs"]]
-    assert len(losses) == 4 and plugin.lowest_loss == min(losses)
+    assert len(losses) == 4 and tracker(loop).lowest_loss == min(losses)
 
 
 def test_state_is_saved_in_checkpoints_and_restored_on_resume(run_loop, tmp_path):
@@ -112,12 +112,17 @@ def test_state_is_saved_in_checkpoints_and_restored_on_resume(run_loop, tmp_path
     assert saved["{name}"]["lowest_loss"] > 0
     loop = run_loop([plugin], resume=str(tmp_path / "run" / "checkpoint-4"), output_dir=tmp_path / "run")
     assert loop.state.global_step == 8
-    assert plugin.lowest_loss <= saved["{name}"]["lowest_loss"]
+    assert tracker(loop).lowest_loss <= saved["{name}"]["lowest_loss"]
 
 
 def test_unknown_config_keys_are_rejected(make_loop):
     with pytest.raises(ConfigError, match="Did you mean 'enabled'"):
         make_loop([plugin], sections={{"{name}": {{"enable": True}}}})
+
+
+def test_can_be_switched_off(run_loop):
+    loop = run_loop([plugin], sections={{"{name}": {{"enabled": False}}}})
+    assert tracker(loop) is None and "{name}" in loop.plugins.inactive
 '''
 
 README = '''\

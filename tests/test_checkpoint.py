@@ -32,6 +32,9 @@ class Counter:
     def __init__(self):
         self.steps = 0
 
+    def corelooper_configure(self, plugins):
+        plugins.register_for_checkpointing("counter", self)  # explicit: nothing is scanned for
+
     def on_step_end(self):
         self.steps += 1
 
@@ -269,6 +272,9 @@ class BrokenPlugin:
 
     def __init__(self, hook_at=None, state_at=None):
         self.hook_at, self.state_at, self.step = hook_at, state_at, 0
+
+    def corelooper_configure(self, plugins):
+        plugins.register_for_checkpointing("broken", self)
 
     def on_step_end(self, state):
         self.step = state.global_step

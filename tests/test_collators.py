@@ -11,12 +11,11 @@ import torch
 from corelooper.collators import (
     DataCollatorForCausalLM,
     PackedDataset,
-    accepted_columns,
-    length_grouped_order,
     pack_sequences,
     sample_lengths,
 )
-from corelooper.data import BatchLoader
+from corelooper.columns import accepted_columns
+from corelooper.data import BatchLoader, length_grouped_order
 from corelooper.errors import DataError
 
 

@@ -62,10 +62,11 @@ def test_a_crash_in_one_rank_ends_all_ranks_naming_it(tmp_path):
                       "--set", "train.load_best_model_at_end=false", "--set", "train.save_strategy=steps",
                       "--set", "train.save_steps=2", "--set", f"train.output_dir={tmp_path / 'out'}",
                       timeout=120)
-    assert proc.returncode == 7, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]  # the rank's own code: a plugin failed
     last = proc.stderr.strip().splitlines()
     error = next(line for line in last if line.startswith("corelooper: error: rank"))
     assert "rank 1 of 2" in error and "rank one breaks on purpose" in error
+    assert proc.stderr.count("rank one breaks on purpose") == 1  # said once, by the launcher
     assert "on_step_end" in error and "other ranks were stopped" in error
     # the checkpoint saved before the crash is intact; nothing half-written is left
     assert sorted(p.name for p in (tmp_path / "out").glob("*checkpoint-*")) == ["checkpoint-2"]
@@ -97,3 +98,14 @@ def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
 
     assert len(losses("two")) == 4
     assert all(abs(a - b) <= 1e-5 for a, b in zip(losses("two"), losses("one"), strict=True))
+
+
+def test_a_bad_checkpoint_under_nproc_exits_5_and_is_said_once(tmp_path):
+    """Every rank finds the checkpoint bad: the launcher reports it once, with exit 5 (not 7)."""
+    missing = tmp_path / "no-such-checkpoint"
+    proc = corelooper(tmp_path, "run", CONFIG, "--nproc", "2", *SHORT, "-p", "no:tensorboard",
+                      "--set", f"train.output_dir={tmp_path / 'out'}", "--resume-from-checkpoint", str(missing),
+                      timeout=120)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert proc.stderr.count(f"Checkpoint {str(missing)!r} does not exist") == 1, proc.stderr[-3000:]
+    assert "corelooper: error: rank " in proc.stderr and "Traceback" not in proc.stderr

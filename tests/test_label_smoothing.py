@@ -51,7 +51,7 @@ def causal_loop(tmp_path, eps: float) -> Loop:
     cfg = Config.from_dict({"train": {"output_dir": str(tmp_path), "label_smoothing_factor": eps,
                                       "max_steps": 1, "disable_tqdm": True}})
     loop = Loop(tiny_lm(), cfg)
-    loop._setup_eval_model()
+    loop.prepare_for_evaluation()
     loop.loss_type = "causal_lm"
     return loop
 

@@ -129,11 +129,12 @@ def test_flops_per_token_follows_the_formula():
     assert non_embedding_parameters(model) == n
     assert flops_per_token(model, 128) == 6 * n + 12 * L * d * 128
     meter = ThroughputMeter(model, peak_flops=1e9, world_size=2)
-    logs = meter.logs(tokens=1000, samples=10, elapsed=2.0, tokens_seen=5000)
+    # 1000 tokens of 10 samples in 2 s: 500 tokens/s, 5 samples/s (mean length 100)
+    logs = meter.logs(tokens_per_second=500.0, samples_per_second=5.0, tokens_seen=5000)
     per = 6 * n + 12 * L * d * 100
     assert logs["model_flops_per_token"] == per
     assert logs["mfu"] == pytest.approx(per * 1000 / 2.0 / 2e9, rel=1e-5)
-    assert "mfu" not in ThroughputMeter(model, None, 1).logs(1000, 10, 2.0, 5000)
+    assert "mfu" not in ThroughputMeter(model, None, 1).logs(500.0, 5.0, 5000)
     # A plain module: 6N, embeddings excluded.
     emb = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 8))
     assert flops_per_token(emb, 50) == 6 * (8 * 8 + 8)

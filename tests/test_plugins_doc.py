@@ -75,13 +75,15 @@ def test_provider_example_replaces_the_default_optimizer(run_loop, hook_recorder
 
 
 def test_state_example_survives_a_resume(run_loop, tmp_path):
-    counter = as_module("counter_doc", block_with("class Counter")).plugin
-    run_loop([counter])
-    assert counter.evaluations == 2  # at steps 4 and 8
+    plugin = as_module("counter_doc", block_with("class Counter"))
+    first = run_loop([plugin])
+    assert first.plugins.get("counter.run").evaluations == 2  # at steps 4 and 8
     saved = json.loads((tmp_path / "run" / "checkpoint-4" / "plugins.json").read_text())
     assert saved["counter"] == {"evaluations": 1}
-    run_loop([counter], resume=str(tmp_path / "run" / "checkpoint-4"))
-    assert counter.evaluations == 2  # 1 restored + the evaluation at step 8 (a fresh start would give 1)
+    resumed = run_loop([plugin], resume=str(tmp_path / "run" / "checkpoint-4"))
+    # 1 restored + the evaluation at step 8 (a fresh start would give 1); a new object per run
+    assert resumed.plugins.get("counter.run").evaluations == 2
+    assert resumed.plugins.get("counter.run") is not first.plugins.get("counter.run")
 
 
 def test_recorder_example(run_loop, hook_recorder):

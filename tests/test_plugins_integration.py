@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 PLUGINS = {"tensorboard": "corelooper-tensorboard", "wandb": "corelooper-wandb",
            "early_stopping": "corelooper-early-stopping"}
@@ -129,3 +129,56 @@ def test_all_installed_two_processes_each_writes_what_it_should_from_the_main_pr
     state = json.loads((out / "checkpoint-6" / "plugins.json").read_text())
     first_eval = next(r for r in records if r["event"] == "eval")
     assert state["early_stopping"] == {"best": first_eval["eval_accuracy"], "bad_evals": 1}
+
+
+def test_two_loops_in_one_process_each_behave_as_if_alone(tmp_path, env, monkeypatch):
+    """The architecture issue's bug 1: plugin objects were shared by every Loop of a process,
+    so a second Loop switched the first one's early stopping off. Now each Loop gets its own
+    early stopping, TensorBoard writer and W&B run: built together and trained one after the
+    other (and the first evaluated again after the second trained), each writes what it writes
+    alone."""
+    import wandb
+
+    from corelooper import Loop
+    from corelooper.config import Config
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO)
+
+    def build(name: str, patience: int) -> Loop:
+        cfg = Config.load(REPO / CONFIG, [f"train.output_dir={tmp_path / name}", "train.num_train_epochs=3",
+                                          "train.per_device_train_batch_size=256", "train.logging_steps=2",
+                                          f"early_stopping.patience={patience}", "early_stopping.threshold=1.0",
+                                          f"wandb.project={name}", "train.disable_tqdm=true"])
+        return Loop(config=cfg)
+
+    def outputs(loop: Loop) -> tuple:
+        out = Path(loop.args.output_dir)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        keep = [{k: v for k, v in r.items() if "runtime" not in k and "per_second" not in k} for r in records]
+        tb = tensorboard_scalars(out / "tensorboard")
+        return keep, {k: v for k, v in tb.items() if "per_second" not in k and "runtime" not in k}
+
+    alone_a = build("alone_a", 1)
+    alone_a.train()
+    alone_b = build("alone_b", 5)
+    alone_b.train()
+    first, second = build("first", 1), build("second", 5)  # both built before either trains
+    first.train()
+    second.train()
+    wandb.teardown()
+
+    assert first.state.global_step == alone_a.state.global_step == 12  # patience 1: early stop
+    assert second.state.global_step == alone_b.state.global_step == 18  # patience 5: all 3 epochs
+    assert first.plugins.get("early_stopping.run") is not second.plugins.get("early_stopping.run")
+    assert first.plugins.get("tensorboard.run") is not second.plugins.get("tensorboard.run")
+    assert outputs(first) == outputs(alone_a)
+    assert outputs(second) == outputs(alone_b)
+    runs = {run.project: run for run in wandb_runs(env)}
+    assert sorted(runs) == ["alone_a", "alone_b", "first", "second"]
+    for mine, alone in (("first", "alone_a"), ("second", "alone_b")):
+        losses = [(r["train/global_step"], r["train/loss"]) for r in runs[mine].history if "train/loss" in r]
+        assert losses == [(r["train/global_step"], r["train/loss"]) for r in runs[alone].history
+                          if "train/loss" in r]
+        assert runs[mine].run_id != runs[alone].run_id

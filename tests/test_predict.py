@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from corelooper.predict import OutputAccumulator, read_predictions
+from corelooper.outputs import OutputAccumulator, read_predictions
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -132,7 +132,7 @@ def test_bad_checkpoint_and_output_are_one_paragraph_errors(trained):
     finally:
         os.environ.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD")
     from corelooper.errors import ConfigError
-    from corelooper.predict import write_predictions
+    from corelooper.outputs import write_predictions
 
     with pytest.raises(ConfigError, match=r"p.csv.*\.safetensors or \.jsonl"):
         write_predictions(base / "p.csv", torch.zeros(2, 2), None, {})

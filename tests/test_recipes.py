@@ -38,7 +38,7 @@ def test_weighted_loss_matches_hand_computation_and_reduces_to_the_model_loss(tm
 
     model = tiny()
     loop = Loop(model, {"train": {"output_dir": str(tmp_path)}}, plugins=[weighted_loss])
-    loop._setup_eval_model()
+    loop.prepare_for_evaluation()
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(2, 96, (3, 10), generator=g)
     labels = ids.clone()
@@ -101,7 +101,7 @@ def test_dpo_loss_equals_hand_computation_on_a_fixed_batch(tmp_path):
 
     loop = dpo_loop(tmp_path, beta=0.3)
     _perturb(loop.model)  # the reference stays the initial copy
-    loop._setup_eval_model()
+    loop.prepare_for_evaluation()
     pairs = [
         {"prompt_ids": [5, 6, 7], "chosen_ids": [8, 9, 10, 0], "rejected_ids": [11, 12]},
         {"prompt_ids": [20, 21], "chosen_ids": [22], "rejected_ids": [23, 24, 25, 26, 0]},
@@ -116,7 +116,7 @@ def test_dpo_loss_equals_hand_computation_on_a_fixed_batch(tmp_path):
             lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
         return sum(lp[len(prompt) + j - 1, tok].item() for j, tok in enumerate(completion))
 
-    ref = loop.dpo_reference
+    ref = loop.plugins.get("dpo.run").reference
     terms = []
     for p in pairs:
         margin = 0.3 * ((logp(loop.model, p["prompt_ids"], p["chosen_ids"]) - logp(ref, p["prompt_ids"], p["chosen_ids"]))
@@ -133,7 +133,7 @@ def test_dpo_example_trains_logs_reward_margins_and_keeps_the_reference_frozen(t
         "train.learning_rate=3e-3", "train.logging_first_step=true",
     ])
     loop = Loop(config=cfg)
-    ref_before = {k: v.clone() for k, v in loop.dpo_reference.state_dict().items()}
+    ref_before = {k: v.clone() for k, v in loop.plugins.get("dpo.run").reference.state_dict().items()}
     loop.train()
     logs = [h for h in loop.state.log_history if "loss" in h and "rewards/margins" in h]
     assert [h["step"] for h in logs] == [1, 3, 6]
@@ -144,7 +144,7 @@ def test_dpo_example_trains_logs_reward_margins_and_keeps_the_reference_frozen(t
     assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # step 1: policy == reference
     assert logs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     assert logs[-1]["loss"] < math.log(2)  # the policy learned to prefer the true continuations
-    assert all(torch.equal(v, ref_before[k]) for k, v in loop.dpo_reference.state_dict().items())
+    assert all(torch.equal(v, ref_before[k]) for k, v in loop.plugins.get("dpo.run").reference.state_dict().items())
     ev = [h for h in loop.state.log_history if "eval_loss" in h][-1]
     assert "eval_perplexity" not in ev  # exp(DPO loss) is not a perplexity
 

@@ -48,50 +48,50 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta: float):
 
 
 @hookimpl
-def on_init_end(loop):
-    ref = copy.deepcopy(loop.model).eval()
-    ref.requires_grad_(False)
-    loop.__dict__["dpo_reference"] = ref
-    loop.__dict__["dpo_window"] = None
-    loop.__dict__["dpo_logs"] = {}
+def corelooper_configure(plugins):
+    plugins.register(DPO(), "dpo.run")  # per run: its reference model and reward window
 
 
-def _reference(loop, device):
-    ref = loop.dpo_reference
-    if next(ref.parameters()).device != device:
-        ref.to(device)
-    return ref
+class DPO:
+    def __init__(self) -> None:
+        self.reference = None
+        self.window = None  # summed reward statistics since the last log (on the device)
+        self.logs: dict[str, float] = {}
 
+    def on_init_end(self, loop) -> None:
+        self.reference = copy.deepcopy(loop.model).eval()
+        self.reference.requires_grad_(False)
 
-@hookimpl
-def compute_loss(loop, model, batch, return_outputs):
-    beta = float(loop.config.section(SECTION)["beta"])
-    n = batch["input_ids"].shape[0] // 2
-    logps = sequence_logps(model, batch)
-    with torch.no_grad():
-        ref_logps = sequence_logps(_reference(loop, batch["input_ids"].device), batch)
-    losses, chosen, rejected = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta)
-    loss = losses.mean()
-    if model.training:
-        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
-                             (chosen > rejected).float().sum(), torch.tensor(float(n), device=chosen.device)])
-        w = loop.dpo_window
-        loop.dpo_window = stats if w is None else w + stats
-    return (loss, {"logps": logps.detach()}) if return_outputs else loss
+    def _reference(self, device):
+        if next(self.reference.parameters()).device != device:
+            self.reference.to(device)
+        return self.reference
 
+    def compute_loss(self, loop, model, batch, return_outputs):
+        beta = float(loop.config.section(SECTION)["beta"])
+        n = batch["input_ids"].shape[0] // 2
+        logps = sequence_logps(model, batch)
+        with torch.no_grad():
+            ref_logps = sequence_logps(self._reference(batch["input_ids"].device), batch)
+        losses, chosen, rejected = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta)
+        loss = losses.mean()
+        if model.training:
+            stats = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
+                                 (chosen > rejected).float().sum(),
+                                 torch.tensor(float(n), device=chosen.device)])
+            self.window = stats if self.window is None else self.window + stats
+        return (loss, {"logps": logps.detach()}) if return_outputs else loss
 
-@hookimpl
-def on_step_end(loop, control):
-    # Every process takes part in the reduction; only the main process logs.
-    if control.should_log and loop.dpo_window is not None:
-        total = loop.backend.reduce_sum(loop.dpo_window)
-        means = (total[:4] / total[4].clamp(min=1)).tolist()
-        loop.dpo_logs = {k: round(v, 6) for k, v in zip(_STATS, means, strict=True)}
-        loop.dpo_window = None
+    def on_step_end(self, loop, control) -> None:
+        # Every process takes part in the reduction; only the main process logs.
+        if control.should_log and self.window is not None:
+            total = loop.backend.reduce_sum(self.window)
+            means = (total[:4] / total[4].clamp(min=1)).tolist()
+            self.logs = {k: round(v, 6) for k, v in zip(_STATS, means, strict=True)}
+            self.window = None
 
-
-@hookimpl(tryfirst=True)
-def on_log(loop, logs):
-    if loop.dpo_logs and "loss" in logs:
-        logs.update(loop.dpo_logs)
-        loop.dpo_logs = {}
+    @hookimpl(tryfirst=True)
+    def on_log(self, logs) -> None:
+        if self.logs and "loss" in logs:
+            logs.update(self.logs)
+            self.logs = {}

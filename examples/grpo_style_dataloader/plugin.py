@@ -42,7 +42,7 @@ def reward(text: str, answer: str) -> float:
     return difflib.SequenceMatcher(None, text[: len(answer)], answer, autojunk=False).ratio()
 
 
-def make_generate(loop, cfg: dict):
+def make_generate(loop, cfg: dict, recent: dict):
     from examples.causal_lm.data import EOS_ID, PAD_ID, tokenizer
 
     G = cfg["num_generations"]
@@ -82,7 +82,7 @@ def make_generate(loop, cfg: dict):
         groups = rewards.view(-1, G)
         adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
         old = token_logps(model, seqs, attention, labels)
-        loop.__dict__["grpo_reward"] = rewards.mean().item()
+        recent["reward"] = rewards.mean().item()
         return {"input_ids": seqs, "attention_mask": attention, "labels": labels,
                 "advantages": adv, "old_logps": old}
 
@@ -90,34 +90,39 @@ def make_generate(loop, cfg: dict):
 
 
 @hookimpl
-def train_dataloader(loop, dataset):
-    cfg = loop.config.section(SECTION)
-    a, k, G = loop.args, cfg["steps_per_generation"], cfg["num_generations"]
-    rows = a.per_device_train_batch_size * k
-    if rows % G:
-        raise ConfigError(
-            f"grpo: per_device_train_batch_size * steps_per_generation ({rows}) must be a multiple "
-            f"of grpo.num_generations ({G}): every prompt's group must sit in one generation batch."
-        )
-    inner = BatchLoader(dataset, rows // G, collate_fn=list, shuffle=True,
-                        seed=a.data_seed if a.data_seed is not None else a.seed,
-                        drop_last=True, num_replicas=loop.backend.num_processes, rank=loop.backend.process_index)
-    return GenerationBatchLoader(inner, k, make_generate(loop, cfg))
+def corelooper_configure(plugins):
+    plugins.register(GRPO(), "grpo.run")  # per run: it remembers the latest generation's reward
 
 
-@hookimpl
-def compute_loss(loop, model, batch, num_items_in_batch, return_outputs):
-    eps = loop.config.section(SECTION)["epsilon"]
-    logps = token_logps(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
-    mask = (batch["labels"][:, 1:] != -100).to(logps.dtype)
-    ratio = torch.exp(logps - batch["old_logps"])
-    adv = batch["advantages"].unsqueeze(1)
-    per_token = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
-    loss = (per_token * mask).sum() / num_items_in_batch
-    return (loss, None) if return_outputs else loss
+class GRPO:
+    def __init__(self) -> None:
+        self.recent: dict[str, float] = {}
 
+    def train_dataloader(self, loop, dataset):
+        cfg = loop.config.section(SECTION)
+        a, k, G = loop.args, cfg["steps_per_generation"], cfg["num_generations"]
+        rows = a.per_device_train_batch_size * k
+        if rows % G:
+            raise ConfigError(
+                f"grpo: per_device_train_batch_size * steps_per_generation ({rows}) must be a multiple "
+                f"of grpo.num_generations ({G}): every prompt's group must sit in one generation batch."
+            )
+        inner = BatchLoader(dataset, rows // G, collate_fn=list, shuffle=True,
+                            seed=a.data_seed if a.data_seed is not None else a.seed, drop_last=True,
+                            num_replicas=loop.backend.num_processes, rank=loop.backend.process_index)
+        return GenerationBatchLoader(inner, k, make_generate(loop, cfg, self.recent))
 
-@hookimpl(tryfirst=True)
-def on_log(loop, logs):
-    if "loss" in logs and "grpo_reward" in loop.__dict__:
-        logs["reward"] = round(loop.__dict__["grpo_reward"], 6)
+    def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
+        eps = loop.config.section(SECTION)["epsilon"]
+        logps = token_logps(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        mask = (batch["labels"][:, 1:] != -100).to(logps.dtype)
+        ratio = torch.exp(logps - batch["old_logps"])
+        adv = batch["advantages"].unsqueeze(1)
+        per_token = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+        loss = (per_token * mask).sum() / num_items_in_batch
+        return (loss, None) if return_outputs else loss
+
+    @hookimpl(tryfirst=True)
+    def on_log(self, logs):
+        if "loss" in logs and "reward" in self.recent:
+            logs["reward"] = round(self.recent["reward"], 6)

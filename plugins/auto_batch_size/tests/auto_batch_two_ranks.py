@@ -65,7 +65,7 @@ def worker(mode: str, out: str) -> None:
         "global_step": loop.state.global_step,
         "train_batch_size": loop.state.train_batch_size,
         "gradient_accumulation_steps": loop.state.gradient_accumulation_steps,
-        "micro_batch_size": loop.state.micro_batch_size,
+        "micro_batch_size": loop.plugins.get("auto_batch_size.run").train_size,
         "shrinks": [[h["step"], h["train_micro_batch_size"]] for h in loop.state.log_history
                     if "train_micro_batch_size" in h],
         "train_sizes": inner.train_sizes(),

@@ -57,7 +57,7 @@ def losses(loop) -> list[float]:
 
 def geometry(loop) -> tuple:
     s = loop.state
-    return s.train_batch_size, s.gradient_accumulation_steps, s.micro_batch_size
+    return s.train_batch_size, s.gradient_accumulation_steps, loop.plugins.get(RUN).train_size
 
 
 def shrinks(loop, key="train_micro_batch_size") -> list[tuple[int, int]]:
@@ -138,7 +138,7 @@ def test_eval_oom_shrinks_only_the_eval_batch(tmp_path):
     assert oom.model.ooms == 2  # 8 and 4 failed in the first evaluation; the second ran at 2
     assert shrinks(oom, "eval_batch_size") == [(4, 4), (4, 2)]
     assert shrinks(oom) == []
-    assert geometry(oom) == (16, 1, None) and oom.state.eval_micro_batch_size == 2
+    assert geometry(oom) == (16, 1, None) and oom.plugins.get(RUN).eval_size == 2
     assert set(oom.model.train_sizes()) == {16}
     assert oom.plugins.pm.get_plugin(RUN).state_dict() == {"train_micro_batch_size": None, "eval_batch_size": 2}
 
@@ -179,8 +179,8 @@ def test_found_size_is_saved_and_reused_on_resume(tmp_path):
     full.train()
     ckpt = tmp_path / "full" / "checkpoint-4"
     state = json.loads((ckpt / "loop_state.json").read_text())
-    assert (state["train_batch_size"], state["gradient_accumulation_steps"], state["micro_batch_size"]) == (16, 1, 4)
-    assert json.loads((ckpt / "plugins.json").read_text())[RUN]["train_micro_batch_size"] == 4
+    assert (state["train_batch_size"], state["gradient_accumulation_steps"]) == (16, 1)
+    assert json.loads((ckpt / "plugins.json").read_text())["auto_batch_size"]["train_micro_batch_size"] == 4
 
     resumed = make_loop(tmp_path, "resumed", mlp(seed=1, train_limit=4), auto_find_batch_size=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -198,7 +198,8 @@ def test_installed_but_not_turned_on_changes_nothing(tmp_path):
     loop = make_loop(tmp_path, "off", mlp(train_limit=4))
     assert "auto_batch_size" in loop.plugins.info  # installed, loaded through its entry point
     assert RUN not in loop.plugins.info
-    assert not loop.plugins.implemented("retry_step")
+    assert loop.plugins.provider_order("training_step") == ["builtin"]
+    assert loop.plugins.inactive["auto_batch_size"] == "train.auto_find_batch_size = false"
     with pytest.raises(TrainingError, match="OutOfMemoryError"):
         loop.train()
     assert loop.model.train_sizes() == [16]
@@ -209,7 +210,10 @@ def test_installed_but_not_turned_on_changes_nothing(tmp_path):
 
 def test_backend_that_cannot_change_accumulation_is_refused_at_start(tmp_path):
     class FixedAccumulation(AccelerateBackend):
-        supports_dynamic_accumulation = False  # as DeepSpeed: GA is fixed at initialisation
+        """Stands in for corelooper-deepspeed's backend (whose engine fixes GA at init): a
+        real DeepSpeed engine is covered by plugins/deepspeed's tests."""
+
+    FixedAccumulation.__module__ = "corelooper_deepspeed.backend"
 
     class Provider:
         name = "fixed-backend"
@@ -297,7 +301,8 @@ def test_cli_run_with_probe_from_a_config_file(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "fits" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train_micro_batch_size"] for r in records if "train_micro_batch_size" in r] == [8, 4]
     state = json.loads((tmp_path / "fits" / "checkpoint-2" / "loop_state.json").read_text())
-    assert (state["global_step"], state["micro_batch_size"]) == (2, 4)
+    saved = json.loads((tmp_path / "fits" / "checkpoint-2" / "plugins.json").read_text())
+    assert (state["global_step"], saved["auto_batch_size"]["train_micro_batch_size"]) == (2, 4)
 
 
 

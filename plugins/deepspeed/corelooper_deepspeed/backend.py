@@ -37,6 +37,24 @@ def _teardown() -> None:
             pass
 
 
+def report_mode(engine) -> None:
+    """Make ``engine.training`` follow ``engine.train()`` / ``engine.eval()``.
+
+    DeepSpeedEngine.train(mode) only sets its inner module's mode, so the engine itself kept
+    reporting ``training=True`` during evaluation: a loss that reads ``model.training`` took
+    its training branch. Per instance, on the engine corelooper created.
+    """
+    deepspeed_train = engine.train
+
+    def train(mode: bool = True):
+        deepspeed_train(mode)
+        engine.training = mode  # nn.Module.train's contract: the wrapper reports its mode
+        return engine
+
+    engine.train = train
+    engine.eval = lambda: train(False)
+
+
 class DeepSpeedBackend(TorchDistributedCollectives):
     """ZeRO 0-3 data parallelism (with optional CPU offload) through a DeepSpeed engine."""
 
@@ -85,6 +103,7 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                dist_init_required=False)
         self.engine = engine
+        report_mode(engine)
         # The loop's scheduler keeps stepping the optimizer it was built on: ZeRO wraps that one
         # and shares its param_groups, so learning rates match every other backend. The loop
         # gets the wrapper: its zero_grad keeps the buffers ZeRO-Offload reuses.
@@ -135,17 +154,29 @@ class DeepSpeedBackend(TorchDistributedCollectives):
             return {}
         return {k: v.detach().cpu() for k, v in self.unwrap_model(model).state_dict().items()}
 
-    def load_model_state_dict(self, model, state_dict) -> None:
+    def load_model_state_dict(self, model, state_dict, strict: bool = True) -> None:
+        """Copy full tensors into the model. ZeRO-3: each partitioned parameter is gathered,
+        rank 0 copies, and its values are partitioned again to every rank. ``strict=False``:
+        ``state_dict`` may hold a subset (an adapter)."""
         module = self.unwrap_model(model)
         if self.zero_stage != 3 or self.engine is None:
-            module.load_state_dict(state_dict)
+            module.load_state_dict(state_dict, strict=strict)
             return
         import deepspeed
 
-        for name, param in module.named_parameters():
+        params = dict(module.named_parameters())
+        if strict:
+            missing = sorted(set(params) - set(state_dict))
+            if missing:
+                raise KeyError(f"missing from the state dict: {missing[:5]}")
+        for name, value in state_dict.items():
+            param = params.get(name)
+            if param is None:  # a buffer: ZeRO-3 does not partition those
+                module.load_state_dict({name: value}, strict=False)
+                continue
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if self.is_main_process:
-                    param.data.copy_(state_dict[name])
+                    param.data.copy_(value)
 
     def save_training_state(self, optimizer, directory) -> None:
         """DeepSpeed's own checkpoint (module + each rank's optimizer partition)."""

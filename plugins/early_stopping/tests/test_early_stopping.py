@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import corelooper_early_stopping as es_plugin
 import pytest
-from corelooper_early_stopping import plugin as es_plugin
 
 from corelooper.errors import ConfigError
 from corelooper.testing import SigtermAt
@@ -24,6 +24,11 @@ class Scores:
 
     def compute_metrics(self, loop):
         return {"score": self.table[loop.state.global_step]}
+
+
+def stopper(loop):
+    """This run's EarlyStopping object (one per Loop, registered by corelooper_configure)."""
+    return loop.plugins.get("early_stopping.run")
 
 
 def table(*values: float) -> dict[int, float]:
@@ -49,7 +54,7 @@ def test_stops_after_patience_evaluations_without_improvement(run_loop, scores, 
     assert loop.state.global_step == stop_step
     evaluated = [h["step"] for h in loop.state.log_history if "eval_score" in h]
     assert evaluated == list(range(1, stop_step + 1))
-    assert es_plugin.stopped_at == (stop_step if stop_step < 10 else None)
+    assert stopper(loop).stopped_at == (stop_step if stop_step < 10 else None)
 
 
 def test_metric_and_mode_default_to_metric_for_best_model(run_loop):
@@ -58,6 +63,7 @@ def test_metric_and_mode_default_to_metric_for_best_model(run_loop):
     loop = run_loop([es_plugin, Scores(scores)], sections={"early_stopping": {"patience": 2}},
                     metric_for_best_model="score", greater_is_better=False, **EVERY_STEP)
     assert es_plugin.resolved(loop.config) == ("eval_score", "min", 2, 0.0)
+    assert (stopper(loop).metric, stopper(loop).mode) == ("eval_score", "min")
     assert loop.state.global_step == 4
 
 
@@ -71,8 +77,8 @@ def test_counter_is_saved_in_checkpoints_and_survives_a_resume(run_loop, tmp_pat
     assert saved["early_stopping"] == {"best": 0.5, "bad_evals": 2}
 
     loop = run_loop([es_plugin, scores], resume="latest", **args)
-    assert loop.state.global_step == 4 and es_plugin.stopped_at == 4
-    assert es_plugin.state_dict() == {"best": 0.5, "bad_evals": 3}
+    assert loop.state.global_step == 4 and stopper(loop).stopped_at == 4
+    assert stopper(loop).state_dict() == {"best": 0.5, "bad_evals": 3}
     assert not Path(tmp_path / "run" / "checkpoint-5").exists()
 
 
@@ -102,5 +108,25 @@ def test_unknown_metric_names_the_metrics_evaluation_returned(run_loop):
 
 def test_inert_without_its_section(run_loop):
     loop = run_loop([es_plugin, Scores(table(*[0.5] * 10))], **EVERY_STEP)
-    assert loop.state.global_step == 10 and es_plugin.stopped_at is None
-    assert es_plugin.inactive_reason(loop.config) == "no [early_stopping] section"
+    assert loop.state.global_step == 10 and stopper(loop) is None
+    assert loop.plugins.inactive["early_stopping"] == "no [early_stopping] section"
+
+
+def test_two_loops_in_one_process_each_have_their_own_early_stopping(make_loop, tmp_path):
+    """Bug 1 of the architecture issue: the entry point was one module-level object that
+    remembered only the newest Loop, so building a second Loop silently switched off the
+    first one's early stopping (it then trained every step)."""
+    section = {"early_stopping": {"metric": "score", "patience": 1}}
+    alone = make_loop([es_plugin, Scores(table(0.5, 0.4, *[0.3] * 8))], sections=section,
+                      output_dir=tmp_path / "alone", **EVERY_STEP)
+    alone.train()
+    first = make_loop([es_plugin, Scores(table(0.5, 0.4, *[0.3] * 8))], sections=section,
+                      output_dir=tmp_path / "first", **EVERY_STEP)
+    second = make_loop([es_plugin, Scores(table(*[0.1 * i for i in range(1, 11)]))], sections=section,
+                       output_dir=tmp_path / "second", **EVERY_STEP)
+    first.train()
+    second.train()
+    assert alone.state.global_step == 2
+    assert first.state.global_step == 2 and stopper(first).stopped_at == 2
+    assert second.state.global_step == 10 and stopper(second).stopped_at is None
+    assert stopper(first) is not stopper(second)

@@ -183,13 +183,13 @@ class FSDPBackend(TorchDistributedCollectives):
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def load_model_state_dict(self, model, state_dict) -> None:
+    def load_model_state_dict(self, model, state_dict, strict: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         # broadcast_from_rank0 turns the values it is given into DTensors: hand it a copy.
         set_model_state_dict(
             model, dict(state_dict) if self.is_main_process else {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict),
         )
 
     def save_training_state(self, optimizer, directory) -> None:

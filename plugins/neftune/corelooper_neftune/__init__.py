@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     import torch
 
 SECTION = "neftune"
-_HANDLE = "_neftune_handle"
 
 
 @hookimpl
@@ -76,27 +75,33 @@ def activate(model: torch.nn.Module, noise_alpha: float, name: str = ""):
     return input_embeddings(model, name).register_forward_hook(neftune_hook(noise_alpha))
 
 
-def _deactivate(loop) -> None:
-    handle = loop.__dict__.pop(_HANDLE, None)
-    if handle is not None:
-        handle.remove()
-
-
 @hookimpl
-def on_train_begin(loop):
-    if SECTION not in loop.config.sections:
+def corelooper_configure(config, plugins):
+    if SECTION not in config.sections:
+        plugins.set_inactive(SECTION, "no [neftune] section")
         return
-    _deactivate(loop)
-    cfg = loop.config.section(SECTION)
-    model = loop.backend.unwrap_model(loop.model)
-    loop.__dict__[_HANDLE] = activate(model, float(cfg["noise_alpha"]), cfg["module"])
+    cfg = config.section(SECTION)
+    plugins.register(NEFTune(float(cfg["noise_alpha"]), cfg["module"]), f"{SECTION}.run")
 
 
-@hookimpl
-def on_train_end(loop):
-    _deactivate(loop)
+class NEFTune:
+    """One run's noise hook: on from on_train_begin to on_train_end (or on_exception)."""
 
+    def __init__(self, noise_alpha: float, module: str) -> None:
+        self.noise_alpha, self.module = noise_alpha, module
+        self.handle = None
 
-@hookimpl
-def on_exception(loop):
-    _deactivate(loop)
+    def on_train_begin(self, loop) -> None:
+        self.remove()
+        self.handle = activate(loop.backend.unwrap_model(loop.model), self.noise_alpha, self.module)
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def on_train_end(self) -> None:
+        self.remove()
+
+    def on_exception(self) -> None:
+        self.remove()

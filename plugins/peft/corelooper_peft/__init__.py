@@ -83,6 +83,7 @@ def wrap(model, section: dict):
 def on_init_end(loop):
     if _active(loop):
         loop.model = wrap(loop.model, loop.config.section(SECTION))
+        route_adapter_loads(loop, loop.model)
 
 
 @hookimpl
@@ -101,8 +102,133 @@ def on_train_end(loop, state):
     if not _active(loop):
         return
     section = loop.config.section(SECTION)
-    if section["merge_on_export"] and state.is_world_process_zero:
-        export_merged(loop.backend.unwrap_model(loop.model), Path(loop.args.output_dir) / section["merged_dir"])
+    # An interrupted run (SIGTERM/SIGINT) left a checkpoint, not a finished model: no export.
+    if not section["merge_on_export"] or state.preempted:
+        return
+    directory = Path(loop.args.output_dir) / section["merged_dir"]
+    backend = loop.backend
+    model = backend.unwrap_model(loop.model)
+    if getattr(backend, "shards_parameters", False):
+        # ZeRO-3 / FSDP: each rank holds a shard; every rank takes part in the gather and the
+        # main rank merges an unsharded copy rebuilt from the full weights.
+        full = backend.model_state_dict(loop.model)
+        if state.is_world_process_zero:
+            export_merged(unsharded_copy(model, full), directory)
+    elif state.is_world_process_zero:
+        export_merged(model, directory)
+    backend.wait_for_everyone()
+
+
+def unsharded_copy(peft_model, full_state: dict):
+    """A plain (unsharded) PeftModel with ``full_state``'s weights: the same Hugging Face base
+    architecture built from its config, the same adapter config."""
+    from peft import get_peft_model
+
+    base = peft_model.get_base_model()
+    if not hasattr(base, "config"):
+        raise ConfigError(
+            f"peft.merge_on_export = true with a sharded backend needs a Hugging Face base model "
+            f"(rebuilt from its config to merge); {type(base).__name__} is not one. Merge the "
+            "exported adapter offline instead."
+        )
+    config = copy.deepcopy(peft_model.peft_config[peft_model.active_adapter])
+    fresh = get_peft_model(type(base)(base.config), config)
+    fresh.load_state_dict(full_state)
+    return fresh
+
+
+def route_adapter_loads(loop, peft_model) -> None:
+    """Resuming loads the adapter in place (the core calls ``model.load_adapter``): send that
+    through :func:`load_adapter_in_place`, so sharded backends (ZeRO-3, FSDP) get full tensors
+    copied into their shards instead of peft's plain ``load_state_dict`` (which sees ZeRO-3's
+    0-size placeholders). Loading a *new* adapter name keeps peft's own path."""
+    peft_load = peft_model.load_adapter
+
+    def load_adapter(model_id, adapter_name="default", is_trainable=False, **kwargs):
+        if adapter_name in peft_model.peft_config and Path(model_id, ADAPTER_FILE).is_file():
+            return load_adapter_in_place(loop, Path(model_id), adapter_name)
+        return peft_load(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
+
+    peft_model.load_adapter = load_adapter
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def load_adapter_in_place(loop, directory: Path, adapter_name: str = "default") -> None:
+    """Restore ``directory``'s adapter weights into the training model, on every backend.
+
+    peft maps the saved names to the model's (its ``set_peft_model_state_dict``, run on index
+    placeholders with the final ``load_state_dict`` captured: peft would otherwise turn values
+    into DTensor shards itself); the backend copies the real tensors (gathering ZeRO-3
+    partitions, scattering FSDP shards). A bad file or tensor is a CheckpointError naming it.
+    """
+    import torch
+    from peft import set_peft_model_state_dict
+
+    from corelooper.errors import CheckpointError
+
+    path = directory / ADAPTER_FILE
+    weights = _read_adapter(path)
+    names = list(weights)
+    model = loop.backend.unwrap_model(loop.model)
+    mapped: dict = {}
+
+    def capture(state_dict, strict=True, assign=False):
+        mapped.update(state_dict)
+        return _no_incompatible_keys()
+
+    model.load_state_dict = capture  # peft maps the names; the backend does the copying
+    try:
+        set_peft_model_state_dict(model, {k: torch.tensor(i) for i, k in enumerate(names)},
+                                  adapter_name=adapter_name)
+    except (KeyError, ValueError, RuntimeError, IndexError) as e:
+        raise CheckpointError(f"Checkpoint file {str(path)!r}: peft could not map its tensors: {e}.") from None
+    finally:
+        del model.load_state_dict
+    mapped = {k: weights[names[int(v)]] if v.dim() == 0 else v for k, v in mapped.items()}
+    _check_adapter_tensors(model, mapped, path, adapter_name)
+    loop.backend.load_model_state_dict(loop.model, mapped, strict=False)
+
+
+def _read_adapter(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from corelooper.errors import CheckpointError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}.") from None
+
+
+def _no_incompatible_keys():
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    return _IncompatibleKeys([], [])
+
+
+def _check_adapter_tensors(model, mapped: dict, path: Path, adapter_name: str) -> None:
+    """Every trainable adapter tensor present with the model's shape (ZeRO-3: ``ds_shape``)."""
+    from corelooper.errors import CheckpointError
+
+    params = dict(model.named_parameters())
+    expected = {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in params.items()
+                if f".{adapter_name}." in n or n.endswith(f".{adapter_name}")}
+    wrong = [f"{k}: file {tuple(v.shape)} vs model {expected[k]}"
+             for k, v in mapped.items() if k in expected and tuple(v.shape) != expected[k]]
+    unknown = sorted(k for k in mapped if k not in params and k not in dict(model.named_buffers()))
+    missing = sorted(k for k in expected if k not in mapped)
+    if wrong or unknown or missing:
+        parts = ([f"shape mismatch {'; '.join(wrong[:3])}"] if wrong else []) + (
+            [f"not in the model: {unknown[:3]}"] if unknown else []) + (
+            [f"missing from the file: {missing[:3]}"] if missing else [])
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} does not fit the model's adapter {adapter_name!r} "
+            f"({', '.join(parts)}). It was saved with another [peft] config or base model: resume "
+            "with the config it was trained with."
+        )
 
 
 def export_merged(peft_model, directory: Path) -> Path:

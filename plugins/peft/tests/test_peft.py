@@ -127,3 +127,53 @@ def test_bad_peft_config_is_a_clear_error(tmp_path):
 def test_inert_without_a_peft_section(tmp_path):
     loop = Loop(tiny_llama(), {"train": {"output_dir": str(tmp_path), "max_steps": 1}}, train_dataset=data())
     assert not isinstance(loop.model, peft.PeftModel)
+
+
+def test_an_interrupted_run_writes_no_merged_model(tmp_path):
+    from corelooper.testing import SigtermAt
+
+    loop = Loop(tiny_llama(), config(tmp_path / "run", steps=6, save_steps=6, merge_on_export=True),
+                train_dataset=data(), plugins=[SigtermAt(3)])
+    state = loop.train()
+    assert state.preempted and state.global_step == 3
+    assert (tmp_path / "run" / "checkpoint-3" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "run" / "merged").exists()
+    assert not (tmp_path / "run" / "adapter_model.safetensors").exists()  # no final export either
+
+
+def _saved_adapter(tmp_path):
+    loop = Loop(tiny_llama(), config(tmp_path / "run", steps=2, save_steps=2), train_dataset=data())
+    loop.train()
+    return tmp_path / "run" / "checkpoint-2"
+
+
+def _rewrite(ckpt, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and its manifest entry (the manifest's size check passes)."""
+    (ckpt / name).write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][name] = len(data)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_bad_adapter_checkpoint_is_a_checkpoint_error_naming_file_and_tensor(tmp_path):
+    from safetensors.torch import load_file, save
+
+    from corelooper.errors import CheckpointError
+
+    ckpt = _saved_adapter(tmp_path)
+    weights = load_file(str(ckpt / "adapter_model.safetensors"))
+    name = next(k for k in weights if "lora_A" in k)
+    weights[name] = torch.zeros(3, 3)  # saved from another rank r
+    _rewrite(ckpt, "adapter_model.safetensors", save(weights))
+    resumed = Loop(tiny_llama(), config(tmp_path / "again", steps=4, save_steps=2), train_dataset=data())
+    with pytest.raises(CheckpointError) as err:
+        resumed.train(resume_from_checkpoint=str(ckpt))
+    message = str(err.value)
+    assert "adapter_model.safetensors" in message and "shape mismatch" in message
+    assert "lora_A.default.weight: file (3, 3) vs model (4, 32)" in message
+    assert err.value.exit_code == 5
+
+    _rewrite(ckpt, "adapter_model.safetensors", b"\0" * 64)  # corrupt
+    with pytest.raises(CheckpointError, match="adapter_model.safetensors.*unreadable"):
+        Loop(tiny_llama(), config(tmp_path / "third", steps=4, save_steps=2),
+             train_dataset=data()).train(resume_from_checkpoint=str(ckpt))

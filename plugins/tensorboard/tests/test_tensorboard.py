@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import corelooper_tensorboard as tb_plugin
 import pytest
-from corelooper_tensorboard import plugin as tb_plugin
 from corelooper_tensorboard import tag
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -77,7 +77,7 @@ def test_log_dir_from_config_and_disabled_by_config(run_loop, tmp_path):
     loop = run_loop([tb_plugin], sections={"tensorboard": {"enabled": False}}, output_dir=tmp_path / "b")
     assert (Path(loop.args.output_dir) / "metrics.jsonl").exists()
     assert not (Path(loop.args.output_dir) / "tensorboard").exists()
-    assert tb_plugin.inactive_reason(loop.config) == "[tensorboard] enabled = false"
+    assert loop.plugins.inactive["tensorboard"] == "[tensorboard] enabled = false"
 
 
 def test_unknown_key_is_rejected_with_a_hint(make_loop):
