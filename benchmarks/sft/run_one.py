@@ -1,7 +1,7 @@
 """One SFT contender, one run, one JSON line on stdout (run_bench.py runs these interleaved).
 
 usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] [--batch 8]
-                         [--rows N] [--lr 1e-3] [--hidden 256] [--layers 2] [--threads N]
+                         [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--threads N]
                          [--cl-packing auto|collators|packing] [--profile OUT.prof]
 METHOD: hf_padded hf_grouped trl_padded trl_padding_free trl_packing_bfd cl_padded cl_grouped
         cl_packed cl_padding_free (methods.py)
@@ -37,7 +37,7 @@ def parse(argv=None):
     ap.add_argument("--rows", type=int, default=0,
                     help="packed rows per step (default: batch * mean length / max length, >= 1)")
     ap.add_argument("--max-len", type=int, default=C.MAX_LEN)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--hidden", type=int, default=C.MODEL["hidden_size"])
     ap.add_argument("--layers", type=int, default=C.MODEL["num_hidden_layers"])
     ap.add_argument("--threads", type=int, default=0)
