@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# corelooper on one GPU (H200): bf16 full fine-tuning and LoRA vs a hand-written bf16 loop
+# (tokens/s, MFU), fp16 + GradScaler, torch_compile, leak-free packing with flash-attention
+# varlen vs sdpa, auto batch size on a real CUDA OOM, the doctor's memory report, single-GPU
+# FSDP2 and ZeRO-2, peak memory of each. No model or data download. Under 8 minutes in all.
+#
+#   bash benchmarks/gpu/run.sh                 # on the GPU machine, from the repository root
+#   bash benchmarks/gpu/run.sh --cpu-smoke     # tiny sizes on a CPU (uses the existing .venv)
+#   bash benchmarks/gpu/run.sh --dry-run       # the plan only
+# Env: GPU_VENV (default .gpu-venv), WHEELHOUSE (a folder of wheels for an offline machine:
+# pip --find-links), SKIP_INSTALL=1 (use the python on PATH as is), BUDGET_S (default 360:
+# the steps' share of the 8 minutes; install time comes on top), STEPS (comma list).
+# CI never runs this.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+START=$(date +%s)
+ARGS=("$@")
+
+if [[ " ${ARGS[*]-} " == *" --cpu-smoke "* || " ${ARGS[*]-} " == *" --dry-run "* ]]; then
+  PY=${PY:-.venv/bin/python}
+  [ -x "$PY" ] || PY=python3
+elif [ "${SKIP_INSTALL:-0}" = 1 ]; then
+  PY=${PY:-python3}
+else
+  VENV=${GPU_VENV:-.gpu-venv}
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  PY="$VENV/bin/python"
+  PIP=("$PY" -m pip install -q)
+  [ -n "${WHEELHOUSE:-}" ] && PIP+=(--find-links "$WHEELHOUSE")
+  echo "torch==2.13.0" > "$VENV/torch-pin.txt"
+  # The default index serves the CUDA build of torch on Linux x86_64: that is what we want here.
+  "${PIP[@]}" --upgrade pip || true
+  "${PIP[@]}" "torch==2.13.0" || { echo "torch install failed"; exit 1; }
+  "${PIP[@]}" -c "$VENV/torch-pin.txt" transformers peft accelerate safetensors numpy deepspeed \
+      || echo "WARNING: some of transformers/peft/accelerate/deepspeed did not install; their steps will say so"
+  plugins=()
+  for d in plugins/peft plugins/fsdp plugins/deepspeed plugins/auto_batch_size plugins/doctor plugins/sft; do
+    [ -f "$d/pyproject.toml" ] && plugins+=(-e "$d")
+  done
+  "${PIP[@]}" -c "$VENV/torch-pin.txt" -e . "${plugins[@]}" || { echo "corelooper install failed"; exit 1; }
+  # flash-attn: a prebuilt wheel only (a source build takes far longer than the budget).
+  timeout 90 "${PIP[@]}" -c "$VENV/torch-pin.txt" --only-binary=:all: flash-attn \
+      || echo "flash-attn: no prebuilt wheel for this torch/CUDA: the packing step runs sdpa only"
+  echo "install took $(( $(date +%s) - START )) s"
+fi
+
+"$PY" benchmarks/gpu/bench.py --budget-s "${BUDGET_S:-360}" ${STEPS:+--steps "$STEPS"} "${ARGS[@]}"
+echo "total $(( $(date +%s) - START )) s"

@@ -1,0 +1,333 @@
+"""The GPU benchmark's steps; each runs in its own process (bench.py) and returns a dict.
+
+Sizes: ``full`` is a ~0.9B-parameter Llama from a config (hidden 2048, 16 layers, 16 heads / 8
+KV heads, MLP 5632, vocab 32000, untied), batch 8 x 1024 tokens of synthetic chat (prompt 25%,
+masked). ``smoke`` is a tiny one for validating the script on a CPU. No download anywhere.
+
+Throughput is timed between optimizer steps (torch's global step hook, after ``warm`` steps, with
+a device sync at both ends), so the start-up and the end-of-run save are not in it. MFU =
+achieved FLOP/s / peak (H200 bf16 dense: 989 TFLOP/s); FLOPs per token = 6 N (full fine-tuning;
+4 N for LoRA: no weight gradients for the frozen base) + 6 L d T for causal attention (N:
+parameters without the input embedding, L layers, d hidden, T sequence length).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "sft"))
+
+SIZES = {
+    "full": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=5632, vocab_size=32000, seq=1024, batch=8, steps=12, warm=3),
+    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512, seq=64, batch=2, steps=4, warm=1),
+}
+PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 989e12 / 2}  # H200 SXM dense (tf32 ~half)
+
+
+def device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib():
+    import torch
+
+    if torch.cuda.is_available():
+        return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # CPU: peak RSS
+
+
+def build_model(size: str, attn: str = "sdpa", dtype=None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = SIZES[size]
+    cfg = LlamaConfig(**{k: v for k, v in s.items() if k not in ("seq", "batch", "steps", "warm")},
+                      max_position_embeddings=max(s["seq"], 512), tie_word_embeddings=False,
+                      attn_implementation=attn, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device()):
+        model = LlamaForCausalLM(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def flops_per_token(model, size: str, lora: bool = False) -> float:
+    s = SIZES[size]
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name and "lora_" not in name)
+    return (4 if lora else 6) * n + 6 * s["num_hidden_layers"] * s["hidden_size"] * s["seq"]
+
+
+def chat_data(size: str, n: int):
+    """Fixed-length synthetic chat rows: random ids, the first quarter (the prompt) masked."""
+    import torch
+
+    s = SIZES[size]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, s["vocab_size"], (n, s["seq"]), generator=g)
+    labels = ids.clone()
+    labels[:, : s["seq"] // 4] = -100
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+
+
+class StepClock:
+    """Optimizer-step timestamps (device-synced), for throughput between steps ``warm`` and the last."""
+
+    def __init__(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.t: list[float] = []
+        self.handle = register_optimizer_step_post_hook(self._hook)
+
+    def _hook(self, *_):
+        sync()
+        self.t.append(time.perf_counter())
+
+    def rate(self, warm: int, tokens_per_step: int) -> dict:
+        self.handle.remove()
+        if len(self.t) <= warm:
+            return {"error": f"only {len(self.t)} optimizer steps ran"}
+        dt = (self.t[-1] - self.t[warm - 1]) / (len(self.t) - warm)
+        return {"step_s": round(dt, 4), "tokens_per_s": round(tokens_per_step / dt, 1), "steps_timed": len(self.t) - warm}
+
+
+def with_mfu(out: dict, fpt: float, precision: str) -> dict:
+    if "tokens_per_s" in out:
+        out["mfu"] = round(out["tokens_per_s"] * fpt / PEAK_FLOPS[precision], 4)
+        out["flops_per_token"] = fpt
+    out["peak_mem_gib"] = peak_gib()
+    return out
+
+
+# -- hand-written loops ------------------------------------------------------------------------
+
+
+def raw_loop(size: str, precision: str = "bf16", lora: bool = False, compile_: bool = False) -> dict:
+    import torch
+
+    s = SIZES[size]
+    reset_peak()
+    model = build_model(size)
+    if lora:
+        model = lora_wrap(model)
+    if compile_:
+        model = torch.compile(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)  # the kernel corelooper's default builds
+    scaler = torch.amp.GradScaler(device().type) if precision == "fp16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    data = chat_data(size, s["batch"] * s["steps"])
+    clock = StepClock()
+    model.train()
+    for step in range(s["steps"]):
+        rows = data[step * s["batch"]:(step + 1) * s["batch"]]
+        batch = {k: torch.stack([r[k] for r in rows]).to(device(), non_blocking=True) for k in rows[0]}
+        with torch.autocast(device().type, dtype=dtype):
+            loss = model(**batch).loss
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    out = clock.rate(s["warm"], s["batch"] * s["seq"])
+    out["final_loss"] = round(float(loss), 4)
+    return with_mfu(out, flops_per_token(model, size, lora), precision)
+
+
+def lora_wrap(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+# -- corelooper --------------------------------------------------------------------------------
+
+
+def cl_train(model, dataset, size: str, precision: str = "bf16", sections: dict | None = None,
+             collator=None, batch: int | None = None, **train) -> tuple[dict, object]:
+    from corelooper import Loop
+    from corelooper.config import Config
+
+    s = SIZES[size]
+    out_dir = tempfile.mkdtemp(prefix="gpu-bench-")
+    cfg = {"train": dict(output_dir=out_dir, max_steps=s["steps"], per_device_train_batch_size=batch or s["batch"],
+                         learning_rate=1e-5, logging_steps=s["steps"], save_strategy="no", eval_strategy="no",
+                         disable_tqdm=True, mixed_precision=precision, dataloader_num_workers=0,
+                         use_cpu=device().type == "cpu", **train)}
+    cfg.update(sections or {})
+    clock = StepClock()
+    loop = Loop(model, Config.from_dict(cfg), train_dataset=dataset, data_collator=collator)
+    loop.train()
+    out = clock.rate(s["warm"], (batch or s["batch"]) * s["seq"])
+    loss = [e["loss"] for e in loop.state.log_history if "loss" in e]
+    out["final_loss"] = round(float(loss[-1]), 4) if loss else None
+    return out, loop
+
+
+def cl_full(size: str, precision: str = "bf16", **train) -> dict:
+    s = SIZES[size]
+    reset_peak()
+    model = build_model(size)
+    out, _ = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, precision, **train)
+    return with_mfu(out, flops_per_token(model, size), precision)
+
+
+def cl_lora(size: str) -> dict:
+    s = SIZES[size]
+    reset_peak()
+    model = build_model(size)
+    peft = {"peft": {"method": "lora", "config": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+                                                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}}
+    out, loop = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", sections=peft)
+    return with_mfu(out, flops_per_token(loop.model, size, lora=True), "bf16")
+
+
+def cl_sharded(size: str, which: str) -> dict:
+    """Single-GPU FSDP2 (corelooper-fsdp) or ZeRO-2 (corelooper-deepspeed), one process."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    section = {"fsdp": {"wrap": ["LlamaDecoderLayer"]}} if which == "fsdp2" else {"deepspeed": {"zero_stage": 2}}
+    if which == "zero2" and device().type == "cpu":
+        import importlib
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # platform notes
+    s = SIZES[size]
+    reset_peak()
+    model = build_model(size)
+    out, _ = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", sections=section)
+    return with_mfu(out, flops_per_token(model, size), "bf16")
+
+
+# -- packing: leak-free with flash-attention varlen vs sdpa -----------------------------------------
+
+
+def cl_packing(size: str, attn: str) -> dict:
+    """Long-tailed chat samples (benchmarks/sft/common.py), packed leak-free by corelooper.packing
+    into rows of ``seq`` tokens: sdpa gets the 4-D block mask, flash_attention_2 varlen batches."""
+    import common as sft  # benchmarks/sft/common.py
+
+    try:
+        from corelooper.packing import Segment, SegmentCollator, plan_packing
+    except ImportError:
+        return {"skipped": "corelooper.packing is not in this corelooper (the SFT work is not merged)"}
+    if attn == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            return {"skipped": "flash-attn is not installed (the pip install failed or was skipped): sdpa only"}
+    import torch
+
+    s = SIZES[size]
+    samples = [x for x in sft.make_samples(s["batch"] * s["steps"] * 12, "train") if len(x.input_ids) <= s["seq"]]
+    vocab = s["vocab_size"]
+    plan = plan_packing([len(x.input_ids) for x in samples], s["seq"], "bfd")
+    rows = [[Segment([t % vocab for t in samples[i].input_ids[a:b]],
+                     [t % vocab if t != -100 else t for t in samples[i].labels[a:b]], {}) for i, a, b in row]
+            for row in plan]
+    reset_peak()
+    model = build_model(size, attn=attn)
+    dtype = torch.bfloat16
+    if attn == "flash_attention_2":
+        model = model.to(dtype)  # flash kernels need half-precision weights
+    collator = SegmentCollator(pad_token_id=0, attn_implementation=attn, mask_dtype=dtype)
+    trained = sum(sum(1 for t in seg.labels[1:] if t != -100) for row in rows[: s["batch"] * s["steps"]] for seg in row)
+    out, _ = cl_train(model, rows, size, "bf16", collator=collator)
+    out["trained_tokens_per_step"] = round(trained / s["steps"])
+    out["rows"] = len(rows)
+    return with_mfu(out, flops_per_token(model, size), "bf16")
+
+
+# -- auto batch size, doctor -------------------------------------------------------------------------
+
+
+def auto_batch_size(size: str) -> dict:
+    import subprocess
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "needs a CUDA device (a real out-of-memory); not run on CPU"}
+    script = ROOT / "plugins" / "auto_batch_size" / "scripts" / "real_cuda_oom.py"
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
+    import json
+
+    return json.loads(line) if line else {"error": f"rc {p.returncode}: {p.stderr[-1500:]}"}
+
+
+def doctor_memory(size: str) -> dict:
+    """corelooper-doctor (on by default once installed) on the bf16 full fine-tuning run: the
+    memory figures it logs and the breakdown it prints after the first step, recorded as given."""
+    try:
+        import corelooper_doctor  # noqa: F401
+    except ImportError:
+        return {"skipped": "corelooper-doctor (plugins/doctor) is not installed in this checkout"}
+    import io
+    import logging
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger("corelooper").addHandler(handler)
+    logging.getLogger("corelooper").setLevel(logging.INFO)
+    s = SIZES[size]
+    reset_peak()
+    model = build_model(size)
+    out, loop = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", logging_steps=1)
+    logging.getLogger("corelooper").removeHandler(handler)
+    memory = [{k: v for k, v in e.items() if "mem" in k} for e in loop.state.log_history]
+    out["doctor_memory_logs"] = [m for m in memory if m][:3]
+    out["doctor_output"] = [x for x in buf.getvalue().splitlines() if "doctor" in x.lower() or "memory" in x.lower()][:40]
+    return with_mfu(out, flops_per_token(model, size), "bf16")
+
+
+STEPS = {
+    "raw_bf16_full": lambda z: raw_loop(z, "bf16"),
+    "cl_bf16_full": lambda z: cl_full(z, "bf16"),
+    "raw_bf16_lora": lambda z: raw_loop(z, "bf16", lora=True),
+    "cl_bf16_lora": cl_lora,
+    "raw_fp16_scaler": lambda z: raw_loop(z, "fp16"),
+    "cl_fp16_scaler": lambda z: cl_full(z, "fp16"),
+    "raw_bf16_compile": lambda z: raw_loop(z, "bf16", compile_=True),
+    "cl_bf16_compile": lambda z: cl_full(z, "bf16", torch_compile=True),
+    "cl_packing_sdpa": lambda z: cl_packing(z, "sdpa"),
+    "cl_packing_flash_varlen": lambda z: cl_packing(z, "flash_attention_2"),
+    "cl_fsdp2_1gpu": lambda z: cl_sharded(z, "fsdp2"),
+    "cl_zero2_1gpu": lambda z: cl_sharded(z, "zero2"),
+    "auto_batch_size_real_oom": auto_batch_size,
+    "doctor_memory_report": doctor_memory,
+}

@@ -1,0 +1,174 @@
+"""What every SFT contender shares: the synthetic chat data, the tiny Llama, the eval loss, the
+token counts. No download: the model is built from a config, the data is pre-tokenized ids.
+
+Data: ``n`` samples with long-tailed lengths (log-normal, median ~64 tokens, clipped to 16-512),
+a prompt of 20-60% of the sample (masked: labels -100) and a completion. Each sample belongs to
+one of ``TOPICS`` topics: its first token names the topic; the topic uses its own random
+``TOPIC_TOKENS`` of a shared pool of ``POOL`` tokens, and every next token is drawn from the
+topic's own transition table (``SUCCESSORS`` successors per token). The pool is shared, so a
+token alone does not say the topic: predicting a completion token well needs the topic marker at
+the start of the sample's own sequence. A model whose attention leaks into other packed samples
+(or whose positions are wrong) learns something else, and its eval loss shows it. Small enough
+to be learnt in a few dozen steps (loss from ln 2048 = 7.6 towards ln 2 = 0.7).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+VOCAB = 2048
+PAD, EOS = 0, 1
+TOPICS = 16
+FIRST_TOPIC_TOKEN = 2
+POOL = 256
+TOPIC_TOKENS = 64
+SUCCESSORS = 2
+MIN_LEN, MAX_LEN = 16, 512
+DATA_SEED = 1234
+
+# The tiny Llama (attention: sdpa; no KV cache in training: with one, Llama attends across
+# packed samples). ~2.6M parameters; hidden/layers are options of run_one.py.
+MODEL = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_LEN,
+             pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, tie_word_embeddings=False)
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    prompt_length: int
+
+    @property
+    def labels(self) -> list[int]:
+        return [-100] * self.prompt_length + self.input_ids[self.prompt_length:]
+
+    @property
+    def trained(self) -> int:
+        """Tokens in the loss (labels != -100 after the causal shift; the prompt is >= 1 token)."""
+        return len(self.input_ids) - self.prompt_length
+
+
+def _table(rng: random.Random) -> list[dict[int, list[int]]]:
+    """Per topic: its tokens (a subset of the shared pool) -> their successors (in the subset)."""
+    pool = list(range(FIRST_TOPIC_TOKEN + TOPICS, FIRST_TOPIC_TOKEN + TOPICS + POOL))
+    tables = []
+    for _ in range(TOPICS):
+        subset = rng.sample(pool, TOPIC_TOKENS)
+        tables.append({t: [rng.choice(subset) for _ in range(SUCCESSORS)] for t in subset})
+    return tables
+
+
+def _length(rng: random.Random) -> int:
+    return max(MIN_LEN, min(MAX_LEN, int(math.exp(rng.gauss(math.log(64), 0.9)))))
+
+
+def make_samples(n: int, split: str = "train", seed: int = DATA_SEED) -> list[Sample]:
+    """``split`` "train" / "eval": different samples from the same topics and tables."""
+    table = _table(random.Random(seed))
+    rng = random.Random(f"{seed}-{split}")
+    out = []
+    for _ in range(n):
+        length, topic = _length(rng), rng.randrange(TOPICS)
+        tok = rng.choice(sorted(table[topic]))
+        ids = [FIRST_TOPIC_TOKEN + topic, tok]
+        while len(ids) < length - 1:
+            tok = rng.choice(table[topic][tok])
+            ids.append(tok)
+        ids.append(EOS)
+        prompt = max(2, int(length * rng.uniform(0.2, 0.6)))
+        out.append(Sample(ids, prompt))
+    return out
+
+
+def stats(samples: list[Sample]) -> dict:
+    lengths = [len(s.input_ids) for s in samples]
+    return dict(samples=len(samples), tokens=sum(lengths), trained_tokens=sum(s.trained for s in samples),
+                mean_len=sum(lengths) / len(lengths), max_len=max(lengths), min_len=min(lengths))
+
+
+def make_model(seed: int, **overrides):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**MODEL, **overrides}, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def make_tokenizer():
+    """A word-level tokenizer over the ids "t0".."tN" (TRL's SFTTrainer wants a processing class;
+    the data is already ids, so it is never used to tokenize)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab["<pad>"], vocab["</s>"] = PAD, EOS
+    del vocab[f"t{PAD}"], vocab[f"t{EOS}"]
+    tok = Tokenizer(WordLevel(vocab, unk_token="</s>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
+
+
+def pad_batch(samples: list[Sample]):
+    import torch
+
+    n, length = len(samples), max(len(s.input_ids) for s in samples)
+    ids = torch.full((n, length), PAD, dtype=torch.long)
+    labels = torch.full((n, length), -100, dtype=torch.long)
+    mask = torch.zeros((n, length), dtype=torch.long)
+    for r, s in enumerate(samples):
+        k = len(s.input_ids)
+        ids[r, :k] = torch.tensor(s.input_ids)
+        labels[r, :k] = torch.tensor(s.labels)
+        mask[r, :k] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def eval_loss(model, samples: list[Sample], batch_size: int = 16) -> float:
+    """Token-mean cross-entropy over the completions of ``samples``, padded batches (no packing:
+    the same measurement for every contender), model in eval mode, no grad."""
+    import torch
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(samples), batch_size):
+            b = pad_batch(samples[i:i + batch_size])
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
+            target = b["labels"][:, 1:]
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
+            total += float(loss)
+            count += int((target != -100).sum())
+    model.train()
+    return total / count
+
+
+class Probe:
+    """Counts what the model is fed (forward pre-hook): positions computed (``input_ids.numel()``),
+    trained tokens (labels != -100 after the shift), forward calls. Same cost for every contender."""
+
+    def __init__(self, model):
+        self.positions = self.trained = self.forwards = 0
+        self.threads_in_fwd = None  # what the framework left torch with during training
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        labels = kwargs.get("labels")
+        if ids is None or not module.training:
+            return
+        if self.threads_in_fwd is None:
+            import torch
+
+            self.threads_in_fwd = torch.get_num_threads()
+        self.forwards += 1
+        self.positions += ids.numel()
+        if labels is not None:
+            self.trained += int((labels[..., 1:] != -100).sum())
+
+    def summary(self) -> dict:
+        return dict(forwards=self.forwards, positions_computed=self.positions, trained_tokens_fed=self.trained,
+                    threads_in_fwd=self.threads_in_fwd)

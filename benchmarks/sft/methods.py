@@ -1,0 +1,244 @@
+"""One function per contender: ``fn(model, train, h) -> None`` trains ``model`` in place on the
+samples ``train`` for one epoch with the shared hyper-parameters ``h`` (see run_one.py), and
+returns the seconds spent preparing data (inside the framework, before its loop) if it can
+tell them apart; the caller times the whole call.
+
+Shared: AdamW (the fused kernel: the default of all three frameworks), linear decay, no warm-up,
+no weight decay, clipping at 1.0, one epoch, batch ``h.batch`` samples (packed rows: ``h.rows``
+rows of ``h.max_len`` tokens), no eval or checkpoint during training, fp32 on CPU.
+
+corelooper's packed and padding-free rows take their layout by name (``--cl-packing``):
+
+* ``collators``: what ``corelooper.collators`` offers today — ``pack_sequences`` (best-fit
+  decreasing) with a 1-D attention mask and restarted ``position_ids``, as ``PackedDataset``
+  builds them. With sdpa attention, packed samples attend to each other (it leaks).
+  No padding-free path exists there.
+* ``packing``: ``corelooper.packing`` (the leak-free packing of the SFT work): ``plan_packing``
+  + ``SegmentCollator`` (4-D block-diagonal causal mask for sdpa/eager; varlen for flash).
+  Padding-free = one row per batch of the same ``h.batch`` samples, segments kept apart.
+* ``auto`` (default): ``packing`` when ``corelooper.packing`` can be imported, else
+  ``collators`` (and the padding-free row is skipped, saying why).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from types import SimpleNamespace
+
+import common as C
+
+
+class Unavailable(Exception):
+    """This contender cannot run in this environment (the reason is reported, not hidden)."""
+
+
+def hf_args(h, out: str, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out, num_train_epochs=1, per_device_train_batch_size=extra.pop("batch", h.batch),
+        learning_rate=h.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10, save_strategy="no",
+        eval_strategy="no", report_to="none", disable_tqdm=True, use_cpu=h.cpu, seed=h.seed,
+        dataloader_num_workers=0, **extra)
+
+
+def as_rows(train):
+    return [{"input_ids": s.input_ids, "attention_mask": [1] * len(s.input_ids), "labels": s.labels} for s in train]
+
+
+# -- Hugging Face Trainer ----------------------------------------------------------------------
+
+
+def _hf(model, train, h, **extra):
+    from transformers import DataCollatorForSeq2Seq, Trainer
+
+    out = tempfile.mkdtemp(prefix="sft-hf-")
+    collator = DataCollatorForSeq2Seq(C.make_tokenizer(), padding="longest", label_pad_token_id=-100)
+    trainer = Trainer(model=model, args=hf_args(h, out, **extra), train_dataset=as_rows(train),
+                      data_collator=collator)
+    trainer.train()
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def hf_padded(model, train, h):
+    _hf(model, train, h)
+
+
+def hf_grouped(model, train, h):
+    # transformers 5.x: TrainingArguments(group_by_length=True) is gone; the length-grouped
+    # sampler is train_sampling_strategy="group_by_length" (LengthGroupedSampler).
+    _hf(model, train, h, train_sampling_strategy="group_by_length")
+
+
+# -- TRL SFTTrainer ----------------------------------------------------------------------------
+
+
+def _trl(model, train, h, **extra):
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    datasets.disable_progress_bars()
+    out = tempfile.mkdtemp(prefix="sft-trl-")
+    batch = extra.pop("batch", h.batch)
+    args = SFTConfig(
+        output_dir=out, num_train_epochs=1, per_device_train_batch_size=batch, learning_rate=h.lr,
+        lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch_fused", logging_steps=10, save_strategy="no", eval_strategy="no",
+        report_to="none", disable_tqdm=True, use_cpu=h.cpu, seed=h.seed, dataloader_num_workers=0,
+        # SFTConfig defaults to bf16 and gradient checkpointing: ~10x slower on CPU, and not what
+        # the other rows do. On the GPU script they are set explicitly per row.
+        bf16=h.bf16, gradient_checkpointing=False, **extra)
+    ds = datasets.Dataset.from_list([{"input_ids": s.input_ids, "labels": s.labels} for s in train])
+    t = time.perf_counter()
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=C.make_tokenizer())
+    prep = time.perf_counter() - t
+    trainer.train()
+    shutil.rmtree(out, ignore_errors=True)
+    return prep
+
+
+def trl_padded(model, train, h):
+    return _trl(model, train, h, max_length=h.max_len)
+
+
+def trl_padding_free(model, train, h):
+    # TRL: padding_free without packing does not enforce max_length (it must be None); the data
+    # is already <= max_len.
+    return _trl(model, train, h, padding_free=True, max_length=None)
+
+
+def trl_packing_bfd(model, train, h):
+    return _trl(model, train, h, packing=True, packing_strategy="bfd", max_length=h.max_len, batch=h.rows)
+
+
+# -- corelooper ----------------------------------------------------------------------------------
+
+
+def _loop(model, dataset, h, collator, **train):
+    from corelooper import Loop, TrainArgs
+
+    out = tempfile.mkdtemp(prefix="sft-cl-")
+    args = TrainArgs(output_dir=out, num_train_epochs=1, per_device_train_batch_size=train.pop("batch", h.batch),
+                     learning_rate=h.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+                     max_grad_norm=1.0, logging_steps=10, save_strategy="no", eval_strategy="no",
+                     disable_tqdm=True, use_cpu=h.cpu, seed=h.seed,
+                     mixed_precision="bf16" if h.bf16 else "no", **train)
+    loop = Loop(model, args, train_dataset=dataset, data_collator=collator)
+    loop.train()
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def _cl_items(train):
+    return [{"input_ids": s.input_ids, "prompt_length": s.prompt_length} for s in train]
+
+
+def cl_padded(model, train, h):
+    from corelooper.collators import DataCollatorForCausalLM
+
+    _loop(model, _cl_items(train), h, DataCollatorForCausalLM(pad_token_id=C.PAD))
+
+
+def cl_grouped(model, train, h):
+    from corelooper.collators import DataCollatorForCausalLM
+
+    _loop(model, _cl_items(train), h, DataCollatorForCausalLM(pad_token_id=C.PAD), group_by_length=True)
+
+
+def packing_layout(h) -> str:
+    if h.cl_packing != "auto":
+        return h.cl_packing
+    try:
+        import corelooper.packing  # noqa: F401
+    except ImportError:
+        return "collators"
+    return "packing"
+
+
+def _packed_rows_collators(train, h):
+    """corelooper.collators.pack_sequences (today's PackedDataset plan), prompt-masked: the plan
+    is made over encoded (sample, position) ids so each piece maps back to its sample."""
+    import torch
+
+    from corelooper.collators import pack_sequences
+
+    stride = h.max_len + 1
+    encoded = [[i * stride + p for p in range(len(s.input_ids))] for i, s in enumerate(train)]
+    bins = pack_sequences(encoded, h.max_len, strategy="bfd")
+    rows = []
+    for pieces in bins:
+        ids = torch.full((h.max_len,), C.PAD, dtype=torch.long)
+        labels = torch.full((h.max_len,), -100, dtype=torch.long)
+        mask = torch.zeros(h.max_len, dtype=torch.long)
+        pos = torch.zeros(h.max_len, dtype=torch.long)
+        at = 0
+        for j, piece in enumerate(pieces):
+            s = train[piece[0] // stride]
+            k = len(piece)
+            ids[at:at + k] = torch.tensor(s.input_ids)
+            labels[at:at + k] = torch.tensor(s.labels)
+            if j > 0:
+                labels[at] = -100
+            mask[at:at + k] = 1
+            pos[at:at + k] = torch.arange(k)
+            at += k
+        rows.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos})
+    return rows
+
+
+def _segments(samples):
+    from corelooper.packing import Segment
+
+    return [Segment(input_ids=s.input_ids, labels=s.labels, extras={}) for s in samples]
+
+
+def cl_packed(model, train, h):
+    t = time.perf_counter()
+    if packing_layout(h) == "collators":
+        rows = _packed_rows_collators(train, h)
+        collator = None  # torch's default collate stacks the fixed-length rows
+    else:
+        from corelooper.packing import SegmentCollator, plan_packing
+
+        plan = plan_packing([len(s.input_ids) for s in train], h.max_len, "bfd")
+        rows = [_segments([C.Sample(train[i].input_ids[a:b], max(0, train[i].prompt_length - a))
+                           for i, a, b in row]) for row in plan]
+        seg = SegmentCollator(pad_token_id=C.PAD, attn_implementation="sdpa",
+                              mask_dtype=next(model.parameters()).dtype)
+        collator = seg  # items are rows (lists of segments); a batch is a list of rows
+    prep = time.perf_counter() - t
+    if collator is None:
+        import torch
+
+        collator = lambda items: {k: torch.stack([it[k] for it in items]) for k in items[0]}  # noqa: E731
+    _loop(model, rows, h, collator, batch=h.rows)
+    return prep
+
+
+def cl_padding_free(model, train, h):
+    if packing_layout(h) == "collators":
+        raise Unavailable("corelooper.collators has no padding-free path; needs corelooper.packing "
+                          "(the SFT work) — rerun after it is merged, or pass --cl-packing packing")
+    from corelooper.packing import SegmentCollator
+
+    seg = SegmentCollator(pad_token_id=C.PAD, attn_implementation="sdpa",
+                          mask_dtype=next(model.parameters()).dtype)
+
+    def collate(items):  # the same samples per batch as the padded row, flattened into one row
+        return seg([_segments([C.Sample(it["input_ids"], it["prompt_length"]) for it in items])])
+
+    _loop(model, _cl_items(train), h, collate)
+
+
+METHODS = {
+    "hf_padded": hf_padded, "hf_grouped": hf_grouped,
+    "trl_padded": trl_padded, "trl_padding_free": trl_padding_free, "trl_packing_bfd": trl_packing_bfd,
+    "cl_padded": cl_padded, "cl_grouped": cl_grouped, "cl_packed": cl_packed, "cl_padding_free": cl_padding_free,
+}
+PACKED = {"trl_packing_bfd", "cl_packed"}
+
+
+def hparams(**kw) -> SimpleNamespace:
+    return SimpleNamespace(**kw)

@@ -1,0 +1,182 @@
+"""SFT throughput on uneven chat data: HF Trainer, TRL SFTTrainer and corelooper, same samples,
+same number of samples seen, interleaved repetitions.
+
+usage: benchmarks/.venv/bin/python benchmarks/sft/run_bench.py [--reps 3] [--methods a,b,...]
+           [--samples 512] [--cl-packing auto|collators|packing] [--out benchmarks/results/sft.json]
+           [-- extra run_one.py flags]
+       benchmarks/.venv/bin/python benchmarks/sft/run_bench.py --profile trl_padding_free [--samples 128]
+
+Each (method, repetition) is its own process (run_one.py), the methods in a rotated order per
+repetition, repetition r using seed r for model init and data order (the data itself is fixed),
+so the spread of the eval loss over repetitions is the run-to-run noise every method is
+compared with. Reported per method (medians over repetitions, with min-max): trained
+(non -100) tokens per second of the framework call (construction + training, so data
+preparation such as packing counts), padding share of the computed positions, peak RSS of the
+process, and eval loss after the epoch (common.eval_loss, the same measurement for all).
+Ratios: the best corelooper leak-free row (padding-free or packed with ``packing`` layout) against
+TRL's best and HF's best rows (goals: >= 1.5x TRL, >= 1.2x HF, eval loss within the padded
+rows' noise).
+
+--profile METHOD: one run of METHOD under cProfile; prints the top functions by cumulative and
+by own time (where a path loses time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ALL = ["hf_padded", "hf_grouped", "trl_padded", "trl_padding_free", "trl_packing_bfd",
+       "cl_padded", "cl_grouped", "cl_packed", "cl_padding_free"]
+
+
+def run(method: str, seed: int, extra: list[str]) -> dict:
+    argv = [sys.executable, str(HERE / "run_one.py"), method, "--seed", str(seed), *extra]
+    with tempfile.TemporaryFile() as out:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(argv, cwd=HERE, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _, status, ru = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    rc = os.waitstatus_to_exitcode(status)
+    rec = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{") and '"method"' in x), None)
+    rec = rec or {"method": method, "failed": text[-3000:]}
+    rec.update(rc=rc, proc_wall_s=round(wall, 3), peak_rss_mib=round(ru.ru_maxrss / 1024, 1),
+               loadavg=round(os.getloadavg()[0], 2))
+    return rec
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def rng(xs):
+    xs = [x for x in xs if x is not None]
+    return [min(xs), max(xs)] if xs else None
+
+
+def summarize(runs: dict[str, list[dict]]) -> list[dict]:
+    table = []
+    print(f"\n{'method':18s} {'n':>2s} {'trained tok/s':>13s} {'[min-max]':>15s} {'padding':>8s} "
+          f"{'RSS MiB':>8s} {'eval loss':>9s} {'[min-max]':>13s} {'steps':>5s} same")
+    for m, recs in runs.items():
+        ok = [r for r in recs if "trained_tok_per_s" in r]
+        if not ok:
+            why = recs[0].get("skipped") or (recs[0].get("failed") or "")[-300:]
+            print(f"{m:18s}  -- not run: {why}")
+            table.append(dict(method=m, skipped=why))
+            continue
+        tps = [r["trained_tok_per_s"] for r in ok]
+        loss = [r["eval_loss"] for r in ok]
+        row = dict(method=m, n=len(ok), trained_tok_per_s=med(tps), trained_tok_per_s_range=rng(tps),
+                   padding_share=med([r["padding_share"] for r in ok]),
+                   peak_rss_mib=med([r["peak_rss_mib"] for r in ok]), eval_loss=med(loss), eval_loss_range=rng(loss),
+                   steps=med([r["forwards"] for r in ok]), train_call_s=med([r["train_call_s"] for r in ok]),
+                   data_prep_s=med([r.get("data_prep_s") for r in ok]), layout=ok[0].get("layout"),
+                   same_trained_tokens=all(r["same_trained_tokens"] for r in ok))
+        table.append(row)
+        print(f"{m:18s} {len(ok):2d} {row['trained_tok_per_s']:13.0f} {'{:.0f}-{:.0f}'.format(*row['trained_tok_per_s_range']):>15s} "
+              f"{row['padding_share']:8.1%} {row['peak_rss_mib']:8.0f} {row['eval_loss']:9.3f} "
+              f"{'{:.3f}-{:.3f}'.format(*row['eval_loss_range']):>13s} {row['steps']:5.0f} {row['same_trained_tokens']}")
+    return table
+
+
+def compare(table: list[dict]) -> dict:
+    rows = {r["method"]: r for r in table if "trained_tok_per_s" in r}
+
+    def best(prefix):
+        cands = [r for m, r in rows.items() if m.startswith(prefix)]
+        return max(cands, key=lambda r: r["trained_tok_per_s"]) if cands else None
+
+    leak_free = [r for m, r in rows.items() if m == "cl_padding_free" or (m == "cl_packed" and r["layout"] == "packing")]
+    ours = max(leak_free, key=lambda r: r["trained_tok_per_s"]) if leak_free else None
+    trl, hf = best("trl_"), best("hf_")
+    out: dict = {}
+    if ours and trl:
+        out["corelooper_leak_free_over_trl_best"] = dict(
+            ours=ours["method"], theirs=trl["method"], ratio=round(ours["trained_tok_per_s"] / trl["trained_tok_per_s"], 3),
+            goal=1.5)
+    if ours and hf:
+        out["corelooper_leak_free_over_hf_best"] = dict(
+            ours=ours["method"], theirs=hf["method"], ratio=round(ours["trained_tok_per_s"] / hf["trained_tok_per_s"], 3),
+            goal=1.2)
+    padded = [rows[m] for m in ("cl_padded", "hf_padded", "trl_padded") if m in rows]
+    if ours and padded:
+        lo = min(r["eval_loss_range"][0] for r in padded)
+        hi = max(r["eval_loss_range"][1] for r in padded)
+        out["eval_loss"] = dict(ours=ours["eval_loss"], padded_range=[lo, hi],
+                                within_padded_noise=lo - 0.02 <= ours["eval_loss"] <= hi + 0.02)
+    for k, v in out.items():
+        print(f"{k}: {v}")
+    if not ours:
+        print("no corelooper leak-free row ran (cl_padding_free needs corelooper.packing; "
+              "cl_packed with the 'collators' layout leaks attention and does not count)")
+    return out
+
+
+def profile(method: str, extra: list[str], top: int) -> None:
+    import pstats
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "p.prof")
+        rec = run(method, 0, [*extra, "--profile", path])
+        print(json.dumps(rec))
+        if not os.path.exists(path):
+            sys.exit("the profiled run wrote no stats")
+        st = pstats.Stats(path)
+        print(f"\n== {method}: top {top} by cumulative time")
+        st.sort_stats("cumulative").print_stats(top)
+        print(f"\n== {method}: top {top} by own time")
+        st.sort_stats("tottime").print_stats(top)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--methods", default=",".join(ALL))
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--cl-packing", default="auto", choices=["auto", "collators", "packing"])
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "sft.json"))
+    ap.add_argument("--profile", metavar="METHOD")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("extra", nargs="*", help="after --: more run_one.py flags")
+    a = ap.parse_args()
+    extra = ["--samples", str(a.samples), "--cl-packing", a.cl_packing, *a.extra]
+    if a.profile:
+        profile(a.profile, extra, a.top)
+        return
+    methods = a.methods.split(",")
+    load0 = os.getloadavg()
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for rep in range(a.reps):
+        k = rep % len(methods)
+        for m in methods[k:] + methods[:k]:
+            rec = run(m, rep, extra)
+            runs[m].append(rec)
+            print(f"rep {rep} {m:18s} rc={rec['rc']} tok/s={rec.get('trained_tok_per_s')} "
+                  f"loss={rec.get('eval_loss')} {rec.get('skipped') or ''}{(rec.get('failed') or '')[-400:]}",
+                  file=sys.stderr, flush=True)
+    table = summarize(runs)
+    goals = compare(table)
+    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, samples=a.samples, cpus=os.cpu_count(),
+               loadavg_start=[round(x, 2) for x in load0], loadavg_end=[round(x, 2) for x in os.getloadavg()],
+               args=extra, goals=goals, table=table, runs=runs)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"load average {out['loadavg_start']} -> {out['loadavg_end']}; wrote {a.out}")
+    if max(r.get("loadavg", 0) for recs in runs.values() for r in recs) > (os.cpu_count() or 1):
+        print(f"WARNING: the load average exceeded the {os.cpu_count()} CPUs during the run: not quotable.")
+
+
+if __name__ == "__main__":
+    main()

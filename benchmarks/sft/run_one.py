@@ -1,0 +1,109 @@
+"""One SFT contender, one run, one JSON line on stdout (run_bench.py runs these interleaved).
+
+usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] [--batch 8]
+                         [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--threads N]
+                         [--cl-packing auto|collators|packing] [--profile OUT.prof]
+METHOD: hf_padded hf_grouped trl_padded trl_padding_free trl_packing_bfd cl_padded cl_grouped
+        cl_packed cl_padding_free (methods.py)
+
+Times the framework call (trainer construction + train, i.e. including its own data
+preparation) up to its last optimizer step (and the whole call, with the end-of-run save), then measures the eval loss of the trained model the same way for everyone
+(common.eval_loss: padded batches, completion tokens only). ``--profile`` writes a cProfile of
+the framework call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+T0 = time.perf_counter()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common as C  # noqa: E402
+import methods as M  # noqa: E402
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("method", choices=sorted(M.METHODS))
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--eval-samples", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0, help="model init and data order (data is fixed)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=0,
+                    help="packed rows per step (default: batch * mean length / max length, >= 1)")
+    ap.add_argument("--max-len", type=int, default=C.MAX_LEN)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--hidden", type=int, default=C.MODEL["hidden_size"])
+    ap.add_argument("--layers", type=int, default=C.MODEL["num_hidden_layers"])
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--cl-packing", default="auto", choices=["auto", "collators", "packing"])
+    ap.add_argument("--profile", default=None)
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    a = parse()
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    train = C.make_samples(a.samples, "train")
+    evals = C.make_samples(a.eval_samples, "eval")
+    st = C.stats(train)
+    rows = a.rows or max(1, round(a.batch * st["mean_len"] / a.max_len))
+    h = M.hparams(batch=a.batch, rows=rows, max_len=a.max_len, lr=a.lr, seed=a.seed, cpu=True, bf16=False,
+                  cl_packing=a.cl_packing)
+    model = C.make_model(a.seed, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875) // 8 * 8,
+                         num_hidden_layers=a.layers)
+    probe = C.Probe(model)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    last_step = [None]
+    register_optimizer_step_post_hook(lambda *_: last_step.__setitem__(0, time.perf_counter()))
+    rec = dict(method=a.method, seed=a.seed, samples=a.samples, batch=a.batch, packed_rows_per_step=rows,
+               threads=torch.get_num_threads(), import_s=round(time.perf_counter() - T0, 3),
+               layout=M.packing_layout(h) if a.method.startswith("cl_pack") or a.method == "cl_padding_free" else None)
+    fn = M.METHODS[a.method]
+    prof = None
+    if a.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    t = time.perf_counter()
+    try:
+        if prof:
+            prof.enable()
+        prep = fn(model, train, h)
+    except M.Unavailable as e:
+        rec.update(skipped=str(e))
+        print(json.dumps(rec), flush=True)
+        return
+    finally:
+        if prof:
+            prof.disable()
+            prof.dump_stats(a.profile)
+    wall = time.perf_counter() - t
+    fed = probe.summary()
+    rec.update(fed)
+    rec.update(
+        train_call_s=round(wall, 3), to_last_step_s=round(last_step[0] - t, 3),
+        data_prep_s=round(prep, 3) if prep else None,
+        trained_tokens=st["trained_tokens"], real_tokens=st["tokens"],
+        # From the framework call to its last optimizer step: construction and data preparation
+        # (packing) count, the end-of-run save/teardown does not (frameworks differ there).
+        trained_tok_per_s=round(st["trained_tokens"] / (last_step[0] - t), 1),
+        trained_tok_per_s_whole_call=round(st["trained_tokens"] / wall, 1),
+        padding_share=round(1 - st["tokens"] / fed["positions_computed"], 4) if fed["positions_computed"] else None,
+        same_trained_tokens=fed["trained_tokens_fed"] == st["trained_tokens"],
+        eval_loss=round(C.eval_loss(model, evals), 4),
+    )
+    print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
