@@ -35,3 +35,21 @@ class TrainingError(CorelooperError):
     """The model or the training step itself failed."""
 
     exit_code = 6
+
+
+def explain_failure(exc: BaseException, plugins, global_step: int, output_dir) -> BaseException:
+    """An exception from training turned into one that names where it came from: the plugin and
+    hook whose code raised (``plugins.blame``), else the model or its loss."""
+    if isinstance(exc, CorelooperError) or not isinstance(exc, Exception):
+        return exc
+    blamed = plugins.blame(exc)
+    if blamed:
+        plugin, hook = blamed
+        return PluginError(
+            f"Plugin {plugin!r} raised in hook {hook!r} at global_step {global_step}: "
+            f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{plugin}`."
+        )
+    return TrainingError(
+        f"Training failed at global_step {global_step}: {type(exc).__name__}: {exc}. The error came "
+        f"from the model or its loss; the last complete checkpoint in {str(output_dir)!r} is untouched."
+    )

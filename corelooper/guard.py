@@ -18,6 +18,7 @@ scheduler must not step) read it at once.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -38,28 +39,29 @@ class NonFiniteGuard:
         self.skipped_total = 0
         self._pending = None  # (host flag, step, micro_batches, losses, grad_norm)
 
-    def check(self, loop, micro_batches: list, losses: list, grad_norm) -> bool:
+    def check(self, loop, micro_batches: list, losses: list, step_loss, grad_norm) -> bool:
         """True: apply this step's update. False: skip it (``skip_step``). Raises on ``stop``."""
         if self.policy == "ignore":
             return True
         self.poll(loop)  # the previous step's deferred flag, if any
-        # Under fp16 the grad scaler owns overflowing gradients (it skips those steps and lowers
-        # the scale, as it should): only the loss is checked then.
+        # One scalar is non-finite iff a loss or the norm is. Under fp16 the grad scaler owns
+        # overflowing gradients (it skips those steps and lowers the scale): the loss only then.
         fp16 = loop.args.mixed_precision == "fp16"
-        norms = [grad_norm.float()] if grad_norm is not None and not fp16 else []
-        bad = ~torch.isfinite(torch.stack([*losses, *norms])).all()
-        if not norms and loop.backend.num_processes > 1:
+        total = step_loss if grad_norm is None or fp16 else step_loss + grad_norm.float()
+        if (grad_norm is None or fp16) and loop.backend.num_processes > 1:
             # Only the gradients are the same on every rank: agree on the losses' verdict, so
             # that no rank stops while the others wait for it in the next collective.
-            bad = loop.backend.reduce_sum(bad.float()) > 0
-        inner = getattr(loop.optimizer, "optimizer", loop.optimizer)  # accelerate's wrapper
-        if self.deferred and not fp16 and getattr(inner, "_step_supports_amp_scaling", False):
-            inner.found_inf = bad.float()  # the fused kernel skips the update on the device
-            flag = torch.empty((), dtype=torch.bool, pin_memory=bad.is_cuda)
-            flag.copy_(bad, non_blocking=True)
-            self._pending = (flag, loop.state.global_step + 1, micro_batches, losses, grad_norm)
-            return True
-        if not bool(bad):
+            total = loop.backend.reduce_sum(total.detach().clone())
+        if self.deferred and not fp16:
+            inner = getattr(loop.optimizer, "optimizer", loop.optimizer)  # accelerate's wrapper
+            if getattr(inner, "_step_supports_amp_scaling", False):
+                bad = ~torch.isfinite(total)
+                inner.found_inf = bad.float()  # the fused kernel skips the update on the device
+                flag = torch.empty((), dtype=torch.bool, pin_memory=bad.is_cuda)
+                flag.copy_(bad, non_blocking=True)
+                self._pending = (flag, loop.state.global_step + 1, micro_batches, losses, grad_norm)
+                return True
+        if math.isfinite(float(total)):  # on the CPU a read, not a wait
             self.skipped_in_row = 0
             return True
         return self._handle(loop, loop.state.global_step + 1, micro_batches, losses, grad_norm)

@@ -58,6 +58,27 @@ class LogWindow:
             self.steps, self.samples, self.tokens = state["steps"], state["samples"], state["tokens"]
 
 
+class TokensSeen:
+    """HF's ``include_num_input_tokens_seen`` ("all", "non_padding", "no"), counted on the
+    fetched (host) batches; summed over processes only when logged or saved, so no step waits
+    for a collective."""
+
+    def __init__(self, mode: str, pad_token_id: int | None, main_input: str) -> None:
+        self.mode, self.pad_token_id, self.main_input = mode, pad_token_id, main_input
+        self.pending = 0  # this process's tokens not yet in state.num_input_tokens_seen
+
+    def add(self, micro_batches: list) -> None:
+        from .data import count_tokens_seen
+
+        self.pending += int(count_tokens_seen(micro_batches, self.mode, None, self.pad_token_id, self.main_input))
+
+    def flush(self, backend, state) -> None:
+        pending, self.pending = self.pending, 0
+        if state.world_size > 1:
+            pending = int(backend.reduce_sum(torch.tensor(pending, device=backend.device)).item())
+        state.num_input_tokens_seen += pending
+
+
 def run_summary(log_history: list[dict], runtime: float, steps: int, samples: int) -> dict[str, Any]:
     """``train_runtime``, ``train_steps_per_second``, ``train_samples_per_second``, ``train_loss``.
 

@@ -28,12 +28,12 @@ from . import checkpoint, elastic, loop_checkpoints
 from .build import build_collator, build_dataset, build_model
 from .columns import forward_signature
 from .config import Config, TrainArgs, check_train_args, resolve_interval
-from .data import batch_rows, count_input_tokens, count_tokens_seen, pad_token_id_of
-from .errors import CorelooperError, DataError, PluginError, TrainingError
+from .data import batch_rows, count_input_tokens, pad_token_id_of
+from .errors import CorelooperError, DataError, explain_failure
 from .events import Events
 from .guard import NonFiniteGuard
 from .lock import RunLock
-from .logwindow import LogWindow, run_summary
+from .logwindow import LogWindow, TokensSeen, run_summary
 from .plugins import load_plugins
 from .preflight import check_run
 from .seeding import set_seed
@@ -89,7 +89,6 @@ class Loop:
         self.is_training = False
         self.grad_norm = None  # of the last step (logged with its window)
         self.learning_rate = None  # the rate the last optimizer step used (logged with its window)
-        self._tokens_pending = 0  # this process's input tokens not yet summed over processes
         self.num_micro_batches = 0  # of the current step (a step provider may cut them finer)
         self.forward_signature = None
         self._eval_prepared = False
@@ -101,6 +100,7 @@ class Loop:
         s.is_world_process_zero = self.backend.is_main_process
         s.is_local_process_zero = self.backend.is_local_main_process
         self.log_window = LogWindow(self.backend.device)
+        self.tokens_seen = TokensSeen("no", None, "input_ids")  # set up by train()
         self.guard = NonFiniteGuard(self.args.on_nonfinite, self.args.max_skipped_steps,
                                     deferred=self.backend.device.type != "cpu")
         self.events.fire("on_init_end")
@@ -121,6 +121,8 @@ class Loop:
         )
         self.model, self.optimizer = self.backend.prepare(self.model, optimizer)
         self.forward_signature = forward_signature(self.backend.unwrap_model(self.model))
+        self.tokens_seen = TokensSeen(self.args.tokens_seen_mode, pad_token_id_of(self.data_collator),
+                                      getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids"))
         return loader
 
     def _plan_steps(self, loader) -> None:
@@ -221,6 +223,7 @@ class Loop:
         summary = run_summary(s.log_history, runtime, s.global_step - steps_before,
                               s.total_samples_seen - samples_before)
         loop_checkpoints.finish(self)
+        self.tokens_seen.flush(self.backend, self.state)
         self.log(summary)
 
     def _train_epoch(self, loader, epoch: int) -> None:
@@ -270,19 +273,7 @@ class Loop:
         tokens = sum(count_input_tokens(b) for b in micro_batches) * s.world_size
         s.total_samples_seen += samples
         self.log_window.add(step_loss, samples, tokens)
-        # HF's include_num_input_tokens_seen, counted on the fetched (host) batches; summed over
-        # processes only when logged or saved, so no step waits for a collective.
-        a = self.args
-        self._tokens_pending += int(count_tokens_seen(
-            micro_batches, a.tokens_seen_mode, None, pad_token_id_of(self.data_collator),
-            getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids")))
-
-    def _sum_tokens_seen(self) -> None:
-        """Add every process's pending token count to ``state.num_input_tokens_seen``."""
-        pending, self._tokens_pending = self._tokens_pending, 0
-        if self.state.world_size > 1:
-            pending = int(self.backend.reduce_sum(torch.tensor(pending, device=self.backend.device)).item())
-        self.state.num_input_tokens_seen += pending
+        self.tokens_seen.add(micro_batches)
 
     # -- logging, evaluation, saving -----------------------------------------------------------------
     def _log_evaluate_save(self) -> None:
@@ -299,10 +290,11 @@ class Loop:
         if control.should_save:
             control.should_save = False
             self.guard.poll(self, wait=True)
-            self._sum_tokens_seen()
+            self.tokens_seen.flush(self.backend, self.state)
             loop_checkpoints.save(self)
 
     def _log_window(self) -> None:
+        self.tokens_seen.flush(self.backend, self.state)
         lr = self.learning_rate if self.learning_rate is not None else self.scheduler.get_last_lr()[0]
         logs = self.log_window.logs(self.backend, self.grad_norm, lr, self.state.epoch)
         if self.guard.skipped_total:
@@ -314,8 +306,7 @@ class Loop:
         """Record ``logs`` at the current step (``log_history``) and fire ``on_log``."""
         if self.args.tokens_seen_mode != "no":  # as HF's log(): in every log, eval ones too
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
-        if self.args.tokens_seen_mode != "no":
-            self._sum_tokens_seen()
+        if self.args.tokens_seen_mode != "no":  # (summed over processes where the loop logs)
             logs.setdefault("num_input_tokens_seen", self.state.num_input_tokens_seen)
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
@@ -335,6 +326,7 @@ class Loop:
         )
         # As HF: the metrics are logged (on_log, rank 0) before on_evaluate, which fires on every
         # process: early stopping must decide the same on all ranks.
+        self.tokens_seen.flush(self.backend, self.state)
         self.log({**metrics, "epoch": round(self.state.epoch, 4)})
         self.events.fire("on_evaluate", metrics=metrics)
         return metrics
@@ -355,19 +347,4 @@ class Loop:
             pass
 
     def _explain(self, exc: BaseException) -> BaseException:
-        """Turn an exception into one that names where it came from."""
-        if isinstance(exc, CorelooperError) or not isinstance(exc, Exception):
-            return exc
-        blamed = self.plugins.blame(exc)
-        if blamed:
-            plugin, hook = blamed
-            return PluginError(
-                f"Plugin {plugin!r} raised in hook {hook!r} at global_step "
-                f"{self.state.global_step}: {type(exc).__name__}: {exc}. Fix the plugin, or "
-                f"disable it with `-p no:{plugin}`."
-            )
-        return TrainingError(
-            f"Training failed at global_step {self.state.global_step}: {type(exc).__name__}: "
-            f"{exc}. The error came from the model or its loss; the last complete checkpoint in "
-            f"{self.args.output_dir!r} is untouched."
-        )
+        return explain_failure(exc, self.plugins, self.state.global_step, self.args.output_dir)

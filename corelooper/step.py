@@ -28,7 +28,7 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
     step_loss = torch.stack(losses).sum()
     grad_norm = clip_gradients(loop)
     logged_norm = grad_norm if loop.args.max_grad_norm > 0 else None  # HF logs it when clipping
-    if not loop.guard.check(loop, micro_batches, losses, grad_norm):
+    if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
         optimizer.zero_grad(set_to_none=True)  # skip_step: no update, no scheduler step
         return step_loss, logged_norm
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)

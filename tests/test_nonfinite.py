@@ -134,11 +134,15 @@ def test_skip_step_stops_after_max_skipped_steps_in_a_row(train_args):
     assert finite(loop)
 
 
-def test_ignore_carries_on(train_args):
+def test_ignore_carries_on_but_never_writes_a_non_finite_model(train_args, tmp_path):
+    from corelooper.checkpoint import NonFiniteWeights
+
     loop = Loop(mlp(), train_args(per_device_train_batch_size=8, max_steps=4, on_nonfinite="ignore"),
                 train_dataset=toys.Blobs(64), plugins=[InfLossFrom(2)], blocked_plugins=["console"])
-    loop.train()
-    assert loop.state.global_step == 4 and not finite(loop)
+    with pytest.raises(NonFiniteWeights, match="final model"):
+        loop.train()
+    assert loop.state.global_step == 4 and not finite(loop)  # every step ran, NaN and all
+    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_the_deferred_check_skips_the_update_on_the_device(train_args):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import OomAt, make_loop, samples
 from test_spikes import SPIKE_STEP, _data, _linear
 

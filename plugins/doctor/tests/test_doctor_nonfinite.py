@@ -8,6 +8,7 @@ import math
 import torch
 from corelooper_doctor.batchio import load_batch
 from corelooper_doctor.nonfinite import explain
+from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import OUTLIER, Classifier, Square, make_loop, relu_sqrt_model, samples
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
+
 HERE = Path(__file__).parent
 HANG_TIMEOUT = 8.0
 SLEEP_LINE = next(n for n, line in enumerate((HERE / "hang_task.py").read_text().splitlines(), 1)

@@ -8,6 +8,7 @@ import resource
 
 import pytest
 import torch
+from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import Classifier, OomAt, make_loop, samples
 
 from corelooper.errors import TrainingError

@@ -6,6 +6,7 @@ import json
 
 import torch
 from corelooper_doctor.spikes import SpikeDetector
+from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import doctor_of, make_loop, spike_samples
 
 from corelooper.data import epoch_permutation

@@ -8,6 +8,7 @@ import pytest
 import torch
 from corelooper_doctor.peaks import known_peak
 from corelooper_doctor.timing import PHASES
+from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import Classifier, SlowSamples, make_loop, samples
 
 

@@ -1,9 +1,7 @@
-import sys
-from pathlib import Path
+"""Fixtures of the doctor's tests (not a conftest.py: pytest collects tests/ and plugins/*/tests
+together, and two conftest modules would shadow each other). Each test module imports them."""
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # doctor_toys
 
 
 @pytest.fixture(autouse=True)
