@@ -742,3 +742,16 @@ def dumps_toml(data: dict[str, dict[str, Any]]) -> str:
                 lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def as_config(config: Config | TrainArgs | dict | None) -> Config:
+    """What ``Loop(config=...)`` accepts, as a ``Config``."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, TrainArgs):  # validated when it was built, as the [train] table is
+        return Config(train=config)
+    if isinstance(config, dict):
+        return Config.from_dict(config)
+    raise TypeError(f"config must be a Config, TrainArgs or dict, not {type(config).__name__}")

@@ -9,8 +9,8 @@ The public Loop API a plugin may use: ``config``, ``args`` (``[train]``), ``stat
 ``control``, ``plugins`` (the run's registry), ``hook``, ``events.fire``, ``model``,
 ``optimizer``, ``scheduler``, ``backend``, ``train_dataset``/``eval_dataset``,
 ``data_collator``, ``train_loader``, ``loss_type``, ``is_training``, ``num_micro_batches``,
-``forward_signature``, ``log()``, ``evaluate()``,
-``predict()``, ``training_step()``, ``prepare_for_evaluation()``.
+``forward_signature``, ``log()``, ``evaluate()``, ``predict()``, ``training_step()``,
+``prepare_for_evaluation()``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from . import checkpoint, elastic, loop_checkpoints
 from .build import build_collator, build_dataset, build_model
 from .columns import forward_signature
-from .config import Config, TrainArgs, check_train_args, resolve_interval
+from .config import Config, TrainArgs, as_config, resolve_interval
 from .data import batch_rows, count_input_tokens, pad_token_id_of
 from .errors import CorelooperError, DataError, explain_failure
 from .events import Events
@@ -38,19 +38,6 @@ from .plugins import load_plugins
 from .preflight import check_run
 from .seeding import set_seed
 from .state import Control, LoopState
-
-
-def as_config(config: Config | TrainArgs | dict | None) -> Config:
-    if config is None:
-        return Config()
-    if isinstance(config, Config):
-        return config
-    if isinstance(config, TrainArgs):
-        check_train_args(config)  # as Config.load does: cross-field checks, best-metric defaults
-        return Config(train=config)
-    if isinstance(config, dict):
-        return Config.from_dict(config)
-    raise TypeError(f"config must be a Config, TrainArgs or dict, not {type(config).__name__}")
 
 
 class Loop:
