@@ -45,9 +45,10 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir) -
     blamed = plugins.blame(exc)
     if blamed:
         plugin, hook = blamed
+        name = plugin.split(".")[0]  # a per-run object "doctor.run" belongs to the plugin "doctor"
         return PluginError(
             f"Plugin {plugin!r} raised in hook {hook!r} at global_step {global_step}: "
-            f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{plugin}`."
+            f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`."
         )
     return TrainingError(
         f"Training failed at global_step {global_step}: {type(exc).__name__}: {exc}. The error came "

@@ -299,7 +299,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "ddp_backend": Unsupported(
         "the process group uses gloo on CPU and nccl on GPU; another backend needs a create_backend plugin.",
         (None,)),
-    "ddp_timeout": Unsupported("not supported: torch's default process-group timeout is used.", (1800,)),
     "debug": Unsupported("HF's debug options (underflow_overflow, tpu_metrics_debug) are not supported.",
                          ("", [], None)),
     "skip_memory_metrics": Unsupported("memory metrics are not logged.", (True,)),

@@ -127,11 +127,16 @@ def test_a_short_last_step_of_the_epoch_is_named():
 
 
 def _claim_two_processes(checkpoint_dir) -> None:
-    """Make a 1-process checkpoint say it was saved by 2 (same byte size: the manifest holds)."""
+    """Make a 1-process checkpoint say it was saved by 2, and re-sign its manifest (checkpoints
+    are verified by checksum: an edit alone is refused as corruption)."""
+    from corelooper.manifest import write_manifest
+
     path = checkpoint_dir / "loop_state.json"
     text = path.read_text()
     assert '"world_size": 1,' in text
     path.write_text(text.replace('"world_size": 1,', '"world_size": 2,'))
+    (checkpoint_dir / "manifest.json").unlink()
+    write_manifest(checkpoint_dir)
 
 
 def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(run_loop, make_loop, tmp_path,

@@ -21,7 +21,7 @@ def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(t
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
         "README.md", "corelooper_grad_stats/__init__.py", "pyproject.toml", "tests/test_grad_stats.py",
     ]
-    assert 'grad_stats = "corelooper_grad_stats:plugin"' in (dest / "pyproject.toml").read_text()
+    assert 'grad_stats = "corelooper_grad_stats"' in (dest / "pyproject.toml").read_text()  # a module: per-run objects come from corelooper_configure
 
     tutorial = tmp_path / "lossguard"
     write_tutorial(tutorial)
@@ -33,7 +33,7 @@ def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(t
     try:
         assert install.returncode == 0, install.stderr
         eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="corelooper")}
-        assert eps.get("grad_stats") == "corelooper_grad_stats:plugin"
+        assert eps.get("grad_stats") == "corelooper_grad_stats"
         assert eps.get("lossguard") == "corelooper_lossguard"
         tests = subprocess.run(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
@@ -41,8 +41,8 @@ def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(t
             cwd=tmp_path, capture_output=True, text=True, timeout=300,
         )
         assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
-        assert tests.stdout.count("test_grad_stats.py::") == 3 and tests.stdout.count("test_lossguard.py::") == 2
-        assert "5 passed" in tests.stdout
+        assert tests.stdout.count("test_grad_stats.py::") == 4 and tests.stdout.count("test_lossguard.py::") == 2
+        assert "6 passed" in tests.stdout
     finally:  # never leave them installed: every other test would load them
         subprocess.run([*PIP, "uninstall", "-y", "-q", "corelooper-grad-stats", "corelooper-lossguard"],
                        capture_output=True, timeout=300)

@@ -28,9 +28,10 @@ def test_profile_plugins_reports_each_plugin_hook_with_call_counts(tmp_path):
     assert rows[("builtin", "compute_loss")][0] == steps + 2
     assert rows[("builtin", "on_step_end")][0] == steps
     assert rows[("console", "on_step_end")][0] == steps
-    # logs at steps 3 and 6, the final partial window, and the end-of-run summary
-    assert rows[("jsonl", "on_log")][0] == 4
-    assert rows[("console", "on_log")][0] == 4
+    # logs at steps 3 and 6, the final partial window, the end-of-run summary, and the final
+    # evaluation's metrics (evaluations log through on_log, as in HF)
+    assert rows[("jsonl", "on_log")][0] == 5
+    assert rows[("console", "on_log")][0] == 5
     # shares are of the whole run, so they can't exceed 100% and the loss provider dominates
     assert all(0 <= share <= 100 for _, _, share in rows.values())
     assert rows[("builtin", "compute_loss")][1] > rows[("jsonl", "on_log")][1]

@@ -33,7 +33,7 @@ def test_auto_starts_fresh_then_resumes_after_a_usr1_stop(run_loop, tmp_path, mo
     monkeypatch.setenv("CORELOOPER_STOP_SIGNALS", "SIGUSR1")
     first = run_loop([SignalAt(3, signal.SIGUSR1)], resume="auto", save_strategy="steps", save_steps=100)
     assert first.state.preempted and first.state.global_step == 3
-    assert first._preemption.exit_code == 128 + signal.SIGUSR1  # 138: stopped by SIGUSR1
+    assert 128 + first.state.stop_signal == 128 + signal.SIGUSR1  # the CLI exits 138: stopped by SIGUSR1
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-3"]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored after train()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .settings import DEFAULTS, SECTION
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: Name of the per-run object (and its key in a checkpoint's plugins.json).
 RUN_PLUGIN_NAME = "doctor.run"

@@ -81,7 +81,10 @@ class ActivationProbe:
 
     def start(self, model: torch.nn.Module) -> None:
         for p in model.parameters():  # weights saved for backward are not activations
-            self._storages.add(p.untyped_storage().data_ptr())
+            try:
+                self._storages.add(p.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # FSDP's resharded (freed) storages
+                continue
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
 

@@ -148,11 +148,13 @@ def _saved_adapter(tmp_path):
 
 
 def _rewrite(ckpt, name: str, data: bytes) -> None:
-    """Replace a checkpoint file and its manifest entry (the manifest's size check passes)."""
+    """Replace a checkpoint file and re-sign the manifest (checksums would refuse the edit as
+    corruption first; here the loading itself must find the bad adapter)."""
+    from corelooper.manifest import write_manifest
+
     (ckpt / name).write_bytes(data)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][name] = len(data)
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (ckpt / "manifest.json").unlink()
+    write_manifest(ckpt)
 
 
 def test_a_bad_adapter_checkpoint_is_a_checkpoint_error_naming_file_and_tensor(tmp_path):

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer  # already imported by the CLI that calls the hook; cheap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 SECTION = "ray"
 DEFAULTS: dict[str, Any] = {

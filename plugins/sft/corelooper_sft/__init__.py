@@ -14,6 +14,8 @@ This module imports neither torch nor transformers nor datasets: ``corelooper --
 
 from __future__ import annotations
 
+__version__ = "0.2.0"
+
 from corelooper import hookimpl
 
 SECTION = "sft"

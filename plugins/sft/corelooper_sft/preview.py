@@ -40,25 +40,20 @@ def register(app) -> None:
 
 def load(config_path: Path, overrides: list[str], split: str):
     """The prepared data set and tokenizer of a config, without building the model."""
-    from corelooper.config import Config, import_object
+    from corelooper.build import build_dataset
+    from corelooper.config import Config
     from corelooper.errors import ConfigError, DataError
-    from corelooper.hf_data import is_data_ref, load_split
 
     from . import DEFAULTS, SECTION
     from .setup import check, configure_tokenizer, find_tokenizer, prepare_split
 
-    config = Config.load(config_path, overrides)
-    config.with_defaults({SECTION: DEFAULTS})
+    config = Config.load(config_path, overrides).with_defaults({SECTION: DEFAULTS})
     cfg = config.section(SECTION)
     check(cfg)
     ref = getattr(config.data, split)
-    base = config.source.parent if config.source else None
-    if is_data_ref(ref, base) or (split == "eval" and config.data.eval_split):
-        dataset = load_split(config, split)
-    elif ref:
-        dataset = import_object(ref, f"data.{split}", base)(**config.data.args)
-    else:
+    if not ref and not (split == "eval" and config.data.eval_split):
         raise ConfigError(f"data.{split} is not set in {config_path}: nothing to preview.")
+    dataset = build_dataset(config, split)
     if dataset is None:
         raise DataError(f"data.{split} gave no data set.")
     tok = find_tokenizer(config)

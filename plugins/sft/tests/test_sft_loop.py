@@ -113,8 +113,7 @@ def test_datasets_dataset_passed_in_python_works_as_is(tmp_path, model_dir):
     from datasets import Dataset
 
     ds = Dataset.from_list([json.loads(json.dumps(r)) for r in CHATS * 4])
-    cfg = config(tmp_path, model_dir)
-    cfg.data.train = cfg.data.eval = None
+    cfg = config(tmp_path, model_dir).replace("data", train=None, eval=None)
     loop = Loop(config=cfg, train_dataset=ds, eval_dataset=ds)
     assert loop.evaluate()["eval_loss"] > 0
 
@@ -122,8 +121,7 @@ def test_datasets_dataset_passed_in_python_works_as_is(tmp_path, model_dir):
 def test_malformed_jsonl_names_file_and_line(tmp_path, model_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(CHATS[0]) + "\n" + '{"messages": [}\n', encoding="utf-8")
-    cfg = config(tmp_path, model_dir)
-    cfg.data.train, cfg.data.eval = str(bad), None
+    cfg = config(tmp_path, model_dir).replace("data", train=str(bad), eval=None)
     with pytest.raises(DataError, match=r"bad\.jsonl, line 2: not valid JSON"):
         Loop(config=cfg)
 

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer  # already imported by the CLI that calls the hook; cheap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def corelooper_add_commands(app) -> None:
