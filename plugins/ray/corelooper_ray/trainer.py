@@ -111,7 +111,7 @@ def fit(config, blocked: list[str], resume: str | None):
     from corelooper.errors import ConfigError, TrainingError
     from corelooper.plugins import load_plugins
 
-    load_plugins(config, blocked=blocked)  # validates every section ([ray] too) before Ray starts
+    config = load_plugins(config, blocked=blocked).config  # every section validated ([ray] too), defaults in
     s = config.section(SECTION)
     if s["num_workers"] < 1:
         raise ConfigError(f"ray.num_workers = {s['num_workers']}: use at least 1 worker.")
