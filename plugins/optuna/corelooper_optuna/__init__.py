@@ -35,6 +35,11 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]]:
     return {SECTION: dict(DEFAULTS)}
 
 
+def corelooper_configure(plugins) -> None:
+    # It acts through `corelooper hpo` (which runs each trial as a Loop), never inside a run.
+    plugins.set_inactive(SECTION, "used by `corelooper hpo CONFIG`, not by `corelooper run`")
+
+
 def corelooper_add_commands(app) -> None:
     from .command import add_hpo_command
 

@@ -43,6 +43,12 @@ def corelooper_config_sections():
 
 
 @hookimpl
+def corelooper_configure(config, plugins):
+    if SECTION not in config.sections:  # `corelooper plugins --config` says so
+        plugins.set_inactive(SECTION, "no [sft] section")
+
+
+@hookimpl
 def on_init_end(loop):
     if SECTION not in loop.config.sections:
         return
