@@ -45,7 +45,9 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir) -
     blamed = plugins.blame(exc)
     if blamed:
         plugin, hook = blamed
-        name = plugin.split(".")[0]  # a per-run object "doctor.run" belongs to the plugin "doctor"
+        info = plugins.info.get(plugin)
+        # a per-run object ("doctor.run") is blocked through the plugin that registered it
+        name = plugin.rsplit(".", 1)[0] if info is not None and info.kind == "run" else plugin
         return PluginError(
             f"Plugin {plugin!r} raised in hook {hook!r} at global_step {global_step}: "
             f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`."
