@@ -75,7 +75,8 @@ class Doctor:
         from .timing import HookTimer, PhaseClock
 
         self.hook_timer = HookTimer()
-        self.hook_timer.install(loop.plugins)
+        if self.cfg["time_hooks"]:
+            self.hook_timer.install(loop.plugins)
         self.clock = PhaseClock(self.hook_timer)
         self.clock.phase = "data"
 

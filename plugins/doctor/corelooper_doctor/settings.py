@@ -20,6 +20,9 @@ DEFAULTS = {
     "hang_step_factor": 20.0,
     # slow steps
     "timing": True,
+    # the share of time inside plugins' event hooks: pluggy's hook-call monitoring around every
+    # hook call (a few µs each, every step), so off unless asked for
+    "time_hooks": False,
     "input_bound_share": 0.3,
 }
 ON_SPIKE = ("log", "skip_batch")

@@ -43,7 +43,8 @@ def test_time_in_plugin_hooks_is_its_own_share(tmp_path, capsys):
         def on_optimizer_step(self):
             time.sleep(0.2)
 
-    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), plugins=[Slow()], max_steps=6)
+    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), {"time_hooks": True}, plugins=[Slow()],
+                     max_steps=6)
     loop.train()
     for window in _seconds(loop, 16)[1:]:  # the first holds the first AdamW step (imports dynamo)
         assert window["hooks"] >= 0.95 * 2 * 0.2  # two steps' sleeps, carved out of the optimizer
@@ -72,6 +73,6 @@ def test_a_plugin_that_raises_is_still_named_with_the_doctor_timing_hooks(tmp_pa
             if state.global_step == 2:
                 raise ValueError("boom")
 
-    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), plugins=[Broken()])
+    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), {"time_hooks": True}, plugins=[Broken()])
     with pytest.raises(PluginError, match="Plugin 'broken' raised in hook 'on_step_end' at global_step 2"):
         loop.train()
