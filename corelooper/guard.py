@@ -31,8 +31,9 @@ class NonFiniteError(TrainingError):
 
 
 class NonFiniteGuard:
-    def __init__(self, policy: str, max_skipped: int, deferred: bool) -> None:
+    def __init__(self, policy: str, max_skipped: int, deferred: bool, on_cpu: bool = False) -> None:
         self.policy = policy
+        self.on_cpu = on_cpu
         self.max_skipped = max_skipped
         self.deferred = deferred and policy == "stop"
         self.skipped_in_row = 0
@@ -47,6 +48,11 @@ class NonFiniteGuard:
         # One scalar is non-finite iff a loss or the norm is. Under fp16 the grad scaler owns
         # overflowing gradients (it skips those steps and lowers the scale): the loss only then.
         fp16 = loop.args.mixed_precision == "fp16"
+        if self.on_cpu and not self.deferred and loop.backend.num_processes == 1:  # reads, no kernel
+            if math.isfinite(float(step_loss)) and (grad_norm is None or fp16 or math.isfinite(float(grad_norm))):
+                self.skipped_in_row = 0
+                return True
+            return self._handle(loop, loop.state.global_step + 1, micro_batches, losses, grad_norm)
         total = step_loss if grad_norm is None or fp16 else step_loss + grad_norm.float()
         if (grad_norm is None or fp16) and loop.backend.num_processes > 1:
             # Only the gradients are the same on every rank: agree on the losses' verdict, so

@@ -1,7 +1,8 @@
 """The logging window: what the loop sums between two logs, and the run's summary.
 
-The window's loss stays on the device (a running sum of detached step losses); it is read,
-with one host sync, only when a log is written or a checkpoint saves the window.
+The window's step losses stay on the device (a list of detached scalars: appending costs no
+kernel launch); they are summed and read, with one host sync, only when a log is written or a
+checkpoint saves the window.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .data import count_tokens_seen
+
 
 class LogWindow:
     """Sums of loss, steps, samples and tokens since the last log."""
@@ -21,12 +24,13 @@ class LogWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
+        self.losses: list[torch.Tensor] = []
+        self.restored_loss = 0.0  # the sum of a checkpointed window's losses (resume)
         self.steps = self.samples = self.tokens = 0
         self.start = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, samples: int, tokens: int) -> None:
-        self.loss += step_loss
+        self.losses.append(step_loss)
         self.steps += 1
         self.samples += samples
         self.tokens += tokens
@@ -34,7 +38,7 @@ class LogWindow:
     def logs(self, backend, grad_norm, learning_rate: float, epoch: float) -> dict[str, Any]:
         """The log of this window (HF's keys), in the order HF writes them."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        loss = backend.reduce_mean(self.loss).item() / max(self.steps, 1)
+        loss = backend.reduce_mean(self.loss_sum()).item() / max(self.steps, 1)
         logs: dict[str, Any] = {"loss": round(loss, 6) if math.isfinite(loss) else loss}
         if grad_norm is not None:
             logs["grad_norm"] = float(grad_norm)
@@ -45,31 +49,46 @@ class LogWindow:
             logs["tokens_per_second"] = round(self.tokens / elapsed, 2)
         return logs
 
+    def loss_sum(self) -> torch.Tensor:
+        """The window's summed loss, on the device (no host sync)."""
+        total = torch.stack(self.losses).sum().float() if self.losses else torch.zeros((), device=self.device)
+        return total + self.restored_loss if self.restored_loss else total
+
     # -- checkpointed (so the first log after a resume averages the same steps) --------------
     def state_dict(self) -> dict[str, Any] | None:
         if not self.steps:
             return None
-        return {"loss": float(self.loss), "steps": self.steps, "samples": self.samples, "tokens": self.tokens}
+        return {"loss": float(self.loss_sum()), "steps": self.steps, "samples": self.samples, "tokens": self.tokens}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.reset()
         if state:
-            self.loss += state["loss"]
+            self.restored_loss = float(state["loss"])
             self.steps, self.samples, self.tokens = state["steps"], state["samples"], state["tokens"]
 
 
 class TokensSeen:
     """HF's ``include_num_input_tokens_seen`` ("all", "non_padding", "no"), counted on the
     fetched (host) batches; summed over processes only when logged or saved, so no step waits
-    for a collective."""
+    for a collective. Data without the model's main input (no ``input_ids``: images, tabular
+    rows) has no tokens to count: the key is then left out of the logs rather than logged as 0."""
 
     def __init__(self, mode: str, pad_token_id: int | None, main_input: str) -> None:
         self.mode, self.pad_token_id, self.main_input = mode, pad_token_id, main_input
         self.pending = 0  # this process's tokens not yet in state.num_input_tokens_seen
+        self.token_data = False  # a batch with the main input was seen
+
+    @property
+    def logged(self) -> bool:
+        """Whether logs carry ``num_input_tokens_seen``."""
+        return self.mode != "no" and self.token_data
 
     def add(self, micro_batches: list) -> None:
-        from .data import count_tokens_seen
-
+        if self.mode == "no":
+            return
+        if not self.token_data:
+            first = micro_batches[0] if micro_batches else None
+            self.token_data = isinstance(first, dict) and self.main_input in first
         self.pending += int(count_tokens_seen(micro_batches, self.mode, None, self.pad_token_id, self.main_input))
 
     def flush(self, backend, state) -> None:

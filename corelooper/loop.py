@@ -89,7 +89,8 @@ class Loop:
         self.log_window = LogWindow(self.backend.device)
         self.tokens_seen = TokensSeen("no", None, "input_ids")  # set up by train()
         self.guard = NonFiniteGuard(self.args.on_nonfinite, self.args.max_skipped_steps,
-                                    deferred=self.backend.device.type != "cpu")
+                                    deferred=self.backend.device.type != "cpu",
+                                    on_cpu=self.backend.device.type == "cpu")
         self.events.fire("on_init_end")
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -291,10 +292,8 @@ class Loop:
 
     def log(self, logs: dict) -> None:
         """Record ``logs`` at the current step (``log_history``) and fire ``on_log``."""
-        if self.args.tokens_seen_mode != "no":  # as HF's log(): in every log, eval ones too
-            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
-        if self.args.tokens_seen_mode != "no":  # (summed over processes where the loop logs)
-            logs.setdefault("num_input_tokens_seen", self.state.num_input_tokens_seen)
+        if self.tokens_seen.logged or (self.args.tokens_seen_mode != "no" and self.state.num_input_tokens_seen):
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen  # (all processes)
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.control.should_log = False

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .columns import model_inputs
+from .data import count_loss_items
 from .errors import DataError
 
 
@@ -87,6 +88,12 @@ def summed_loss(
     )
 
 
+def _whole_step(loop) -> bool:
+    """``num_items_in_batch`` counts this batch's items alone (a one-micro-batch step in one
+    process; evaluation counts per batch): the model's mean needs no weighting (its share is 1)."""
+    return not loop.is_training or (loop.num_micro_batches == 1 and loop.backend.num_processes == 1)
+
+
 def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     sig = loop.forward_signature
     if isinstance(batch, Mapping):
@@ -106,11 +113,9 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
         loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
         if loss is None:
             loss = outputs[0]
-        if not sig.accepts_loss_kwargs and num_items_in_batch is not None:
+        if not sig.accepts_loss_kwargs and num_items_in_batch is not None and not _whole_step(loop):
             # The model can only give the mean over this batch's items: weigh it by their share
             # of the step's, which is sum / num_items_in_batch, exact under GA and across ranks.
-            from .data import count_loss_items
-
             loss = loss * (count_loss_items(batch, loop.loss_type) / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 

@@ -64,7 +64,9 @@ def parameter_groups(
         if not p.requires_grad:
             continue
         match = next(((pat, m, raw) for pat, m, raw in patterns if pat.search(name)), None)
-        decay = name not in skip
+        # With no weight decay the two groups would be the same: one group is one fused kernel
+        # launch per step, not two (same update, element by element).
+        decay = name not in skip and weight_decay != 0
         key = (decay, match[2] if match else None)
         if key not in groups:
             group: dict[str, Any] = {"params": [], "weight_decay": weight_decay if decay else 0.0}

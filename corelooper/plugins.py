@@ -69,6 +69,7 @@ class Plugins:
         self.stateful: dict[str, Any] = {}  # name -> object saved in checkpoints (plugins.json)
         self.hook = self.pm.hook
         self.version = 0  # bumped by every (un)registration: the loop's event cache checks it
+        self._provider_cache: dict[str, tuple[int, Any, list]] = {}
         self.config = None  # the run's validated config, set by load_plugins
         self._configuring = False
 
@@ -174,16 +175,27 @@ class Plugins:
     def call_provider(self, hook_name: str, **kwargs) -> tuple[Any, Any]:
         """Call a provider as pluggy's firstresult does; also return the implementation that
         answered (the loop reads its signature: does it take ``num_items_in_batch``?)."""
-        caller = getattr(self.hook, hook_name)
-        for impl in reversed(caller.get_hookimpls()):  # pluggy's order: tryfirst, last registered
-            if impl.hookwrapper or impl.wrapper:
-                raise PluginError(f"Hook wrappers are not supported on the provider {hook_name!r}.")
+        caller, impls = self._providers(hook_name)
+        for impl in impls:
             # Through pluggy's executor, one implementation at a time, so hook-call monitoring
             # (corelooper.testing's recorder, --profile-plugins) sees each call.
             result = caller._hookexec(caller.name, [impl], kwargs, True)
             if result is not None:
                 return result, impl
         return None, None
+
+    def _providers(self, hook_name: str) -> tuple[Any, list]:
+        """The caller and implementations of a provider in the order asked (cached until the next
+        (un)registration: some providers are called per micro-batch)."""
+        cached = self._provider_cache.get(hook_name)
+        if cached is not None and cached[0] == self.version:
+            return cached[1], cached[2]
+        caller = getattr(self.hook, hook_name)
+        impls = list(reversed(caller.get_hookimpls()))  # pluggy's order: tryfirst, last registered
+        if any(i.hookwrapper or i.wrapper for i in impls):
+            raise PluginError(f"Hook wrappers are not supported on the provider {hook_name!r}.")
+        self._provider_cache[hook_name] = (self.version, caller, impls)
+        return caller, impls
 
     def declared_sections(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}

@@ -15,7 +15,9 @@ are used for a signal after training returned (final evaluation, teardown).
 
 Handlers are installed only in the main thread (Python allows no other) and the previous ones
 are restored when ``train()`` returns. With several processes, ranks agree on the step to stop
-at with one all-reduce of a flag per optimizer step (only when ``world_size > 1``).
+at with one all-reduce of a flag per optimizer step (only when ``world_size > 1``): on the CPU
+read at once; on GPUs read two steps later from a non-blocking copy, so no step waits for the
+device (the stop then comes two steps after the signal).
 
 ``CORELOOPER_STOP_SIGNALS`` (e.g. ``SIGUSR1``, comma-separated) adds signals that stop the same
 way: schedulers warn a job before its time limit or a preemption with one (Slurm's
@@ -48,12 +50,17 @@ def stop_signals() -> tuple[int, ...]:
     return tuple(dict.fromkeys((*SIGNALS, *extra)))
 
 
+ACCELERATOR_LAG = 2  # steps between a flag's reduction and its read, with several processes on GPUs
+
+
 class Preemption:
     """Notes a stop signal; ``requested()`` tells the loop when to stop (all ranks agree)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lag: int = 0) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self.lag = lag  # 0 on the CPU (read at once), ACCELERATOR_LAG on an accelerator
+        self._pending: list = []
 
     def install(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
@@ -91,14 +98,46 @@ class Preemption:
             pass
 
     def requested(self, backend) -> bool:
-        """Whether to stop after this step. Cheap in one process (no device sync)."""
+        """Whether to stop after this step; every rank answers the same at the same step.
+
+        One process: the flag itself. Several on the CPU (gloo): one all-reduce of the flag per
+        step, a host operation. On an accelerator reading a reduced flag at once would stall the
+        host every step, so each step's flag is reduced asynchronously and copied to pinned host
+        memory, and the decision at step k reads the flag of step k - ``lag``: already there,
+        so the read costs no wait, and all ranks read the same flag (the stop comes ``lag``
+        steps after the signal)."""
         local = self.signum is not None
         if backend.num_processes == 1:
             return local
         import torch
 
         flag = torch.tensor(1.0 if local else 0.0, device=backend.device)
-        return bool(backend.reduce_sum(flag).item() > 0)
+        import torch.distributed as dist
+
+        if backend.device.type == "cpu" and not self.lag:
+            dist.all_reduce(flag)
+            return bool(flag > 0)
+        return self._lagged(flag, torch, dist)
+
+    def _lagged(self, flag, torch, dist) -> bool:
+        work = dist.all_reduce(flag, async_op=True)
+        host = torch.empty((), pin_memory=flag.is_cuda)
+        if flag.is_cuda:
+            work.wait()  # the stream waits, not the host
+            host.copy_(flag, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            work.wait()
+            host.copy_(flag)
+            done = None
+        self._pending.append((host, done))
+        if len(self._pending) <= max(self.lag, 1):
+            return False
+        host, done = self._pending.pop(0)
+        if done is not None:
+            done.synchronize()  # recorded `lag` steps ago: long finished
+        return bool(host > 0)
 
     @property
     def exit_code(self) -> int:
@@ -114,9 +153,10 @@ class PreemptionPlugin:
     def __init__(self) -> None:
         self.preemption: Preemption | None = None
 
-    def on_train_begin(self) -> None:
+    def on_train_begin(self, loop) -> None:
         if self.preemption is None:
-            self.preemption = Preemption().install()
+            lag = 0 if loop.backend.device.type == "cpu" else ACCELERATOR_LAG
+            self.preemption = Preemption(lag).install()
 
     def on_step_end(self, loop, state, control) -> None:
         if self.preemption is not None and self.preemption.requested(loop.backend):

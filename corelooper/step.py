@@ -25,7 +25,7 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
         forward_backward(loop, batch, num_items, len(micro_batches), last=i == len(micro_batches) - 1)
         for i, batch in enumerate(micro_batches)
     ]
-    step_loss = torch.stack(losses).sum()
+    step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     grad_norm = clip_gradients(loop)
     logged_norm = grad_norm if loop.args.max_grad_norm > 0 else None  # HF logs it when clipping
     if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
@@ -66,10 +66,13 @@ def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor:
     """Loss-bearing items of the whole optimizer step, over micro-batches and processes."""
     if loop.loss_type == "auto":
         loop.loss_type = resolve_loss_type(micro_batches[0])
-    total = sum(count_loss_items(b, loop.loss_type) for b in micro_batches)
+    counts = [count_loss_items(b, loop.loss_type) for b in micro_batches]
+    total = counts[0] if len(counts) == 1 else sum(counts[1:], counts[0])
     if not torch.is_tensor(total):
         total = torch.tensor(total)
     total = loop.backend.reduce_sum(total.to(loop.backend.device))
+    if total.device.type == "cpu" and total.numel() == 1 and int(total) >= 1:
+        return total  # on the CPU reading it is free: no clamp kernel when it is not needed
     return total.clamp(min=1)  # a step with no loss tokens has loss 0, not NaN
 
 
