@@ -129,9 +129,10 @@ def test_fsdp_optimizer_only_sharded_state_resumes_on_one_process(tmp_path, refe
     assert step_diff <= 1e-5 and weight_diff <= 1e-5
 
 
-def test_fsdp_resume_on_a_world_size_that_does_not_divide_the_global_batch_is_refused(tmp_path):
-    """Saved on 1 process with a global batch of 3: 2 processes cannot split it. The run stops
-    before anything is loaded or written, with one paragraph naming what would work."""
+def test_fsdp_refused_resumes_name_what_would_work(tmp_path):
+    """Saved on 1 process with a global batch of 3: 2 processes cannot split it, and the builtin
+    backend cannot read FSDP state. Each run stops before anything in output_dir changes, with
+    one paragraph naming what would work."""
     cfg = _config(tmp_path, "odd", per_device_train_batch_size=3, max_steps=2, save_steps=1)
     saved = _run(tmp_path, cfg, 1, stop=1)
     assert saved.returncode == 143 and (tmp_path / "odd" / "checkpoint-1").is_dir(), saved.stderr[-3000:]
@@ -144,4 +145,16 @@ def test_fsdp_resume_on_a_world_size_that_does_not_divide_the_global_batch_is_re
                "of processes that divides it (1, 3), or start a new run (another train.output_dir) with "
                "the batch size you want.")
     assert message in refused.stderr and refused.stderr.count("Cannot resume") == 1
+    assert sorted(p.name for p in (tmp_path / "odd").iterdir()) == before
+
+    # The same checkpoint on 1 process without [fsdp] (the builtin backend, which looks for an
+    # optimizer.pt): refused, naming the section to keep.
+    plain = write_config(tmp_path, tmp_path / "odd", name="plain.toml", per_device_train_batch_size=3,
+                         max_steps=2, save_steps=1)
+    plain.write_text(plain.read_text() + MODEL)
+    dropped = _run(tmp_path, plain, 1, resume=True)
+    assert dropped.returncode == 5, dropped.stderr[-3000:]  # a CheckpointError
+    assert ("optimizer.pt' is missing (optimizer state). The checkpoint was saved by a run with [fsdp], "
+            "which this config does not have") in dropped.stderr
+    assert "Resume with [fsdp] in the config" in dropped.stderr
     assert sorted(p.name for p in (tmp_path / "odd").iterdir()) == before
