@@ -363,7 +363,7 @@ def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, co
     same_world = saved.get("world_size", 1) == state.world_size
     rng = _read(rng_path, "RNG state") if rng_path.exists() or same_world else None
     load_weights(directory, model=model, backend=backend)
-    _load_optimizer(directory, backend, optimizer)
+    _load_optimizer(directory, backend, optimizer, config)
     scheduler.load_state_dict(scheduler_state)
     resume_settings.apply(config, saved_train=resume_settings.saved_train(directory), optimizer=optimizer,
                           scheduler=scheduler)
@@ -383,14 +383,14 @@ def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, co
                     changes=changes)
 
 
-def _load_optimizer(directory: Path, backend, optimizer) -> None:
+def _load_optimizer(directory: Path, backend, optimizer, config=None) -> None:
     try:
         backend.load_training_state(optimizer, directory)
     except FileNotFoundError as e:
         missing = e.filename or directory
         raise CheckpointError(
-            f"Checkpoint file {str(missing)!r} is missing (optimizer state). Resume from another "
-            "checkpoint."
+            f"Checkpoint file {str(missing)!r} is missing (optimizer state). "
+            f"{_sections_dropped(directory, config) or 'Resume from another checkpoint.'}"
         ) from None
     except CheckpointError:
         raise
@@ -400,6 +400,25 @@ def _load_optimizer(directory: Path, backend, optimizer) -> None:
             f"Checkpoint file {str(where)!r} (optimizer state) is unreadable (truncated, or from "
             f"another optimizer?): {type(e).__name__}: {e}"
         ) from None
+
+
+def _sections_dropped(directory: Path, config) -> str:
+    """Why an optimizer file can be missing from a sound checkpoint: it was saved by a backend a
+    plugin section chose (``[fsdp]``, ``[deepspeed]``: their own state format), and this run's
+    config no longer has that section ("" when nothing was dropped)."""
+    if config is None:
+        return ""
+    try:
+        saved = resume_settings.saved_sections(directory)
+    except CheckpointError:
+        return ""
+    dropped = sorted(saved - set(config.sections) - set(config.CORE))
+    if not dropped:
+        return ""
+    names = ", ".join(f"[{name}]" for name in dropped)
+    return (f"The checkpoint was saved by a run with {names}, which this config does not have: its "
+            f"optimizer state is in the format of the backend chosen there. Resume with {names} in "
+            "the config, or start a new run from its model.safetensors.")
 
 
 def apply_plugin_states(named_objects: Iterable[tuple[str, Any]], states: dict[str, Any],

@@ -19,7 +19,8 @@ world size:
 Gradients are the same because the loss is normalised by the global number of loss items
 (``num_items_in_batch`` summed over micro-batches and ranks), whatever the split. Model and
 optimizer state are whole on rank 0 for DDP (``optimizer.pt``), so any M loads them; sharded
-backends (FSDP, ZeRO) must re-shard on load (``Backend.load_training_state``).
+backends re-shard on load (``Backend.load_training_state``): corelooper-fsdp through
+``torch.distributed.checkpoint`` (tested 2 -> 1 -> 2 processes), ZeRO as far as its plugin does.
 """
 
 from __future__ import annotations

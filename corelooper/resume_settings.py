@@ -52,6 +52,12 @@ def saved_train(directory: Path) -> dict[str, Any]:
     return _toml(path).get("train", {}) if path.is_file() else {}
 
 
+def saved_sections(directory: Path) -> set[str]:
+    """The top-level sections of the checkpoint's ``config.toml`` (empty when it has none)."""
+    path = Path(directory) / "config.toml"
+    return set(_toml(path)) if path.is_file() else set()
+
+
 def check_same_model(config, directory: Path) -> None:
     """An output_dir of another run: its [model] section differs from this config's."""
     path = Path(directory) / "config.toml"

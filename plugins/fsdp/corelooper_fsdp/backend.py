@@ -204,7 +204,10 @@ class FSDPBackend(TorchDistributedCollectives):
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(Path(directory) / SHARDED_DIR))
 
     def load_training_state(self, optimizer, directory) -> None:
-        """The sharded state back, with nothing unpickled but DCP's metadata classes (safe_dcp)."""
+        """The sharded state back, with nothing unpickled but DCP's metadata classes (safe_dcp).
+
+        DCP reads by name and global offsets, not by file: a checkpoint saved on N processes
+        loads onto this run's mesh of any size (re-sharded; a 1-process run is a mesh of one)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
