@@ -136,6 +136,7 @@ def test_a_hugging_face_iterable_dataset_continues_from_its_own_state():
 
 
 def test_a_hugging_face_stream_that_reads_only_a_part_is_refused():
+    pytest.importorskip("datasets")
     from datasets.distributed import split_dataset_by_node
 
     from corelooper.errors import DataError
@@ -179,6 +180,12 @@ def test_a_stream_split_by_shards_refuses_another_world_size_naming_what_works(t
                                           r'into shards \(train.stream_split = "shards"\).*Resume on 2 processes'
                                           r'.*ignore_data_skip = true.*stream_split = "global"'):
         Loop(Recorder(), _args(tmp_path), train_dataset=StatefulStream(64)).train(resume_from_checkpoint=str(ckpt))
+    # what the message names works: ignore_data_skip restarts the stream (with a warning)
+    model = Recorder()
+    with pytest.warns(UserWarning, match="not with the batches an uninterrupted run would have seen"):
+        Loop(model, _args(tmp_path, ignore_data_skip=True), train_dataset=StatefulStream(64)).train(
+            resume_from_checkpoint=str(ckpt))
+    assert model.seen == [[0, 1], [2, 3], [4, 5]]  # steps 4-6, from the stream's beginning
 
 
 def test_switching_the_split_on_resume_is_refused(tmp_path, monkeypatch):
