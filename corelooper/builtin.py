@@ -46,7 +46,7 @@ def train_dataloader(loop, dataset):
 
     a = loop.args
     if _is_iterable(dataset):
-        return _streaming_loader(loop, dataset, a.per_device_train_batch_size, cycle=True)
+        return _streaming_loader(loop, dataset, a.per_device_train_batch_size, cycle=True, split=a.stream_split)
     return BatchLoader(
         dataset,
         a.per_device_train_batch_size,
@@ -68,14 +68,14 @@ def _is_iterable(dataset) -> bool:
     return isinstance(dataset, IterableDataset)
 
 
-def _streaming_loader(loop, dataset, batch_size: int, cycle: bool):
+def _streaming_loader(loop, dataset, batch_size: int, cycle: bool, split: str = "shards"):
     from .streaming import StreamingLoader
 
     a = loop.args
     return StreamingLoader(
         dataset, batch_size, loop.data_collator, rank=loop.backend.process_index,
         num_replicas=loop.backend.num_processes, num_workers=a.dataloader_num_workers,
-        drop_last=a.dataloader_drop_last, cycle=cycle,
+        drop_last=a.dataloader_drop_last, cycle=cycle, split=split,
         pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
     )
 

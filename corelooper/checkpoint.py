@@ -36,7 +36,7 @@ promoted. Contents of ``checkpoint-N/``::
     process_state_{rank}.json          the loop's extra per-process state (log window)
     loop_state.json                    LoopState; best_model_checkpoint stored as a folder name
     plugins.json                       the registered plugin states
-    data_state_{rank}.json             a streaming loader's position per shard
+    data_state_{rank}.json             a streaming loader's position (per shard, or one global one)
     config.toml                        the resolved config (text, never a pickled object)
     manifest.json                      file -> size, checksum; written last
 

@@ -16,6 +16,13 @@ world size:
    as samples consumed in the epoch, then as micro-batches of the new geometry: no sample is
    repeated and none skipped.
 
+Streams (``IterableDataset``) resume the same way with ``train.stream_split = "global"``: every
+rank reads one global order and takes its slice of each global micro-batch, and the checkpointed
+position is the samples of the stream's epoch consumed (``streaming.StreamingLoader``), which any
+world size and number of dataloader workers continues. A stream split by shards (the default)
+keeps a position per process x worker and cannot be re-split: resuming it on another world size
+is refused, naming what works.
+
 Gradients are the same because the loss is normalised by the global number of loss items
 (``num_items_in_batch`` summed over micro-batches and ranks), whatever the split. Model and
 optimizer state are whole on rank 0 for DDP (``optimizer.pt``), so any M loads them; sharded
@@ -99,9 +106,11 @@ def prepare_resume(loop, directory) -> None:
     saved, now = saved_geometry(state), current_geometry(loop)
     if saved is None or saved.world_size == now.world_size or loop.train_dataset is None:
         return
-    if _is_iterable(loop.train_dataset):
-        return  # a stream: its per-shard positions decide (streaming.load_data_state)
-    _check_order_independent_of_geometry(loop, saved, str(directory))
+    stream = _is_iterable(loop.train_dataset)
+    if stream and not _can_resplit_stream(loop, saved, str(directory)):
+        return  # ignore_data_skip: the stream restarts, the configured geometry is used
+    if not stream:
+        _check_order_independent_of_geometry(loop, saved, str(directory))
     new = now if now.global_batch == saved.global_batch else plan(saved, now.world_size, now.per_device)
     # The config is read-only: the run continues with a copy that has the new geometry.
     loop.config = loop.config.replace("train", per_device_train_batch_size=new.per_device,
@@ -110,7 +119,8 @@ def prepare_resume(loop, directory) -> None:
     if loop.state.is_world_process_zero:
         print(f"corelooper: resuming {directory}, saved with {saved.describe()}, on "
               f"{new.world_size} processes: {new.describe()} (global batch kept)", flush=True)
-        _warn_if_epoch_end_differs(len(loop.train_dataset), saved)
+        if not stream:  # a stream's length is unknown (docs/clusters.md says what differs)
+            _warn_if_epoch_end_differs(len(loop.train_dataset), saved)
 
 
 def _warn_if_epoch_end_differs(n: int, saved: Geometry) -> None:
@@ -139,9 +149,12 @@ def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[st
     if saved is None or saved == now:
         return state
     loader = getattr(loop, "train_loader", None)
-    if saved.global_batch != now.global_batch or callable(getattr(loader, "load_state_dict", None)):
-        _warn_not_exact(saved, now)  # streams: streaming.load_data_state refuses or warns itself
+    own_position = callable(getattr(loader, "load_state_dict", None))  # a stream's loader
+    if saved.global_batch != now.global_batch or (own_position and getattr(loader, "split", None) != "global"):
+        _warn_not_exact(saved, now)  # a stream split by shards: refused in prepare_resume, or restarted
         return state
+    if own_position:
+        return state  # a global stream position: streaming.load_data_state continues it
     position = state.get("micro_batches_in_epoch", 0) * saved.micro_batch  # samples consumed
     if position % now.micro_batch:
         raise ConfigError(
@@ -183,6 +196,26 @@ def _check_order_independent_of_geometry(loop, saved: Geometry, where: str) -> N
             f"when saved). Resume on {saved.world_size} processes, or set train.group_by_length = "
             "false for a new run."
         )
+
+
+def _can_resplit_stream(loop, saved: Geometry, where: str) -> bool:
+    """A stream split by shards keeps one position per process x worker: another world size
+    cannot continue it. True when the stream's global position continues on this world size."""
+    if loop.plugins.implemented_by_others("train_dataloader"):
+        return False  # a plugin's loader: its load_state_dict decides (adapt warns)
+    if getattr(loop.args, "stream_split", "shards") == "global":
+        return True
+    if loop.args.ignore_data_skip:
+        return False
+    raise ConfigError(
+        f"Cannot resume {where} on {loop.state.world_size} processes: it was saved on "
+        f"{saved.world_size}, and its training stream is split into shards (train.stream_split = "
+        '"shards"), one per process x dataloader worker, each with its own position; a stream '
+        f"cannot be re-split. Resume on {saved.world_size} processes with the same "
+        "train.dataloader_num_workers, or set train.ignore_data_skip = true to restart the stream "
+        "from its beginning (samples seen again). Runs started with train.stream_split = "
+        '"global" (every process reads one global order) resume on any number of processes.'
+    )
 
 
 def _warn_not_exact(saved: Geometry, now: Geometry) -> None:
