@@ -54,8 +54,10 @@ def saved_partitioning(state_dir: Path) -> tuple[int, int]:
     if not files:
         return 0, 0
     zero = load(files[0], map_location="cpu", mmap=True)["optimizer_state_dict"]
-    count = zero["partition_count"]
-    return int(zero["zero_stage"]), len(files) if count is None else int(max(count) if isinstance(count, list) else count)
+    count = zero.get("partition_count")  # ZeRO 1/2: one per parameter group
+    if count is None:
+        return int(zero["zero_stage"]), len(files)
+    return int(zero["zero_stage"]), int(max(count) if isinstance(count, list) else count)
 
 
 def _zero_state(shard: dict) -> tuple[dict, list[torch.Tensor]]:
