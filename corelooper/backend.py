@@ -50,7 +50,10 @@ class Backend(Protocol):
         """Full (unsharded) tensors into the model on every rank; ``strict=False``: a subset
         (an adapter's weights)."""
     def save_training_state(self, optimizer, directory) -> None: ...
-    def load_training_state(self, optimizer, directory) -> None: ...
+    def load_training_state(self, optimizer, directory) -> None:
+        """Optimizer (and engine) state from ``directory``, which may have been saved on another
+        world size (``loop_state.json``'s ``world_size``): a backend that shards that state
+        re-cuts it for this one, or raises ``CheckpointError`` saying so; never changes it."""
     def end(self) -> None: ...
 
 

@@ -19,6 +19,7 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
     """One optimizer step over ``micro_batches``; returns (step loss, grad norm), both on the
     device: the loss is the mean over the step's items, the same as one big batch."""
     backend, optimizer = loop.backend, loop.optimizer
+    loop.num_micro_batches = len(micro_batches)  # a caller may have split the step's batches
     micro_batches = [backend.to_device(b) for b in micro_batches]
     num_items = num_items_in_batch(loop, micro_batches)
     losses = [

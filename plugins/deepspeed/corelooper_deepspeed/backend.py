@@ -60,7 +60,7 @@ class DeepSpeedBackend(TorchDistributedCollectives):
 
     # DeepSpeed fixes train_batch_size (micro x accumulation x world) at initialize().
 
-    def __init__(self, args, section: dict, base: Path | None = None):
+    def __init__(self, args, section: dict, base: Path | None = None, current_args=None):
         on_cuda = torch.cuda.is_available() and not args.use_cpu
         if args.mixed_precision == "fp16" and not on_cuda:
             raise ConfigError('train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".')
@@ -74,6 +74,10 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         self._set_rank_attributes(on_cuda)
         self.mixed_precision = args.mixed_precision
         self.config = ds_config.build(args, section, self.num_processes, on_cuda, base)
+        # The loop's [train] when prepare() runs: an elastic resume may have changed the
+        # geometry since (corelooper.elastic.prepare_resume: another gradient_accumulation_steps).
+        self._current_args = current_args or (lambda: args)
+        self._rebuild = lambda a: ds_config.build(a, section, self.num_processes, on_cuda, base)
         self.zero_stage = self.config["zero_optimization"]["stage"]
         self.shards_parameters = self.zero_stage == 3
         self.engine = None
@@ -93,13 +97,14 @@ class DeepSpeedBackend(TorchDistributedCollectives):
                 "set torch_compile = false (or use the builtin or FSDP backend)."
             )
         base = loop.config.source.parent if loop.config.source else None
-        return cls(loop.args, loop.config.section("deepspeed"), base)
+        return cls(loop.args, loop.config.section("deepspeed"), base, current_args=lambda: loop.args)
 
     # -- model ---------------------------------------------------------------------------
     def prepare(self, model, optimizer):
         import deepspeed
 
         model.to(self.device)
+        self.config = self._rebuild(self._current_args())  # train_batch_size, accumulation of now
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                dist_init_required=False)
         self.engine = engine
@@ -187,6 +192,8 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         return {n: tuple(p.ds_shape) for n, p in self.unwrap_model(model).named_parameters() if hasattr(p, "ds_shape")}
 
     def load_training_state(self, optimizer, directory) -> None:
+        """DeepSpeed's own load when the checkpoint was saved with this world size and stage;
+        otherwise (elastic resume) its partitions are merged and cut for this run (reshard.py)."""
         path = Path(directory) / STATE_DIR
         if not (path / TAG).is_dir():
             raise CheckpointError(
@@ -194,18 +201,34 @@ class DeepSpeedBackend(TorchDistributedCollectives):
                 "saved by another backend. Resume it without [deepspeed], or start a new run from "
                 "its model.safetensors."
             )
+        from . import reshard
         from .safe_load import SafeCheckpointEngine, check_state_files
 
         check_state_files(path / TAG)
-
+        stage, world = reshard.saved_partitioning(path / TAG)
+        if stage != 0 and (stage, world) != (self.zero_stage, self.num_processes):
+            self._check_reshardable(stage, directory)
+            work = Path(self._current_args().output_dir) / f".tmp-elastic-{Path(directory).name}"
+            reshard.reshard(self.engine, path / TAG, work, self.is_main_process)
+            return
         # DeepSpeed's own engine torch.load(weights_only=False)s every file: nothing is unpickled here
         self.engine.checkpoint_engine = SafeCheckpointEngine()
         loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
                                                 load_lr_scheduler_states=False)
         if loaded is None:
             raise CheckpointError(
-                f"DeepSpeed could not load {str(path / TAG)!r} (saved with another world size or "
-                "ZeRO stage?). Resume with the same number of processes and zero_stage."
+                f"DeepSpeed found no checkpoint to load in {str(path / TAG)!r} (an incomplete copy?). "
+                "Resume from another checkpoint."
+            )
+
+    def _check_reshardable(self, saved_stage: int, directory) -> None:
+        offload = self.config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+        if self.zero_stage == 0 or offload == "nvme":
+            raise CheckpointError(
+                f"Checkpoint {str(directory)!r} holds ZeRO-{saved_stage} optimizer partitions of "
+                f"another world size; this run (ZeRO-{self.zero_stage}, optimizer offload "
+                f"{offload!r}) cannot re-cut them. Resume with deepspeed.zero_stage 1, 2 or 3 and "
+                "no NVMe offload, or on the world size it was saved with."
             )
 
     def end(self) -> None:

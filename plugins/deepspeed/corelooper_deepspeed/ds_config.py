@@ -105,7 +105,9 @@ def _apply_file(config: dict, ours: dict, data: dict, ref: str) -> dict:
                    "gradient_clipping") and float(given) != float(value):
             raise ConfigError(
                 f"deepspeed.config = {ref!r} sets {key} = {given!r}, but corelooper's [train] "
-                f"gives {value!r}. Set it in [train] (per_device_train_batch_size, "
-                "gradient_accumulation_steps, max_grad_norm) or write \"auto\" in the JSON file."
+                f"gives {value!r}. Write \"auto\" in the JSON file (filled from [train], also when a "
+                "resume on another number of processes changes the accumulation to keep the global "
+                "batch), or set it in [train] (per_device_train_batch_size, "
+                "gradient_accumulation_steps, max_grad_norm)."
             )
     return _merge(config, {k: v for k, v in data.items() if k not in ("bf16", "fp16")})

@@ -33,19 +33,25 @@ def allowed_globals() -> list:
     return allowed
 
 
+def load(path, map_location=None, mmap: bool = False):
+    """``torch.load(weights_only=True)`` with ``ALLOWED``'s types; anything else is refused with
+    the file named (``mmap``: tensor data is read when used, not up front)."""
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0][:200]
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} holds an object that weights_only loading refuses "
+            f"({first}): refused without running it. Resume from another checkpoint."
+        ) from None
+
+
 class SafeCheckpointEngine(TorchCheckpointEngine):
     """TorchCheckpointEngine whose ``load`` never unpickles an arbitrary object."""
 
     def load(self, path: str, map_location=None):
-        try:
-            with torch.serialization.safe_globals(allowed_globals()):
-                return torch.load(path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as e:
-            first = str(e).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0][:200]
-            raise CheckpointError(
-                f"Checkpoint file {str(path)!r} holds an object that weights_only loading refuses "
-                f"({first}): refused without running it. Resume from another checkpoint."
-            ) from None
+        return load(path, map_location=map_location)
 
 
 def check_state_files(state_dir) -> None:
@@ -54,12 +60,8 @@ def check_state_files(state_dir) -> None:
     stops all ranks alike, before a collective one of them would never reach."""
     from pathlib import Path
 
-    engine = SafeCheckpointEngine()
     for path in sorted(Path(state_dir).rglob("*.pt")):
         try:
-            with torch.serialization.safe_globals(allowed_globals()):
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError:
-            engine.load(str(path))  # raises the CheckpointError naming the file
+            load(path, map_location="cpu", mmap=True)  # a refused file raises, naming it
         except RuntimeError as e:
             raise CheckpointError(f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}") from None
