@@ -46,7 +46,7 @@ def make(root: Path, samples: int, max_steps: int):
 
 
 def checkpoints(root: Path, samples: int) -> dict[str, tuple[Path, int]]:
-    from corelooper import checkpoint
+    from corelooper import loop_checkpoints as checkpoint  # save(loop): what the loop writes
 
     steps_per_epoch = -(-samples // BATCH)
     base = make(root, samples, 1)
@@ -57,7 +57,7 @@ def checkpoints(root: Path, samples: int) -> dict[str, tuple[Path, int]]:
         base.state.global_step = base.state.step_in_epoch = step
         base.state.micro_batches_in_epoch = step
         base.state.epoch = step / steps_per_epoch
-        ckpt = checkpoint.save_checkpoint(base)
+        ckpt = checkpoint.save(base)
         keep = root / f"ckpt-{name}"
         shutil.rmtree(keep, ignore_errors=True)
         shutil.move(str(ckpt), keep)  # out of output_dir: a resumed run may rotate its folder

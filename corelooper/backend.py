@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from .weights import torch_save
+
 
 class Backend(Protocol):
     """What the loop asks of a backend. Attributes: ``device``, ``process_index``,
@@ -222,10 +224,10 @@ class AccelerateBackend(TorchDistributedCollectives):
 
     def save_training_state(self, optimizer, directory) -> None:
         if self.is_main_process:
-            torch.save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
+            torch_save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and self.is_main_process:
-            torch.save(scaler.state_dict(), os.path.join(directory, "scaler.pt"))
+            torch_save(scaler.state_dict(), os.path.join(directory, "scaler.pt"))
 
     def load_training_state(self, optimizer, directory) -> None:
         state = torch.load(os.path.join(directory, "optimizer.pt"), map_location="cpu", weights_only=True)

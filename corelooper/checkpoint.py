@@ -31,7 +31,8 @@ promoted. Contents of ``checkpoint-N/``::
 
     model.safetensors                  weights (or model-0000k-of-0000n.safetensors + index;
                                        HF PreTrainedModels via save_pretrained, + config.json)
-    optimizer.pt  scheduler.pt  [scaler.pt]    torch.save'd state dicts, loaded weights_only
+    optimizer.pt  scheduler.pt  [scaler.pt]    torch.save'd state dicts (no zip CRC32: the manifest has
+                                               their checksums), loaded weights_only
     rng_state_{rank}.pth               python / numpy / torch CPU / CUDA RNG states, per process
     process_state_{rank}.json          the loop's extra per-process state (log window)
     loop_state.json                    LoopState; best_model_checkpoint stored as a folder name
@@ -81,6 +82,7 @@ from .weights import (
     parse_size,
     read_weights,
     save_weights,
+    torch_save,
     weight_shapes,
 )
 
@@ -176,8 +178,7 @@ def save_checkpoint(output_dir: Path, *, model, backend, optimizer, scheduler, c
                      extra=extra_process_state or {}, data_state=data_state)
         backend.wait_for_everyone()
         if backend.is_main_process:
-            _fsync_tree(tmp)
-            manifest.write_manifest(tmp)
+            manifest.write_manifest(tmp, while_hashing=_fsync_tree)  # fsync and hash overlap
             _fsync_dir(tmp)
             _put_in_place(tmp, final)
             rotate_checkpoints(output_dir, config.train.save_total_limit, keep=final,
@@ -197,10 +198,10 @@ def _write_files(tmp: Path, state_dict, *, model, backend, optimizer, scheduler,
     rank = backend.process_index
     if backend.is_main_process:
         save_weights(state_dict, tmp, config.train.save_max_shard_size, backend.unwrap_model(model))
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
         config.write(tmp / "config.toml")
     backend.save_training_state(optimizer, tmp)
-    torch.save(rng_state(), tmp / f"rng_state_{rank}.pth")
+    torch_save(rng_state(), tmp / f"rng_state_{rank}.pth")
     (tmp / f"process_state_{rank}.json").write_text(json.dumps(extra))
     if data_state is not None:
         (tmp / f"data_state_{rank}.json").write_text(json.dumps(data_state))

@@ -57,15 +57,30 @@ def checksum(path: Path, algorithm: str) -> str:
     return h.hexdigest()
 
 
+def _hash_files(directory: Path, algorithm: str) -> dict[str, dict[str, Any]]:
+    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "checksum": checksum(p, algorithm)}
+            for p in _files(directory)}
+
+
 def _files(directory: Path) -> list[Path]:
     return [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST]
 
 
-def write_manifest(directory: Path) -> dict[str, Any]:
-    """Hash every file of ``directory`` and write ``manifest.json`` (fsynced) last."""
+def write_manifest(directory: Path, while_hashing=None) -> dict[str, Any]:
+    """Hash every file of ``directory`` and write ``manifest.json`` (fsynced) last.
+
+    ``while_hashing``: a function run in a second thread meanwhile (the checkpoint's fsync of
+    the same files: the disk works while the CPU hashes them from the page cache)."""
     algorithm = default_algorithm()
-    files = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "checksum": checksum(p, algorithm)}
-             for p in _files(directory)}
+    if while_hashing is None:
+        files = _hash_files(directory, algorithm)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(while_hashing, directory)
+            files = _hash_files(directory, algorithm)
+            done.result()
     manifest = {"format": FORMAT, "algorithm": algorithm, "finite": True, "files": files}
     with open(directory / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)

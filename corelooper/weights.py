@@ -35,6 +35,20 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
+def torch_save(obj, path) -> None:
+    """``torch.save`` without the zip records' CRC32: computing it costs more than writing the
+    bytes (0.7 s vs 2-3 s for 512 MiB here), and every checkpoint file already has a checksum in
+    ``manifest.json``. ``torch.load`` reads such files as usual."""
+    from torch import serialization
+
+    previous = serialization.get_crc32_options()
+    serialization.set_crc32_options(False)
+    try:
+        torch.save(obj, path)
+    finally:
+        serialization.set_crc32_options(previous)
+
+
 def all_finite(state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
     """A 0-d bool tensor: every floating value finite. One fused ``_foreach_norm(inf)`` per
     device and dtype (the largest magnitude: inf stays inf, NaN propagates, nothing overflows),
