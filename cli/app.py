@@ -267,8 +267,12 @@ def predict(
     set_: SetOpt = None,
     p: PluginOpt = None,
     traceback_: TracebackOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Predict on data.test (else data.eval) with a checkpoint's weights; write the outputs in dataset order."""
+    from corelooper.console import quiet_third_party
+
+    quiet_third_party(verbose)
     try:
         blocked, local = split_plugin_options(p)
         from corelooper.predict import predict as run_predict
@@ -291,8 +295,12 @@ def eval_(
     set_: SetOpt = None,
     p: PluginOpt = None,
     traceback_: TracebackOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Evaluate a checkpoint's weights on data.eval; print the metrics as JSON."""
+    from corelooper.console import quiet_third_party
+
+    quiet_third_party(verbose)
     try:
         blocked, local = split_plugin_options(p)
         from corelooper.predict import evaluate

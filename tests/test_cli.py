@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 from corelooper import hookspecs
@@ -60,6 +61,12 @@ def test_run_help(cli):
     assert r.returncode == 0
     for option in ("--set", "-p", "--resume-from-checkpoint", "--traceback", "CONFIG"):
         assert option in r.stdout
+
+
+@pytest.mark.parametrize("command", ["run", "eval", "predict"])
+def test_every_command_that_loads_a_model_has_verbose(cli, command):
+    r = cli(command, "--help")
+    assert r.returncode == 0 and "--verbose" in r.stdout, r.stdout
 
 
 def test_version_from_the_installed_console_script():
