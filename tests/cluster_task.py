@@ -28,6 +28,21 @@ TRAIN = {
 }
 
 
+# A local plugin that stops the run as a scheduler's preemption would: a real SIGTERM at
+# STOP_AT_STEP (the elastic-resume tests write it next to their config).
+STOP_PLUGIN = """
+import os
+import signal
+
+STOP = int(os.environ.get("STOP_AT_STEP", "0"))
+
+
+def on_step_end(state):
+    if state.global_step == STOP:  # as a scheduler's preemption would: a real SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -14,24 +14,12 @@ import sys
 
 import pytest
 import torch
-from cluster_task import REPO, env, max_diff, write_config
+from cluster_task import REPO, STOP_PLUGIN, env, max_diff, write_config
 from safetensors.torch import load_file
 
 from corelooper.data import BatchLoader
 from corelooper.elastic import Geometry, plan
 from corelooper.errors import ConfigError
-
-STOP_PLUGIN = """
-import os
-import signal
-
-STOP = int(os.environ.get("STOP_AT_STEP", "0"))
-
-
-def on_step_end(state):
-    if state.global_step == STOP:  # as a scheduler's preemption would: a real SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)
-"""
 
 
 def _run(tmp_path, config, nproc: int, stop: int = 0, resume: bool = False):

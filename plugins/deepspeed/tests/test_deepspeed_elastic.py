@@ -22,19 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
-from cluster_task import env, max_diff, write_config  # noqa: E402
+from cluster_task import STOP_PLUGIN, env, max_diff, write_config  # noqa: E402
 
-STOP_PLUGIN = """
-import os
-import signal
-
-STOP = int(os.environ.get("STOP_AT_STEP", "0"))
-
-
-def on_step_end(state):
-    if state.global_step == STOP:  # as a scheduler's preemption would: a real SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)
-"""
 STAGES = (1, 2, 3)
 
 

@@ -20,19 +20,7 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
-from cluster_task import env, max_diff, write_config  # noqa: E402
-
-STOP_PLUGIN = """
-import os
-import signal
-
-STOP = int(os.environ.get("STOP_AT_STEP", "0"))
-
-
-def on_step_end(state):
-    if state.global_step == STOP:  # as a scheduler's preemption would: a real SIGTERM
-        os.kill(os.getpid(), signal.SIGTERM)
-"""
+from cluster_task import STOP_PLUGIN, env, max_diff, write_config  # noqa: E402
 
 MODEL = "[model.args]\nhidden = 7\n"  # 7 rows split 4 + 3 over 2 ranks: uneven shards to re-shard
 
