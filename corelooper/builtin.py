@@ -12,8 +12,12 @@ from .losses import default_loss
 @hookimpl(trylast=True)
 def create_backend(loop):
     from .backend import AccelerateBackend
+    from .local_backend import LocalBackend, local_device
 
     a = loop.args
+    device = local_device(a.use_cpu) if a.mixed_precision == "no" else None
+    if device is not None:  # one process, one device, full precision: no accelerate import
+        return LocalBackend(device)
     ddp = {"find_unused_parameters": a.ddp_find_unused_parameters, "bucket_cap_mb": a.ddp_bucket_cap_mb,
            "broadcast_buffers": a.ddp_broadcast_buffers, "static_graph": a.ddp_static_graph}
     return AccelerateBackend(a.mixed_precision, a.use_cpu, a.ddp_timeout,

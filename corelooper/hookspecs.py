@@ -111,7 +111,9 @@ def create_backend(loop):
     """Return the backend that runs the model on the hardware.
 
     Called once, when the ``Loop`` is constructed (before ``on_init_end``). The builtin returns
-    ``corelooper.backend.AccelerateBackend``; FSDP and DeepSpeed plugins return their own. A
+    ``corelooper.local_backend.LocalBackend`` for one process on the CPU in full precision (no
+    accelerate import: start-up) and ``corelooper.backend.AccelerateBackend`` otherwise (several
+    processes, bf16/fp16, GPUs); FSDP and DeepSpeed plugins return their own. A
     backend follows the ``corelooper.backend.Backend`` protocol (prepare, backward, no_sync,
     clip_grad_norm, reduce, save/load of model and optimizer state).
     """
