@@ -74,6 +74,32 @@ def test_parameter_groups_no_decay_and_lr_multipliers(make_loop):
     }
 
 
+def test_without_weight_decay_one_group_makes_the_same_update_as_hfs_two(make_loop):
+    """weight_decay = 0: decayed and not-decayed parameters are one group (one fused kernel
+    launch per step); the update is element for element the one of HF's two-group layout."""
+    loop = make_loop(optim="adamw_torch_fused", weight_decay=0.0)
+    opt = optimizer_of(loop)
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["weight_decay"] == 0.0
+    model = loop.model
+    with torch.no_grad():
+        start = [p.clone() for p in model.parameters()]
+    names = dict(model.named_parameters())
+    two = torch.optim.AdamW(
+        [{"params": [names[n] for n in names if not n.endswith("bias")], "weight_decay": 0.0},
+         {"params": [names[n] for n in names if n.endswith("bias")], "weight_decay": 0.0}],
+        lr=loop.args.learning_rate, fused=True)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    results = []
+    for optimizer in (opt, two):
+        with torch.no_grad():
+            for p, p0, g in zip(model.parameters(), start, grads, strict=True):
+                p.copy_(p0)
+                p.grad = g.clone()
+        optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 def test_lr_multiplier_scales_the_update_through_training(run_loop, tmp_path):
     """Plain SGD, constant LR: after training, the first layer moved exactly as a run whose
     multiplier is 1 would have moved it with a 0.25x LR on that layer only -- check one step."""
