@@ -195,8 +195,8 @@ class Doctor:
             if not self.skip_batch:  # spike_per_step: read with the next log
                 self.step_losses.append((state.global_step, self._step_loss))
             self._step_loss = None
-        if control.should_log:  # every rank: the check's all-reduce, where the loop syncs anyway
-            self.check_step_losses(loop, state)
+        if control.should_log or control.should_save:  # every rank: the check's all-reduce, where
+            self.check_step_losses(loop, state)  # the loop syncs anyway; a checkpoint keeps the history
         if self.steps_done == 1 and self.probe is not None:
             from .actions import first_step_breakdown
 
