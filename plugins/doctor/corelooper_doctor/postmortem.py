@@ -89,8 +89,11 @@ def _status(info: dict) -> str:
         return (f"  finished: step {summary['step']} in {_num(summary.get('train_runtime'))} s, "
                 f"train_loss {_num(summary.get('train_loss'))}")
     last = logs[-1]["step"] if logs else None
-    return (f"  not finished: no run summary in metrics.jsonl (crashed, hung, stopped or still "
-            f"running); last log at step {last}")
+    stopped = [r for r in info["nonfinite"] if r.get("action") == "stop"]
+    why = ("it hung (the report is below)" if info["hang"] else "out of memory (the report is below)"
+           if info["oom"] else f"stopped on non-finite values at step {stopped[-1].get('step')}" if stopped
+           else "crashed, was stopped, or is still running")
+    return f"  not finished: {why}; no run summary in metrics.jsonl, last log at step {last}"
 
 
 def _trend(logs: list[dict]) -> str | None:

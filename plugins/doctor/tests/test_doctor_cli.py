@@ -32,7 +32,7 @@ def test_post_mortem_of_a_run_with_a_spike_and_its_plot(tmp_path):
     proc = doctor(run, "--plot")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "logs: 16 windows, last at step 16" in out
+    assert "finished: step 16 in " in out and "logs: 16 windows, last at step 16" in out
     assert f"loss spike at step {SPIKE_STEP}:" in out
     assert "memory peak:" in out and "(RSS)" in out
     assert "memory breakdown: parameters 20 B" in out
@@ -50,6 +50,7 @@ def test_post_mortem_of_an_oom(tmp_path):
     with pytest.raises(TrainingError):
         make_loop(tmp_path, OomAt(at_call=3), samples()).train()
     out = doctor(tmp_path / "run").stdout
+    assert "not finished: out of memory (the report is below); no run summary" in out
     assert "doctor: out of memory at step 3 during forward" in out
     assert "advice: out of memory" in out
 
