@@ -171,6 +171,7 @@ class Doctor:
 
     def on_step_begin(self, loop, state) -> None:
         self._step_t0 = t = self._mark("forward")
+        self._step_loss = None
         if self.watchdog is not None:
             self.watchdog.progress(state.global_step, "on_step_begin", t)
             self.watchdog.long_phase = self.steps_done == 0
