@@ -26,6 +26,9 @@ from corelooper.hookspecs import hookimpl
 
 from .settings import ON_SPIKE, SECTION
 
+#: spike_per_step: step losses kept on the device at most this long before they are read.
+MAX_PENDING_LOSSES = 256
+
 
 class Doctor:
     name = "doctor.run"
@@ -196,8 +199,10 @@ class Doctor:
             if not self.skip_batch:  # spike_per_step: read with the next log
                 self.step_losses.append((state.global_step, self._step_loss))
             self._step_loss = None
-        if control.should_log or control.should_save:  # every rank: the check's all-reduce, where
-            self.check_step_losses(loop, state)  # the loop syncs anyway; a checkpoint keeps the history
+        # every rank: the check's all-reduce, where the loop syncs anyway (a checkpoint keeps the
+        # history; without logs, every MAX_PENDING_LOSSES steps)
+        if control.should_log or control.should_save or len(self.step_losses) >= MAX_PENDING_LOSSES:
+            self.check_step_losses(loop, state)
         if self.steps_done == 1 and self.probe is not None:
             from .actions import first_step_breakdown
 
