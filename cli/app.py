@@ -31,7 +31,7 @@ PluginOpt = Annotated[
 ]
 TracebackOpt = Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")]
 VerboseOpt = Annotated[
-    bool, typer.Option("--verbose", "-v", help="Also show third-party warnings, banners and launcher logs."),
+    bool, typer.Option("--verbose", "-v", help="Also show third-party warnings, banners, launcher logs, and every log key on the console (plugins' namespaced details, e.g. doctor/...)."),
 ]
 
 

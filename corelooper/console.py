@@ -2,16 +2,29 @@
 
 One ``Console`` per run, registered as the builtin plugin ``console``; ``-p no:console``
 silences it. Only the main process prints.
+
+A log key with a namespace, ``name/key`` (e.g. corelooper-doctor's ``doctor/time_share_data``),
+is a detail: loggers, ``metrics.jsonl`` and ``log_history`` get it, the console line leaves it
+out unless the run is verbose (``corelooper run --verbose``, or ``CORELOOPER_VERBOSE=1`` for a
+``Loop`` in a script), so a line shows the training essentials.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
-def _format(logs: dict) -> str:
+def is_detail(key: str) -> bool:
+    """A namespaced log key (``name/key``): not on the console unless verbose."""
+    return "/" in key
+
+
+def _format(logs: dict, verbose: bool = True) -> str:
     parts = []
     for k, v in logs.items():
+        if not verbose and is_detail(k):
+            continue
         if isinstance(v, float):
             v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.0f}"
         parts.append(f"{k}={v}")
@@ -22,6 +35,7 @@ class Console:
     def __init__(self) -> None:
         self.progress = None
         self.task = None
+        self.verbose = False
 
     def print(self, text: str) -> None:
         if self.progress is not None:
@@ -30,6 +44,7 @@ class Console:
             print(text, flush=True)
 
     def on_train_begin(self, loop, state) -> None:
+        self.verbose = bool(os.environ.get("CORELOOPER_VERBOSE"))  # `corelooper run --verbose` sets it
         if not state.is_world_process_zero:
             return
         self.print(
@@ -58,7 +73,7 @@ class Console:
             return
         if self.progress is not None and "loss" in logs:
             self.progress.update(self.task, info=f"loss {logs['loss']:.4g}")
-        self.print(f"[step {state.global_step}/{state.max_steps}] {_format(logs)}")
+        self.print(f"[step {state.global_step}/{state.max_steps}] {_format(logs, self.verbose)}")
 
     def on_save(self, state, checkpoint_dir) -> None:
         if state.is_world_process_zero:  # every rank takes part in a save; one reports it

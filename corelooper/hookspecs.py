@@ -275,7 +275,9 @@ def on_log(loop, state, control, logs: dict) -> None:
     ``include_num_input_tokens_seen = "no"``. The same dict is appended to
     ``state.log_history`` with ``step``. Main process only. To add
     values (e.g. DPO reward margins), update ``logs`` in a ``tryfirst`` implementation: loggers
-    then see them, and they are kept in ``log_history``."""
+    then see them, and they are kept in ``log_history``. A key with a namespace, ``name/key``
+    (corelooper-doctor's ``doctor/time_share_data``), is a detail: every logger gets it, the
+    console prints it only with ``corelooper run --verbose``."""
 
 
 @hookspec

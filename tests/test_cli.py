@@ -125,3 +125,26 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     shown = b"".join(chunks).decode(errors="replace")
     assert "16/16" in shown and "━" in shown  # rich's bar with its M/N column
     assert "[step 8/16] loss=" in shown  # log lines are printed above the bar
+
+
+def test_console_leaves_namespaced_log_keys_to_the_loggers_unless_verbose(cli, tmp_path):
+    """A key ``name/key`` is a plugin's detail: metrics.jsonl gets it, the console line only with
+    --verbose."""
+    toys = REPO / "tests" / "toys.py"
+    plugin = tmp_path / "detail_plugin.py"
+    plugin.write_text("from corelooper.hookspecs import hookimpl\n\n\n@hookimpl(tryfirst=True)\n"
+                      "def on_log(logs):\n    if 'loss' in logs:\n"
+                      "        logs.update({'demo/detail': 1.5, 'demo_plain': 2.5})\n")
+    for name, extra in (("quiet", ()), ("verbose", ("--verbose",))):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(
+            f'[model]\nfactory = "{toys}:mlp"\n[data]\ntrain = "{toys}:blobs_train"\n'
+            f'[train]\noutput_dir = "{tmp_path / name}"\nmax_steps = 4\nsave_strategy = "no"\nlogging_steps = 2\n'
+            f'[plugins]\nlocal = ["{plugin}"]\n')
+        r = cli("run", str(config), *extra, env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"})
+        assert r.returncode == 0, r.stderr
+        lines = [x for x in r.stdout.splitlines() if x.startswith("[step ") and " loss=" in x]
+        assert len(lines) == 2 and all("demo_plain=2.5" in x for x in lines)
+        assert all(("demo/detail=1.5" in x) == (name == "verbose") for x in lines)
+        logged = [rec for rec in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in rec]
+        assert [rec["demo/detail"] for rec in logged] == [1.5, 1.5]

@@ -140,7 +140,8 @@ def main() -> None:
         else:
             results[n] = run_step(n, size, timeout=max(10.0, left))
         r = results[n]
-        brief = {k: r[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "step_s", "skipped", "error") if k in r}
+        brief = {k: r[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "step_s", "doctor_host_syncs_per_step",
+                                   "skipped", "error") if k in r}
         print(f"{n:28s} {json.dumps(brief)}", flush=True)
     summary = {"environment": env, "size": size, "sizes": steps.SIZES[size], "budget_s": a.budget_s,
                "results": results, "ratios": ratios(results)}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # corelooper on one GPU (H200): bf16 full fine-tuning and LoRA vs a hand-written bf16 loop
 # (tokens/s, MFU), fp16 + GradScaler, torch_compile, leak-free packing with flash-attention
-# varlen vs sdpa, auto batch size on a real CUDA OOM, the doctor's memory report, single-GPU
-# FSDP2 and ZeRO-2, peak memory of each. No model or data download. Under 8 minutes in all.
+# varlen vs sdpa, auto batch size on a real CUDA OOM, the doctor's memory report and host-device
+# syncs per step, single-GPU FSDP2 and ZeRO-2, peak memory of each. No model or data download.
+# Under 8 minutes in all.
 #
 #   bash benchmarks/gpu/run.sh                 # on the GPU machine, from the repository root
 #   bash benchmarks/gpu/run.sh --cpu-smoke     # tiny sizes on a CPU (uses the existing .venv)

@@ -183,10 +183,10 @@ def cl_train(model, dataset, size: str, precision: str = "bf16", sections: dict 
 
     s = SIZES[size]
     out_dir = tempfile.mkdtemp(prefix="gpu-bench-")
-    cfg = {"train": dict(output_dir=out_dir, max_steps=s["steps"], per_device_train_batch_size=batch or s["batch"],
-                         learning_rate=1e-5, logging_steps=s["steps"], save_strategy="no", eval_strategy="no",
-                         disable_tqdm=True, mixed_precision=precision, dataloader_num_workers=0,
-                         use_cpu=device().type == "cpu", **train)}
+    cfg = {"train": {**dict(output_dir=out_dir, max_steps=s["steps"], per_device_train_batch_size=batch or s["batch"],
+                            learning_rate=1e-5, logging_steps=s["steps"], save_strategy="no", eval_strategy="no",
+                            disable_tqdm=True, mixed_precision=precision, dataloader_num_workers=0,
+                            use_cpu=device().type == "cpu"), **train}}  # a step may change a default
     cfg.update(sections or {})
     clock = StepClock()
     loop = Loop(model, Config.from_dict(cfg), train_dataset=dataset, data_collator=collator)
@@ -290,28 +290,45 @@ def auto_batch_size(size: str) -> dict:
     return json.loads(line) if line else {"error": f"rc {p.returncode}: {p.stderr[-1500:]}"}
 
 
+class _Tee:
+    """Writes to a stream and keeps a copy (the doctor prints its lines to stderr)."""
+
+    def __init__(self, stream) -> None:
+        import io
+
+        self.stream, self.copy = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def doctor_memory(size: str) -> dict:
     """corelooper-doctor (on by default once installed) on the bf16 full fine-tuning run: the
-    memory figures it logs and the breakdown it prints after the first step, recorded as given."""
+    memory figures it logs, the breakdown it prints after the first step, and the host-device
+    syncs per step it counts on CUDA (torch's sync debug mode; the core's non-finite check and
+    the logging read are syncs), recorded as given."""
     try:
         import corelooper_doctor  # noqa: F401
     except ImportError:
         return {"skipped": "corelooper-doctor (plugins/doctor) is not installed in this checkout"}
-    import io
-    import logging
+    import contextlib
 
-    buf = io.StringIO()
-    handler = logging.StreamHandler(buf)
-    logging.getLogger("corelooper").addHandler(handler)
-    logging.getLogger("corelooper").setLevel(logging.INFO)
+    tee = _Tee(sys.stderr)
     s = SIZES[size]
     reset_peak()
     model = build_model(size)
-    out, loop = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", logging_steps=1)
-    logging.getLogger("corelooper").removeHandler(handler)
-    memory = [{k: v for k, v in e.items() if "mem" in k} for e in loop.state.log_history]
-    out["doctor_memory_logs"] = [m for m in memory if m][:3]
-    out["doctor_output"] = [x for x in buf.getvalue().splitlines() if "doctor" in x.lower() or "memory" in x.lower()][:40]
+    with contextlib.redirect_stderr(tee):
+        out, loop = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", logging_steps=1)
+    logs = [e for e in loop.state.log_history if "loss" in e]
+    out["doctor_memory_logs"] = [{k: v for k, v in e.items() if "mem" in k} for e in logs][:3]
+    # per window (one step each here); absent on the CPU, where there is no device sync to count
+    out["doctor_host_syncs_per_step"] = [e.get("doctor/host_syncs_per_step") for e in logs]
+    out["doctor_time_split_last"] = {k: v for k, v in logs[-1].items() if "time_share" in k} if logs else {}
+    out["doctor_output"] = [x for x in tee.copy.getvalue().splitlines() if x.startswith("doctor:")][:40]
     return with_mfu(out, flops_per_token(model, size), "bf16")
 
 

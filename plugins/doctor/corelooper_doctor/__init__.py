@@ -2,7 +2,8 @@
 diagnosed where they happen, and ``corelooper doctor RUN_DIR`` afterwards.
 
 On by default once installed (``[doctor] enabled = false`` turns it off); cheap when nothing is
-wrong: no host-device sync per step, nothing but timestamps and counters on healthy steps. This
+wrong: no host-device sync per step, nothing but one clock read and a few counters per event
+on healthy steps. This
 module must not import torch: ``corelooper --help`` imports every installed plugin.
 """
 
@@ -36,6 +37,8 @@ def corelooper_configure(config, plugins) -> None:
 
     doctor = Doctor(config)
     plugins.register(doctor, RUN_PLUGIN_NAME)
+    for name, hooks in doctor.hook_objects().items():  # per-step hooks only for what is on
+        plugins.register(hooks, name)
     plugins.register_for_checkpointing(SECTION, doctor)  # the skipped batches (on_spike)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from .settings import PREFIX
 from .spikes import append_spike, step_sample_indices
 
 
@@ -21,28 +22,50 @@ def _indices(loop, windows) -> list[int] | None:
 
 # -- loss spikes ---------------------------------------------------------------------------------
 def per_step_spike(doc, loop, state, optimizer) -> None:
-    """Before optimizer.step(): read this step's loss (one sync + all-reduce: the user asked)
-    and, with on_spike = "skip_batch", drop the update of a spiking or recorded step."""
+    """Before optimizer.step(): skip a step recorded as skipped (a resume), and with on_spike =
+    "skip_batch" read this step's loss (one sync + all-reduce per step: the price of deciding
+    before the update) and drop the update of a spiking step."""
     step = state.global_step + 1
     if doc.skipped.should_skip(step):
         optimizer.zero_grad(set_to_none=True)  # skipped before: same data on resume, skip again
         if state.is_world_process_zero:
             doc.say(f"doctor: step {step} skipped again (recorded in {doc.skipped.path}).")
         return
-    if not doc.per_step or doc._step_loss is None:
+    if not doc.skip_batch or doc._step_loss is None:
         return
     loss = float(loop.backend.reduce_mean(doc._step_loss).item())
     median = doc.spikes.check(loss)
     if median is None:
         return
-    skip = doc.cfg["on_spike"] == "skip_batch"
-    record = {"step": step, "loss": loss, "median": median, "factor": doc.cfg["spike_factor"],
-              "skipped": skip, "sample_indices": _indices(loop, [doc.window_steps[-1]])}
-    if skip:
-        optimizer.zero_grad(set_to_none=True)  # optimizer.step() then leaves every weight alone
-        doc.skipped_steps[step] = record["sample_indices"]
-        doc.skipped.add(record, write=state.is_world_process_zero)
+    record = _spike_record(doc, loop, step, loss, median, [doc.window_steps[-1]], skipped=True)
+    optimizer.zero_grad(set_to_none=True)  # optimizer.step() then leaves every weight alone
+    doc.skipped_steps[step] = record["sample_indices"]
+    doc.skipped.add(record, write=state.is_world_process_zero)
     _report_spike(doc, state, record)
+
+
+def check_step_losses(doc, loop, state) -> None:
+    """spike_per_step (log): the losses of the steps since the last check, read at a log step
+    (every rank: one all-reduce of the vector, one read; the loop reads the window loss there
+    anyway)."""
+    import torch
+
+    steps = [s for s, _ in doc.step_losses]
+    values = loop.backend.reduce_mean(torch.stack([v.float() for _, v in doc.step_losses])).tolist()
+    doc.step_losses.clear()
+    windows = {w[0]: w for w in doc.window_steps}
+    for step, loss in zip(steps, values, strict=True):
+        median = doc.spikes.check(loss)
+        if median is not None:
+            doc.spiked_in_window = True
+            record = _spike_record(doc, loop, step, loss, median, [windows[step]] if step in windows else [],
+                                   skipped=False)
+            _report_spike(doc, state, record)
+
+
+def _spike_record(doc, loop, step, loss, median, windows, skipped: bool) -> dict:
+    return {"step": step, "loss": loss, "median": median, "factor": doc.cfg["spike_factor"],
+            "skipped": skipped, "sample_indices": _indices(loop, windows) if windows else None}
 
 
 def _report_spike(doc, state, record: dict) -> None:
@@ -57,34 +80,65 @@ def _report_spike(doc, state, record: dict) -> None:
 
 
 def window_logs(doc, loop, state, logs: dict) -> None:
-    """on_log (rank 0): time split, memory, MFU, and the spike check on the window loss."""
-    from . import memory, timing
-
+    """on_log (rank 0): time split, host syncs, memory, MFU, and the spike check on the window
+    loss (a value the loop already read)."""
+    steps = max(state.global_step - doc.last_logged_step, 1)
+    doc.last_logged_step = state.global_step
     if doc.clock is not None:
-        shares = doc.clock.window()
-        logs.update(timing.timing_logs(shares))
-        warning = timing.input_bound_warning(shares, doc.cfg["input_bound_share"])
-        first = doc.windows_logged == 0  # start-up (first batches, warm-up) is not the data's fault
-        doc.windows_logged += 1
-        if warning and not first and not doc.warned_input:
-            doc.warned_input = True
-            doc.say(warning)
+        _time_split(doc, logs, steps)
+    if doc.syncs is not None:
+        logs[f"{PREFIX}host_syncs_per_step"] = round(doc.syncs.take() / steps, 3)
     if doc.cfg["memory"]:
-        logs.update(memory.log_values(doc.device))
+        from . import memory
+
+        values = memory.log_values(doc.device)
+        logs.update(values)
+        doc.memory_peak_gb = max(doc.memory_peak_gb or 0.0, memory.peak_gb(values))
     if doc.peak and "model_tflops_per_second" in logs and "mfu" not in logs:
         logs["mfu"] = round(logs["model_tflops_per_second"] * 1e12 / (doc.peak * doc.world), 6)
     windows = list(doc.window_steps)
     doc.window_steps.clear()
+    if doc.spiked_in_window:  # found by the per-step check at this log step
+        logs[f"{PREFIX}loss_spike"] = 1
+        doc.spiked_in_window = False
     loss = logs.get("loss")
     if doc.per_step or not isinstance(loss, (int, float)) or not math.isfinite(loss):
         return
     median = doc.spikes.check(float(loss))
     if median is not None:
-        logs["loss_spike"] = 1
-        record = {"step": state.global_step, "loss": loss, "median": median,
-                  "factor": doc.cfg["spike_factor"], "skipped": False,
-                  "window_steps": [w[0] for w in windows], "sample_indices": _indices(loop, windows)}
+        logs[f"{PREFIX}loss_spike"] = 1
+        record = _spike_record(doc, loop, state.global_step, loss, median, windows, skipped=False)
+        record["window_steps"] = [w[0] for w in windows]
         _report_spike(doc, state, record)
+
+
+def _time_split(doc, logs: dict, steps: int) -> None:
+    from . import timing
+
+    seconds, wall = doc.clock.window()
+    logs.update(timing.timing_logs(seconds, wall, doc.hook_timer is not None))
+    doc.run_split.add(seconds, wall, steps)
+    warning = doc.input_bound.add(seconds["data"], wall, steps)
+    if warning:
+        doc.say(warning)
+
+
+def run_summary_line(doc) -> str | None:
+    """The doctor's one line at the end of training: the run's time split, host syncs per
+    step, the memory peak (the per-window figures are in metrics.jsonl and the loggers)."""
+    from . import memory, timing
+
+    parts = []
+    split = doc.run_split.shares() if doc.run_split is not None else None
+    if split:
+        shares, steps = split
+        parts.append(f"time split of {steps} steps{' (after the first window)' if doc.run_split.wall else ''}: "
+                     + timing.split_line(shares, doc.hook_timer is not None))
+    if doc.syncs is not None:
+        parts.append(f"{doc.syncs.total / max(doc.steps_done, 1):.2f} host-device syncs per step")
+    if doc.memory_peak_gb is not None:
+        parts.append(f"memory peak {doc.memory_peak_gb:.3f} GB ({memory.peak_kind(doc.device)})")
+    return "doctor: " + "; ".join(parts) + "." if parts else None
 
 
 # -- memory ------------------------------------------------------------------------------------------

@@ -56,7 +56,9 @@ def _replay(run_dir: Path, step: str) -> None:
     if not step_dir.is_dir() or not config_path.is_file():
         raise DataError(f"--replay {step}: needs {step_dir} (a saved non-finite step) and {config_path} "
                         "(the run's resolved config); list the saved steps with `corelooper doctor RUN_DIR`.")
-    config = Config.load(config_path)
-    config.sections.setdefault("doctor", {})["hang_timeout"] = 0.0
+    config = Config.load(config_path, ["doctor.hang_timeout=0.0"])  # no watchdog for a replay
+    if not config.model.factory:
+        raise DataError(f"--replay {step}: {config_path} names no [model] factory (the run built its model in "
+                        "Python); replay it there: corelooper_doctor.replay.replay(step_dir, loop).")
     report = replay(step_dir, Loop(config=config))
     typer.echo(json.dumps(report.get("blame"), indent=1, default=str))

@@ -3,8 +3,10 @@ dumps every thread's Python stack (``faulthandler``), compares the ranks' progre
 rendezvous store (not the stuck process group) and ends the run with one paragraph naming the
 rank that is behind and where it is.
 
-Progress is an event of the loop (each hook the doctor implements stamps a monotonic clock: two
-attribute writes, no lock, no I/O). The thread publishes it to the store every few seconds.
+Progress is an event of the loop: the doctor's step, epoch, log, evaluation and save hooks stamp
+it with the ``time.perf_counter()`` (monotonic) read the time split makes anyway (three attribute
+writes, no lock, no I/O); inside a step nothing stamps, so a stuck forward, backward or optimizer
+step counts from the step's start. The thread publishes it to the store every few seconds.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Watchdog:
         self.store = store
         self.exit_fn = exit_fn
         self.step, self.event = 0, "start"
-        self.last = time.monotonic()
+        self.last = time.perf_counter()  # the training thread's clock (monotonic)
         self.long_phase = True  # the first step (compilation, warm-up) gets the full timeout
         self.step_times: list[float] = []
         self._stop = threading.Event()
@@ -74,8 +76,9 @@ class Watchdog:
         self.poll = max(0.2, min(5.0, timeout / 10))
 
     # -- from the training thread (cheap) -------------------------------------------------------
-    def progress(self, step: int, event: str) -> None:
-        self.step, self.event, self.last = step, event, time.monotonic()
+    def progress(self, step: int, event: str, now: float | None = None) -> None:
+        """``now``: a ``time.perf_counter()`` the caller already read (one clock read per hook)."""
+        self.step, self.event, self.last = step, event, time.perf_counter() if now is None else now
 
     def step_time(self, seconds: float) -> None:
         if len(self.step_times) < 1000:
@@ -96,7 +99,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
-            stalled = time.monotonic() - self.last
+            stalled = time.perf_counter() - self.last
             other = self._store_get("hang")
             if stalled > self.effective_timeout() or other is not None:
                 self._on_hang(stalled)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .settings import PREFIX
 from .units import GB, fmt
 
 HEADROOM = 0.9
@@ -32,13 +33,22 @@ def log_values(device: torch.device) -> dict[str, float]:
     """Device memory now and its peak since the last call (CUDA); peak RSS on the CPU."""
     if device.type == "cuda":
         out = {
-            "memory_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 4),
-            "memory_max_allocated_gb": round(torch.cuda.max_memory_allocated(device) / GB, 4),
-            "memory_reserved_gb": round(torch.cuda.memory_reserved(device) / GB, 4),
+            f"{PREFIX}memory_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 4),
+            f"{PREFIX}memory_max_allocated_gb": round(torch.cuda.max_memory_allocated(device) / GB, 4),
+            f"{PREFIX}memory_reserved_gb": round(torch.cuda.memory_reserved(device) / GB, 4),
         }
         torch.cuda.reset_peak_memory_stats(device)  # the next log's peak is that window's
         return out
-    return {"memory_peak_rss_gb": round(peak_rss_bytes() / GB, 4)}
+    return {f"{PREFIX}memory_peak_rss_gb": round(peak_rss_bytes() / GB, 4)}
+
+
+def peak_gb(values: dict[str, float]) -> float:
+    """The peak among one log's memory values (device allocations on CUDA, RSS on the CPU)."""
+    return max(values.get(f"{PREFIX}memory_max_allocated_gb", 0.0), values.get(f"{PREFIX}memory_peak_rss_gb", 0.0))
+
+
+def peak_kind(device: torch.device) -> str:
+    return "device, allocated" if device.type == "cuda" else "process RSS"
 
 
 def peak_rss_bytes() -> int:

@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
+from .settings import DEFAULTS, PREFIX
 from .units import fmt
 
 PHASE_KEYS = ("data", "forward", "backward", "optimizer", "hooks", "other")
@@ -24,10 +25,17 @@ def _jsonl(path: Path) -> list[dict]:
     return out
 
 
+def _unprefixed(record: dict) -> dict:
+    """The doctor's keys without their ``doctor/`` namespace (older runs logged them bare)."""
+    return {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in record.items()}
+
+
 def collect(run_dir: Path) -> dict:
     from corelooper.plot import read_metrics
 
-    logs = [r for r in read_metrics(run_dir) if r.get("event") == "log" and "loss" in r]
+    records = read_metrics(run_dir)
+    logs = [_unprefixed(r) for r in records if r.get("event") == "log" and "loss" in r]
+    summary = next((r for r in reversed(records) if "train_runtime" in r), None)
     doc = run_dir / "doctor"
     nonfinite = []
     for report in sorted(doc.glob("step-*/report*.json"), key=lambda p: int(p.parent.name[5:])):
@@ -35,6 +43,8 @@ def collect(run_dir: Path) -> dict:
     hang = (doc / "hang-report.txt").read_text().strip() if (doc / "hang-report.txt").is_file() else None
     return {
         "logs": logs,
+        "summary": summary,
+        "evals": [r for r in records if r.get("event") == "eval"],
         "nonfinite": nonfinite,
         "spikes": _jsonl(doc / "spikes.jsonl"),
         "skipped": _jsonl(doc / "skipped_batches.jsonl"),
@@ -46,8 +56,44 @@ def collect(run_dir: Path) -> dict:
 
 
 def _phases(logs: list[dict]) -> dict[str, float]:
-    keyed = [r for r in logs if "time_share_data" in r]
-    return {p: statistics.mean(r.get(f"time_share_{p}", 0.0) for r in keyed) for p in PHASE_KEYS} if keyed else {}
+    """The run's time split: each window weighted by its wall time, the first (start-up) left
+    out when there are others (as the input-bound warning judges it)."""
+    keyed, prev = [], 0
+    for r in logs:
+        if "time_share_data" in r:  # wall time ~ steps / throughput (the batch is the same)
+            rate = r.get("samples_per_second")
+            keyed.append((r, max(r["step"] - prev, 1) / (rate if isinstance(rate, (int, float)) and rate > 0 else 1)))
+        prev = r["step"]
+    if len(keyed) > 1:
+        keyed = keyed[1:]
+    total = sum(w for _, w in keyed)
+    phases = [p for p in PHASE_KEYS if any(f"time_share_{p}" in r for r, _ in keyed)]
+    return {p: sum(r.get(f"time_share_{p}", 0.0) * w for r, w in keyed) / total for p in phases} if keyed else {}
+
+
+def _syncs(logs: list[dict]) -> str | None:
+    keyed = [r["host_syncs_per_step"] for r in logs if isinstance(r.get("host_syncs_per_step"), (int, float))]
+    if not keyed:
+        return None
+    return (f"host-device syncs per step: {statistics.median(keyed):.3g} (median of {len(keyed)} windows, "
+            f"max {max(keyed):.3g})")
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, (int, float)) else str(v)
+
+
+def _status(info: dict) -> str:
+    logs, summary = info["logs"], info["summary"]
+    if summary is not None:  # (metrics.jsonl writes a NaN/Inf as a string)
+        return (f"  finished: step {summary['step']} in {_num(summary.get('train_runtime'))} s, "
+                f"train_loss {_num(summary.get('train_loss'))}")
+    last = logs[-1]["step"] if logs else None
+    stopped = [r for r in info["nonfinite"] if r.get("action") == "stop"]
+    why = ("it hung (the report is below)" if info["hang"] else "out of memory (the report is below)"
+           if info["oom"] else f"stopped on non-finite values at step {stopped[-1].get('step')}" if stopped
+           else "crashed, was stopped, or is still running")
+    return f"  not finished: {why}; no run summary in metrics.jsonl, last log at step {last}"
 
 
 def _trend(logs: list[dict]) -> str | None:
@@ -55,23 +101,25 @@ def _trend(logs: list[dict]) -> str | None:
     key = "tokens/s"
     if not tps:
         tps, key = [r["samples_per_second"] for r in logs if isinstance(r.get("samples_per_second"), (int, float))], "samples/s"
+    tps = tps[1:]  # the first window holds the start-up
     if len(tps) < 2:
         return None
     k = max(1, len(tps) // 4)
     first, last = statistics.mean(tps[:k]), statistics.mean(tps[-k:])
     change = (last - first) / first if first else 0.0
-    return f"{key}: {first:.4g} in the first quarter of the logs, {last:.4g} in the last ({change:+.0%})"
+    return (f"{key}: {first:.4g} in the first quarter of the logs (after the first), {last:.4g} in the last "
+            f"({change:+.0%})")
 
 
 def _advice(info: dict, phases: dict[str, float]) -> list[str]:
     out = []
-    if phases.get("data", 0) > 0.3:
+    if phases.get("data", 0) > DEFAULTS["input_bound_share"]:
         out.append("input-bound: raise train.dataloader_num_workers, pre-tokenize, or pack sequences")
     for r in info["nonfinite"]:
         m = (r.get("blame") or {}).get("module")
         if m:
             out.append(f"non-finite values start in {m!r}: lower the learning rate, keep it in fp32/bf16 "
-                       "instead of fp16, or clip its input; replay with --replay step-N")
+                       f"instead of fp16, or clip its input; re-explain it with --replay step-{r.get('step')}")
     if info["spikes"]:
         out.append("loss spikes: lower the learning rate or warm up longer; [doctor] on_spike = "
                    '"skip_batch" drops the spiking batches')
@@ -85,7 +133,13 @@ def _advice(info: dict, phases: dict[str, float]) -> list[str]:
 def render(run_dir: Path, info: dict) -> str:
     logs, lines = info["logs"], [f"corelooper doctor {run_dir}"]
     last = logs[-1]["step"] if logs else None
-    lines.append(f"  logs: {len(logs)} windows, last at step {last}" if logs else "  logs: none")
+    lines.append(_status(info))
+    lines.append(f"  logs: {len(logs)} window{'s' if len(logs) != 1 else ''}, last at step {last}" if logs
+                 else "  logs: none")
+    if info["evals"]:
+        e = info["evals"][-1]
+        lines.append(f"  last evaluation (step {e['step']}): " + ", ".join(
+            f"{k}={v:.4g}" for k, v in e.items() if k.startswith("eval_") and isinstance(v, (int, float))))
     for r in info["nonfinite"]:
         b = r.get("blame") or {}
         lines.append(f"  non-finite at step {r.get('step')} ({r.get('action')}): {b.get('module')!r} "
@@ -107,6 +161,9 @@ def render(run_dir: Path, info: dict) -> str:
         slow = max(phases, key=phases.get)
         lines.append("  time split: " + ", ".join(f"{p} {100 * v:.0f}%" for p, v in phases.items())
                      + f"; slowest phase: {slow}")
+    syncs = _syncs(logs)
+    if syncs:
+        lines.append(f"  {syncs}")
     trend = _trend(logs)
     if trend:
         lines.append(f"  {trend}")

@@ -1,6 +1,9 @@
 """The ``[doctor]`` section and its defaults (no torch: read by ``corelooper --help``/``plugins``)."""
 
 SECTION = "doctor"
+#: The doctor's log keys are ``doctor/<key>``: loggers and metrics.jsonl get them all, the
+#: console prints namespaced keys only with ``corelooper run --verbose``.
+PREFIX = "doctor/"
 DEFAULTS = {
     "enabled": True,
     # non-finite values (fires with the core guard, train.on_nonfinite)
@@ -24,6 +27,9 @@ DEFAULTS = {
     # hook call (a few µs each, every step), so off unless asked for
     "time_hooks": False,
     "input_bound_share": 0.3,
+    # CUDA: count host-device syncs per step (torch.cuda.set_sync_debug_mode("warn"), warnings
+    # counted, not shown); nothing to count on the CPU
+    "count_syncs": True,
 }
 ON_SPIKE = ("log", "skip_batch")
 #: Once the median step time is known, a step may take hang_step_factor x median, but never

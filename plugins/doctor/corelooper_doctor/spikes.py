@@ -1,10 +1,15 @@
 """Loss spikes: a loss above ``spike_factor`` x the rolling median of the last ``spike_window``
 losses (llm-foundry's loss-spike idea, with a median so one spike does not raise the bar).
 
-By default the losses are the logged window losses (``on_log``: already synced to the host, so
-this costs nothing). With ``spike_per_step`` or ``on_spike = "skip_batch"`` each optimizer
-step's loss is read before ``optimizer.step()`` (one host sync and one all-reduce per step, the
-price of deciding before the update).
+What is read, and when:
+
+- by default, the logged window losses (``logs["loss"]`` in ``on_log``: the loop already read
+  it to the host, so this costs nothing);
+- ``spike_per_step``: each optimizer step's loss, summed on the device from the micro-batches'
+  losses and kept there; at the next log (or checkpoint) step the window's losses are
+  all-reduced as one vector and read once, on every rank (no sync per step);
+- ``on_spike = "skip_batch"``: each step's loss, read before ``optimizer.step()`` (one host sync
+  and one all-reduce per step: the price of deciding before the update).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,10 +16,12 @@ from test_spikes import SPIKE_STEP, _data, _linear
 from corelooper.errors import TrainingError
 
 CORELOOPER = Path(sys.executable).parent / "corelooper"
+HERE = Path(__file__).parent
 
 
 def doctor(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
+    env["PYTHONPATH"] = f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"  # a replay imports cli_task's factories
     return subprocess.run([str(CORELOOPER), "doctor", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=120)
 
@@ -29,7 +32,7 @@ def test_post_mortem_of_a_run_with_a_spike_and_its_plot(tmp_path):
     proc = doctor(run, "--plot")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "logs: 16 windows, last at step 16" in out
+    assert "finished: step 16 in " in out and "logs: 16 windows, last at step 16" in out
     assert f"loss spike at step {SPIKE_STEP}:" in out
     assert "memory peak:" in out and "(RSS)" in out
     assert "memory breakdown: parameters 20 B" in out
@@ -47,6 +50,7 @@ def test_post_mortem_of_an_oom(tmp_path):
     with pytest.raises(TrainingError):
         make_loop(tmp_path, OomAt(at_call=3), samples()).train()
     out = doctor(tmp_path / "run").stdout
+    assert "not finished: out of memory (the report is below); no run summary" in out
     assert "doctor: out of memory at step 3 during forward" in out
     assert "advice: out of memory" in out
 
@@ -65,3 +69,64 @@ def test_doctor_is_listed_and_help_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert " doctor " in proc.stdout
     assert proc.stdout.strip().endswith("False")
+
+
+def corelooper_run(tmp_path: Path, name: str, *args, model: str = "model", train: str = "train",
+                   extra: str = "") -> subprocess.CompletedProcess:
+    """``corelooper run`` of a toy classifier (cli_task.py) with the installed doctor, as a user
+    runs it."""
+    task = HERE / "cli_task.py"
+    config = tmp_path / f"{name}.toml"
+    config.write_text(f"""
+[model]
+factory = "{task}:{model}"
+[data]
+train = "{task}:{train}"
+[train]
+output_dir = "{tmp_path / name}"
+max_steps = 8
+per_device_train_batch_size = 8
+logging_steps = 2
+save_strategy = "no"
+{extra}
+[plugins]
+enable = ["doctor"]
+""")
+    env = {k: v for k, v in os.environ.items() if k not in ("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "CORELOOPER_VERBOSE")}
+    env.update(PYTHONPATH=f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    return subprocess.run([str(CORELOOPER), "run", str(config), *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_console_lines_show_the_training_essentials_and_verbose_shows_all(tmp_path):
+    quiet = corelooper_run(tmp_path, "quiet")
+    assert quiet.returncode == 0, quiet.stderr
+    lines = [x for x in quiet.stdout.splitlines() if x.startswith("[step ") and " loss=" in x]
+    assert len(lines) == 4
+    for line in lines:
+        assert "grad_norm=" in line and "learning_rate=" in line and "samples_per_second=" in line
+        assert "doctor/" not in line and "time_share" not in line and "memory" not in line
+    # the loggers still get every key
+    records = [json.loads(x) for x in (tmp_path / "quiet" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    assert len(logged) == 4 and all("doctor/time_share_data" in r and "doctor/memory_peak_rss_gb" in r for r in logged)
+    # and the console has the run's split once, at the end
+    assert quiet.stderr.count("doctor: time split of 6 steps (after the first window): data ") == 1
+    verbose = corelooper_run(tmp_path, "verbose", "--verbose")
+    assert verbose.returncode == 0, verbose.stderr
+    lines = [x for x in verbose.stdout.splitlines() if x.startswith("[step ") and " loss=" in x]
+    assert len(lines) == 4 and all(" doctor/time_share_data=" in x and " doctor/memory_peak_rss_gb=" in x for x in lines)
+
+
+def test_post_mortem_and_replay_of_a_run_from_the_command_line(tmp_path):
+    run = corelooper_run(tmp_path, "overflow", model="square_model", train="overflow_train",
+                         extra='on_nonfinite = "skip_step"')
+    assert run.returncode == 0, run.stderr
+    step = next((tmp_path / "overflow" / "doctor").glob("step-*")).name
+    out = doctor(tmp_path / "overflow").stdout
+    assert "finished: step 8 in " in out and "logs: 4 windows, last at step 8" in out
+    assert f"non-finite at step {step[5:]} (skip_step): 'body.1' [Square] forward output" in out
+    assert f"re-explain it with --replay {step}" in out
+    replayed = doctor(tmp_path / "overflow", "--replay", step)
+    assert replayed.returncode == 0, replayed.stderr
+    assert json.loads(replayed.stdout)["module"] == "body.1"

@@ -70,6 +70,7 @@ def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
     post = subprocess.run([str(Path(sys.executable).parent / "corelooper"), "doctor", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=60, env=env)
     assert report.strip() in post.stdout and "advice: hang: read the stacks" in post.stdout
+    assert "not finished: it hung (the report is below)" in post.stdout
 
 
 def test_ddp_timeout_reaches_the_process_group(tmp_path):

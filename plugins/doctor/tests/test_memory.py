@@ -55,7 +55,7 @@ def test_peak_rss_is_logged_on_cpu(tmp_path):
     logs = [h for h in loop.state.log_history if "loss" in h]
     assert len(logs) == 4
     now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB -> GB
-    assert all(0 < h["memory_peak_rss_gb"] <= now + 1e-3 for h in logs)
+    assert all(0 < h["doctor/memory_peak_rss_gb"] <= now + 1e-3 for h in logs)
 
 
 def test_oom_report_names_the_phase_the_breakdown_and_ranked_fixes(tmp_path):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
+import pytest
 import torch
 from corelooper_doctor.spikes import SpikeDetector
 from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import doctor_of, make_loop, spike_samples
+from torch.overrides import TorchFunctionMode
 
 from corelooper.data import epoch_permutation
 
@@ -53,7 +56,7 @@ def test_spike_logged_with_its_step_and_samples(tmp_path):
     assert [s["step"] for s in spikes] == [worst["step"]] == [SPIKE_STEP]
     assert OUTLIER in spikes[0]["sample_indices"]
     assert len(spikes[0]["sample_indices"]) == 8
-    assert worst.get("loss_spike") == 1
+    assert worst.get("doctor/loss_spike") == 1
 
 
 def _snapshots():
@@ -89,3 +92,48 @@ def test_skip_batch_drops_the_update_and_a_resume_skips_it_again(tmp_path):
     assert torch.equal(seen2[step], seen[step - 1])  # resumed at step - 1: unchanged again
     assert torch.allclose(seen2[STEPS], final, atol=1e-7)
     assert doctor_of(again).state_dict()["skipped_steps"] == {str(step): skipped[0]["sample_indices"]}
+
+
+class DoctorReads(TorchFunctionMode):
+    """Records each read of a tensor's value to the host (on a GPU: a host-device sync) that the
+    doctor's code makes, with the step it happens at."""
+
+    READS = {"item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy"}
+
+    def __init__(self, loop):
+        super().__init__()
+        self.loop, self.steps = loop, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            f = sys._getframe(1)  # the caller, past torch's own Python frames if any
+            while f is not None and "/site-packages/torch/" in f.f_code.co_filename:
+                f = f.f_back
+            if f is not None and "corelooper_doctor" in f.f_code.co_filename:
+                self.steps.append(self.loop.state.global_step)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("doctor", "reads_at"), [
+    ({}, []),  # the window loss the loop logged: nothing read
+    ({"spike_per_step": True}, [4, 8, 12, 16]),  # each step's loss, read with each log
+    ({"on_spike": "skip_batch"}, list(range(0, STEPS))),  # before each update: asked for
+])
+def test_what_the_doctor_reads_from_the_device_and_when(tmp_path, doctor, reads_at):
+    loop = make_loop(tmp_path, _linear(), _data(), doctor=doctor, logging_steps=4, max_steps=STEPS,
+                     learning_rate=0.01)
+    reads = DoctorReads(loop)
+    with reads:
+        loop.train()
+    assert reads.steps == reads_at
+
+
+def test_per_step_spikes_are_found_at_the_next_log_step(tmp_path):
+    loop = make_loop(tmp_path, _linear(), _data(), doctor={"spike_per_step": True}, logging_steps=4,
+                     max_steps=STEPS, learning_rate=0.01)
+    loop.train()
+    spikes = [json.loads(line) for line in (tmp_path / "run" / "doctor" / "spikes.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in spikes] == [SPIKE_STEP]  # the step itself, not its window
+    assert OUTLIER in spikes[0]["sample_indices"] and len(spikes[0]["sample_indices"]) == 8
+    flagged = [h["step"] for h in loop.state.log_history if h.get("doctor/loss_spike")]
+    assert flagged == [12]  # the log of the window that holds step 11
