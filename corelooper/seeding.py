@@ -10,13 +10,22 @@ import torch
 
 def set_seed(seed: int) -> None:
     random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
+    if _has_accelerator():
+        torch.manual_seed(seed)  # also seeds every CUDA (MPS, XPU) device
+    else:  # the same CPU seed; torch.manual_seed would also queue a CUDA seed call, formatting a stack trace
+        torch.default_generator.manual_seed(seed)
     try:
         import numpy as np
 
         np.random.seed(seed % 2**32)
     except ImportError:  # numpy is optional at run time
         pass
+
+
+def _has_accelerator() -> bool:
+    mps, xpu = getattr(torch.backends, "mps", None), getattr(torch, "xpu", None)
+    return (torch.cuda.is_available() or (mps is not None and mps.is_available())
+            or (xpu is not None and xpu.is_available()))
 
 
 def rng_state() -> dict[str, Any]:
