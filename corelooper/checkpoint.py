@@ -133,11 +133,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
+def _fsync_files(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+
+
+def _fsync_tree(path: Path) -> None:
+    """Every file and the folder itself (a folder renamed into place as a whole)."""
+    _fsync_files(path)
     _fsync_dir(path)
 
 
@@ -238,7 +243,7 @@ def save_model(directory: Path, *, model, backend, max_shard_size: int | str = "
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             save_weights(state_dict, tmp, max_shard_size, backend.unwrap_model(model))
-            _fsync_tree(tmp)
+            _fsync_files(tmp)  # its files move out of it: the folder that must be durable is `directory`
             for old in [*directory.glob("model-*-of-*.safetensors"), directory / WEIGHTS, directory / WEIGHTS_INDEX]:
                 old.unlink(missing_ok=True)  # an earlier save's layout would shadow this one
             for p in sorted(tmp.iterdir()):
