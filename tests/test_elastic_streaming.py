@@ -148,7 +148,9 @@ def test_a_hugging_face_stream_that_reads_only_a_part_is_refused():
     with pytest.raises(DataError, match="splits its shards among DataLoader workers by itself \\(2 asked\\).*"
                                         "dataloader_num_workers = 0"):
         StreamingLoader(_hf_stream(), 2, split="global", num_workers=2)
-    StreamingLoader(_hf_stream(), 2, split="shards", num_workers=2)  # unchanged: shards split as before
+    # shards (and "auto", which picks it here): each worker reads its own shards (tests/test_streaming.py)
+    StreamingLoader(_hf_stream(), 2, split="shards", num_workers=2)
+    assert StreamingLoader(_hf_stream(), 2, split="auto", num_workers=2).split == "shards"
 
 
 # -- refusals --------------------------------------------------------------------------------------
