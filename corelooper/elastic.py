@@ -16,12 +16,13 @@ world size:
    as samples consumed in the epoch, then as micro-batches of the new geometry: no sample is
    repeated and none skipped.
 
-Streams (``IterableDataset``) resume the same way with ``train.stream_split = "global"``: every
-rank reads one global order and takes its slice of each global micro-batch, and the checkpointed
-position is the samples of the stream's epoch consumed (``streaming.StreamingLoader``), which any
-world size and number of dataloader workers continues. A stream split by shards (the default)
-keeps a position per process x worker and cannot be re-split: resuming it on another world size
-is refused, naming what works.
+Streams (``IterableDataset``) resume the same way when read globally (``train.stream_split =
+"global"``, which the default ``"auto"`` picks for every stream that does not split itself):
+every rank reads one global order and takes its slice of each global micro-batch, and the
+checkpointed position is the samples of the stream's epoch consumed (``streaming.StreamingLoader``),
+which any world size and number of dataloader workers continues. A stream split by shards
+(``"shards"``, or ``"auto"`` for a dataset that splits itself) keeps a position per process x
+worker and cannot be re-split: resuming it on another world size is refused, naming what works.
 
 Gradients are the same because the loss is normalised by the global number of loss items
 (``num_items_in_batch`` summed over micro-batches and ranks), whatever the split. Model and
@@ -107,7 +108,7 @@ def prepare_resume(loop, directory) -> None:
     if saved is None or saved.world_size == now.world_size or loop.train_dataset is None:
         return
     stream = _is_iterable(loop.train_dataset)
-    if stream and not _can_resplit_stream(loop, saved, str(directory)):
+    if stream and not _can_resplit_stream(loop, saved, directory):
         return  # ignore_data_skip: the stream restarts, the configured geometry is used
     if not stream:
         _check_order_independent_of_geometry(loop, saved, str(directory))
@@ -198,23 +199,33 @@ def _check_order_independent_of_geometry(loop, saved: Geometry, where: str) -> N
         )
 
 
-def _can_resplit_stream(loop, saved: Geometry, where: str) -> bool:
+def _can_resplit_stream(loop, saved: Geometry, directory) -> bool:
     """A stream split by shards keeps one position per process x worker: another world size
     cannot continue it. True when the stream's global position continues on this world size."""
+    from .streaming import choose_split, saved_split
+
     if loop.plugins.implemented_by_others("train_dataloader"):
         return False  # a plugin's loader: its load_state_dict decides (adapt warns)
-    if getattr(loop.args, "stream_split", "shards") == "global":
-        return True
-    if loop.args.ignore_data_skip:
+    a = loop.args
+    split, on_disk = choose_split(loop.train_dataset, a.stream_split, a.dataloader_num_workers), saved_split(directory)
+    if split.mode == "global" and on_disk != "shards" or on_disk == "global":
+        return True  # a global position (a split that differs is refused as the data state loads)
+    if a.ignore_data_skip:
         return False
+    if split.mode == "global":  # this run would read globally, the checkpoint's is in shards
+        why = "as the run that saved it split its stream"
+        fix = (f"New runs of this configuration read their stream globally ({split.why}) and resume on "
+               "any number of processes.")
+    else:
+        why = split.why
+        fix = f"New runs read their stream globally, and resume on any number of processes, if you {split.to_global}."
     raise ConfigError(
-        f"Cannot resume {where} on {loop.state.world_size} processes: it was saved on "
+        f"Cannot resume {directory} on {loop.state.world_size} processes: it was saved on "
         f"{saved.world_size}, and its training stream is split into shards (train.stream_split = "
-        '"shards"), one per process x dataloader worker, each with its own position; a stream '
+        f'"shards", {why}), one per process x dataloader worker, each with its own position; a stream '
         f"cannot be re-split. Resume on {saved.world_size} processes with the same "
         "train.dataloader_num_workers, or set train.ignore_data_skip = true to restart the stream "
-        "from its beginning (samples seen again). Runs started with train.stream_split = "
-        '"global" (every process reads one global order) resume on any number of processes.'
+        f"from its beginning (samples seen again). {fix}"
     )
 
 

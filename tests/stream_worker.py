@@ -1,9 +1,11 @@
 """Streaming runs for tests/test_streaming.py, in every rank of a torchrun job.
 
 ``torchrun --nproc_per_node 2 tests/stream_worker.py OUT`` trains on a 64-sample stream with 2
-dataloader workers per process (2 x 2 = 4 shards), saving at step 5, then resumes from
-checkpoint-5 in a fresh Loop; once for a stream with state_dict/load_state_dict and once for one
-without. Each rank writes ``OUT/result.rank<R>.json``: the stream indices its model saw, per step.
+dataloader workers per process, saving at step 5, then resumes from checkpoint-5 in a fresh Loop;
+for a stream with state_dict/load_state_dict and for one without, each with the default
+``train.stream_split`` ("auto": read globally) and with ``"shards"`` (2 x 2 = 4 shards). Each rank
+writes ``OUT/result.rank<R>.json``: ``{split: {kind: ...}}``, the stream indices its model saw, per
+step, and its weights.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ def args(out: Path, **kw) -> TrainArgs:
                      **kw)
 
 
-def run(out: Path, make) -> dict:
+def run(out: Path, make, **kw) -> dict:
     model = Recorder()
-    Loop(model, args(out, overwrite_output_dir=True), train_dataset=make()).train()
+    Loop(model, args(out, overwrite_output_dir=True, **kw), train_dataset=make()).train()
     resumed = Recorder()
-    Loop(resumed, args(out), train_dataset=make()).train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    Loop(resumed, args(out, **kw), train_dataset=make()).train(resume_from_checkpoint=str(out / "checkpoint-5"))
     return {"first": model.seen, "resumed": resumed.seen,
             "params_first": [p.tolist() for p in model.parameters()],
             "params_resumed": [p.tolist() for p in resumed.parameters()]}
@@ -41,8 +43,10 @@ def run(out: Path, make) -> dict:
 def main() -> None:
     out = Path(sys.argv[1])
     rank = int(os.environ.get("RANK", 0))
-    result = {"stateful": run(out / "stateful", lambda: StatefulStream(64)),
-              "stateless": run(out / "stateless", lambda: Stream(64))}
+    result = {}
+    for split, kw in (("auto", {}), ("shards", {"stream_split": "shards"})):
+        result[split] = {"stateful": run(out / split / "stateful", lambda: StatefulStream(64), **kw),
+                         "stateless": run(out / split / "stateless", lambda: Stream(64), **kw)}
     (out / f"result.rank{rank}.json").write_text(json.dumps(result))
 
 

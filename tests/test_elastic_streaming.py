@@ -1,4 +1,5 @@
-"""Elastic resume of streaming (``IterableDataset``) data: ``train.stream_split = "global"``.
+"""Elastic resume of streaming (``IterableDataset``) data: ``train.stream_split = "global"``, which
+the default ``"auto"`` picks for a stream that does not split itself.
 
 Every rank reads one global order of the stream and takes its slice of each global micro-batch,
 so the checkpointed position is one number (samples of the stream's epoch consumed), which any
@@ -147,7 +148,9 @@ def test_a_hugging_face_stream_that_reads_only_a_part_is_refused():
     with pytest.raises(DataError, match="splits its shards among DataLoader workers by itself \\(2 asked\\).*"
                                         "dataloader_num_workers = 0"):
         StreamingLoader(_hf_stream(), 2, split="global", num_workers=2)
-    StreamingLoader(_hf_stream(), 2, split="shards", num_workers=2)  # unchanged: shards split as before
+    # shards (and "auto", which picks it here): each worker reads its own shards (tests/test_streaming.py)
+    StreamingLoader(_hf_stream(), 2, split="shards", num_workers=2)
+    assert StreamingLoader(_hf_stream(), 2, split="auto", num_workers=2).split == "shards"
 
 
 # -- refusals --------------------------------------------------------------------------------------
@@ -173,28 +176,97 @@ def _claim_two_processes(checkpoint_dir: Path) -> None:
 
 def test_a_stream_split_by_shards_refuses_another_world_size_naming_what_works(tmp_path, monkeypatch):
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
-    Loop(Recorder(), _args(tmp_path), train_dataset=StatefulStream(64)).train()
+    shards = dict(stream_split="shards")
+    Loop(Recorder(), _args(tmp_path, **shards), train_dataset=StatefulStream(64)).train()
     ckpt = tmp_path / "run" / "checkpoint-3"
     _claim_two_processes(ckpt)
     with pytest.raises(ConfigError, match=r'on 1 processes: it was saved on 2, and its training stream is split '
-                                          r'into shards \(train.stream_split = "shards"\).*Resume on 2 processes'
-                                          r'.*ignore_data_skip = true.*stream_split = "global"'):
+                                          r'into shards \(train.stream_split = "shards", as configured\).*Resume on '
+                                          r'2 processes.*ignore_data_skip = true.*if you set train.stream_split = '
+                                          r'"auto" or "global"'):
+        Loop(Recorder(), _args(tmp_path, **shards), train_dataset=StatefulStream(64)).train(
+            resume_from_checkpoint=str(ckpt))
+    # the default ("auto") would read this stream globally, but the checkpoint's is in shards
+    with pytest.raises(ConfigError, match=r'split into shards \(train.stream_split = "shards", as the run that '
+                                          r'saved it split its stream\).*Resume on 2 processes.*ignore_data_skip'
+                                          r'.*New runs of this configuration read their stream globally'):
         Loop(Recorder(), _args(tmp_path), train_dataset=StatefulStream(64)).train(resume_from_checkpoint=str(ckpt))
     # what the message names works: ignore_data_skip restarts the stream (with a warning)
     model = Recorder()
     with pytest.warns(UserWarning, match="not with the batches an uninterrupted run would have seen"):
-        Loop(model, _args(tmp_path, ignore_data_skip=True), train_dataset=StatefulStream(64)).train(
+        Loop(model, _args(tmp_path, ignore_data_skip=True, **shards), train_dataset=StatefulStream(64)).train(
             resume_from_checkpoint=str(ckpt))
     assert model.seen == [[0, 1], [2, 3], [4, 5]]  # steps 4-6, from the stream's beginning
 
 
+class OwnShards(StatefulStream):
+    """Reads only its shard (current_shard()): "auto" splits it by shards."""
+
+    shards_itself = True
+
+    def __iter__(self):
+        from corelooper.streaming import current_shard
+
+        shard = current_shard()
+        for i in super().__iter__():
+            if int(i["idx"]) % shard.count == shard.index:
+                yield i
+
+
+def test_auto_splits_a_stream_that_shards_itself_and_the_refusal_names_what_reads_it_globally(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
+    Loop(Recorder(), _args(tmp_path), train_dataset=OwnShards(64)).train()
+    state = json.loads((tmp_path / "run" / "checkpoint-3" / "data_state_0.json").read_text())
+    assert "split" not in state and state["num_shards"] == 1  # the shards format
+    _claim_two_processes(tmp_path / "run" / "checkpoint-3")
+    with pytest.raises(ConfigError, match=r'\(train.stream_split = "shards", "auto": OwnShards sets shards_itself = '
+                                          r'True and reads only its shard\).*Resume on 2 processes.*if you set '
+                                          r'train.stream_split = "global" \(every process and worker then reads'):
+        Loop(Recorder(), _args(tmp_path), train_dataset=OwnShards(64)).train(
+            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+
+
 def test_switching_the_split_on_resume_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
-    Loop(Recorder(), _args(tmp_path), train_dataset=StatefulStream(64)).train()
+    Loop(Recorder(), _args(tmp_path, stream_split="shards"), train_dataset=StatefulStream(64)).train()
     with pytest.raises(CheckpointError, match=r'for train.stream_split = "shards", this run has "global".*'
-                                              r'Resume with train.stream_split = "shards"'):
+                                              r'Resume with train.stream_split = "shards" \(or "auto"\)'):
         Loop(Recorder(), _args(tmp_path, stream_split="global"), train_dataset=StatefulStream(64)).train(
             resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    Loop(Recorder(), _args(tmp_path, stream_split="global", output_dir=str(tmp_path / "g")),
+         train_dataset=StatefulStream(64)).train()
+    with pytest.raises(CheckpointError, match=r'for a stream read globally \(train.stream_split = "global"\), this '
+                                              r'run splits it by shards \(as configured\).*set train.stream_split = '
+                                              r'"auto" or "global", or set train.ignore_data_skip'):
+        Loop(Recorder(), _args(tmp_path, stream_split="shards", output_dir=str(tmp_path / "g")),
+             train_dataset=StatefulStream(64)).train(resume_from_checkpoint=str(tmp_path / "g" / "checkpoint-3"))
+
+
+def test_a_checkpoint_of_the_old_default_resumes_in_shards_mode_with_auto(tmp_path, monkeypatch):
+    """The default before "auto" was "shards": its checkpoints (no "split", no "next": the
+    DataLoader took the workers in turn from the first) continue on the same number of processes
+    with the new default, in shards mode: the same batches and weights as the run that wrote it.
+    2 workers, saved after 3 batches: the next one comes from the second worker."""
+    monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
+    first = Recorder()
+    Loop(first, _args(tmp_path, stream_split="shards", dataloader_num_workers=2),
+         train_dataset=StatefulStream(64)).train()
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    path = ckpt / "data_state_0.json"
+    state = json.loads(path.read_text())
+    assert state.pop("next") == 1
+    path.write_text(json.dumps(state))  # as the code before "auto" wrote it
+    from corelooper.manifest import write_manifest
+
+    (ckpt / "manifest.json").unlink()
+    write_manifest(ckpt)
+    assert set(json.loads(path.read_text())) == {"num_shards", "rank", "batches", "shards"}
+    resumed = Recorder()
+    Loop(resumed, _args(tmp_path, dataloader_num_workers=2), train_dataset=StatefulStream(64)).train(
+        resume_from_checkpoint=str(ckpt))
+    assert resumed.seen == first.seen[3:] == [[5, 7], [8, 10], [9, 11]]  # shards: evens | odds
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), resumed.parameters(), strict=True))
+    assert "split" not in json.loads((tmp_path / "run" / "checkpoint-6" / "data_state_0.json").read_text())
 
 
 def test_in_process_resume_of_a_global_stream(tmp_path, monkeypatch):
@@ -219,7 +291,7 @@ def test_in_process_resume_of_a_global_stream(tmp_path, monkeypatch):
 def _write_config(tmp_path: Path, name: str, output_dir: Path, **train) -> Path:
     settings = {"max_steps": 12, "per_device_train_batch_size": 4, "learning_rate": 0.05, "logging_steps": 1,
                 "save_strategy": "steps", "save_steps": 3, "eval_strategy": "no", "seed": 3,
-                "stream_split": "global", "output_dir": str(output_dir), **train}
+                "output_dir": str(output_dir), **train}  # stream_split: the default, "auto"
     toml = lambda v: f'"{v}"' if isinstance(v, str) else repr(v)  # noqa: E731
     lines = ["[model]", f'factory = "{TASK}:recording_mlp"', "[data]", f'train = "{TASK}:shuffled_stream"',
              "[train]", *(f"{k} = {toml(v)}" for k, v in settings.items())]
@@ -265,7 +337,8 @@ def _samples_per_step(record: Path) -> dict[int, list[int]]:
 
 def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     """64-sample stream, global batch 8 (8 steps a stream epoch): stopped at 6 (epoch 0) and 9
-    (epoch 1). Dataloader workers: 0 in the reference; 2, then 3, then 1 in the interrupted run."""
+    (epoch 1). Dataloader workers: 0 in the reference; 2, then 3, then 1 in the interrupted run.
+    train.stream_split is left at its default ("auto"), which reads this stream globally."""
     (tmp_path / "record.py").write_text(RECORD_PLUGIN)
     ref = _run(tmp_path, _write_config(tmp_path, "ref.toml", tmp_path / "ref"), 2, tmp_path / "ref_seen")
     assert ref.returncode == 0, ref.stderr[-3000:]
