@@ -88,6 +88,34 @@ def _neftune(value: Any, tr: Translation, old: str = "") -> None:
         _section(tr, "neftune", "noise_alpha", value)
 
 
+# The switches of Liger's patch functions that [liger] has as keys of its own (the rest: [liger] extra).
+_LIGER_SWITCHES = ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy")
+
+
+def _use_liger_kernel(value: Any, tr: Translation, old: str = "") -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"train.use_liger_kernel must be true or false, got {value!r}.")
+    if value or "liger" in tr.sections:  # false alone is HF's default: no section, nothing needed
+        _section(tr, "liger", "enabled", value)
+
+
+def _liger_kernel_config(value: Any, tr: Translation, old: str = "") -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"train.liger_kernel_config must be a table of Liger's patch arguments (e.g. "
+            f"{{ rope = true, fused_linear_cross_entropy = true }}), got {value!r}."
+        )
+    # As HF: the config alone (without use_liger_kernel = true) patches nothing.
+    tr.sections.setdefault("liger", {}).setdefault("enabled", False)
+    for key, v in value.items():
+        if key in _LIGER_SWITCHES:
+            _section(tr, "liger", key, v)
+        else:
+            tr.sections["liger"].setdefault("extra", {})[key] = v
+
+
 def _deepspeed(value: Any, tr: Translation, old: str = "") -> None:
     if value is None:
         return
@@ -167,6 +195,8 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
     "bf16": (_precision("bf16"), 'mixed_precision = "bf16"'),
     "fp16": (_precision("fp16"), 'mixed_precision = "fp16"'),
     "neftune_noise_alpha": (_neftune, "[neftune] noise_alpha (the corelooper-neftune plugin)"),
+    "use_liger_kernel": (_use_liger_kernel, "[liger] enabled (the corelooper-liger plugin)"),
+    "liger_kernel_config": (_liger_kernel_config, "[liger] keys (the corelooper-liger plugin)"),
     "deepspeed": (_deepspeed, "[deepspeed] config (the corelooper-deepspeed plugin)"),
     "fsdp": (_fsdp, "the [fsdp] section (the corelooper-fsdp plugin, FSDP2)"),
     "fsdp_config": (_fsdp_config, "[fsdp] keys (the corelooper-fsdp plugin)"),
@@ -233,10 +263,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "gradient_checkpointing_kwargs": Unsupported(
         "not supported: corelooper enables it with use_reentrant=False; call "
         "model.gradient_checkpointing_enable(...) in model.factory for other options.", (None, {})),
-    "use_liger_kernel": Unsupported(
-        "Liger kernels are not built in: patch the model in model.factory "
-        "(liger_kernel.transformers.apply_liger_kernel_to_llama(), ...).", (False,)),
-    "liger_kernel_config": Unsupported("Liger kernels are not built in (see use_liger_kernel).", (None,)),
     "use_cache": Unsupported(
         "corelooper leaves model.config.use_cache as the model has it (turned off with "
         "gradient_checkpointing); set it in model.factory.", (False,)),

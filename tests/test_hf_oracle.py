@@ -424,6 +424,8 @@ def test_every_training_arguments_field_has_an_answer(name, tmp_path):
     ({"evaluation_strategy": "epoch"}, lambda a, c: a.eval_strategy == "epoch"),
     ({"group_by_length": True}, lambda a, c: a.train_sampling_strategy == "group_by_length"),
     ({"neftune_noise_alpha": 5.0}, lambda a, c: c.sections["neftune"]["noise_alpha"] == 5.0),
+    ({"use_liger_kernel": True, "liger_kernel_config": {"rope": False}},
+     lambda a, c: dict(c.sections["liger"]) == {"enabled": True, "rope": False}),
     ({"deepspeed": "ds.json"}, lambda a, c: c.sections["deepspeed"]["config"] == "ds.json"),
     ({"fsdp": "full_shard offload", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
      lambda a, c: dict(c.sections["fsdp"]) == {"reshard_after_forward": True, "cpu_offload": True,

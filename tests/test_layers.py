@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "transformers", "accelerate", "optuna", "deepspeed", "peft", "wandb", "tensorboard",
-         "safetensors", "numpy", "datasets", "sklearn", "matplotlib"}
+         "safetensors", "numpy", "datasets", "sklearn", "matplotlib", "liger_kernel", "triton"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

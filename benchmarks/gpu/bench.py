@@ -26,15 +26,17 @@ sys.path.insert(0, str(HERE))
 
 # Rough seconds per step on one H200 (model build + warm-up + steps): a step is skipped when the
 # budget left is below its estimate, so the run ends in time with a line saying what was skipped.
-ESTIMATE_S = {"raw_bf16_compile": 60, "cl_bf16_compile": 60, "auto_batch_size_real_oom": 60}
+ESTIMATE_S = {"raw_bf16_compile": 60, "cl_bf16_compile": 60, "auto_batch_size_real_oom": 60,
+              "cl_bf16_liger": 45}  # Triton compiles Liger's kernels on the first step
 DEFAULT_ESTIMATE_S = 25
 PAIRS = [("cl_bf16_full", "raw_bf16_full"), ("cl_bf16_lora", "raw_bf16_lora"),
          ("cl_fp16_scaler", "raw_fp16_scaler"), ("cl_bf16_compile", "raw_bf16_compile"),
          ("cl_packing_flash_varlen", "cl_packing_sdpa"), ("cl_fsdp2_1gpu", "cl_bf16_full"),
-         ("cl_zero2_1gpu", "cl_bf16_full")]
+         ("cl_zero2_1gpu", "cl_bf16_full"), ("cl_bf16_liger", "cl_bf16_full")]
 CPU_SKIP = {"cl_fp16_scaler": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)",
             "raw_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
-            "cl_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU"}
+            "cl_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
+            "cl_bf16_liger": "Liger's Triton kernels need a CUDA GPU (corelooper-liger is inactive on CPU)"}
 
 
 def environment() -> dict:
@@ -50,7 +52,7 @@ def environment() -> dict:
         out["torch_error"] = repr(e)
     from importlib.metadata import PackageNotFoundError, version
 
-    for pkg in ("transformers", "peft", "accelerate", "deepspeed", "flash-attn", "corelooper"):
+    for pkg in ("transformers", "peft", "accelerate", "deepspeed", "flash-attn", "liger-kernel", "triton", "corelooper"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # corelooper on one GPU (H200): bf16 full fine-tuning and LoRA vs a hand-written bf16 loop
 # (tokens/s, MFU), fp16 + GradScaler, torch_compile, leak-free packing with flash-attention
-# varlen vs sdpa, auto batch size on a real CUDA OOM, the doctor's memory report and host-device
-# syncs per step, single-GPU FSDP2 and ZeRO-2, peak memory of each. No model or data download.
-# Under 8 minutes in all.
+# varlen vs sdpa, Liger kernels (corelooper-liger) vs none, auto batch size on a real CUDA OOM,
+# the doctor's memory report and host-device syncs per step, single-GPU FSDP2 and ZeRO-2, peak
+# memory of each. No model or data download. Under 8 minutes in all.
 #
 #   bash benchmarks/gpu/run.sh                 # on the GPU machine, from the repository root
 #   bash benchmarks/gpu/run.sh --cpu-smoke     # tiny sizes on a CPU (uses the existing .venv)
@@ -39,6 +39,10 @@ else
     [ -f "$d/pyproject.toml" ] && plugins+=(-e "$d")
   done
   "${PIP[@]}" -c "$VENV/torch-pin.txt" -e . "${plugins[@]}" || { echo "corelooper install failed"; exit 1; }
+  # corelooper-liger brings liger-kernel (Triton kernels; triton comes with the CUDA torch): on its own,
+  # so that a failure leaves the other steps alone (cl_bf16_liger then says it was skipped).
+  timeout 120 "${PIP[@]}" -c "$VENV/torch-pin.txt" -e plugins/liger \
+      || echo "corelooper-liger / liger-kernel did not install: the Liger step is skipped"
   # flash-attn: a prebuilt wheel only (a source build takes far longer than the budget).
   timeout 90 "${PIP[@]}" -c "$VENV/torch-pin.txt" --only-binary=:all: flash-attn \
       || echo "flash-attn: no prebuilt wheel for this torch/CUDA: the packing step runs sdpa only"

@@ -197,12 +197,36 @@ def cl_train(model, dataset, size: str, precision: str = "bf16", sections: dict 
     return out, loop
 
 
-def cl_full(size: str, precision: str = "bf16", **train) -> dict:
+def cl_full(size: str, precision: str = "bf16", sections: dict | None = None, **train) -> dict:
     s = SIZES[size]
     reset_peak()
     model = build_model(size)
-    out, _ = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, precision, **train)
+    out, _ = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, precision, sections=sections, **train)
     return with_mfu(out, flops_per_token(model, size), precision)
+
+
+def cl_liger(size: str) -> dict:
+    """bf16 full fine-tuning with corelooper-liger (the model type's default kernels: RoPE, RMSNorm,
+    SwiGLU, fused linear cross-entropy), against cl_bf16_full: tokens/s and peak memory."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("corelooper_liger") is None:
+        return {"skipped": "corelooper-liger (plugins/liger) is not installed in this venv"}
+    if importlib.util.find_spec("liger_kernel") is None:
+        return {"skipped": "liger-kernel did not install (pip install liger-kernel): no Liger step"}
+    if not torch.cuda.is_available():
+        return {"skipped": "Liger's Triton kernels need a CUDA GPU"}
+    s = SIZES[size]
+    reset_peak()
+    model = build_model(size)
+    out, loop = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", sections={"liger": {}})
+    run = loop.plugins.get("liger.run")
+    if run is None or run.applied is None:
+        return {"error": f"the liger plugin did not patch the model: {loop.plugins.inactive.get('liger')}"}
+    out["liger_kernels"] = run.applied or "the model type's defaults"
+    return with_mfu(out, flops_per_token(model, size), "bf16")
 
 
 def cl_lora(size: str) -> dict:
@@ -341,6 +365,7 @@ STEPS = {
     "cl_fp16_scaler": lambda z: cl_full(z, "fp16"),
     "raw_bf16_compile": lambda z: raw_loop(z, "bf16", compile_=True),
     "cl_bf16_compile": lambda z: cl_full(z, "bf16", torch_compile=True),
+    "cl_bf16_liger": cl_liger,
     "cl_packing_sdpa": lambda z: cl_packing(z, "sdpa"),
     "cl_packing_flash_varlen": lambda z: cl_packing(z, "flash_attention_2"),
     "cl_fsdp2_1gpu": lambda z: cl_sharded(z, "fsdp2"),
