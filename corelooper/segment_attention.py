@@ -55,11 +55,12 @@ def segment_sdpa_forward(module, query, key, value, attention_mask, dropout: flo
                                       is_causal=is_causal, **kwargs)
     out = []
     for r, starts in enumerate(bounds):
-        pieces = [
-            sdpa_attention_forward(module, query[r:r + 1, :, a:b], key[r:r + 1, :, a:b], value[r:r + 1, :, a:b],
-                                   None, dropout=dropout, scaling=scaling, is_causal=True)[0]
-            for a, b in zip(starts, starts[1:], strict=False) if b > a
-        ]
+        sizes = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > a]
+        # split, not slices: its backward writes each piece's gradient into one tensor once,
+        # where every slice's backward would fill a whole-row zero tensor
+        q, k, v = (t[r:r + 1].split(sizes, dim=2) for t in (query, key, value))
+        pieces = [sdpa_attention_forward(module, qi, ki, vi, None, dropout=dropout, scaling=scaling, is_causal=True)[0]
+                  for qi, ki, vi in zip(q, k, v, strict=True)]
         out.append(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0])
     return (torch.cat(out, dim=0) if rows > 1 else out[0]), None
 
