@@ -26,7 +26,8 @@ def segment_bounds(cu_seq_lens=None, position_ids=None, rows: int = 1, length: i
     segments of 3 and 2 tokens. From ``cu_seq_lens`` (one row) or from ``position_ids`` (a new
     segment wherever the position does not follow the previous one)."""
     if cu_seq_lens is not None:
-        return [[int(x) for x in cu_seq_lens.tolist()]]
+        bounds = [int(x) for x in cu_seq_lens.tolist()]
+        return [bounds + [length]] if bounds[-1] < length else [bounds]  # trailing padding: its own segment
     if position_ids is None:
         return [[0, length] for _ in range(rows)]
     pos = position_ids.expand(rows, -1) if position_ids.shape[0] != rows else position_ids
@@ -49,7 +50,8 @@ def segment_sdpa_forward(module, query, key, value, attention_mask, dropout: flo
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     cu = kwargs.get("cu_seq_lens_q")
-    bounds = segment_bounds(cu if rows == 1 else None, kwargs.get("position_ids"), rows, length)
+    bounds = segment_bounds(cu if rows == 1 and cu is not None and int(cu[-1]) <= length else None,
+                            kwargs.get("position_ids"), rows, length)
     if all(len(b) == 2 for b in bounds):  # one segment per row: plain causal attention
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

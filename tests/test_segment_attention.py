@@ -122,5 +122,6 @@ def test_other_attentions_are_left_as_they_are():
 
 def test_segment_bounds():
     assert segment_bounds(torch.tensor([0, 3, 5], dtype=torch.int32)) == [[0, 3, 5]]
+    assert segment_bounds(torch.tensor([0, 3, 5]), length=8) == [[0, 3, 5, 8]]  # padding: one more segment
     assert segment_bounds(None, torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]), 2) == [[0, 3, 5], [0, 2, 5]]
     assert segment_bounds(None, None, 2, 4) == [[0, 4], [0, 4]]
