@@ -129,11 +129,12 @@ class Segment:
 
 def block_causal_mask(seq_lengths: Sequence[Sequence[int]], total: int, dtype=None):
     """``[B, 1, T, T]`` float mask: 0.0 where a token may attend (earlier tokens of its own
-    segment), ``finfo(dtype).min`` elsewhere. Padding at a row's end is one more segment, so no
-    row of the mask is fully blocked (a fully blocked row gives NaN in sdpa)."""
+    segment), ``finfo(dtype).min`` elsewhere; with ``dtype=bool`` the boolean mask sdpa takes
+    (True where a token may attend). Padding at a row's end is one more segment, so no row of
+    the mask is fully blocked (a fully blocked row gives NaN in sdpa)."""
     import torch
 
-    dtype = dtype or torch.float32
+    dtype = torch.bool if dtype is bool else (dtype or torch.float32)
     rows = len(seq_lengths)
     segment = torch.empty((rows, total), dtype=torch.long)
     for r, lens in enumerate(seq_lengths):
@@ -143,6 +144,8 @@ def block_causal_mask(seq_lengths: Sequence[Sequence[int]], total: int, dtype=No
     same = segment[:, :, None] == segment[:, None, :]
     causal = torch.ones((total, total), dtype=torch.bool).tril()
     allowed = same & causal
+    if dtype == torch.bool:
+        return allowed[:, None]
     mask = torch.zeros((rows, 1, total, total), dtype=dtype)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     return mask
@@ -151,9 +154,11 @@ def block_causal_mask(seq_lengths: Sequence[Sequence[int]], total: int, dtype=No
 class SegmentCollator:
     """Rows of segments -> a leak-free causal-LM batch (see the module docstring).
 
-    ``attn_implementation``: ``"sdpa"``/``"eager"`` (or any non-flash one) get the 4-D mask;
-    ``flash_attention_2``/``flash_attention_3``/``kernels-community/...`` get one row of
-    concatenated segments with ``position_ids`` and ``cu_seq_lens_q/k``, ``max_length_q/k``.
+    ``attn_implementation``: ``flash_attention_2``/``flash_attention_3``/``kernels-community/...``
+    and ``SEGMENT_SDPA`` (corelooper/segment_attention.py) get one row of concatenated segments
+    with ``position_ids`` and ``cu_seq_lens_q/k``, ``max_length_q/k``, no padding and no mask;
+    ``"sdpa"`` gets a 4-D boolean block-diagonal causal mask (True: attend; sdpa's CPU kernel
+    reads it at half the cost of a float mask), ``"eager"`` (or any other) the float mask.
     Per-sample numeric extras (``difficulty_score``) come back per token, shaped like
     ``labels`` (0 on padding), so a weighted loss multiplies them with the per-token loss.
     """
@@ -161,13 +166,12 @@ class SegmentCollator:
     def __init__(self, pad_token_id: int, attn_implementation: str | None = "sdpa",
                  mask_dtype=None, pad_to_multiple_of: int | None = None):
         self.pad_token_id = pad_token_id
-        self.flash = is_flash(attn_implementation)
+        self.flash = is_varlen(attn_implementation)
+        self.bool_mask = attn_implementation in (None, "sdpa")
         self.mask_dtype = mask_dtype
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, rows: Sequence[Sequence[Segment]]) -> dict:
-        import torch
-
         if not rows or not all(rows):
             raise DataError("The packing collator got an empty batch (or a row with no samples).")
         if self.flash:
@@ -176,31 +180,56 @@ class SegmentCollator:
         total = max(sum(x) for x in lengths)
         if self.pad_to_multiple_of and not self.flash:
             total = -(-total // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        n = len(rows)
-        input_ids = torch.full((n, total), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((n, total), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros((n, total), dtype=torch.long)
-        names = sorted({k for row in rows for s in row for k in s.extras})
-        extras = {k: torch.zeros((n, total), dtype=torch.float32) for k in names}
-        for r, row in enumerate(rows):
-            pos = 0
-            for seg in row:
-                k = len(seg.input_ids)
-                input_ids[r, pos:pos + k] = torch.as_tensor(seg.input_ids, dtype=torch.long)
-                labels[r, pos:pos + k] = torch.as_tensor(seg.labels, dtype=torch.long)
-                labels[r, pos] = IGNORE_INDEX  # never predicted from the previous segment
-                position_ids[r, pos:pos + k] = torch.arange(k)
-                for name, value in seg.extras.items():
-                    extras[name][r, pos:pos + k] = float(value)
-                pos += k
-            position_ids[r, pos:] = torch.arange(total - pos)
-        batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        batch = _rows_to_tensors(rows, lengths, total, self.pad_token_id)
         if self.flash:
             batch.update(_flash_kwargs(lengths[0]))
+        elif self.bool_mask:
+            batch["attention_mask"] = block_causal_mask(lengths, total, bool)
         else:
             batch["attention_mask"] = block_causal_mask(lengths, total, self.mask_dtype)
-        batch.update(extras)
         return batch
+
+
+def _rows_to_tensors(rows: Sequence[Sequence[Segment]], lengths: list[list[int]], total: int, pad: int) -> dict:
+    """``input_ids``, ``labels`` (-100 on each segment's first token and on padding),
+    ``position_ids`` (restarting per segment; the padding counts on as one more segment) and the
+    per-token extras, built as flat lists and turned into tensors once."""
+    import torch
+
+    names = sorted({k for row in rows for s in row for k in s.extras})
+    ids: list[int] = []
+    labels: list[int] = []
+    pos: list[int] = []
+    extras: dict[str, list[float]] = {k: [] for k in names}
+    for row, lens in zip(rows, lengths, strict=True):
+        for seg, k in zip(row, lens, strict=True):
+            if not k:
+                continue
+            seg_labels = _as_list(seg.labels)
+            if len(seg_labels) != k:
+                raise DataError(f"A packed segment has {k} input_ids but {len(seg_labels)} labels.")
+            ids.extend(_as_list(seg.input_ids))
+            labels.append(IGNORE_INDEX)  # never predicted from the previous segment
+            labels.extend(seg_labels[1:])
+            pos.extend(range(k))
+            for name in names:
+                extras[name].extend([float(seg.extras.get(name, 0.0))] * k)
+        pad_n = total - sum(lens)
+        ids.extend([pad] * pad_n)
+        labels.extend([IGNORE_INDEX] * pad_n)
+        pos.extend(range(pad_n))
+        for name in names:
+            extras[name].extend([0.0] * pad_n)
+    shape = (len(rows), total)
+    batch = {"input_ids": torch.tensor(ids, dtype=torch.long).view(shape),
+             "labels": torch.tensor(labels, dtype=torch.long).view(shape),
+             "position_ids": torch.tensor(pos, dtype=torch.long).view(shape)}
+    batch.update({k: torch.tensor(v, dtype=torch.float32).view(shape) for k, v in extras.items()})
+    return batch
+
+
+def _as_list(values) -> list[int]:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def _flash_kwargs(lengths: Sequence[int]) -> dict:
@@ -216,3 +245,11 @@ def is_flash(attn_implementation: str | None) -> bool:
     """Whether this attention separates packed samples by position ids (varlen flash kernels)."""
     name = attn_implementation or ""
     return "flash" in name or name.startswith("kernels-community/")
+
+
+def is_varlen(attn_implementation: str | None) -> bool:
+    """Whether batches for this attention are one unpadded row with ``cu_seq_lens`` (flash
+    kernels, and corelooper's ``SEGMENT_SDPA``) rather than rows with a 4-D mask."""
+    from .segment_attention import SEGMENT_SDPA
+
+    return is_flash(attn_implementation) or attn_implementation == SEGMENT_SDPA

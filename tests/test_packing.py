@@ -108,7 +108,8 @@ def test_extras_come_per_token_and_boundaries_are_masked():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
     assert batch["w"].tolist() == [[2.0, 2.0, 2.0, 0.5, 0.5, 0.0, 0.0, 0.0]]
     mask = batch["attention_mask"][0, 0]
-    blocked = mask == torch.finfo(torch.float32).min
+    assert mask.dtype == torch.bool  # sdpa's kernel takes a boolean mask (True: attend)
+    blocked = ~mask
     assert not blocked[3, 3] and blocked[3, 2] and blocked[4, 0] and not blocked[4, 3]
     assert not blocked[6, 5] and blocked[5, 4]  # padding is its own causal segment: no empty row
 

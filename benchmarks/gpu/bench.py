@@ -31,8 +31,9 @@ ESTIMATE_S = {"raw_bf16_compile": 60, "cl_bf16_compile": 60, "auto_batch_size_re
 DEFAULT_ESTIMATE_S = 25
 PAIRS = [("cl_bf16_full", "raw_bf16_full"), ("cl_bf16_lora", "raw_bf16_lora"),
          ("cl_fp16_scaler", "raw_fp16_scaler"), ("cl_bf16_compile", "raw_bf16_compile"),
-         ("cl_packing_flash_varlen", "cl_packing_sdpa"), ("cl_fsdp2_1gpu", "cl_bf16_full"),
-         ("cl_zero2_1gpu", "cl_bf16_full"), ("cl_bf16_liger", "cl_bf16_full")]
+         ("cl_packing_flash_varlen", "cl_packing_sdpa"), ("cl_packing_segment_sdpa", "cl_packing_sdpa"),
+         ("cl_fsdp2_1gpu", "cl_bf16_full"), ("cl_zero2_1gpu", "cl_bf16_full"),
+         ("cl_bf16_liger", "cl_bf16_full")]
 CPU_SKIP = {"cl_fp16_scaler": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)",
             "raw_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
             "cl_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",

@@ -262,7 +262,8 @@ def cl_sharded(size: str, which: str) -> dict:
 
 def cl_packing(size: str, attn: str) -> dict:
     """Long-tailed chat samples (benchmarks/sft/common.py), packed leak-free by corelooper.packing
-    into rows of ``seq`` tokens: sdpa gets the 4-D block mask, flash_attention_2 varlen batches."""
+    into rows of ``seq`` tokens: sdpa gets the 4-D (boolean) block mask, flash_attention_2 varlen
+    batches, ``segments`` corelooper's segment-wise sdpa (one sdpa call per sample, no mask)."""
     import common as sft  # benchmarks/sft/common.py
 
     try:
@@ -284,8 +285,14 @@ def cl_packing(size: str, attn: str) -> dict:
                      [t % vocab if t != -100 else t for t in samples[i].labels[a:b]], {}) for i, a, b in row]
             for row in plan]
     reset_peak()
-    model = build_model(size, attn=attn)
+    model = build_model(size, attn="sdpa" if attn == "segments" else attn)
     dtype = torch.bfloat16
+    if attn == "segments":
+        try:
+            from corelooper.segment_attention import use_segment_attention
+        except ImportError:
+            return {"skipped": "corelooper.segment_attention is not in this corelooper"}
+        attn = use_segment_attention(model)
     if attn == "flash_attention_2":
         model = model.to(dtype)  # flash kernels need half-precision weights
     collator = SegmentCollator(pad_token_id=0, attn_implementation=attn, mask_dtype=dtype)
@@ -368,6 +375,7 @@ STEPS = {
     "cl_bf16_liger": cl_liger,
     "cl_packing_sdpa": lambda z: cl_packing(z, "sdpa"),
     "cl_packing_flash_varlen": lambda z: cl_packing(z, "flash_attention_2"),
+    "cl_packing_segment_sdpa": lambda z: cl_packing(z, "segments"),
     "cl_fsdp2_1gpu": lambda z: cl_sharded(z, "fsdp2"),
     "cl_zero2_1gpu": lambda z: cl_sharded(z, "zero2"),
     "auto_batch_size_real_oom": auto_batch_size,

@@ -152,6 +152,7 @@ class Probe:
 
     def __init__(self, model):
         self.positions = self.trained = self.forwards = 0
+        self.trained_per_forward: list[int] = []
         self.threads_in_fwd = None  # what the framework left torch with during training
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
@@ -167,7 +168,9 @@ class Probe:
         self.forwards += 1
         self.positions += ids.numel()
         if labels is not None:
-            self.trained += int((labels[..., 1:] != -100).sum())
+            n = int((labels[..., 1:] != -100).sum())
+            self.trained += n
+            self.trained_per_forward.append(n)
 
     def summary(self) -> dict:
         return dict(forwards=self.forwards, positions_computed=self.positions, trained_tokens_fed=self.trained,

@@ -34,6 +34,26 @@ class Unavailable(Exception):
     """This contender cannot run in this environment (the reason is reported, not hidden)."""
 
 
+def import_framework(method: str) -> None:
+    """Import what ``method``'s framework imports, before the timed call: the HF Trainer's and
+    TRL's calls would otherwise pay for importing ``transformers.Trainer``/accelerate/trl/datasets
+    inside the clock while corelooper's pays for ``corelooper``: not the same window."""
+    if method.startswith(("hf_", "trl_")):
+        import datasets  # noqa: F401
+        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments  # noqa: F401
+    if method.startswith("trl_"):
+        from trl import SFTConfig, SFTTrainer  # noqa: F401
+    if method.startswith("cl_"):
+        import corelooper.collators  # noqa: F401
+        from corelooper import Loop, TrainArgs  # noqa: F401
+
+        try:
+            import corelooper.packing  # noqa: F401
+            import corelooper.segment_attention  # noqa: F401
+        except ImportError:
+            pass
+
+
 def hf_args(h, out: str, **extra):
     from transformers import TrainingArguments
 
@@ -194,26 +214,51 @@ def _segments(samples):
     return [Segment(input_ids=s.input_ids, labels=s.labels, extras={}) for s in samples]
 
 
+def _leak_free_collator(model, h):
+    """``SegmentCollator`` for the model's attention: with ``--cl-attention segments`` (default)
+    the model's sdpa becomes corelooper's segment-wise sdpa (one unpadded row per batch, each
+    segment attending to itself: ``sum(L_i^2)`` scores, no mask); ``mask``: the 4-D boolean
+    block-diagonal mask over the whole row (``T^2`` scores)."""
+    from corelooper.packing import SegmentCollator
+
+    attn = "sdpa"
+    if getattr(h, "cl_attention", "segments") == "segments":
+        try:
+            from corelooper.segment_attention import use_segment_attention
+        except ImportError:
+            pass
+        else:
+            attn = use_segment_attention(model)
+    return SegmentCollator(pad_token_id=C.PAD, attn_implementation=attn, mask_dtype=next(model.parameters()).dtype)
+
+
+def _back_to_sdpa(model):
+    """The eval loss is measured with the attention every contender has (sdpa)."""
+    if getattr(model.config, "_attn_implementation", "sdpa") != "sdpa":
+        model.set_attn_implementation("sdpa")
+
+
 def cl_packed(model, train, h):
     t = time.perf_counter()
     if packing_layout(h) == "collators":
         rows = _packed_rows_collators(train, h)
         collator = None  # torch's default collate stacks the fixed-length rows
     else:
-        from corelooper.packing import SegmentCollator, plan_packing
+        from corelooper.packing import plan_packing
 
         plan = plan_packing([len(s.input_ids) for s in train], h.max_len, "bfd")
         rows = [_segments([C.Sample(train[i].input_ids[a:b], max(0, train[i].prompt_length - a))
                            for i, a, b in row]) for row in plan]
-        seg = SegmentCollator(pad_token_id=C.PAD, attn_implementation="sdpa",
-                              mask_dtype=next(model.parameters()).dtype)
-        collator = seg  # items are rows (lists of segments); a batch is a list of rows
+        collator = _leak_free_collator(model, h)  # items are rows (lists of segments); a batch is a list of rows
     prep = time.perf_counter() - t
     if collator is None:
         import torch
 
         collator = lambda items: {k: torch.stack([it[k] for it in items]) for k in items[0]}  # noqa: E731
-    _loop(model, rows, h, collator, batch=h.rows)
+    try:
+        _loop(model, rows, h, collator, batch=h.rows)
+    finally:
+        _back_to_sdpa(model)
     return prep
 
 
@@ -221,15 +266,15 @@ def cl_padding_free(model, train, h):
     if packing_layout(h) == "collators":
         raise Unavailable("corelooper.collators has no padding-free path; needs corelooper.packing "
                           "(the SFT work) — rerun after it is merged, or pass --cl-packing packing")
-    from corelooper.packing import SegmentCollator
-
-    seg = SegmentCollator(pad_token_id=C.PAD, attn_implementation="sdpa",
-                          mask_dtype=next(model.parameters()).dtype)
+    seg = _leak_free_collator(model, h)
 
     def collate(items):  # the same samples per batch as the padded row, flattened into one row
         return seg([_segments([C.Sample(it["input_ids"], it["prompt_length"]) for it in items])])
 
-    _loop(model, _cl_items(train), h, collate)
+    try:
+        _loop(model, _cl_items(train), h, collate)
+    finally:
+        _back_to_sdpa(model)
 
 
 METHODS = {

@@ -2,12 +2,16 @@
 
 usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] [--batch 8]
                          [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--threads N]
-                         [--cl-packing auto|collators|packing] [--profile OUT.prof]
+                         [--cl-packing auto|collators|packing] [--cl-attention segments|mask]
+                         [--profile OUT.prof]
 METHOD: hf_padded hf_grouped trl_padded trl_padding_free trl_packing_bfd cl_padded cl_grouped
         cl_packed cl_padding_free (methods.py)
 
 Times the framework call (trainer construction + train, i.e. including its own data
-preparation) up to its last optimizer step (and the whole call, with the end-of-run save), then measures the eval loss of the trained model the same way for everyone
+preparation) up to its last optimizer step (and the whole call, with the end-of-run save; and the
+steady state: from the first optimizer step to the last), every framework's modules imported
+before the clock starts (methods.import_framework), then measures the eval loss of the trained
+model the same way for everyone
 (common.eval_loss: padded batches, completion tokens only). ``--profile`` writes a cProfile of
 the framework call.
 """
@@ -42,6 +46,8 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=C.MODEL["num_hidden_layers"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--cl-packing", default="auto", choices=["auto", "collators", "packing"])
+    ap.add_argument("--cl-attention", default="segments", choices=["segments", "mask"],
+                    help="corelooper's leak-free rows: segment-wise sdpa (default) or one 4-D block mask")
     ap.add_argument("--profile", default=None)
     return ap.parse_args(argv)
 
@@ -57,14 +63,15 @@ def main() -> None:
     st = C.stats(train)
     rows = a.rows or max(1, round(a.batch * st["mean_len"] / a.max_len))
     h = M.hparams(batch=a.batch, rows=rows, max_len=a.max_len, lr=a.lr, seed=a.seed, cpu=True, bf16=False,
-                  cl_packing=a.cl_packing)
+                  cl_packing=a.cl_packing, cl_attention=a.cl_attention)
     model = C.make_model(a.seed, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875) // 8 * 8,
                          num_hidden_layers=a.layers)
     probe = C.Probe(model)
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    last_step = [None]
-    register_optimizer_step_post_hook(lambda *_: last_step.__setitem__(0, time.perf_counter()))
+    steps: list[float] = []  # the time of every optimizer step
+    register_optimizer_step_post_hook(lambda *_: steps.append(time.perf_counter()))
+    M.import_framework(a.method)  # each framework's modules are imported before the timed call, for all alike
     rec = dict(method=a.method, seed=a.seed, samples=a.samples, batch=a.batch, packed_rows_per_step=rows,
                threads=torch.get_num_threads(), import_s=round(time.perf_counter() - T0, 3),
                layout=M.packing_layout(h) if a.method.startswith("cl_pack") or a.method == "cl_padding_free" else None)
@@ -88,7 +95,12 @@ def main() -> None:
             prof.disable()
             prof.dump_stats(a.profile)
     wall = time.perf_counter() - t
+    last_step = [steps[-1]]
     fed = probe.summary()
+    # Steady state: the tokens trained after the first optimizer step over the time from it to the
+    # last (construction, data preparation and first-step warm-up left out; one forward per step).
+    later = sum(probe.trained_per_forward[1:])
+    steady = round(later / (steps[-1] - steps[0]), 1) if len(steps) > 1 and steps[-1] > steps[0] else None
     rec.update(fed)
     rec.update(
         train_call_s=round(wall, 3), to_last_step_s=round(last_step[0] - t, 3),
@@ -98,6 +110,7 @@ def main() -> None:
         # (packing) count, the end-of-run save/teardown does not (frameworks differ there).
         trained_tok_per_s=round(st["trained_tokens"] / (last_step[0] - t), 1),
         trained_tok_per_s_whole_call=round(st["trained_tokens"] / wall, 1),
+        trained_tok_per_s_steady=steady, optimizer_steps=len(steps),
         padding_share=round(1 - st["tokens"] / fed["positions_computed"], 4) if fed["positions_computed"] else None,
         same_trained_tokens=fed["trained_tokens_fed"] == st["trained_tokens"],
         eval_loss=round(C.eval_loss(model, evals), 4),

@@ -7,7 +7,10 @@ already tokenized rows; formats detected per row), masked (``assistant_only_loss
 counted and reported once), optionally packed (``packing``, ``packing_strategy`` = ``bfd``,
 ``bfd_split``, ``wrapped``) or batched padding-free, and the loop's collator is set to the one
 that matches. Packed and padding-free batches never leak attention between samples
-(``corelooper.packing``). Numeric extra columns (``difficulty_score``) reach the batch.
+(``corelooper.packing``); with ``sdpa`` attention (and ``segment_attention = true``, the
+default) the model's attention becomes corelooper's segment-wise sdpa
+(``corelooper.segment_attention``: each sample attends to itself, no ``T x T`` mask), with flash
+attention the varlen kernel does the same. Numeric extra columns (``difficulty_score``) reach the batch.
 
 This module imports neither torch nor transformers nor datasets: ``corelooper --help`` loads it.
 """
@@ -34,6 +37,7 @@ DEFAULTS = {
     "overlong": "truncate",
     "pad_to_multiple_of": None,
     "eval_packing": None,
+    "segment_attention": True,
 }
 
 

@@ -102,6 +102,10 @@ def setup_loop(loop, cfg: dict[str, Any]) -> None:
                                           template)
     if backend.is_main_process:
         backend.wait_for_everyone()
+    if (cfg["packing"] or cfg["padding_free"]) and cfg["segment_attention"] and loop.data_collator is None:
+        from corelooper.segment_attention import use_segment_attention
+
+        use_segment_attention(loop.model)  # sdpa -> one sdpa per segment: no T x T mask per row
     attn, dtype = attention_of(loop.model)
     if loop.data_collator is None:
         loop.data_collator = SplitCollator(cfg, tok.pad_token_id, attn, dtype)

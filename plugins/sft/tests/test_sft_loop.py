@@ -66,10 +66,21 @@ def test_packing_really_packs_and_trains(tmp_path, model_dir):
                            logging_steps=1))
     assert len(loop.train_dataset) < 24 and loop.model.config.use_cache is False
     batch = loop.data_collator(loop.train_dataset.__getitems__([0, 1]))
-    assert batch["attention_mask"].dim() == 4 and batch["position_ids"].shape == batch["input_ids"].shape
+    # sdpa became segment-wise sdpa: one unpadded row, the samples' bounds in cu_seq_lens, no T x T mask
+    assert loop.model.config._attn_implementation == "corelooper_segment_sdpa"
+    assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 1
+    assert batch["cu_seq_lens_q"][-1] == batch["input_ids"].shape[1] == batch["position_ids"].shape[1]
     loop.train()
     losses = [h["loss"] for h in loop.state.log_history if "loss" in h and "train_runtime" not in h]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_without_segment_attention_sdpa_gets_a_boolean_block_mask(tmp_path, model_dir):
+    loop = Loop(config=config(tmp_path, model_dir, {"packing": True, "max_length": 256, "segment_attention": False}))
+    assert loop.model.config._attn_implementation == "sdpa"
+    batch = loop.data_collator(loop.train_dataset.__getitems__([0, 1]))
+    assert batch["attention_mask"].dim() == 4 and batch["attention_mask"].dtype == torch.bool
+    assert batch["position_ids"].shape == batch["input_ids"].shape
 
 
 class WeightedLoss:
