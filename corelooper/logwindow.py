@@ -1,8 +1,8 @@
 """The logging window: what the loop sums between two logs, and the run's summary.
 
-The window's step losses stay on the device (a list of detached scalars: appending costs no
-kernel launch); they are summed and read, with one host sync, only when a log is written or a
-checkpoint saves the window.
+The window's loss stays on the device (a running sum of detached step losses, added in step
+order so that a resumed window sums exactly as an uninterrupted one); it is read, with one host
+sync, only when a log is written or a checkpoint saves the window.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ class LogWindow:
         self.reset()
 
     def reset(self) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.restored_loss = 0.0  # the sum of a checkpointed window's losses (resume)
+        self.loss = torch.zeros((), device=self.device)
         self.steps = self.samples = self.tokens = 0
         self.start = time.perf_counter()
 
     def add(self, step_loss: torch.Tensor, samples: int, tokens: int) -> None:
-        self.losses.append(step_loss)
+        self.loss += step_loss
         self.steps += 1
         self.samples += samples
         self.tokens += tokens
@@ -38,7 +37,7 @@ class LogWindow:
     def logs(self, backend, grad_norm, learning_rate: float, epoch: float) -> dict[str, Any]:
         """The log of this window (HF's keys), in the order HF writes them."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        loss = backend.reduce_mean(self.loss_sum()).item() / max(self.steps, 1)
+        loss = backend.reduce_mean(self.loss).item() / max(self.steps, 1)
         logs: dict[str, Any] = {"loss": round(loss, 6) if math.isfinite(loss) else loss}
         if grad_norm is not None:
             logs["grad_norm"] = float(grad_norm)
@@ -49,21 +48,16 @@ class LogWindow:
             logs["tokens_per_second"] = round(self.tokens / elapsed, 2)
         return logs
 
-    def loss_sum(self) -> torch.Tensor:
-        """The window's summed loss, on the device (no host sync)."""
-        total = torch.stack(self.losses).sum().float() if self.losses else torch.zeros((), device=self.device)
-        return total + self.restored_loss if self.restored_loss else total
-
     # -- checkpointed (so the first log after a resume averages the same steps) --------------
     def state_dict(self) -> dict[str, Any] | None:
         if not self.steps:
             return None
-        return {"loss": float(self.loss_sum()), "steps": self.steps, "samples": self.samples, "tokens": self.tokens}
+        return {"loss": float(self.loss), "steps": self.steps, "samples": self.samples, "tokens": self.tokens}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.reset()
         if state:
-            self.restored_loss = float(state["loss"])
+            self.loss += state["loss"]
             self.steps, self.samples, self.tokens = state["steps"], state["samples"], state["tokens"]
 
 
