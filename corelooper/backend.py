@@ -124,7 +124,24 @@ class TorchDistributedCollectives:
             dist.barrier()
 
 
-class AccelerateBackend(TorchDistributedCollectives):
+class WholeModel:
+    """Model and optimizer steps of a backend whose every rank holds the whole model (DDP, one
+    device): the user's module inside the wrappers, its full state dict, a plain optimizer step."""
+
+    def optimizer_step(self, optimizer):
+        optimizer.step()
+
+    def unwrap_model(self, model):
+        return unwrap(model)
+
+    def model_state_dict(self, model):
+        return unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model, state_dict, strict: bool = True):
+        self.unwrap_model(model).load_state_dict(state_dict, strict=strict)
+
+
+class AccelerateBackend(WholeModel, TorchDistributedCollectives):
     """DDP / single device / mixed precision through ``accelerate.Accelerator``.
 
     On CPU the accelerator is created with ``cpu=True``: without it, under torchrun, every rank
@@ -209,18 +226,6 @@ class AccelerateBackend(TorchDistributedCollectives):
             self.accelerator.unscale_gradients()  # fp16: clip the true gradients
         # torch's own clip: accelerate's walks every module per call looking for FSDP/DTensors
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-    def optimizer_step(self, optimizer):
-        optimizer.step()
-
-    def unwrap_model(self, model):
-        return unwrap(model)
-
-    def model_state_dict(self, model):
-        return unwrap(model).state_dict()
-
-    def load_model_state_dict(self, model, state_dict, strict: bool = True):
-        self.unwrap_model(model).load_state_dict(state_dict, strict=strict)
 
     def save_training_state(self, optimizer, directory) -> None:
         if self.is_main_process:

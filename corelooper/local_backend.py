@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .backend import TorchDistributedCollectives, unwrap
+from .backend import TorchDistributedCollectives, WholeModel
 from .weights import torch_save
 
 
@@ -29,7 +29,7 @@ def local_device(use_cpu: bool) -> torch.device | None:
     return torch.device("cpu")
 
 
-class LocalBackend(TorchDistributedCollectives):
+class LocalBackend(WholeModel, TorchDistributedCollectives):
     shards_parameters = False
 
     def __init__(self, device: torch.device) -> None:
@@ -61,18 +61,6 @@ class LocalBackend(TorchDistributedCollectives):
 
     def clip_grad_norm(self, model, max_norm: float):
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-    def optimizer_step(self, optimizer):
-        optimizer.step()
-
-    def unwrap_model(self, model):
-        return unwrap(model)
-
-    def model_state_dict(self, model):
-        return unwrap(model).state_dict()
-
-    def load_model_state_dict(self, model, state_dict, strict: bool = True):
-        unwrap(model).load_state_dict(state_dict, strict=strict)
 
     def save_training_state(self, optimizer, directory) -> None:
         torch_save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
