@@ -85,3 +85,16 @@ def torchrun() -> list[str]:
 def max_diff(a: dict, b: dict) -> float:
     assert sorted(a) == sorted(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def claim_two_processes(checkpoint_dir: Path) -> None:
+    """Make a 1-process checkpoint say it was saved by 2, and re-sign its manifest (checkpoints
+    are verified by checksum: an edit alone is refused as corruption)."""
+    from corelooper.manifest import write_manifest
+
+    path = checkpoint_dir / "loop_state.json"
+    text = path.read_text()
+    assert '"world_size": 1,' in text
+    path.write_text(text.replace('"world_size": 1,', '"world_size": 2,'))
+    (checkpoint_dir / "manifest.json").unlink()
+    write_manifest(checkpoint_dir)

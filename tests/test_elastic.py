@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from cluster_task import REPO, STOP_PLUGIN, env, max_diff, write_config
+from cluster_task import REPO, STOP_PLUGIN, claim_two_processes, env, max_diff, write_config
 from safetensors.torch import load_file
 
 from corelooper.data import BatchLoader
@@ -114,23 +114,10 @@ def test_a_short_last_step_of_the_epoch_is_named():
         _warn_if_epoch_end_differs(64, Geometry(2, 4, 1))
 
 
-def _claim_two_processes(checkpoint_dir) -> None:
-    """Make a 1-process checkpoint say it was saved by 2, and re-sign its manifest (checkpoints
-    are verified by checksum: an edit alone is refused as corruption)."""
-    from corelooper.manifest import write_manifest
-
-    path = checkpoint_dir / "loop_state.json"
-    text = path.read_text()
-    assert '"world_size": 1,' in text
-    path.write_text(text.replace('"world_size": 1,', '"world_size": 2,'))
-    (checkpoint_dir / "manifest.json").unlink()
-    write_manifest(checkpoint_dir)
-
-
 def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(run_loop, make_loop, tmp_path,
                                                                                capsys):
     run_loop(max_steps=8)
-    _claim_two_processes(tmp_path / "run" / "checkpoint-4")
+    claim_two_processes(tmp_path / "run" / "checkpoint-4")
     refused = make_loop(max_steps=8, group_by_length=True, length_column_name="x")
     with pytest.raises(ConfigError, match=r"on 1 processes with train.group_by_length = true.*Resume on 2"):
         refused.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))

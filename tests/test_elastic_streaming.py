@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster_task import REPO, env, max_diff
+from cluster_task import REPO, claim_two_processes, env, max_diff
 from safetensors.torch import load_file
 
 from corelooper.config import TrainArgs
@@ -162,24 +162,12 @@ def _args(tmp_path, **kw) -> TrainArgs:
     return TrainArgs(**{**base, **kw})
 
 
-def _claim_two_processes(checkpoint_dir: Path) -> None:
-    """Make a 1-process checkpoint say it was saved by 2 (re-signing its manifest)."""
-    from corelooper.manifest import write_manifest
-
-    path = checkpoint_dir / "loop_state.json"
-    text = path.read_text()
-    assert '"world_size": 1,' in text
-    path.write_text(text.replace('"world_size": 1,', '"world_size": 2,'))
-    (checkpoint_dir / "manifest.json").unlink()
-    write_manifest(checkpoint_dir)
-
-
 def test_a_stream_split_by_shards_refuses_another_world_size_naming_what_works(tmp_path, monkeypatch):
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
     shards = dict(stream_split="shards")
     Loop(Recorder(), _args(tmp_path, **shards), train_dataset=StatefulStream(64)).train()
     ckpt = tmp_path / "run" / "checkpoint-3"
-    _claim_two_processes(ckpt)
+    claim_two_processes(ckpt)
     with pytest.raises(ConfigError, match=r'on 1 processes: it was saved on 2, and its training stream is split '
                                           r'into shards \(train.stream_split = "shards", as configured\).*Resume on '
                                           r'2 processes.*ignore_data_skip = true.*if you set train.stream_split = '
@@ -218,7 +206,7 @@ def test_auto_splits_a_stream_that_shards_itself_and_the_refusal_names_what_read
     Loop(Recorder(), _args(tmp_path), train_dataset=OwnShards(64)).train()
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "data_state_0.json").read_text())
     assert "split" not in state and state["num_shards"] == 1  # the shards format
-    _claim_two_processes(tmp_path / "run" / "checkpoint-3")
+    claim_two_processes(tmp_path / "run" / "checkpoint-3")
     with pytest.raises(ConfigError, match=r'\(train.stream_split = "shards", "auto": OwnShards sets shards_itself = '
                                           r'True and reads only its shard\).*Resume on 2 processes.*if you set '
                                           r'train.stream_split = "global" \(every process and worker then reads'):
