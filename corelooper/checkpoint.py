@@ -123,6 +123,11 @@ class Restored:
 # -- writing ------------------------------------------------------------------------------------
 
 
+def _is_weight_shard(name: str) -> bool:
+    """``model-00001-of-00003.safetensors``"""
+    return name.startswith("model-") and "-of-" in name and name.endswith(".safetensors")
+
+
 def _fsync_dir(path: Path) -> None:
     if sys.platform == "win32":  # directories cannot be opened for fsync there
         return
@@ -134,9 +139,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _fsync_files(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
 
 
@@ -244,8 +250,9 @@ def save_model(directory: Path, *, model, backend, max_shard_size: int | str = "
             tmp.mkdir()
             save_weights(state_dict, tmp, max_shard_size, backend.unwrap_model(model))
             _fsync_files(tmp)  # its files move out of it: the folder that must be durable is `directory`
-            for old in [*directory.glob("model-*-of-*.safetensors"), directory / WEIGHTS, directory / WEIGHTS_INDEX]:
-                old.unlink(missing_ok=True)  # an earlier save's layout would shadow this one
+            for name in os.listdir(directory):  # an earlier save's layout would shadow this one
+                if name in (WEIGHTS, WEIGHTS_INDEX) or _is_weight_shard(name):
+                    (directory / name).unlink(missing_ok=True)
             for p in sorted(tmp.iterdir()):
                 os.replace(p, directory / p.name)
             tmp.rmdir()

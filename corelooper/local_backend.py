@@ -15,6 +15,7 @@ import os
 import torch
 
 from .backend import TorchDistributedCollectives, WholeModel
+from .gradients import clip_grad_norm_
 from .weights import torch_save
 
 
@@ -60,7 +61,7 @@ class LocalBackend(WholeModel, TorchDistributedCollectives):
         loss.backward()
 
     def clip_grad_norm(self, model, max_norm: float):
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return clip_grad_norm_(model.parameters(), max_norm)  # torch's result, less of its Python
 
     def save_training_state(self, optimizer, directory) -> None:
         torch_save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))

@@ -237,7 +237,7 @@ class Loop:
 
     def training_step(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step (the ``training_step`` provider): ``(loss, grad_norm)`` on the device."""
-        return self.hook.training_step(loop=self, micro_batches=micro_batches)
+        return self.plugins.call_provider("training_step", loop=self, micro_batches=micro_batches)[0]
 
     def _next_micro_batches(self, batches, n: int) -> list:
         try:

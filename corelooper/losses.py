@@ -94,6 +94,20 @@ def _whole_step(loop) -> bool:
     return not loop.is_training or (loop.num_micro_batches == 1 and loop.backend.num_processes == 1)
 
 
+def reads_num_items(loop, batch) -> bool:
+    """Whether ``default_loss`` uses ``num_items_in_batch`` for this training batch. It does not
+    when the model computes its own mean loss, does not take the count, and the step is this
+    one batch (no weighting): the step can then skip counting (two kernels and a read)."""
+    sig = loop.forward_signature
+    if sig is None or sig.accepts_loss_kwargs or not sig.accepts_labels or not _whole_step(loop):
+        return True
+    if getattr(loop.args, "loss_impl", "default") == "chunked":
+        return True
+    if loop.loss_type != "mse" and getattr(loop.args, "label_smoothing_factor", 0.0):
+        return True
+    return not (isinstance(batch, Mapping) and "labels" in batch)
+
+
 def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     sig = loop.forward_signature
     if isinstance(batch, Mapping):

@@ -47,8 +47,29 @@ def installed_entry_points() -> list[importlib.metadata.EntryPoint]:
 KNOWN_HOOKS = frozenset((*hookspecs.EVENTS, *hookspecs.PROVIDERS, *hookspecs.DECLARATIONS))
 
 
+def call_impl(impl, kwargs: dict[str, Any]) -> Any:
+    """Call one hook implementation as pluggy's executor does: its arguments picked by name."""
+    try:
+        args = [kwargs[name] for name in impl.argnames]
+    except KeyError as e:
+        raise pluggy.HookCallError(f"hook call must provide argument {e.args[0]!r}") from None
+    return impl.function(*args)
+
+
 class _Manager(pluggy.PluginManager):
     """As in pytest: a function named like a hook is an implementation, marked or not."""
+
+    monitors = 0  # hook-call monitors installed: while there is one, every call goes through pluggy
+
+    def add_hookcall_monitoring(self, before, after):
+        undo = super().add_hookcall_monitoring(before, after)
+        self.monitors += 1
+
+        def undo_and_count() -> None:
+            undo()
+            self.monitors -= 1
+
+        return undo_and_count
 
     def parse_hookimpl_opts(self, plugin, name):
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -172,14 +193,21 @@ class Plugins:
         impls = [i for i in getattr(self.hook, hook_name).get_hookimpls() if not (i.hookwrapper or i.wrapper)]
         return impls[-1] if impls else None
 
+    def only_builtin(self, hook_name: str) -> bool:
+        """Whether the builtin plugin is the only provider of ``hook_name`` (cached)."""
+        impls = self._providers(hook_name)[1]
+        return len(impls) == 1 and impls[0].plugin is self.pm.get_plugin(BUILTIN)
+
     def call_provider(self, hook_name: str, **kwargs) -> tuple[Any, Any]:
         """Call a provider as pluggy's firstresult does; also return the implementation that
         answered (the loop reads its signature: does it take ``num_items_in_batch``?)."""
         caller, impls = self._providers(hook_name)
+        monitored = self.pm.monitors
         for impl in impls:
-            # Through pluggy's executor, one implementation at a time, so hook-call monitoring
-            # (corelooper.testing's recorder, --profile-plugins) sees each call.
-            result = caller._hookexec(caller.name, [impl], kwargs, True)
+            if monitored:  # through pluggy's executor, so the monitor (a recorder, a timer) sees it
+                result = caller._hookexec(caller.name, [impl], kwargs, True)
+            else:  # what pluggy's executor does for one implementation, without its bookkeeping
+                result = call_impl(impl, kwargs)
             if result is not None:
                 return result, impl
         return None, None
@@ -244,8 +272,9 @@ def load_plugins(
     autoload: bool | None = None,
 ) -> Plugins:
     """Build the plugin manager for one run (or for ``corelooper plugins``)."""
-    from . import best_metric, builtin, metrics_log
+    from . import best_metric, builtin
     from .console import Console
+    from .metrics_log import MetricsLog
     from .preemption import PreemptionPlugin
     from .throughput import Throughput
 
@@ -259,7 +288,7 @@ def load_plugins(
     plugins.register(builtin, BUILTIN, "builtin", "corelooper", version)
     # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
     # stateful ones are new objects for every run.
-    for name, obj in (("console", Console()), ("jsonl", metrics_log), ("throughput", Throughput()),
+    for name, obj in (("console", Console()), ("jsonl", MetricsLog()), ("throughput", Throughput()),
                       ("preemption", PreemptionPlugin()), ("best_metric", best_metric)):
         plugins.register(obj, name, "builtin", "corelooper", version)
 

@@ -13,6 +13,8 @@ from contextlib import nullcontext
 import torch
 
 from .data import count_loss_items, resolve_loss_type
+from .gradients import zero_grad
+from .losses import reads_num_items
 
 
 def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -30,14 +32,14 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
     grad_norm = clip_gradients(loop)
     logged_norm = grad_norm if loop.args.max_grad_norm > 0 else None  # HF logs it when clipping
     if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
-        optimizer.zero_grad(set_to_none=True)  # skip_step: no update, no scheduler step
+        zero_grad(optimizer)  # skip_step: no update, no scheduler step
         return step_loss, logged_norm
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
     backend.optimizer_step(optimizer)
     loop.events.fire("on_optimizer_step", optimizer=optimizer)
     loop.learning_rate = loop.scheduler.get_last_lr()[0]  # the rate this step used: logged (HF 5.x)
     loop.scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    zero_grad(optimizer)
     # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
     # ranks (reduce_mean when logging) is the global loss, as in one process.
     return step_loss, logged_norm
@@ -63,10 +65,13 @@ def forward_backward(loop, batch, num_items, num_micro_batches: int, last: bool)
     return loss.detach()
 
 
-def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor:
-    """Loss-bearing items of the whole optimizer step, over micro-batches and processes."""
+def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor | None:
+    """Loss-bearing items of the whole optimizer step, over micro-batches and processes; None
+    when only the builtin loss would get it and it does not read it (``reads_num_items``)."""
     if loop.loss_type == "auto":
         loop.loss_type = resolve_loss_type(micro_batches[0])
+    if loop.plugins.only_builtin("compute_loss") and not reads_num_items(loop, micro_batches[0]):
+        return None
     counts = [count_loss_items(b, loop.loss_type) for b in micro_batches]
     total = counts[0] if len(counts) == 1 else sum(counts[1:], counts[0])
     if not torch.is_tensor(total):

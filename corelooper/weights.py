@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file  # every train() saves: not inside it
 
 from .errors import CheckpointError
 
@@ -91,8 +93,6 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard
     if model is not None and _is_hf_model(model):
         model.save_pretrained(directory, state_dict=state_dict, max_shard_size=limit)
         return
-    from safetensors.torch import save_file
-
     tensors = _untie(state_dict)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -142,8 +142,6 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a (possibly sharded) safetensors model in ``directory``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     files, _ = _weight_files(directory)
     loaded: dict[str, torch.Tensor] = {}
@@ -159,7 +157,6 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes from the safetensors headers only (no tensor data is read)."""
-    from safetensors import SafetensorError, safe_open
 
     files, _ = _weight_files(directory)
     shapes: dict[str, tuple[int, ...]] = {}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import toys
 from torch import nn
 
+from corelooper import hookimpl
 from corelooper.config import Config
 from corelooper.loop import Loop
 
@@ -281,3 +282,28 @@ def test_control_should_evaluate_from_a_plugin(train_args):
                 eval_dataset=toys.Blobs(8), plugins=[AskEval()])
     loop.train()
     assert evaluated == [(2, ["eval_loss"])]
+
+
+def test_metrics_jsonl_is_written_line_by_line_and_closed_at_the_end(tmp_path):
+    """The jsonl plugin keeps its file open during training (no open/close per log): every
+    record is on disk as soon as it is logged, the file is closed at on_train_end, and a later
+    evaluate() appends to it again."""
+    cfg = blobs_config(tmp_path, "run", num_train_epochs=1)
+    path = Path(cfg.train.output_dir) / "metrics.jsonl"
+    seen_on_disk = []
+
+    class ReadBack:
+        name = "read_back"
+
+        @hookimpl(trylast=True)  # after the jsonl plugin has written this record
+        def on_log(self, state, logs):
+            seen_on_disk.append(len(path.read_text().splitlines()))
+
+    loop = Loop(config=cfg, plugins=[ReadBack()], blocked_plugins=["console"])
+    loop.train()
+    assert seen_on_disk == list(range(1, len(seen_on_disk) + 1))  # each line there when logged
+    assert loop.plugins.get("jsonl").file is None  # closed at on_train_end
+    loop.evaluate()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records[-1]["event"] == "eval" and len(records) == len(seen_on_disk)
+    assert [r["event"] for r in records].count("log") == 9  # 8 steps and the run summary
