@@ -5,8 +5,13 @@ Every provider here is ``trylast``: any other plugin's implementation answers fi
 
 from __future__ import annotations
 
+# What every train() uses is imported with the module, not inside the timed loop.
+from .data import BatchLoader
 from .hookspecs import hookimpl
 from .losses import default_loss
+from .optimizers import create_optimizer as _create_optimizer
+from .schedules import create_scheduler as _create_scheduler
+from .step import default_training_step
 
 
 @hookimpl(trylast=True)
@@ -29,16 +34,12 @@ def create_backend(loop):
 
 @hookimpl(trylast=True)
 def create_optimizer(loop, model):
-    from .optimizers import create_optimizer
-
-    return create_optimizer(loop, model)
+    return _create_optimizer(loop, model)
 
 
 @hookimpl(trylast=True)
 def create_scheduler(loop, optimizer, num_training_steps):
-    from .schedules import create_scheduler
-
-    return create_scheduler(loop.args, optimizer, num_training_steps)
+    return _create_scheduler(loop.args, optimizer, num_training_steps)
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -46,8 +47,6 @@ def create_scheduler(loop, optimizer, num_training_steps):
 
 @hookimpl(trylast=True)
 def train_dataloader(loop, dataset):
-    from .data import BatchLoader
-
     a = loop.args
     if _is_iterable(dataset):
         return _streaming_loader(loop, dataset, a.per_device_train_batch_size, cycle=True, split=a.stream_split)
@@ -92,8 +91,6 @@ def _lengths(loop, dataset):
 
 @hookimpl(trylast=True)
 def eval_dataloader(loop, dataset):
-    from .data import BatchLoader
-
     a = loop.args
     if _is_iterable(dataset):
         return _streaming_loader(loop, dataset, a.per_device_eval_batch_size, cycle=False)
@@ -120,8 +117,6 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs):
 
 @hookimpl(trylast=True)
 def training_step(loop, micro_batches):
-    from .step import default_training_step
-
     return default_training_step(loop, micro_batches)
 
 

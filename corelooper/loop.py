@@ -34,6 +34,7 @@ from .events import Events
 from .guard import NonFiniteGuard
 from .lock import RunLock
 from .logwindow import LogWindow, TokensSeen, run_summary
+from .model_options import apply_model_options
 from .plugins import load_plugins
 from .preflight import check_run
 from .seeding import set_seed
@@ -100,8 +101,6 @@ class Loop:
         loader = self.hook.train_dataloader(loop=self, dataset=self.train_dataset)
         self.train_loader = loader  # its state_dict() (streaming data) goes into checkpoints
         self._plan_steps(loader)
-        from .model_options import apply_model_options
-
         self.model = apply_model_options(self, self.model)
         optimizer = self.hook.create_optimizer(loop=self, model=self.model)
         self.scheduler = self.hook.create_scheduler(

@@ -15,6 +15,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file  # every train() saves: not inside it
 
+try:
+    import numpy.ctypeslib  # noqa: F401  (save_file imports it on its first call)
+except ImportError:  # numpy is optional for torch
+    pass
+
 from .errors import CheckpointError
 
 WEIGHTS = "model.safetensors"
