@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets  # the test extra: a real Hugging Face IterableDataset below
 import pytest
 
 from corelooper.config import TrainArgs
@@ -206,7 +207,6 @@ def test_a_dataset_that_shards_itself_reads_only_its_part(tmp_path):
 
 def hf_stream(n: int = 40, num_shards: int = 4):
     """A real ``datasets.IterableDataset`` of the stream's samples, in ``num_shards`` shards."""
-    datasets = pytest.importorskip("datasets")
     from streams import sample
 
     rows = [sample(i) for i in range(n)]
@@ -239,7 +239,6 @@ def test_a_hugging_face_stream_with_dataloader_workers_reads_every_sample_once(n
 def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
     """split_dataset_by_node already gives each process its part (4 shards / 2 processes: two
     shards each); corelooper keeps all of it."""
-    pytest.importorskip("datasets")
     from datasets.distributed import split_dataset_by_node
 
     seen = _one_pass(lambda rank: split_dataset_by_node(hf_stream(), rank=rank, world_size=2), 2, workers)
@@ -249,7 +248,6 @@ def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
 
 
 def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(caplog):
-    pytest.importorskip("datasets")
     from datasets.distributed import split_dataset_by_node
 
     from corelooper.streaming import StreamingLoader
