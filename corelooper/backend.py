@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from .gradients import parameters_of
 from .weights import torch_save
 
 
@@ -225,7 +226,7 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
         if self.accelerator.scaler is not None:
             self.accelerator.unscale_gradients()  # fp16: clip the true gradients
         # torch's own clip: accelerate's walks every module per call looking for FSDP/DTensors
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(parameters_of(model), max_norm)
 
     def save_training_state(self, optimizer, directory) -> None:
         if self.is_main_process:

@@ -154,10 +154,10 @@ def _fsync_tree(path: Path) -> None:
 
 def check_finite(state_dict: dict[str, torch.Tensor], backend, what: str, output_dir: Path) -> None:
     """Refuse to write non-finite weights. Every rank calls it and all agree (one reduce)."""
-    bad = torch.logical_not(all_finite(state_dict)).float().to(backend.device)
+    finite = all_finite(state_dict)
     if backend.num_processes > 1:
-        bad = backend.reduce_sum(bad)
-    if bad.item() > 0:
+        finite = bool(backend.reduce_sum(torch.tensor(float(not finite), device=backend.device)) == 0)
+    if not finite:
         last = last_finite_checkpoint(output_dir)
         raise NonFiniteWeights(
             f"The model's weights hold NaN or inf: {what} was not written (a non-finite checkpoint "

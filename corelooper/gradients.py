@@ -8,6 +8,13 @@ has one answer, and ``clip_grad_norm_`` below runs the same kernels in the same 
 and the clipped gradients are torch's, bit for bit (``tests/test_gradients.py`` compares them).
 Anything else goes to torch's function.
 
+``parameters_of(model)`` is ``list(model.parameters())`` without the walk over every submodule
+on every step (~12 µs for a 3-layer MLP, ~1 ms for an LLM with LoRA layers): the list is kept
+per model and made again after any module anywhere registers a parameter or a submodule
+(torch's global registration hooks count those: a LoRA layer injected, a parametrization, a
+module replaced). A model dispatched with a device map (accelerate's offload swaps parameter
+objects without registering them) is walked every time.
+
 ``Optimizer.zero_grad(set_to_none=True)`` sets each ``p.grad`` to None inside a profiler range;
 ``zero_grad`` does the same assignments without the range when no profiler is recording, and
 calls the optimizer's own method when its class overrides it (accelerate's wrapper, DeepSpeed).
@@ -15,10 +22,38 @@ calls the optimizer's own method when its class overrides it (accelerate's wrapp
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterable
 
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
+
+_registrations = [0]  # parameters and submodules registered by any module since the hooks were set
+_listed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (registrations, params)
+
+
+def _count_registration(*_args) -> None:
+    _registrations[0] += 1  # returns None: torch keeps the registered object as it is
+
+
+@functools.cache  # once per process
+def _watch_registrations() -> None:
+    from torch.nn.modules import module
+
+    module.register_module_parameter_registration_hook(_count_registration)
+    module.register_module_module_registration_hook(_count_registration)
+
+
+def parameters_of(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """``list(model.parameters())``, listed again only when a module registered something."""
+    _watch_registrations()
+    listed = _listed.get(model)
+    if listed is None or listed[0] != _registrations[0]:
+        dispatched = bool(getattr(model, "hf_device_map", None))
+        listed = (_registrations[0], None if dispatched else list(model.parameters()))
+        _listed[model] = listed
+    return list(model.parameters()) if listed[1] is None else listed[1]
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -10,12 +10,13 @@ the same numbers, bit for bit: ``tests/test_local_backend.py`` runs one config o
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 
 import torch
 
 from .backend import TorchDistributedCollectives, WholeModel
-from .gradients import clip_grad_norm_
+from .gradients import clip_grad_norm_, parameters_of
 from .weights import torch_save
 
 
@@ -47,7 +48,10 @@ class LocalBackend(WholeModel, TorchDistributedCollectives):
 
     def prepare_model(self, model):
         # As accelerate: a model dispatched over several devices (device_map) stays where it is.
-        if len(set(getattr(model, "hf_device_map", {}).values())) <= 1:
+        if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+            return model
+        tensors = itertools.chain(model.parameters(), model.buffers())
+        if any(t.device != self.device for t in tensors):  # a model built on the CPU needs no .to()
             model = model.to(self.device)
         return model
 
@@ -61,7 +65,7 @@ class LocalBackend(WholeModel, TorchDistributedCollectives):
         loss.backward()
 
     def clip_grad_norm(self, model, max_norm: float):
-        return clip_grad_norm_(model.parameters(), max_norm)  # torch's result, less of its Python
+        return clip_grad_norm_(parameters_of(model), max_norm)  # torch's result, less of its Python
 
     def save_training_state(self, optimizer, directory) -> None:
         torch_save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))

@@ -2,7 +2,7 @@
 
 ``save_weights(state_dict, directory, max_shard_size, model)``, ``read_weights(directory)``,
 ``weight_shapes(directory)`` (headers only), ``check_shapes(model, found, where, backend)``,
-``all_finite(state_dict)`` (one fused reduction), ``parse_size("5GB")``.
+``all_finite(state_dict)`` (fused reductions), ``parse_size("5GB")``.
 """
 
 from __future__ import annotations
@@ -56,18 +56,23 @@ def torch_save(obj, path) -> None:
         serialization.set_crc32_options(previous)
 
 
-def all_finite(state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor: every floating value finite. One fused ``_foreach_norm(inf)`` per
-    device and dtype (the largest magnitude: inf stays inf, NaN propagates, nothing overflows),
-    no copy of the weights; the caller decides when to read it (one host sync, at save time)."""
+def all_finite(state_dict: dict[str, torch.Tensor]) -> bool:
+    """Every floating value finite; one host read per device and dtype, no copy of the weights.
+
+    A fused 2-norm screens each group (torch's vectorised kernels: ~15x faster on the CPU than
+    the largest magnitude, whose reduction is not vectorised there). NaN and inf always make it
+    non-finite; so can the squares of huge finite values. Only then is the exact test run: the
+    largest magnitude (inf stays inf, NaN propagates, nothing overflows)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for v in state_dict.values():
         v = getattr(v, "_local_tensor", v)  # a DTensor: this rank's shard
         if torch.is_tensor(v) and v.is_floating_point() and v.numel():
             groups.setdefault((v.device, v.dtype), []).append(v.detach())
-    oks = [torch.isfinite(torch.stack([m.float() for m in torch._foreach_norm(ts, ord=float("inf"))])).all().cpu()
-           for ts in groups.values()]
-    return torch.stack(oks).all() if oks else torch.tensor(True)
+    return all(_norms_finite(ts, 2.0) or _norms_finite(ts, float("inf")) for ts in groups.values())
+
+
+def _norms_finite(tensors: list[torch.Tensor], ord: float) -> bool:
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord))).all())
 
 
 def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

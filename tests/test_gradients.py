@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from corelooper.gradients import _one_foreach_group, clip_grad_norm_, zero_grad
+from corelooper.gradients import _one_foreach_group, clip_grad_norm_, parameters_of, zero_grad
 
 
 def _params(shapes, dtype=torch.float32, scale=1.0, seed=0):
@@ -144,3 +144,76 @@ def test_zero_grad_calls_an_overriding_optimizer_and_keeps_the_profiler_range():
         zero_grad(plain)
     assert lin.weight.grad is None
     assert any("zero_grad" in e.name for e in prof.events())  # torch's own range, as before
+
+
+# -- parameters_of: list(model.parameters()), kept until a module registers something ---------------
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _same_objects(ours, model):
+    theirs = list(model.parameters())
+    return len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs, strict=True))
+
+
+def test_parameters_of_is_model_parameters_and_kept_between_calls():
+    model = _mlp()
+    first = parameters_of(model)
+    assert _same_objects(first, model)
+    assert parameters_of(model) is first  # no walk over the modules on the next step
+    other = _mlp()  # any registration anywhere: every model is listed again, once
+    assert _same_objects(parameters_of(other), other) and _same_objects(parameters_of(model), model)
+    again = parameters_of(model)
+    assert parameters_of(model) is again
+
+
+def test_parameters_of_sees_a_new_submodule_a_replaced_parameter_and_a_parametrization():
+    model = _mlp()
+    before = parameters_of(model)
+    model.add_module("head", torch.nn.Linear(2, 2))  # a module added after the first step
+    assert _same_objects(parameters_of(model), model) and len(parameters_of(model)) == len(before) + 2
+    model[0].weight = torch.nn.Parameter(torch.zeros(8, 4))  # a parameter object replaced
+    assert any(p is model[0].weight for p in parameters_of(model))
+    torch.nn.utils.parametrize.register_parametrization(model[2], "weight", torch.nn.Identity())
+    assert _same_objects(parameters_of(model), model)  # weight is now parametrizations.weight.original
+
+
+def test_parameters_of_sees_lora_layers_injected_by_peft():
+    peft = pytest.importorskip("peft")  # a test dependency: installed by the test extra
+    model = _mlp()
+    parameters_of(model)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"])
+    peft.inject_adapter_in_model(config, model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    listed = parameters_of(model)
+    assert _same_objects(listed, model)
+    assert sum("lora_" in names[id(p)] for p in listed) == 4
+
+
+def test_parameters_of_walks_a_dispatched_model_every_time():
+    """accelerate's offload hooks swap entries of ``module._parameters`` without registering
+    them: a model with an ``hf_device_map`` is never served from the kept list."""
+    model = _mlp()
+    model.hf_device_map = {"": "cpu"}
+    parameters_of(model)
+    model[0]._parameters["weight"] = torch.nn.Parameter(torch.ones(8, 4))  # no registration hook
+    assert _same_objects(parameters_of(model), model)
+
+
+def test_clip_over_parameters_of_matches_torch_after_the_model_grows():
+    model = _mlp()
+    reference = _mlp()
+    x = torch.randn(3, 4)
+    for m in (model, reference):
+        m(x).sum().backward()
+    assert torch.equal(clip_grad_norm_(parameters_of(model), 0.1),
+                       torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    for m in (model, reference):
+        torch.manual_seed(1)
+        m.add_module("extra", torch.nn.Linear(2, 2))
+        m.zero_grad()
+        m.extra(m(x)).sum().backward()
+    assert torch.equal(clip_grad_norm_(parameters_of(model), 0.1),
+                       torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    _same(list(model.parameters()), list(reference.parameters()))

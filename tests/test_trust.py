@@ -5,6 +5,7 @@ start-up, --set on resume, no pickle from a checkpoint, kill -9 anywhere."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -228,6 +229,18 @@ def test_all_finite_is_one_reduction_that_sees_nan_and_inf():
         assert not bool(all_finite(sd2))
     big = {"h": torch.full((4,), 60000.0, dtype=torch.float16)}  # a norm would overflow fp16; a max does not
     assert bool(all_finite(big))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # one device and dtype: one group
+        one = {"w": torch.ones(64, 64, dtype=dtype), "b": torch.zeros(64, dtype=dtype)}
+        assert all_finite(one)
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            one["b"][2] = bad
+            assert not all_finite(one)
+        one["b"][2] = 0.0
+        one["w"][:] = torch.finfo(dtype).max / 2  # finite; its 2-norm screen overflows: the exact test decides
+        assert not math.isfinite(float(torch.linalg.vector_norm(one["w"])))
+        assert all_finite(one)
+        one["w"][5, 5] = float("nan")
+        assert not all_finite(one)
 
 
 # -- one run per output_dir ------------------------------------------------------------------------------
@@ -450,3 +463,33 @@ def test_eval_without_eval_data_and_an_impossible_best_metric_fail_at_startup(tm
                   metric_for_best_model="accuracy")
     one_paragraph(cli(root), 2, "metric_for_best_model = 'accuracy'", "no compute_metrics is set")
     assert not list((root / "out").glob("checkpoint-*"))
+
+
+def _check_finite_on_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo processes: rank 1's weights hold a NaN, rank 0's are finite."""
+    import torch.distributed as dist
+
+    from corelooper.backend import TorchDistributedCollectives
+    from corelooper.checkpoint import NonFiniteWeights, check_finite
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    backend = TorchDistributedCollectives()
+    backend._set_rank_attributes(on_cuda=False)
+    state = {"w": torch.ones(8, 8), "b": torch.tensor([0.0, float("nan") if rank == 1 else 1.0])}
+    try:
+        check_finite(state, backend, "checkpoint checkpoint-3", Path(out))
+        verdict = "written"
+    except NonFiniteWeights:
+        verdict = "refused"
+    check_finite({"w": torch.ones(2)}, backend, "checkpoint checkpoint-4", Path(out))  # all finite: no raise
+    Path(out, f"rank{rank}").write_text(verdict)
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_to_refuse_weights_when_one_rank_holds_a_nan(tmp_path):
+    """Sharded weights: the rank that sees a NaN and the ranks that do not must all refuse
+    (one reduce), or the others would wait for it in the next collective."""
+    from cluster_task import free_port
+
+    torch.multiprocessing.spawn(_check_finite_on_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["refused", "refused"]
