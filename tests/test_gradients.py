@@ -180,7 +180,7 @@ def test_parameters_of_sees_a_new_submodule_a_replaced_parameter_and_a_parametri
 
 
 def test_parameters_of_sees_lora_layers_injected_by_peft():
-    peft = pytest.importorskip("peft")  # a test dependency: installed by the test extra
+    import peft  # installed with corelooper-peft by scripts/setup, as tests/test_matrix.py relies on
     model = _mlp()
     parameters_of(model)
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"])
