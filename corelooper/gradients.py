@@ -19,6 +19,8 @@ objects without registering them) is walked every time.
 ``Optimizer.zero_grad(set_to_none=True)`` sets each ``p.grad`` to None inside a profiler range;
 ``zero_grad`` does the same assignments without the range when no profiler is recording, and
 calls the optimizer's own method when its class overrides it (accelerate's wrapper, DeepSpeed).
+Then it clears the model's gradients too, as HF's ``model.zero_grad()`` does after every step
+(``clear_gradients``, which ``train()`` also calls before the first step, as HF does).
 """
 
 from __future__ import annotations
@@ -84,11 +86,22 @@ def _one_foreach_group(grads: list[torch.Tensor]) -> bool:
     )
 
 
-def zero_grad(optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)``."""
+def zero_grad(optimizer, model: torch.nn.Module | None = None) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, then, as the HF Trainer's ``model.zero_grad()``
+    after each step, every gradient of ``model``: a parameter with a gradient that the optimizer
+    does not hold (a custom optimizer over some of the parameters) would otherwise carry it into
+    the next step's clipping norm."""
     if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad or torch.autograd._profiler_enabled():
         optimizer.zero_grad(set_to_none=True)  # its own method, or a profile that shows the range
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
+    else:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+    if model is not None:
+        clear_gradients(model)
+
+
+def clear_gradients(model: torch.nn.Module) -> None:
+    """``model.zero_grad()`` (``set_to_none``) over the kept parameter list."""
+    for p in parameters_of(model):
+        p.grad = None

@@ -31,6 +31,7 @@ from .config import Config, TrainArgs, as_config, resolve_interval
 from .data import batch_rows, count_input_tokens, pad_token_id_of
 from .errors import CorelooperError, DataError, explain_failure
 from .events import Events
+from .gradients import clear_gradients
 from .guard import NonFiniteGuard
 from .lock import RunLock
 from .logwindow import LogWindow, TokensSeen, run_summary
@@ -169,6 +170,7 @@ class Loop:
             if self.backend.is_main_process:
                 checkpoint.prepare_output_dir(output_dir, self.config, resuming=resume_dir is not None,
                                               overwrite=a.overwrite_output_dir)
+            clear_gradients(self.model)  # as HF: gradients left by earlier work are not the first step's
             self.events.fire("on_train_begin")
             if a.eval_on_start:  # as HF: once, before the first step (also on resume)
                 self.evaluate()

@@ -32,14 +32,14 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
     grad_norm = clip_gradients(loop)
     logged_norm = grad_norm if loop.args.max_grad_norm > 0 else None  # HF logs it when clipping
     if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
-        zero_grad(optimizer)  # skip_step: no update, no scheduler step
+        zero_grad(optimizer, loop.model)  # skip_step: no update, no scheduler step
         return step_loss, logged_norm
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
     backend.optimizer_step(optimizer)
     loop.events.fire("on_optimizer_step", optimizer=optimizer)
     loop.learning_rate = loop.scheduler.get_last_lr()[0]  # the rate this step used: logged (HF 5.x)
     loop.scheduler.step()
-    zero_grad(optimizer)
+    zero_grad(optimizer, loop.model)
     # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
     # ranks (reduce_mean when logging) is the global loss, as in one process.
     return step_loss, logged_norm

@@ -84,6 +84,67 @@ def test_same_losses_grad_norms_learning_rates_and_final_weights_as_hf(tmp_path,
     assert loop.state.log_history[-1]["train_loss"] == pytest.approx(train_loss["train_loss"], abs=1e-6)
 
 
+def _same_run_as_hf(hf, hf_model, loop):
+    hf_logs = [h for h in hf.state.log_history if "grad_norm" in h]
+    cl_logs = [h for h in loop.state.log_history if "grad_norm" in h]
+    assert len(cl_logs) == len(hf_logs) >= 3
+    for h, c in zip(hf_logs, cl_logs, strict=True):
+        assert abs(c["loss"] - h["loss"]) <= 1e-6, (h, c)
+        assert c["grad_norm"] == pytest.approx(h["grad_norm"], rel=1e-6, abs=1e-7), (h, c)
+    hf_params = dict(hf_model.named_parameters())
+    for name, p in loop.backend.unwrap_model(loop.model).named_parameters():
+        assert torch.equal(p.detach(), hf_params[name].detach()), name
+
+
+ZERO_GRAD_RUN = dict(per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, max_grad_norm=0.5,
+                     optim="adamw_torch", logging_steps=1, save_strategy="no")
+
+
+def test_gradients_left_before_train_are_not_the_first_steps_as_hf(tmp_path):
+    """HF calls ``model.zero_grad()`` before the first step: a backward run before ``train()``
+    (a sanity check, a learning-rate probe) adds nothing to it."""
+    data = toys.lm_samples(16, seed=5)
+    hf_model = toys.tiny_llama(seed=1)
+    cl_model = copy.deepcopy(hf_model)
+    for m in (hf_model, cl_model):
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 3.0)
+    hf = hf_trainer(hf_model, tmp_path / "hf", data, **ZERO_GRAD_RUN)
+    hf.train()
+    loop = cl_loop(cl_model, tmp_path / "cl", data, **ZERO_GRAD_RUN)
+    loop.train()
+    _same_run_as_hf(hf, hf_model, loop)
+
+
+def _all_but_embeddings(model):
+    return [p for n, p in model.named_parameters() if "embed_tokens" not in n]
+
+
+def test_parameters_outside_a_custom_optimizer_do_not_carry_gradients_as_hf(tmp_path):
+    """HF clears every gradient of the model after each step (``model.zero_grad()``) and clips
+    over ``model.parameters()``: a parameter that a custom optimizer leaves out counts in each
+    step's norm with that step's gradient only."""
+    from corelooper.hookspecs import hookimpl
+
+    class LeaveOutEmbeddings:
+        @hookimpl
+        def create_optimizer(self, loop, model):
+            return torch.optim.AdamW(_all_but_embeddings(model), lr=1e-2)
+
+    data = toys.lm_samples(16, seed=6)
+    hf_model = toys.tiny_llama(seed=1)
+    cl_model = copy.deepcopy(hf_model)
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), **COMMON, **HF_ONLY, **ZERO_GRAD_RUN)
+    hf = Trainer(model=hf_model, args=args, train_dataset=data,
+                 optimizers=(torch.optim.AdamW(_all_but_embeddings(hf_model), lr=1e-2), None))
+    hf.train()
+    loop = cl_loop(cl_model, tmp_path / "cl", data, plugins=[LeaveOutEmbeddings()], **ZERO_GRAD_RUN)
+    loop.train()
+    _same_run_as_hf(hf, hf_model, loop)
+    embeddings = dict(cl_model.named_parameters())["model.embed_tokens.weight"]
+    assert embeddings.grad is None  # cleared after the last step, as HF leaves it
+
+
 def test_gradient_accumulation_matches_the_big_batch_as_hf_requires(tmp_path):
     """HF's test_gradient_accumulation_loss_alignment_with_model_loss: GA 4 x 2 against 1 x 8."""
     data = toys.lm_samples(32, seed=4)
