@@ -4,7 +4,7 @@ state, and resume time at the start vs deep inside a large epoch.
 usage: .venv/bin/python benchmarks/checkpoint_bench.py [--reps 5] [--mb 100] [--samples 2000000]
                                                        [--dir /tmp/ckbench] [--json out.json]
 
-Save: ``corelooper.checkpoint.save_checkpoint`` (safetensors weights, optimizer/scheduler/RNG,
+Save: ``corelooper.checkpoints.checkpoint.save_checkpoint`` (safetensors weights, optimizer/scheduler/RNG,
 loop and plugin state, config, every file fsynced, a finite-weights check, a manifest with an
 xxh3-128 checksum per file, atomic rename; the hashing alone is also timed, with blake2b for
 comparison) against
@@ -42,7 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
 
-from corelooper import checkpoint, manifest  # noqa: E402
+from corelooper.checkpoints import checkpoint, manifest  # noqa: E402
 from corelooper.config import TrainArgs  # noqa: E402
 from corelooper.loop import Loop  # noqa: E402
 from corelooper.seeding import rng_state, set_rng_state  # noqa: E402

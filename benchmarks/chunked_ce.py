@@ -1,4 +1,4 @@
-"""Peak memory of the loss: full-logits cross-entropy vs ``corelooper.chunked_ce`` (issue 19).
+"""Peak memory of the loss: full-logits cross-entropy vs ``corelooper_lm.chunked_ce`` (issue 19).
 
 Each measurement runs in its own subprocess: build ``hidden [tokens, H]`` and ``lm_head.weight
 [vocab, H]`` (float32, requires_grad), then forward + backward of the summed loss. The figure is
@@ -30,7 +30,7 @@ def child(impl: str, tokens: int, vocab: int, hidden: int, chunk: int) -> dict:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT))
-    from corelooper.chunked_ce import chunked_cross_entropy
+    from corelooper_lm.chunked_ce import chunked_cross_entropy
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, requires_grad=True)

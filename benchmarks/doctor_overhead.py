@@ -68,7 +68,7 @@ def doctor_hooks(workload: str, steps: int) -> dict:
     """One more run with the doctor, its hook implementations timed (``--profile-plugins``'s
     profiler): which of its hooks run per step, and the µs per step spent inside them (pluggy's
     dispatch, ~1 µs a call, not included). Less sensitive to a loaded machine than on / off."""
-    from corelooper.profiling import PluginProfiler
+    from corelooper.cli.profiling import PluginProfiler
 
     outdir = tempfile.mkdtemp(prefix="cl_doctor_bench_")
     loop = make_loop(workload, steps, True, outdir)

@@ -23,7 +23,7 @@ def lengths(n: int, seed: int = 0) -> list[int]:
 
 
 def corelooper_plan(ls, capacity):
-    from corelooper.packing import plan_packing
+    from corelooper_lm.packing import plan_packing
 
     return len(plan_packing(ls, capacity, "bfd"))
 

@@ -46,7 +46,7 @@ def make(root: Path, samples: int, max_steps: int):
 
 
 def checkpoints(root: Path, samples: int) -> dict[str, tuple[Path, int]]:
-    from corelooper import loop_checkpoints as checkpoint  # save(loop): what the loop writes
+    from corelooper.checkpoints import loop_side as checkpoint  # save(loop): what the loop writes
 
     steps_per_epoch = -(-samples // BATCH)
     base = make(root, samples, 1)

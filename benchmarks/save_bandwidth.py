@@ -8,7 +8,7 @@ Per repetition, interleaved (the order alternates):
   ``os.write`` chunks of a preallocated buffer, then ``fsync`` the file and its folder — the
   fastest a durable write of that size gets on this disk, through the page cache as every
   writer here.
-* **corelooper**: ``corelooper.loop_checkpoints.save(loop)`` of a model with ``--mb`` MiB
+* **corelooper**: ``corelooper.checkpoints.loop_side.save(loop)`` of a model with ``--mb`` MiB
   of fp32 weights after one AdamW step (so the checkpoint holds weights + 2x optimizer moments,
   scheduler, RNG, loop state, manifest — and the checksums once the trust work is merged: the
   save is timed as a user gets it), every file fsynced and renamed into place.
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=str(HERE / "results" / "save_bandwidth.json"))
     a = ap.parse_args()
-    from corelooper import loop_checkpoints as checkpoint  # save(loop): what the loop writes
+    from corelooper.checkpoints import loop_side as checkpoint  # save(loop): what the loop writes
 
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="savebw-", dir=os.getcwd()))
     root.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def profile_one_save(mb: int) -> None:
     import cProfile
     import pstats
 
-    from corelooper import loop_checkpoints as checkpoint  # save(loop): what the loop writes
+    from corelooper.checkpoints import loop_side as checkpoint  # save(loop): what the loop writes
 
     root = Path(tempfile.mkdtemp(prefix="savebw-prof-", dir=os.getcwd()))
     try:

@@ -79,7 +79,7 @@ def fail(exc: BaseException, show_traceback: bool) -> None:
         traceback.print_exception(exc)
     recorded = False
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a rank under torchrun: name it to the launcher
-        from corelooper.launch import record_child_error, under_launcher
+        from corelooper.cli.launch import record_child_error, under_launcher
 
         recorded = record_child_error(exc) and under_launcher()
     if not recorded:
@@ -125,9 +125,10 @@ def run(
     --resume-from-checkpoint latest); 75 / 76 stopped by SIGTERM / SIGINT outside training
     (start-up): no checkpoint written by that stop.
     """
-    from corelooper.console import quiet_third_party
-    from corelooper.launch import watch_launcher
-    from corelooper.preemption import StartupStop, install_startup_handlers
+    from corelooper.cli.launch import watch_launcher
+
+    from corelooper.builtin.console import quiet_third_party
+    from corelooper.builtin.preemption import StartupStop, install_startup_handlers
 
     install_startup_handlers()  # before any work: a signal at start-up exits 75/76, no traceback
     watch_launcher()  # a worker dies with its launcher (kill -9 leaves no orphans)
@@ -137,7 +138,7 @@ def run(
         blocked, local = split_plugin_options(p)
         cfg = load_config(config, set_, local)
         if nproc is not None:  # checked above once, then run by every child without --nproc
-            from corelooper.launch import child_argv, launch
+            from corelooper.cli.launch import child_argv, launch
 
             return launch(nproc, child_argv(config, set_, p, resume_from_checkpoint, traceback_, verbose))
         preempted_exit = _train(cfg, blocked, resume_from_checkpoint, profile_plugins)
@@ -169,7 +170,7 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
     loop = Loop(config=cfg, blocked_plugins=blocked)
     profiler = None
     if profile_plugins:
-        from corelooper.profiling import PluginProfiler
+        from corelooper.cli.profiling import PluginProfiler
 
         profiler = PluginProfiler(loop.plugins)
     state = loop.train(resume_from_checkpoint=resume)
@@ -270,12 +271,12 @@ def predict(
     verbose: VerboseOpt = False,
 ) -> None:
     """Predict on data.test (else data.eval) with a checkpoint's weights; write the outputs in dataset order."""
-    from corelooper.console import quiet_third_party
+    from corelooper.builtin.console import quiet_third_party
 
     quiet_third_party(verbose)
     try:
         blocked, local = split_plugin_options(p)
-        from corelooper.predict import predict as run_predict
+        from corelooper.cli.evaluate import predict as run_predict
 
         path, metrics, loop = run_predict(load_config(config, set_, local), checkpoint, output, blocked)
         if loop.state.is_world_process_zero:
@@ -298,12 +299,12 @@ def eval_(
     verbose: VerboseOpt = False,
 ) -> None:
     """Evaluate a checkpoint's weights on data.eval; print the metrics as JSON."""
-    from corelooper.console import quiet_third_party
+    from corelooper.builtin.console import quiet_third_party
 
     quiet_third_party(verbose)
     try:
         blocked, local = split_plugin_options(p)
-        from corelooper.predict import evaluate
+        from corelooper.cli.evaluate import evaluate
 
         metrics, loop = evaluate(load_config(config, set_, local), checkpoint, blocked)
         if loop.state.is_world_process_zero:
@@ -324,7 +325,8 @@ def verify(
     Exit status: 0 every checkpoint verifies; 5 one or more do not (each named with its bad file).
     """
     try:
-        from corelooper import manifest, output_dir
+        from corelooper.checkpoints import manifest
+        from corelooper.checkpoints import run_dir as output_dir
 
         if (path / manifest.MANIFEST).exists() or output_dir.PREFIX in path.name:
             manifest.verify(path)  # CheckpointError naming the file
@@ -354,7 +356,7 @@ def plot(
 ) -> None:
     """Plot loss, learning rate, grad norm and eval metrics of one or more runs into a PNG."""
     try:
-        from corelooper.plot import plot_runs
+        from corelooper.cli.plot import plot_runs
 
         path = plot_runs(run_dirs, output)
         typer.echo(f"plot written to {path}")
@@ -370,7 +372,7 @@ def new_plugin(
 ) -> None:
     """Write a working plugin package: pyproject with entry point, module, README, passing tests."""
     try:
-        from corelooper.scaffold import write_plugin
+        from corelooper.cli.scaffold import write_plugin
 
         path = write_plugin(name, dir_)
         typer.echo(f"wrote {path}/\nnext: pip install -e {path} && pytest {path}")
@@ -379,7 +381,7 @@ def new_plugin(
 
 
 def main() -> None:
-    from corelooper.preemption import StartupStop, install_startup_handlers
+    from corelooper.builtin.preemption import StartupStop, install_startup_handlers
 
     install_startup_handlers()  # first thing: a SIGTERM while plugins import exits 75, not -15
     try:

@@ -20,7 +20,7 @@ def build_model(config: Config) -> torch.nn.Module:
     ``name_or_path`` (a Hugging Face model folder, corelooper/hf_model.py)."""
     ref = config.model.factory
     if not ref and config.model.name_or_path:
-        from .hf_model import load_pretrained
+        from .hf.model import load_pretrained
 
         return load_pretrained(config)
     if not ref:
@@ -46,7 +46,7 @@ def build_dataset(config: Config, split: str):
     (``data/train.jsonl``, a glob, a mixture, ``eval_split``: corelooper/hf_data.py, lazily
     read with the ``datasets`` library) or a ``module:callable`` returning a dataset."""
     ref = getattr(config.data, split, None)
-    from .hf_data import is_data_ref, load_split
+    from .data.files import is_data_ref, load_split
 
     if is_data_ref(ref, config_dir(config)) or (split == "eval" and getattr(config.data, "eval_split", None)):
         return load_split(config, split)

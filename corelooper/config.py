@@ -139,9 +139,6 @@ class TrainArgs:
     loss_type: Literal["auto", "cross_entropy", "causal_lm", "mse"] = "auto"
     """``auto``: causal-LM shift when ``labels`` has the shape of ``input_ids``, MSE for float
     labels, cross-entropy otherwise."""
-    loss_impl: Literal["default", "chunked"] = "default"
-    """``chunked``: the causal-LM cross-entropy from the last hidden states in chunks of tokens,
-    never the full ``[tokens, vocab]`` float32 logits (corelooper/chunked_ce.py); HF causal LMs."""
     logging_strategy: Literal["no", "steps", "epoch"] = "steps"
     logging_steps: int | float = 500
     """Steps between logs; a float < 1 is a ratio of the run (HF: ceil(ratio * max_steps))."""
@@ -277,7 +274,7 @@ def _train_fields() -> tuple[dict[str, Any], set[str]]:
 
 def _train_values(raw: dict[str, Any]):
     """HF names translated, unknown keys named with a hint, types checked, ints made floats."""
-    from .hf_args import hf_names, translate
+    from .hf.args import hf_names, translate
 
     hints, names = _train_fields()
     tr = translate(raw, names)
@@ -443,7 +440,7 @@ _OTHER_TOOLS = ("lr", "batch_size", "epochs")
 
 
 def _did_you_mean(key: str, options: list[str]) -> str:
-    from .hf_args import hf_hint
+    from .hf.args import hf_hint
 
     hf = hf_hint(key)
     if hf is not None and key in _OTHER_TOOLS:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .data import count_loss_items, resolve_loss_type
+from .data.loader import count_loss_items, resolve_loss_type
 from .losses import predictions_of, split_batch
 
 
@@ -71,7 +71,7 @@ def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
 
 def forward(loop, batch):
     """The model's outputs for ``batch``, with only the columns its ``forward`` accepts."""
-    from .columns import model_inputs
+    from .data.columns import model_inputs
 
     args, kwargs, _ = split_batch(batch)
     if kwargs:

@@ -112,7 +112,7 @@ def stop_message(loop, step: int, losses, grad_norm, indices, skipped: int) -> s
     where = (f"the loss of micro-batch {bad[0]} of {len(losses)}" if bad else
              f"the gradient norm ({float(grad_norm)}) with finite losses")
     samples = f" (samples {indices[bad[0] if bad else 0][:16]})" if indices else ""
-    from .output_dir import last_finite_checkpoint
+    from .checkpoints.run_dir import last_finite_checkpoint
 
     found = last_finite_checkpoint(Path(loop.args.output_dir))
     last = (f"the last checkpoint, {found}, was saved before it, verifies and is finite" if found else

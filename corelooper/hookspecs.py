@@ -111,10 +111,10 @@ def create_backend(loop):
     """Return the backend that runs the model on the hardware.
 
     Called once, when the ``Loop`` is constructed (before ``on_init_end``). The builtin returns
-    ``corelooper.local_backend.LocalBackend`` for one process on the CPU in full precision (no
-    accelerate import: start-up) and ``corelooper.backend.AccelerateBackend`` otherwise (several
+    ``corelooper.backends.local.LocalBackend`` for one process on the CPU in full precision (no
+    accelerate import: start-up) and ``corelooper.backends.base.AccelerateBackend`` otherwise (several
     processes, bf16/fp16, GPUs); FSDP and DeepSpeed plugins return their own. A
-    backend follows the ``corelooper.backend.Backend`` protocol (prepare, backward, no_sync,
+    backend follows the ``corelooper.backends.base.Backend`` protocol (prepare, backward, no_sync,
     clip_grad_norm, reduce, save/load of model and optimizer state).
     """
 
@@ -142,7 +142,7 @@ def create_scheduler(loop, optimizer, num_training_steps: int):
 def train_dataloader(loop, dataset):
     """Return an iterable of training batches for one epoch, for this process.
 
-    The builtin returns a ``corelooper.data.BatchLoader``: a seeded, resumable, rank-sharded
+    The builtin returns a ``corelooper.data.loader.BatchLoader``: a seeded, resumable, rank-sharded
     sampler; each iterable returned must have ``set_epoch(epoch)`` and ``skip(n_batches)``
     (or simply be re-iterable; then resume falls back to re-reading).
     """

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .data import count_tokens_seen
+from .data.loader import count_tokens_seen
 
 
 class LogWindow:

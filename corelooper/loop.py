@@ -3,7 +3,7 @@
 Hooks decide *what is computed* (providers: ``training_step``, ``compute_loss``,
 ``evaluation_loop``, ...) and *who is told* (events); the backend decides *how it runs* on the
 hardware. The step itself is ``corelooper.step.default_training_step``; evaluation is
-``corelooper.evaluation.run_evaluation``; checkpoints are ``corelooper.checkpoint``.
+``corelooper.evaluation.run_evaluation``; checkpoints are ``corelooper.checkpoints.checkpoint``.
 
 The public Loop API a plugin may use: ``config``, ``args`` (``[train]``), ``state``,
 ``control``, ``plugins`` (the run's registry), ``hook``, ``events.fire``, ``model``,
@@ -24,18 +24,19 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, elastic, loop_checkpoints
 from .build import build_collator, build_dataset, build_model
-from .columns import forward_signature
+from .checkpoints import checkpoint, elastic
+from .checkpoints import loop_side as loop_checkpoints
+from .checkpoints.lock import RunLock
 from .config import Config, TrainArgs, as_config, resolve_interval
-from .data import batch_rows, count_input_tokens, pad_token_id_of
+from .data.columns import forward_signature
+from .data.loader import batch_rows, count_input_tokens, pad_token_id_of
 from .errors import CorelooperError, DataError, explain_failure
 from .events import Events
 from .gradients import clear_gradients
 from .guard import NonFiniteGuard
-from .lock import RunLock
+from .hf.model_options import apply_model_options
 from .logwindow import LogWindow, TokensSeen, run_summary
-from .model_options import apply_model_options
 from .plugins import load_plugins
 from .preflight import check_run
 from .seeding import set_seed

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from .columns import model_inputs
-from .data import count_loss_items
+from .data.columns import model_inputs
+from .data.loader import count_loss_items
 from .errors import DataError
 
 
@@ -101,8 +101,6 @@ def reads_num_items(loop, batch) -> bool:
     sig = loop.forward_signature
     if sig is None or sig.accepts_loss_kwargs or not sig.accepts_labels or not _whole_step(loop):
         return True
-    if getattr(loop.args, "loss_impl", "default") == "chunked":
-        return True
     if loop.loss_type != "mse" and getattr(loop.args, "label_smoothing_factor", 0.0):
         return True
     return not (isinstance(batch, Mapping) and "labels" in batch)
@@ -113,11 +111,6 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     if isinstance(batch, Mapping):
         batch = model_inputs(loop, batch)  # drop columns forward() does not take (logged once)
     smoothing = getattr(loop.args, "label_smoothing_factor", 0.0) if loop.loss_type != "mse" else 0.0
-    if getattr(loop.args, "loss_impl", "default") == "chunked" and not return_outputs:
-        # Training only: evaluation and prediction need the logits themselves.
-        from .chunked_ce import chunked_causal_lm_loss
-
-        return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing)
     # With label smoothing the loss is computed here from the logits, as HF's LabelSmoother does.
     if sig.accepts_labels and isinstance(batch, Mapping) and "labels" in batch and not smoothing:
         kwargs = dict(batch)

@@ -272,11 +272,12 @@ def load_plugins(
     autoload: bool | None = None,
 ) -> Plugins:
     """Build the plugin manager for one run (or for ``corelooper plugins``)."""
-    from . import best_metric, builtin
-    from .console import Console
-    from .metrics_log import MetricsLog
-    from .preemption import PreemptionPlugin
-    from .throughput import Throughput
+    from .builtin import best_metric
+    from .builtin import providers as builtin
+    from .builtin.console import Console
+    from .builtin.metrics_log import MetricsLog
+    from .builtin.preemption import PreemptionPlugin
+    from .builtin.throughput import Throughput
 
     plugins = Plugins()
     cfg = config.plugins if config is not None else None

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .data import count_loss_items, resolve_loss_type
+from .data.loader import count_loss_items, resolve_loss_type
 from .gradients import zero_grad
 from .losses import reads_num_items
 

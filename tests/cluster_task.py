@@ -90,7 +90,7 @@ def max_diff(a: dict, b: dict) -> float:
 def claim_two_processes(checkpoint_dir: Path) -> None:
     """Make a 1-process checkpoint say it was saved by 2, and re-sign its manifest (checkpoints
     are verified by checksum: an edit alone is refused as corruption)."""
-    from corelooper.manifest import write_manifest
+    from corelooper.checkpoints.manifest import write_manifest
 
     path = checkpoint_dir / "loop_state.json"
     text = path.read_text()

@@ -16,31 +16,49 @@ from conftest import REPO
 CORE = REPO / "corelooper"
 MAX_FUNCTION_LINES = 60
 MAX_LOOP_LINES = 350
+MAX_TOP_MODULES = 25
+MAX_CORE_LINES = 7500
 
 
 def modules() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(CORE.glob("*.py")) if p.stem != "__main__"}
+    """Every core module by dotted name (``corelooper.checkpoints.manifest``); a package is its
+    ``__init__``."""
+    out = {}
+    for p in sorted(CORE.rglob("*.py")):
+        if p.stem == "__main__":
+            continue
+        parts = p.relative_to(REPO).with_suffix("").parts
+        out[".".join(parts[:-1] if p.stem == "__init__" else parts)] = p
+    return out
+
+
+def _resolve(path: Path, module: str | None, level: int) -> str:
+    """The dotted name ``from <level dots><module> import`` names, seen from ``path``."""
+    if level == 0:
+        return module or ""
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    if parts[-1] == "__init__":
+        package = parts[:-1]
+    base = package[: len(package) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
 
 
 def imports_of(path: Path) -> set[str]:
-    """corelooper modules ``path`` imports, anywhere in the file."""
+    """Core modules ``path`` imports, anywhere in the file (a package import counts as its
+    ``__init__``; ``from pkg import mod`` as ``pkg.mod`` when that is a module)."""
+    known = modules()
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:  # from .x import y / from . import x
-                if node.module:
-                    found.add(node.module.split(".")[0])
-                else:
-                    found.update(alias.name for alias in node.names)
-            elif node.module and node.module.startswith("corelooper."):
-                found.add(node.module.split(".")[1])
-            elif node.module == "corelooper":
-                found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.Import):
+            base = _resolve(path, node.module, node.level)
             for alias in node.names:
-                if alias.name.startswith("corelooper."):
-                    found.add(alias.name.split(".")[1])
-    return found & set(modules()) - {path.stem}
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    me = next(name for name, p in known.items() if p == path)
+    return {n for n in found if n in known and n != me and n != "corelooper"}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -67,11 +85,22 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles_in_the_core():
     graph = {name: imports_of(path) for name, path in modules().items()}
-    # __init__ re-exports lazily (module __getattr__); it is the package, not a layer
-    graph.pop("__init__", None)
-    for deps in graph.values():
-        deps.discard("__init__")
+    # corelooper/__init__ re-exports lazily (module __getattr__); it is the package, not a layer
+    graph.pop("corelooper", None)
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_layout_shows_the_layers():
+    """At most 25 modules directly under corelooper/, the rest in subpackages by layer; the whole
+    core at most 7,500 lines; every module named in docs/design.md."""
+    top = [p for p in CORE.glob("*.py")]
+    assert len(top) <= MAX_TOP_MODULES, sorted(p.name for p in top)
+    lines = sum(len(p.read_text().splitlines()) for p in CORE.rglob("*.py"))
+    assert lines <= MAX_CORE_LINES, f"the core is {lines} lines"
+    design = (REPO / "docs" / "design.md").read_text()
+    missing = [str(p.relative_to(CORE)) for p in CORE.rglob("*.py")
+               if p.stem not in ("__init__", "__main__") and str(p.relative_to(CORE)) not in design]
+    assert missing == [], f"docs/design.md does not list {missing}"
 
 
 def python_files(*roots: str) -> list[Path]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from corelooper.checkpoint import MANIFEST
+from corelooper.checkpoints.checkpoint import MANIFEST
 from corelooper.config import Config
 from corelooper.errors import CheckpointError
 from corelooper.loop import Loop
@@ -97,7 +97,7 @@ def project(finished, tmp_path) -> Path:
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file's bytes, except the run lock's (it names the PID of the last run to open the folder)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".corelooper.lock"}
+            if p.is_file() and p.name != ".corelooper.checkpoints.lock"}
 
 
 def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -168,7 +168,7 @@ def test_latest_when_there_is_none(tmp_path, project):
 
 def _rewrite_manifest(ckpt: Path) -> None:
     """Make the manifest agree with damaged files, so the deeper checks have to catch them."""
-    from corelooper.manifest import write_manifest
+    from corelooper.checkpoints.manifest import write_manifest
 
     write_manifest(ckpt)
 
@@ -224,7 +224,7 @@ def test_incomplete_folder_cannot_be_resumed_by_name(project):
 def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
     """A kill between the two renames of a re-save leaves a complete ``.old-checkpoint-N`` and
     no ``checkpoint-N``: it is put back at the next start; incomplete folders are removed."""
-    from corelooper.output_dir import _clear_debris, list_checkpoints
+    from corelooper.checkpoints.run_dir import _clear_debris, list_checkpoints
 
     out = project / "out"
     before = snapshot(out / "checkpoint-4")
@@ -235,4 +235,4 @@ def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
     _clear_debris(out)
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert snapshot(out / "checkpoint-4") == before
-    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.checkpoints.lock"]

@@ -17,8 +17,8 @@ import torch
 from cluster_task import REPO, STOP_PLUGIN, claim_two_processes, env, max_diff, write_config
 from safetensors.torch import load_file
 
-from corelooper.data import BatchLoader
-from corelooper.elastic import Geometry, plan
+from corelooper.checkpoints.elastic import Geometry, plan
+from corelooper.data.loader import BatchLoader
 from corelooper.errors import ConfigError
 
 
@@ -105,7 +105,7 @@ def test_no_exact_split_is_refused_naming_what_works():
 def test_a_short_last_step_of_the_epoch_is_named():
     import warnings
 
-    from corelooper.elastic import _warn_if_epoch_end_differs
+    from corelooper.checkpoints.elastic import _warn_if_epoch_end_differs
 
     with pytest.warns(UserWarning, match=r"\(60 samples\) is not a whole number of global batches of 8"):
         _warn_if_epoch_end_differs(60, Geometry(2, 4, 1))

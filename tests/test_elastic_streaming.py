@@ -22,9 +22,9 @@ from cluster_task import REPO, claim_two_processes, env, max_diff
 from safetensors.torch import load_file
 
 from corelooper.config import TrainArgs
+from corelooper.data.streaming import StreamingLoader
 from corelooper.errors import CheckpointError, ConfigError
 from corelooper.loop import Loop
-from corelooper.streaming import StreamingLoader
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -193,7 +193,7 @@ class OwnShards(StatefulStream):
     shards_itself = True
 
     def __iter__(self):
-        from corelooper.streaming import current_shard
+        from corelooper.data.streaming import current_shard
 
         shard = current_shard()
         for i in super().__iter__():
@@ -244,7 +244,7 @@ def test_a_checkpoint_of_the_old_default_resumes_in_shards_mode_with_auto(tmp_pa
     state = json.loads(path.read_text())
     assert state.pop("next") == 1
     path.write_text(json.dumps(state))  # as the code before "auto" wrote it
-    from corelooper.manifest import write_manifest
+    from corelooper.checkpoints.manifest import write_manifest
 
     (ckpt / "manifest.json").unlink()
     write_manifest(ckpt)

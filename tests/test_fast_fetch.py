@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-from corelooper.data import BatchLoader
+from corelooper.data.loader import BatchLoader
 
 
 class Dicts(Dataset):

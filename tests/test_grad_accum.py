@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import toys
 
-from corelooper.data import epoch_permutation
+from corelooper.data.loader import epoch_permutation
 from corelooper.loop import Loop
 
 TOL = 1e-5

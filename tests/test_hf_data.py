@@ -7,8 +7,8 @@ import json
 import pytest
 
 from corelooper.config import Config
+from corelooper.data.files import is_data_ref, json_problem, load_spec, load_split
 from corelooper.errors import ConfigError, CorelooperError, DataError
-from corelooper.hf_data import is_data_ref, json_problem, load_spec, load_split
 
 datasets = pytest.importorskip("datasets")
 ROWS = [{"text": f"row {i}", "difficulty_score": i / 10} for i in range(20)]

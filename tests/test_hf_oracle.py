@@ -452,7 +452,7 @@ def test_every_training_arguments_field_has_an_answer(name, tmp_path):
     hint ever names an unrelated field."""
     from corelooper.config import _train_fields
     from corelooper.errors import ConfigError
-    from corelooper.hf_args import MAPPED, UNSUPPORTED
+    from corelooper.hf.args import MAPPED, UNSUPPORTED
 
     field = next(f for f in hf_fields() if f.name == name)
     corelooper_names = _train_fields()[1]

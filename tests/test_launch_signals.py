@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from corelooper.checkpoint import list_checkpoints
+from corelooper.checkpoints.checkpoint import list_checkpoints
 
 TASK = '''
 import torch

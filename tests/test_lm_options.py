@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from corelooper import Loop
+from corelooper.builtin.throughput import ThroughputMeter, flops_per_token, non_embedding_parameters
 from corelooper.errors import ConfigError
-from corelooper.model_options import enable_gradient_checkpointing
-from corelooper.throughput import ThroughputMeter, flops_per_token, non_embedding_parameters
+from corelooper.hf.model_options import enable_gradient_checkpointing
 
 
 class Block(torch.nn.Module):

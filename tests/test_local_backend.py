@@ -11,8 +11,8 @@ import torch
 import toys
 from conftest import REPO
 
-from corelooper.backend import AccelerateBackend
-from corelooper.local_backend import LocalBackend, local_device
+from corelooper.backends.base import AccelerateBackend
+from corelooper.backends.local import LocalBackend, local_device
 from corelooper.loop import Loop
 
 

@@ -85,7 +85,7 @@ def test_plateau_scheduler_uses_the_rule(tmp_path):
     import torch
 
     from corelooper.errors import ConfigError
-    from corelooper.schedules import create_scheduler
+    from corelooper.hf.schedules import create_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     args = Config.from_dict({"train": {"output_dir": str(tmp_path), "lr_scheduler_type": "reduce_lr_on_plateau",

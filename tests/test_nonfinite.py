@@ -14,7 +14,7 @@ import toys
 from conftest import run_cli
 
 from corelooper import Loop
-from corelooper.checkpoint import list_checkpoints
+from corelooper.checkpoints.checkpoint import list_checkpoints
 from corelooper.errors import TrainingError
 from corelooper.guard import NonFiniteError
 
@@ -135,7 +135,7 @@ def test_skip_step_stops_after_max_skipped_steps_in_a_row(train_args):
 
 
 def test_ignore_carries_on_but_never_writes_a_non_finite_model(train_args, tmp_path):
-    from corelooper.checkpoint import NonFiniteWeights
+    from corelooper.checkpoints.checkpoint import NonFiniteWeights
 
     loop = Loop(mlp(), train_args(per_device_train_batch_size=8, max_steps=4, on_nonfinite="ignore"),
                 train_dataset=toys.Blobs(64), plugins=[InfLossFrom(2)], blocked_plugins=["console"])

@@ -134,7 +134,7 @@ class ASGDPlugin:
     def create_optimizer(self, loop, model):
         if loop.args.optim != "asgd":
             return None
-        from corelooper.optimizers import optim_kwargs, parameter_groups_for
+        from corelooper.hf.optimizers import optim_kwargs, parameter_groups_for
 
         return torch.optim.ASGD(parameter_groups_for(loop, model), lr=loop.args.learning_rate,
                                 **optim_kwargs(loop.args))

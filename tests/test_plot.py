@@ -43,7 +43,7 @@ def test_plot_two_runs_has_one_panel_per_quantity(two_runs, cli, tmp_path):
 def test_plot_series_are_the_logged_numbers(two_runs):
     import json
 
-    from corelooper.plot import read_metrics, series
+    from corelooper.cli.plot import read_metrics, series
 
     s = series(read_metrics(two_runs[0]))
     logged = [json.loads(line) for line in (two_runs[0] / "metrics.jsonl").read_text().splitlines()]
@@ -55,8 +55,9 @@ def test_plot_series_are_the_logged_numbers(two_runs):
 
 
 def test_plot_default_output_and_errors(two_runs, tmp_path):
+    from corelooper.cli.plot import plot_runs
+
     from corelooper.errors import ConfigError, DataError
-    from corelooper.plot import plot_runs
 
     assert plot_runs([two_runs[1]]) == two_runs[1] / "metrics.png"
     assert png_panels(two_runs[1] / "metrics.png")[1][0] == "loss"

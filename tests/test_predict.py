@@ -121,9 +121,10 @@ def test_eval_command_prints_the_checkpoints_metrics(trained):
 
 def test_bad_checkpoint_and_output_are_one_paragraph_errors(trained):
     base, cfg, _, _ = trained
+    from corelooper.cli.evaluate import predict
+
     from corelooper.config import Config
     from corelooper.errors import CheckpointError
-    from corelooper.predict import predict
 
     os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     try:

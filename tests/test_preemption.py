@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from corelooper.checkpoint import MANIFEST, list_checkpoints
+from corelooper.checkpoints.checkpoint import MANIFEST, list_checkpoints
 
 STEPS = 12
 
@@ -403,7 +403,7 @@ def test_two_processes_stop_at_the_same_step_and_resume_exactly(tmp_path):
 def _lagged_agreement_worker(rank: int, port: int, lag: int, signal_rank: int, signal_step: int, out) -> None:
     import torch.distributed as dist
 
-    from corelooper.preemption import Preemption
+    from corelooper.builtin.preemption import Preemption
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # The two attributes Preemption.requested reads; the collective under it is real gloo.

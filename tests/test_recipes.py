@@ -168,7 +168,7 @@ class CountingDataset(torch.utils.data.Dataset):
 
 
 def test_generation_loader_fetches_once_per_generation_and_resumes_exactly():
-    from corelooper.data import BatchLoader
+    from corelooper.data.loader import BatchLoader
     from examples.grpo_style_dataloader.loader import GenerationBatchLoader
 
     def generate(samples):  # deterministic: rows derived from the sample ids

@@ -118,7 +118,7 @@ def test_without_rng_restore_the_comparison_fails(tmp_path, monkeypatch):
     straight = make_loop(tmp_path / "straight")
     straight.train()
     make_loop(tmp_path / "split", plugins=[StopAt(7)]).train()
-    monkeypatch.setattr("corelooper.checkpoint.set_rng_state", lambda state: None)
+    monkeypatch.setattr("corelooper.checkpoints.checkpoint.set_rng_state", lambda state: None)
     resumed = make_loop(tmp_path / "split")
     resumed.train(resume_from_checkpoint="latest")
     sa, sb = straight.model.state_dict(), resumed.model.state_dict()

@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from corelooper.checkpoint import list_checkpoints
+from corelooper.checkpoints.checkpoint import list_checkpoints
 from corelooper.errors import ConfigError
 
 
@@ -44,7 +44,7 @@ def test_auto_starts_fresh_then_resumes_after_a_usr1_stop(run_loop, tmp_path, mo
 
 
 def test_without_the_variable_only_sigterm_and_sigint_stop(monkeypatch):
-    from corelooper.preemption import stop_signals
+    from corelooper.builtin.preemption import stop_signals
 
     monkeypatch.delenv("CORELOOPER_STOP_SIGNALS", raising=False)
     assert stop_signals() == (signal.SIGTERM, signal.SIGINT)

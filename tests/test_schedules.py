@@ -9,7 +9,7 @@ import torch
 
 from corelooper.config import Config, TrainArgs
 from corelooper.errors import ConfigError
-from corelooper.schedules import create_scheduler
+from corelooper.hf.schedules import create_scheduler
 
 LR, TOTAL, WARMUP = 0.1, 20, 4
 

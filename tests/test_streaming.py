@@ -122,13 +122,13 @@ def test_stateless_resume_rereads_with_a_warning_and_ignore_data_skip_restarts(t
     Loop(Recorder(), args(tmp_path), train_dataset=Stream(64)).train()
     ckpt = str(tmp_path / "run" / "checkpoint-3")
     model = Recorder()
-    with caplog.at_level(logging.WARNING, logger="corelooper.streaming"):
+    with caplog.at_level(logging.WARNING, logger="corelooper.data.streaming"):
         Loop(model, args(tmp_path), train_dataset=Stream(64)).train(resume_from_checkpoint=ckpt)
     assert model.seen[0] == [6, 7]
     assert "Stream has no state_dict()/load_state_dict(): resuming re-reads" in caplog.text
     caplog.clear()
     model = Recorder()
-    with caplog.at_level(logging.WARNING, logger="corelooper.streaming"):
+    with caplog.at_level(logging.WARNING, logger="corelooper.data.streaming"):
         Loop(model, args(tmp_path, ignore_data_skip=True), train_dataset=Stream(64)).train(
             resume_from_checkpoint=ckpt)
     assert model.seen[0] == [0, 1]
@@ -184,7 +184,7 @@ def test_evaluate_on_a_stream(tmp_path):
 def test_a_dataset_that_shards_itself_reads_only_its_part(tmp_path):
     """`shards_itself = True`: the dataset asks current_shard() and yields only its items; the
     loader does no skipping of its own. 2 workers: shards {even, odd} alternate batch by batch."""
-    from corelooper.streaming import current_shard
+    from corelooper.data.streaming import current_shard
 
     class OwnShards(Stream):
         shards_itself = True
@@ -215,7 +215,7 @@ def hf_stream(n: int = 40, num_shards: int = 4):
 
 
 def _one_pass(make, world: int, workers: int, split: str = "shards") -> list[int]:
-    from corelooper.streaming import StreamingLoader
+    from corelooper.data.streaming import StreamingLoader
 
     return [i for rank in range(world)
             for batch in StreamingLoader(make(rank), 4, rank=rank, num_replicas=world, num_workers=workers,
@@ -250,7 +250,7 @@ def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
 def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(caplog):
     from datasets.distributed import split_dataset_by_node
 
-    from corelooper.streaming import StreamingLoader
+    from corelooper.data.streaming import StreamingLoader
 
     def choice(ds, workers=0):
         return StreamingLoader(ds, 2, num_workers=workers, split="auto").choice
@@ -261,7 +261,7 @@ def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(
     assert "IterableDataset splits its shards among the 2 dataloader workers itself" in hf.why
     node = choice(split_dataset_by_node(hf_stream(), rank=0, world_size=2))
     assert (node.mode, node.to_global) == ("shards", "pass the dataset before that split")
-    with caplog.at_level(logging.INFO, logger="corelooper.streaming"):  # the run says which and why
+    with caplog.at_level(logging.INFO, logger="corelooper.data.streaming"):  # the run says which and why
         choice(Stream(8))
     assert 'Training stream split: "global" ("auto": Stream does not split itself' in caplog.text
 
@@ -306,7 +306,7 @@ def test_a_hugging_face_stream_on_2_processes_x_2_workers_continues_each_shard_e
     checkpoint stores it), a fresh loader continues with the batches an uninterrupted one gives."""
     from itertools import islice
 
-    from corelooper.streaming import StreamingLoader
+    from corelooper.data.streaming import StreamingLoader
 
     def loader(rank, cycle=True):
         return StreamingLoader(hf_stream(40, num_shards), 4, rank=rank, num_replicas=2, num_workers=2,

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from corelooper.lock import RunLock
-from corelooper.manifest import MANIFEST, write_manifest
+from corelooper.checkpoints.lock import RunLock
+from corelooper.checkpoints.manifest import MANIFEST, write_manifest
 
 TASK = '''
 import os, time
@@ -175,7 +175,7 @@ def test_startup_clears_half_deleted_folders_and_stray_tmp_files(project):
 
 
 def test_rotation_renames_away_before_deleting(tmp_path):
-    from corelooper.output_dir import list_checkpoints, rotate_checkpoints
+    from corelooper.checkpoints.run_dir import list_checkpoints, rotate_checkpoints
 
     for n in (1, 2, 3):
         (tmp_path / f"checkpoint-{n}").mkdir()
@@ -214,13 +214,13 @@ def test_nonfinite_weights_are_never_saved_and_the_finite_checkpoint_survives(tm
     out = root / "out"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert not (out / "model.safetensors").exists()
-    from corelooper.output_dir import last_finite_checkpoint
+    from corelooper.checkpoints.run_dir import last_finite_checkpoint
 
     assert last_finite_checkpoint(out) == out / "checkpoint-2"
 
 
 def test_all_finite_is_one_reduction_that_sees_nan_and_inf():
-    from corelooper.weights import all_finite
+    from corelooper.checkpoints.weights import all_finite
 
     sd = {"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16), "i": torch.arange(3)}
     assert bool(all_finite(sd))
@@ -257,7 +257,7 @@ def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project)
     finally:
         lock.release()
     # the lock file of a dead run (its PID written, no flock held) is simply taken over
-    (out / ".corelooper.lock").write_text('{"pid": 999999, "host": "gone"}\n')
+    (out / ".corelooper.checkpoints.lock").write_text('{"pid": 999999, "host": "gone"}\n')
     result = cli(project, "--resume-from-checkpoint", "latest", "--set", "train.max_steps=6")
     assert result.returncode == 0, result.stderr
 
@@ -469,8 +469,8 @@ def _check_finite_on_rank(rank: int, port: int, out: str) -> None:
     """One of two gloo processes: rank 1's weights hold a NaN, rank 0's are finite."""
     import torch.distributed as dist
 
-    from corelooper.backend import TorchDistributedCollectives
-    from corelooper.checkpoint import NonFiniteWeights, check_finite
+    from corelooper.backends.base import TorchDistributedCollectives
+    from corelooper.checkpoints.checkpoint import NonFiniteWeights, check_finite
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     backend = TorchDistributedCollectives()

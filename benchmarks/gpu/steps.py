@@ -261,15 +261,15 @@ def cl_sharded(size: str, which: str) -> dict:
 
 
 def cl_packing(size: str, attn: str) -> dict:
-    """Long-tailed chat samples (benchmarks/sft/common.py), packed leak-free by corelooper.packing
+    """Long-tailed chat samples (benchmarks/sft/common.py), packed leak-free by corelooper_lm.packing
     into rows of ``seq`` tokens: sdpa gets the 4-D (boolean) block mask, flash_attention_2 varlen
     batches, ``segments`` corelooper's segment-wise sdpa (one sdpa call per sample, no mask)."""
     import common as sft  # benchmarks/sft/common.py
 
     try:
-        from corelooper.packing import Segment, SegmentCollator, plan_packing
+        from corelooper_lm.packing import Segment, SegmentCollator, plan_packing
     except ImportError:
-        return {"skipped": "corelooper.packing is not in this corelooper (the SFT work is not merged)"}
+        return {"skipped": "corelooper_lm.packing is not in this corelooper (the SFT work is not merged)"}
     if attn == "flash_attention_2":
         try:
             import flash_attn  # noqa: F401
@@ -289,9 +289,9 @@ def cl_packing(size: str, attn: str) -> dict:
     dtype = torch.bfloat16
     if attn == "segments":
         try:
-            from corelooper.segment_attention import use_segment_attention
+            from corelooper_lm.segment_attention import use_segment_attention
         except ImportError:
-            return {"skipped": "corelooper.segment_attention is not in this corelooper"}
+            return {"skipped": "corelooper_lm.segment_attention is not in this corelooper"}
         attn = use_segment_attention(model)
     if attn == "flash_attention_2":
         model = model.to(dtype)  # flash kernels need half-precision weights

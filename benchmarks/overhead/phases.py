@@ -25,12 +25,12 @@ def child():
     import common as C
 
     C.preload_torch()
-    import corelooper.checkpoint as ck
+    import corelooper.checkpoints.checkpoint as ck
     import corelooper.config as cf
     import corelooper.loop as lp
-    import corelooper.loop_checkpoints as lc
-    import corelooper.lock as lk
-    import corelooper.output_dir as od
+    import corelooper.checkpoints.loop_side as lc
+    import corelooper.checkpoints.lock as lk
+    import corelooper.checkpoints.run_dir as od
     from corelooper import Loop
     from corelooper.config import Config
 

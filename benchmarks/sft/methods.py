@@ -9,14 +9,14 @@ rows of ``h.max_len`` tokens), no eval or checkpoint during training, fp32 on CP
 
 corelooper's packed and padding-free rows take their layout by name (``--cl-packing``):
 
-* ``collators``: what ``corelooper.collators`` offers today — ``pack_sequences`` (best-fit
+* ``collators``: what ``corelooper_lm.collators`` offers today — ``pack_sequences`` (best-fit
   decreasing) with a 1-D attention mask and restarted ``position_ids``, as ``PackedDataset``
   builds them. With sdpa attention, packed samples attend to each other (it leaks).
   No padding-free path exists there.
-* ``packing``: ``corelooper.packing`` (the leak-free packing of the SFT work): ``plan_packing``
+* ``packing``: ``corelooper_lm.packing`` (the leak-free packing of the SFT work): ``plan_packing``
   + ``SegmentCollator`` (4-D block-diagonal causal mask for sdpa/eager; varlen for flash).
   Padding-free = one row per batch of the same ``h.batch`` samples, segments kept apart.
-* ``auto`` (default): ``packing`` when ``corelooper.packing`` can be imported, else
+* ``auto`` (default): ``packing`` when ``corelooper_lm.packing`` can be imported, else
   ``collators`` (and the padding-free row is skipped, saying why).
 """
 
@@ -44,12 +44,13 @@ def import_framework(method: str) -> None:
     if method.startswith("trl_"):
         from trl import SFTConfig, SFTTrainer  # noqa: F401
     if method.startswith("cl_"):
-        import corelooper.collators  # noqa: F401
+        import corelooper_lm.collators  # noqa: F401
+
         from corelooper import Loop, TrainArgs  # noqa: F401
 
         try:
-            import corelooper.packing  # noqa: F401
-            import corelooper.segment_attention  # noqa: F401
+            import corelooper_lm.packing  # noqa: F401
+            import corelooper_lm.segment_attention  # noqa: F401
         except ImportError:
             pass
 
@@ -156,13 +157,13 @@ def _cl_items(train):
 
 
 def cl_padded(model, train, h):
-    from corelooper.collators import DataCollatorForCausalLM
+    from corelooper_lm.collators import DataCollatorForCausalLM
 
     _loop(model, _cl_items(train), h, DataCollatorForCausalLM(pad_token_id=C.PAD))
 
 
 def cl_grouped(model, train, h):
-    from corelooper.collators import DataCollatorForCausalLM
+    from corelooper_lm.collators import DataCollatorForCausalLM
 
     _loop(model, _cl_items(train), h, DataCollatorForCausalLM(pad_token_id=C.PAD), group_by_length=True)
 
@@ -171,18 +172,17 @@ def packing_layout(h) -> str:
     if h.cl_packing != "auto":
         return h.cl_packing
     try:
-        import corelooper.packing  # noqa: F401
+        import corelooper_lm.packing  # noqa: F401
     except ImportError:
         return "collators"
     return "packing"
 
 
 def _packed_rows_collators(train, h):
-    """corelooper.collators.pack_sequences (today's PackedDataset plan), prompt-masked: the plan
+    """corelooper_lm.collators.pack_sequences (today's PackedDataset plan), prompt-masked: the plan
     is made over encoded (sample, position) ids so each piece maps back to its sample."""
     import torch
-
-    from corelooper.collators import pack_sequences
+    from corelooper_lm.collators import pack_sequences
 
     stride = h.max_len + 1
     encoded = [[i * stride + p for p in range(len(s.input_ids))] for i, s in enumerate(train)]
@@ -209,7 +209,7 @@ def _packed_rows_collators(train, h):
 
 
 def _segments(samples):
-    from corelooper.packing import Segment
+    from corelooper_lm.packing import Segment
 
     return [Segment(input_ids=s.input_ids, labels=s.labels, extras={}) for s in samples]
 
@@ -219,12 +219,12 @@ def _leak_free_collator(model, h):
     the model's sdpa becomes corelooper's segment-wise sdpa (one unpadded row per batch, each
     segment attending to itself: ``sum(L_i^2)`` scores, no mask); ``mask``: the 4-D boolean
     block-diagonal mask over the whole row (``T^2`` scores)."""
-    from corelooper.packing import SegmentCollator
+    from corelooper_lm.packing import SegmentCollator
 
     attn = "sdpa"
     if getattr(h, "cl_attention", "segments") == "segments":
         try:
-            from corelooper.segment_attention import use_segment_attention
+            from corelooper_lm.segment_attention import use_segment_attention
         except ImportError:
             pass
         else:
@@ -244,7 +244,7 @@ def cl_packed(model, train, h):
         rows = _packed_rows_collators(train, h)
         collator = None  # torch's default collate stacks the fixed-length rows
     else:
-        from corelooper.packing import plan_packing
+        from corelooper_lm.packing import plan_packing
 
         plan = plan_packing([len(s.input_ids) for s in train], h.max_len, "bfd")
         rows = [_segments([C.Sample(train[i].input_ids[a:b], max(0, train[i].prompt_length - a))
@@ -264,7 +264,7 @@ def cl_packed(model, train, h):
 
 def cl_padding_free(model, train, h):
     if packing_layout(h) == "collators":
-        raise Unavailable("corelooper.collators has no padding-free path; needs corelooper.packing "
+        raise Unavailable("corelooper_lm.collators has no padding-free path; needs corelooper_lm.packing "
                           "(the SFT work) — rerun after it is merged, or pass --cl-packing packing")
     seg = _leak_free_collator(model, h)
 

@@ -135,7 +135,7 @@ def compare(table: list[dict]) -> dict:
     for k, v in out.items():
         print(f"{k}: {v}")
     if not ours:
-        print("cl_padding_free did not run (it needs corelooper.packing); the goals are judged on it")
+        print("cl_padding_free did not run (it needs corelooper_lm.packing); the goals are judged on it")
     return out
 
 

@@ -3,7 +3,7 @@
 The ``.py`` files of a few stdlib packages (``json`` and ``email`` by default) are split by file
 into train and eval (every ``eval_every``-th file is held out, so no eval text is seen in
 training), tokenized with a byte-level BPE trained here on the training files only (no
-download), and packed into fixed-length blocks with ``corelooper.collators.PackedDataset``.
+download), and packed into fixed-length blocks with ``corelooper_lm.collators.PackedDataset``.
 Each block carries a ``difficulty_score``: its zlib compression ratio (less compressible text is
 harder to predict), scaled to mean 1 over the training set, used by ``weighted_loss.py``.
 """
@@ -16,8 +16,8 @@ import zlib
 from pathlib import Path
 
 import torch
+from corelooper_lm.collators import PackedDataset
 
-from corelooper.collators import PackedDataset
 from corelooper.errors import DataError
 
 SPECIALS = ("<|endoftext|>", "<pad>")

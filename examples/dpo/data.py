@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 
 import torch
+from corelooper_lm.collators import DataCollatorForCausalLM
 
-from corelooper.collators import DataCollatorForCausalLM
 from examples.causal_lm.data import PAD_ID, split_files, tokenizer
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from corelooper.data import BatchLoader
+from corelooper.data.loader import BatchLoader
 
 
 def _rows(batch: dict[str, torch.Tensor]) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from corelooper import hookimpl
-from corelooper.data import BatchLoader
+from corelooper.data.loader import BatchLoader
 from corelooper.errors import ConfigError
 
 from .loader import GenerationBatchLoader

@@ -198,7 +198,7 @@ class AutoBatchSize:
         No optimizer step; the gradients, the model's buffers (e.g. BatchNorm statistics) and
         the RNG state are restored, so the run is the same as without the probe.
         """
-        from corelooper.data import resolve_loss_type
+        from corelooper.data.loader import resolve_loss_type
         from corelooper.seeding import rng_state, set_rng_state
 
         model, backend = loop.model, loop.backend
@@ -250,7 +250,7 @@ class AutoBatchSize:
 
     @staticmethod
     def _forward_backward(loop, piece) -> None:
-        from corelooper.data import count_loss_items
+        from corelooper.data.loader import count_loss_items
 
         with loop.backend.no_sync(loop.model):
             loss = loop.hook.compute_loss(

@@ -21,7 +21,7 @@ import torch
 from auto_batch_toys import LimitedLM, blobs, mlp, tokens
 
 from corelooper import Loop
-from corelooper.backend import AccelerateBackend
+from corelooper.backends.base import AccelerateBackend
 from corelooper.config import Config
 from corelooper.errors import ConfigError, TrainingError
 

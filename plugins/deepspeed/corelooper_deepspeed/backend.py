@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from corelooper.backend import TorchDistributedCollectives, env_for_one_process
+from corelooper.backends.base import TorchDistributedCollectives, env_for_one_process
 from corelooper.errors import CheckpointError, ConfigError
 
 from . import ds_config
@@ -75,7 +75,7 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         self.mixed_precision = args.mixed_precision
         self.config = ds_config.build(args, section, self.num_processes, on_cuda, base)
         # The loop's [train] when prepare() runs: an elastic resume may have changed the
-        # geometry since (corelooper.elastic.prepare_resume: another gradient_accumulation_steps).
+        # geometry since (corelooper.checkpoints.elastic.prepare_resume: another gradient_accumulation_steps).
         self._current_args = current_args or (lambda: args)
         self._rebuild = lambda a: ds_config.build(a, section, self.num_processes, on_cuda, base)
         self.zero_stage = self.config["zero_optimization"]["stage"]

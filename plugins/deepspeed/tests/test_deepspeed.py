@@ -183,7 +183,7 @@ def test_deepspeed_payload_in_each_state_file_never_runs(ds_runs, tmp_path):
     rewritten to agree) must be refused on both ranks without running."""
     import shutil
 
-    from corelooper.manifest import write_manifest
+    from corelooper.checkpoints.manifest import write_manifest
 
     tmp, _, _ = ds_runs
     source = tmp / "zero2" / "checkpoint-2"

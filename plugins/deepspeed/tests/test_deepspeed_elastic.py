@@ -127,7 +127,7 @@ def test_a_missing_partition_is_refused_naming_it(elastic, tmp_path):
     copy would be) cannot be re-cut: one paragraph, nothing changed, no half conversion left."""
     import shutil
 
-    from corelooper.manifest import write_manifest
+    from corelooper.checkpoints.manifest import write_manifest
 
     (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
     cfg = _config(tmp_path, "run", 3)

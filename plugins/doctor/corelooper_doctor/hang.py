@@ -178,8 +178,9 @@ class Watchdog:
 
     def _record(self, message: str) -> None:
         try:
+            from corelooper.cli.launch import record_child_error
+
             from corelooper.errors import TrainingError
-            from corelooper.launch import record_child_error
 
             record_child_error(TrainingError(message))
         except Exception:

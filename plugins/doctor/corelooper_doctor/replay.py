@@ -9,7 +9,7 @@ from pathlib import Path
 
 def loss_fn_for(loop):
     """The run's own loss (its compute_loss provider), normalised per micro-batch."""
-    from corelooper.data import count_loss_items
+    from corelooper.data.loader import count_loss_items
 
     def loss_fn(model, batch):
         n = count_loss_items(batch, loop.loss_type if loop.loss_type != "auto" else "cross_entropy")
@@ -36,7 +36,7 @@ def save_case(doc, loop, step: int, batch, report: dict, text: str) -> Path:
     (folder / f"report{sfx}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (folder / f"report{sfx}.txt").write_text(text + "\n")
     if doc.cfg["save_weights_on_nonfinite"] and doc.rank == 0 and not getattr(loop.backend, "shards_parameters", False):
-        from corelooper.checkpoint import save_weights
+        from corelooper.checkpoints.checkpoint import save_weights
 
         save_weights(loop.backend.model_state_dict(loop.model), folder, loop.args.save_max_shard_size,
                      loop.backend.unwrap_model(loop.model))

@@ -10,6 +10,6 @@ def tokens_per_sample(state) -> float:
 
 
 def layers(loop) -> int:
-    from corelooper.throughput import layers_and_width
+    from corelooper.builtin.throughput import layers_and_width
 
     return layers_and_width(loop.backend.unwrap_model(loop.model))[0]

@@ -12,7 +12,7 @@ from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import doctor_of, make_loop, spike_samples
 from torch.overrides import TorchFunctionMode
 
-from corelooper.data import epoch_permutation
+from corelooper.data.loader import epoch_permutation
 
 N, STEPS = 128, 16
 SPIKE_STEP = 11

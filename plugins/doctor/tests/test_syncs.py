@@ -56,7 +56,7 @@ def simulated_cuda(monkeypatch):
 def test_counter_counts_every_sync_shows_none_and_passes_other_warnings(recwarn):
     counter = syncs.SyncCounter()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a rank != 0 quiets everything (corelooper.console)
+        warnings.simplefilter("ignore")  # a rank != 0 quiets everything (corelooper.builtin.console)
         counter.install()
         for _ in range(5):
             torch_sync_warning()  # one line, five times: no "once per location"

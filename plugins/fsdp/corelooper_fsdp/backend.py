@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from corelooper.backend import TorchDistributedCollectives, env_for_one_process
+from corelooper.backends.base import TorchDistributedCollectives, env_for_one_process
 from corelooper.errors import CheckpointError, ConfigError
 
 SHARDED_DIR = "fsdp_state"  # torch.distributed.checkpoint folder inside a checkpoint

@@ -151,7 +151,7 @@ def test_fsdp_payload_in_each_sharded_file_never_runs(fsdp_runs, tmp_path):
     import pickle
     import shutil
 
-    from corelooper.manifest import write_manifest
+    from corelooper.checkpoints.manifest import write_manifest
 
     tmp, _, _ = fsdp_runs
     source = tmp / "lm" / "checkpoint-2"

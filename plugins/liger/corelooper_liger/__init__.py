@@ -69,15 +69,16 @@ def kernel_kwargs(section: dict) -> dict:
     return kwargs
 
 
-def check_loss_impl(train, kwargs: dict) -> None:
-    """``train.loss_impl = "chunked"`` and Liger's fused linear cross-entropy are two ways to the
-    same thing; with both, the chunked loss would run and Liger's kernel never would."""
-    if getattr(train, "loss_impl", "default") == "chunked" and kwargs.get("fused_linear_cross_entropy", True):
+def check_loss_impl(config, kwargs: dict) -> None:
+    """``[lm] loss = "chunked"`` (corelooper-lm) and Liger's fused linear cross-entropy are two ways
+    to the same thing; with both, the chunked loss would run and Liger's kernel never would."""
+    chunked = "lm" in config.sections and config.section("lm").get("loss") == "chunked"
+    if chunked and kwargs.get("fused_linear_cross_entropy", True):
         raise ConfigError(
-            "train.loss_impl = 'chunked' and Liger's fused linear cross-entropy both compute the loss "
+            "lm.loss = 'chunked' and Liger's fused linear cross-entropy both compute the loss "
             "from the hidden states without materialising the logits: with both, the chunked loss runs "
             "(it calls the model without labels) and Liger's kernel never does. Choose one: "
-            "train.loss_impl = 'default' to use Liger's kernel, or [liger] fused_linear_cross_entropy "
+            "lm.loss = 'default' to use Liger's kernel, or [liger] fused_linear_cross_entropy "
             "= false to keep the chunked loss with Liger's other kernels (unset, it is on for most "
             "model types)."
         )
@@ -108,7 +109,7 @@ def corelooper_configure(config, plugins):
     if not section["enabled"]:
         plugins.set_inactive(SECTION, "[liger] enabled = false")
         return
-    check_loss_impl(config.train, kwargs)
+    check_loss_impl(config, kwargs)
     reason = unavailable_reason(config.train)
     if reason:
         plugins.set_inactive(SECTION, reason)
@@ -142,7 +143,7 @@ def apply(model, kwargs: dict) -> dict:
     """
     from transformers import PreTrainedModel
 
-    from corelooper.columns import innermost_model
+    from corelooper.data.columns import innermost_model
 
     base = innermost_model(model)
     if not isinstance(base, PreTrainedModel):

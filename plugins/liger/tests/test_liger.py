@@ -144,21 +144,21 @@ def test_hf_names_become_the_section():
     ({"rope": "yes"}, {}, r"liger.rope = 'yes': must be true, false, or left out"),
     ({"cross_entropy": True, "fused_linear_cross_entropy": True}, {}, "not both"),
     ({"extra": {"swiglu": False}}, {}, r"\[liger\] extra sets \['swiglu'\], which are \[liger\] keys"),
-    ({}, {"loss_impl": "chunked"}, "train.loss_impl = 'chunked' and Liger's fused linear cross-entropy"),
-    ({"fused_linear_cross_entropy": True}, {"loss_impl": "chunked"}, "Choose one"),
+    ({}, {"lm": {"loss": "chunked"}}, "lm.loss = 'chunked' and Liger's fused linear cross-entropy"),
+    ({"fused_linear_cross_entropy": True}, {"lm": {"loss": "chunked"}}, "Choose one"),
 ])
 def test_config_errors_name_the_key_and_the_fix(make_loop, section, train, match):
     with pytest.raises(ConfigError, match=match):
-        make_loop([corelooper_liger], sections={"liger": section}, **train)
+        make_loop([corelooper_liger], sections={"liger": section, **train})
 
 
 @no_cuda  # on a GPU the patch would run, and the tiny task's model is not a transformers model
 def test_chunked_loss_with_liger_other_kernels_is_accepted(make_loop):
-    loop = make_loop([corelooper_liger], sections={"liger": {"fused_linear_cross_entropy": False}},
-                     loss_impl="chunked")
+    loop = make_loop([corelooper_liger], sections={"liger": {"fused_linear_cross_entropy": False},
+                                                   "lm": {"loss": "chunked"}})
     assert loop.plugins.get(corelooper_liger.RUN_PLUGIN_NAME) is None
     assert loop.plugins.inactive["liger"].startswith("no CUDA GPU here" if HAS_LIGER else "liger-kernel is not")
-    disabled = make_loop([corelooper_liger], sections={"liger": {"enabled": False}}, loss_impl="chunked")
+    disabled = make_loop([corelooper_liger], sections={"liger": {"enabled": False}, "lm": {"loss": "chunked"}})
     assert disabled.plugins.inactive["liger"] == "[liger] enabled = false"
 
 
@@ -169,7 +169,7 @@ def test_a_model_that_is_not_a_transformers_model_is_refused():
 
 PATCH = '''
 import json, transformers, torch, corelooper_liger
-from corelooper.columns import forward_signature
+from corelooper.data.columns import forward_signature
 from corelooper.errors import ConfigError
 
 def llama():

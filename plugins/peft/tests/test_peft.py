@@ -150,7 +150,7 @@ def _saved_adapter(tmp_path):
 def _rewrite(ckpt, name: str, data: bytes) -> None:
     """Replace a checkpoint file and re-sign the manifest (checksums would refuse the edit as
     corruption first; here the loading itself must find the bad adapter)."""
-    from corelooper.manifest import write_manifest
+    from corelooper.checkpoints.manifest import write_manifest
 
     (ckpt / name).write_bytes(data)
     (ckpt / "manifest.json").unlink()

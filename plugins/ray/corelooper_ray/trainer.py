@@ -77,7 +77,7 @@ def newest(reported: Path, output_dir: Path) -> Path:
     """
     import json
 
-    from corelooper.checkpoint import list_checkpoints
+    from corelooper.checkpoints.checkpoint import list_checkpoints
 
     local = list_checkpoints(output_dir)
     try:

@@ -7,9 +7,9 @@ already tokenized rows; formats detected per row), masked (``assistant_only_loss
 counted and reported once), optionally packed (``packing``, ``packing_strategy`` = ``bfd``,
 ``bfd_split``, ``wrapped``) or batched padding-free, and the loop's collator is set to the one
 that matches. Packed and padding-free batches never leak attention between samples
-(``corelooper.packing``); with ``sdpa`` attention (and ``segment_attention = true``, the
+(``corelooper_lm.packing``); with ``sdpa`` attention (and ``segment_attention = true``, the
 default) the model's attention becomes corelooper's segment-wise sdpa
-(``corelooper.segment_attention``: each sample attends to itself, no ``T x T`` mask), with flash
+(``corelooper_lm.segment_attention``: each sample attends to itself, no ``T x T`` mask), with flash
 attention the varlen kernel does the same. Numeric extra columns (``difficulty_score``) reach the batch.
 
 This module imports neither torch nor transformers nor datasets: ``corelooper --help`` loads it.

@@ -124,7 +124,7 @@ class PackedRows:
     """Packed rows: item ``r`` is the list of sample pieces (dicts) that share row ``r``."""
 
     def __init__(self, rows: TokenizedRows, capacity: int, strategy: str):
-        from corelooper.packing import plan_packing
+        from corelooper_lm.packing import plan_packing
 
         self.rows = rows
         self.stats = rows.stats
@@ -182,8 +182,8 @@ class SFTCollator:
 
     def __init__(self, mode: str, pad_token_id: int, attn_implementation: str | None = "sdpa",
                  mask_dtype=None, pad_to_multiple_of: int | None = None):
-        from corelooper.collators import DataCollatorForCausalLM
-        from corelooper.packing import SegmentCollator
+        from corelooper_lm.collators import DataCollatorForCausalLM
+        from corelooper_lm.packing import SegmentCollator
 
         self.mode = mode
         self.padded = DataCollatorForCausalLM(pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
@@ -198,7 +198,7 @@ class SFTCollator:
 
 
 def _segment(item: Mapping):
-    from corelooper.packing import Segment
+    from corelooper_lm.packing import Segment
 
     extras = {k: v for k, v in item.items() if k not in ("input_ids", "labels")
               and isinstance(v, (int, float)) and not isinstance(v, bool)}

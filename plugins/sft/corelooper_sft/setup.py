@@ -30,7 +30,7 @@ def check(cfg: dict[str, Any]) -> None:
 
 def find_tokenizer(config, model=None):
     """``[model] tokenizer`` / ``name_or_path``, else the folder the model was loaded from."""
-    from corelooper.hf_model import load_tokenizer
+    from corelooper.hf.model import load_tokenizer
 
     tok = load_tokenizer(config)
     source = getattr(getattr(model, "config", None), "_name_or_path", None) if model is not None else None
@@ -103,7 +103,7 @@ def setup_loop(loop, cfg: dict[str, Any]) -> None:
     if backend.is_main_process:
         backend.wait_for_everyone()
     if (cfg["packing"] or cfg["padding_free"]) and cfg["segment_attention"] and loop.data_collator is None:
-        from corelooper.segment_attention import use_segment_attention
+        from corelooper_lm.segment_attention import use_segment_attention
 
         use_segment_attention(loop.model)  # sdpa -> one sdpa per segment: no T x T mask per row
     attn, dtype = attention_of(loop.model)

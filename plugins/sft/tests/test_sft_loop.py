@@ -10,7 +10,7 @@ from sft_fixtures import CHATS, _datasets_cache, make_model_folder, model_dir  #
 
 from corelooper import Loop
 from corelooper.config import Config
-from corelooper.data import count_loss_items
+from corelooper.data.loader import count_loss_items
 from corelooper.errors import DataError
 
 

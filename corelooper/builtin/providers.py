@@ -1,0 +1,174 @@
+"""The default providers and the HF flow logic, registered as an ordinary plugin ("builtin").
+
+Every provider here is ``trylast``: any other plugin's implementation answers first.
+"""
+
+from __future__ import annotations
+
+# What every train() uses is imported with the module, not inside the timed loop.
+from ..data.loader import BatchLoader
+from ..hf.optimizers import create_optimizer as _create_optimizer
+from ..hf.schedules import create_scheduler as _create_scheduler
+from ..hookspecs import hookimpl
+from ..losses import default_loss
+from ..step import default_training_step
+
+
+@hookimpl(trylast=True)
+def create_backend(loop):
+    from ..backends.base import AccelerateBackend
+    from ..backends.local import LocalBackend, local_device
+
+    a = loop.args
+    device = local_device(a.use_cpu) if a.mixed_precision == "no" else None
+    if device is not None:  # one process, one device, full precision: no accelerate import
+        return LocalBackend(device)
+    ddp = {"find_unused_parameters": a.ddp_find_unused_parameters, "bucket_cap_mb": a.ddp_bucket_cap_mb,
+           "broadcast_buffers": a.ddp_broadcast_buffers, "static_graph": a.ddp_static_graph}
+    return AccelerateBackend(a.mixed_precision, a.use_cpu, a.ddp_timeout,
+                             {k: v for k, v in ddp.items() if v is not None})
+
+
+# -- optimizer and scheduler (by name: corelooper/optimizers.py, corelooper/schedules.py) --------
+
+
+@hookimpl(trylast=True)
+def create_optimizer(loop, model):
+    return _create_optimizer(loop, model)
+
+
+@hookimpl(trylast=True)
+def create_scheduler(loop, optimizer, num_training_steps):
+    return _create_scheduler(loop.args, optimizer, num_training_steps)
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+@hookimpl(trylast=True)
+def train_dataloader(loop, dataset):
+    a = loop.args
+    if _is_iterable(dataset):
+        return _streaming_loader(loop, dataset, a.per_device_train_batch_size, cycle=True, split=a.stream_split)
+    return BatchLoader(
+        dataset,
+        a.per_device_train_batch_size,
+        collate_fn=loop.data_collator,
+        shuffle=a.train_sampling_strategy != "sequential",
+        seed=a.data_seed if a.data_seed is not None else a.seed,
+        drop_last=a.dataloader_drop_last,
+        num_replicas=loop.backend.num_processes,
+        rank=loop.backend.process_index,
+        num_workers=a.dataloader_num_workers,
+        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
+        lengths=_lengths(loop, dataset) if a.group_by_length else None,
+    )
+
+
+def _is_iterable(dataset) -> bool:
+    from torch.utils.data import IterableDataset
+
+    return isinstance(dataset, IterableDataset)
+
+
+def _streaming_loader(loop, dataset, batch_size: int, cycle: bool, split: str = "shards"):
+    from ..data.streaming import StreamingLoader
+
+    a = loop.args
+    return StreamingLoader(
+        dataset, batch_size, loop.data_collator, rank=loop.backend.process_index,
+        num_replicas=loop.backend.num_processes, num_workers=a.dataloader_num_workers,
+        drop_last=a.dataloader_drop_last, cycle=cycle, split=split,
+        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
+    )
+
+
+def _lengths(loop, dataset):
+    from ..data.loader import sample_lengths
+
+    return sample_lengths(dataset, loop.args.length_column_name)
+
+
+@hookimpl(trylast=True)
+def eval_dataloader(loop, dataset):
+    a = loop.args
+    if _is_iterable(dataset):
+        return _streaming_loader(loop, dataset, a.per_device_eval_batch_size, cycle=False)
+    return BatchLoader(
+        dataset,
+        a.per_device_eval_batch_size,
+        collate_fn=loop.data_collator,
+        shuffle=False,
+        num_replicas=loop.backend.num_processes,
+        rank=loop.backend.process_index,
+        num_workers=a.dataloader_num_workers,
+        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
+        contiguous=True,
+    )
+
+
+# -- loss and metrics -------------------------------------------------------------------------
+
+
+@hookimpl(trylast=True)
+def compute_loss(loop, model, batch, num_items_in_batch, return_outputs):
+    return default_loss(loop, model, batch, num_items_in_batch, return_outputs)
+
+
+@hookimpl(trylast=True)
+def training_step(loop, micro_batches):
+    return default_training_step(loop, micro_batches)
+
+
+@hookimpl(trylast=True)
+def evaluation_loop(loop, dataset, metric_key_prefix, keep_outputs):
+    from ..evaluation import run_evaluation
+
+    return run_evaluation(loop, dataset, metric_key_prefix, keep_outputs)
+
+
+@hookimpl(trylast=True)
+def compute_metrics(loop, predictions, label_ids):
+    if loop.compute_metrics_fn is not None:
+        return loop.compute_metrics_fn(predictions, label_ids)
+    return None
+
+
+# -- flow: when to log, evaluate, save (HF's DefaultFlowCallback, transformers 5.24) ----------
+
+
+@hookimpl(tryfirst=True)
+def on_step_end(loop, state, control):
+    a = loop.args
+    step = state.global_step
+    if step == 1 and a.logging_first_step:
+        control.should_log = True
+    if a.logging_strategy == "steps" and step % state.logging_steps == 0:
+        control.should_log = True
+    evaluating = a.eval_strategy == "steps" and a.eval_delay <= step
+    if evaluating and step % state.eval_steps == 0:
+        control.should_evaluate = True
+    if a.save_strategy == "steps" and step % state.save_steps == 0:
+        control.should_save = True
+    if step >= state.max_steps:
+        control.should_training_stop = True
+        # HF 5.x: one more evaluation at the end when the last step is not an eval step
+        if evaluating and step % state.eval_steps != 0:
+            control.should_evaluate = True
+        if a.save_strategy == "steps":
+            control.should_save = True
+        # Not in HF (see docs/hooks.md, "Differences from the HF Trainer"): the last, partial
+        # logging window is logged rather than dropped, so every step's loss reaches the loggers.
+        if a.logging_strategy == "steps":
+            control.should_log = True
+
+
+@hookimpl(tryfirst=True)
+def on_epoch_end(loop, state, control):
+    a = loop.args
+    if a.logging_strategy == "epoch":
+        control.should_log = True
+    if a.eval_strategy == "epoch" and a.eval_delay <= state.epoch:
+        control.should_evaluate = True
+    if a.save_strategy == "epoch":
+        control.should_save = True

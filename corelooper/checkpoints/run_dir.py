@@ -1,0 +1,218 @@
+"""The run folder: which checkpoints it holds, which one to resume, rotation and clean-up.
+
+A ``checkpoint-N`` folder counts only when its ``manifest.json`` verifies (``manifest.py``).
+Nothing here ever promotes a temporary folder: a ``.tmp-checkpoint-N`` is a save that did not
+finish and is deleted at start-up, as are ``.deleting-checkpoint-N`` (a rotation cut short)
+and stray ``.tmp*`` files (a final-model write killed before its rename).
+
+API::
+
+    prepare_output_dir(output_dir, config, resuming=..., overwrite=...)  # rank 0, under the RunLock
+    list_checkpoints(output_dir) -> [Path]          # checkpoint-N folders by step (not verified)
+    resolve(resume, output_dir) -> Path             # "latest": newest that verifies; a path: verified
+    last_finite_checkpoint(output_dir) -> Path|None # for error messages ("checkpoint-15 is intact")
+    rotate_checkpoints(output_dir, limit, keep=..., best=...) -> [deleted]
+    relative_to_run(path, output_dir) / from_run(name, directory)   # relocatable stored paths
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from ..errors import CheckpointError
+from . import manifest
+from .ioerrors import check_is_folder, io_error
+
+logger = logging.getLogger("corelooper")
+
+PREFIX = "checkpoint-"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_OLD_RE = re.compile(r"^\.old-checkpoint-(\d+)$")
+_DEBRIS_RE = re.compile(r"^\.(tmp|deleting)-checkpoint-\d+$|^\.tmp")
+
+
+def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: bool) -> None:
+    """Create ``output_dir``, clear the debris of killed saves, write the resolved config;
+    refuse to start a second run over a finished or started one (unless ``overwrite``)."""
+    from .weights import parse_size
+
+    parse_size(config.train.save_max_shard_size)  # a bad value fails now, not at the first save
+    output_dir = Path(output_dir)
+    try:
+        check_is_folder(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _clear_debris(output_dir)
+        existing = list_checkpoints(output_dir)
+        final_model = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
+        if (existing or final_model) and not resuming:
+            if not overwrite:
+                what = (f"{len(existing)} checkpoints, latest {existing[-1].name}" if existing
+                        else f"a finished model, {final_model[0].name}")
+                raise CheckpointError(
+                    f"output_dir {str(output_dir)!r} already holds a run ({what}). Resume it with "
+                    "--resume-from-checkpoint latest, choose another train.output_dir, or set "
+                    "train.overwrite_output_dir = true to start over (that deletes its checkpoints)."
+                )
+            for path in existing:
+                _remove_dir(path)
+            for path in final_model:
+                path.unlink()
+        if not resuming and (output_dir / "metrics.jsonl").exists():
+            (output_dir / "metrics.jsonl").unlink()
+        config.write(output_dir / "config.toml")
+    except OSError as e:
+        raise io_error(e, "preparing the output folder", output_dir) from None
+
+
+def _clear_debris(output_dir: Path) -> None:
+    """Remove what killed saves and rotations left. The one repair: a ``.old-checkpoint-N``
+    (a complete checkpoint being replaced by a re-save of the same step) whose replacement
+    never arrived is put back — it was complete before, and its manifest must still verify."""
+    for p in sorted(output_dir.iterdir()):
+        m = _OLD_RE.match(p.name)
+        if m and p.is_dir():
+            final = output_dir / f"{PREFIX}{m.group(1)}"
+            if not final.exists() and manifest.problem(p) is None:
+                os.replace(p, final)
+            else:
+                _remove_dir(p)
+        elif _DEBRIS_RE.match(p.name):
+            if p.is_dir():
+                _remove_dir(p)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename away first, then delete: a kill mid-delete leaves a ``.deleting-`` folder that
+    no listing counts and the next start-up removes, never a half-empty ``checkpoint-N``."""
+    if not path.exists():
+        return
+    doomed = path.with_name(f".deleting-{path.name.lstrip('.')}")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """``checkpoint-N`` folders, oldest first (temporary folders are never listed)."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def complete_checkpoints(output_dir: Path) -> tuple[list[Path], dict[Path, str]]:
+    """Checkpoints that verify (oldest first), and why each of the others does not."""
+    good, bad = [], {}
+    for path in list_checkpoints(output_dir):
+        why = manifest.problem(path)
+        if why is None:
+            good.append(path)
+        else:
+            bad[path] = why
+    return good, bad
+
+
+def last_finite_checkpoint(output_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies (every one written is finite): for messages like
+    "the last finite checkpoint is checkpoint-15"."""
+    for path in reversed(list_checkpoints(output_dir)):
+        if manifest.problem(path) is None:
+            return path
+    return None
+
+
+def intact_note(output_dir: Path) -> str:
+    last = last_finite_checkpoint(output_dir)
+    return f"{last.name} is intact" if last else "no complete checkpoint was written yet"
+
+
+def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> Path | None:
+    """``"latest"``: the newest checkpoint of ``output_dir`` that verifies, saying in one line
+    which newer ones were skipped and why. ``"auto"``: the same, or ``None`` (start fresh) when
+    the run has no checkpoint yet, so one command both starts a job and resumes it after a
+    requeue. A path: that folder, refused unless it verifies.
+    ``for_training=False`` (eval/predict): a folder without a manifest (an exported model, a
+    finished run's output_dir) is accepted; one with a manifest must still verify."""
+    output_dir = Path(output_dir)
+    if str(resume) == "auto":
+        if not list_checkpoints(output_dir):
+            return None
+        resume = "latest"
+    if str(resume) == "latest":
+        skipped = []
+        for path in reversed(list_checkpoints(output_dir)):
+            why = manifest.problem(path)
+            if why is None:
+                if skipped:
+                    logger.warning("resuming from %s; skipped newer %s", path.name, "; ".join(skipped))
+                return path
+            skipped.append(f"{path.name} ({why})")
+        more = f" ({'; '.join(skipped)})" if skipped else ""
+        raise CheckpointError(
+            f"--resume-from-checkpoint latest: there is no complete checkpoint in "
+            f"{str(output_dir)!r}{more}. Start without --resume-from-checkpoint, or pass the path "
+            "of a checkpoint folder."
+        )
+    path = Path(resume)
+    if not path.is_dir():
+        hint = " (a .tmp- folder is an incomplete save and cannot be resumed)" if path.name.startswith(".tmp-") else ""
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} does not exist (or is not a folder){hint}. Pass a "
+            "checkpoint-N folder, or 'latest' for the newest one in train.output_dir."
+        )
+    if for_training or (path / manifest.MANIFEST).exists():
+        manifest.verify(path)  # refused, naming the file, when it does not verify
+    return path
+
+
+def rotate_checkpoints(output_dir: Path, limit: int | None, keep: Path | None = None,
+                       best: str | Path | None = None) -> list[Path]:
+    """Keep ``limit`` checkpoints, oldest deleted first, never the best one, the newest one nor
+    ``keep`` (the one just written, the newest finite one). Returns the deleted folders."""
+    if not limit:
+        return []
+    found = list_checkpoints(output_dir)
+    protected = {found[-1].name} if found else set()
+    if keep is not None:
+        protected.add(Path(keep).name)
+    if best:
+        protected.add(Path(best).name)
+    removable = [p for p in found if p.name not in protected]
+    excess = len(found) - max(limit, len(found) - len(removable))
+    deleted = removable[: max(0, excess)]
+    for path in deleted:
+        _remove_dir(path)
+    return deleted
+
+
+def keep_only_best(output_dir: Path, best: str | Path) -> list[Path]:
+    """End of training with ``save_total_limit = 1`` and a best checkpoint (HF 5.x
+    ``_finalize_training``): every other checkpoint is deleted, the best one stays. Returns
+    the deleted folders."""
+    deleted = [p for p in list_checkpoints(output_dir) if p.name != Path(best).name]
+    for path in deleted:
+        _remove_dir(path)
+    return deleted
+
+
+def relative_to_run(path: str | Path | None) -> str | None:
+    """A checkpoint path as stored on disk: its folder name, resolved against the folder that
+    holds the checkpoint when read back (so a moved or copied run still finds it)."""
+    return Path(path).name if path else None
+
+
+def from_run(stored: str | None, checkpoint_dir: Path) -> str | None:
+    """The stored name (or an absolute path of an older version) -> a path in this run folder."""
+    if not stored:
+        return None
+    return str(Path(checkpoint_dir).parent / Path(stored).name)

@@ -1,0 +1,227 @@
+"""Model weights on disk: safetensors (sharded above ``save_max_shard_size``), shape checks.
+
+``save_weights(state_dict, directory, max_shard_size, model)``, ``read_weights(directory)``,
+``weight_shapes(directory)`` (headers only), ``check_shapes(model, found, where, backend)``,
+``all_finite(state_dict)`` (fused reductions), ``parse_size("5GB")``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file  # every train() saves: not inside it
+
+try:
+    import numpy.ctypeslib  # noqa: F401  (save_file imports it on its first call)
+except ImportError:  # numpy is optional for torch
+    pass
+
+from ..errors import CheckpointError
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ints pass through (bytes)."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE_RE.match(str(size))
+    if not m:
+        raise CheckpointError(
+            f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int) or a "
+            "string like '5GB', '500MB', '2GiB'."
+        )
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def torch_save(obj, path) -> None:
+    """``torch.save`` without the zip records' CRC32: computing it costs more than writing the
+    bytes (0.7 s vs 2-3 s for 512 MiB here), and every checkpoint file already has a checksum in
+    ``manifest.json``. ``torch.load`` reads such files as usual."""
+    from torch import serialization
+
+    previous = serialization.get_crc32_options()
+    serialization.set_crc32_options(False)
+    try:
+        torch.save(obj, path)
+    finally:
+        serialization.set_crc32_options(previous)
+
+
+def all_finite(state_dict: dict[str, torch.Tensor]) -> bool:
+    """Every floating value finite; one host read per device and dtype, no copy of the weights.
+
+    A fused 2-norm screens each group (torch's vectorised kernels: ~15x faster on the CPU than
+    the largest magnitude, whose reduction is not vectorised there). NaN and inf always make it
+    non-finite; so can the squares of huge finite values. Only then is the exact test run: the
+    largest magnitude (inf stays inf, NaN propagates, nothing overflows)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for v in state_dict.values():
+        v = getattr(v, "_local_tensor", v)  # a DTensor: this rank's shard
+        if torch.is_tensor(v) and v.is_floating_point() and v.numel():
+            groups.setdefault((v.device, v.dtype), []).append(v.detach())
+    return all(_norms_finite(ts, 2.0) or _norms_finite(ts, float("inf")) for ts in groups.values())
+
+
+def _norms_finite(tensors: list[torch.Tensor], ord: float) -> bool:
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, ord))).all())
+
+
+def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors; safetensors refuses tensors that share memory (tied weights)."""
+    seen: set[int] = set()
+    tensors = {}
+    for k, v in state_dict.items():
+        v = v.detach()
+        ptr = v.untyped_storage().data_ptr() if v.numel() else None
+        if ptr is not None and ptr in seen:
+            v = v.clone()
+        if ptr is not None:
+            seen.add(ptr)
+        tensors[k] = v.contiguous().cpu()
+    return tensors
+
+
+def _is_hf_model(model) -> bool:
+    return callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config")
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB",
+                 model=None) -> None:
+    """``directory/model.safetensors``, or shards + ``model.safetensors.index.json`` above
+    ``max_shard_size``. A Hugging Face ``PreTrainedModel`` is written by its own
+    ``save_pretrained`` (same file names, plus config.json) so ``from_pretrained`` loads it."""
+    limit = parse_size(max_shard_size)
+    if model is not None and _is_hf_model(model):
+        model.save_pretrained(directory, state_dict=state_dict, max_shard_size=limit)
+        return
+    tensors = _untie(state_dict)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / WEIGHTS), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+
+
+def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"Checkpoint file {str(index)!r} is unreadable (truncated or corrupt?): {e}."
+            ) from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(
+                    f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing."
+                )
+        return files, weight_map
+    path = directory / WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(
+            f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX})."
+        )
+    return [path], None
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors model in ``directory``."""
+
+    files, _ = _weight_files(directory)
+    loaded: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            loaded.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}."
+            ) from None
+    return loaded
+
+
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from the safetensors headers only (no tensor data is read)."""
+
+    files, _ = _weight_files(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for k in f.keys():
+                    shapes[k] = tuple(f.get_slice(k).get_shape())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}."
+            ) from None
+    return shapes
+
+
+def _aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Key -> other keys sharing its storage (tied weights, which save_pretrained drops)."""
+    by_ptr: dict[tuple[int, int], list[str]] = {}
+    for k, v in state_dict.items():
+        v = getattr(v, "_local_tensor", v)  # a sharded (FSDP2 DTensor) value: its local shard
+        if v.numel():
+            by_ptr.setdefault((v.untyped_storage().data_ptr(), v.storage_offset()), []).append(k)
+    return {k: [o for o in group if o != k] for group in by_ptr.values() if len(group) > 1 for k in group}
+
+
+def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], where: str,
+                 full_shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """Raise a CheckpointError naming every mismatch; returns keys to fill from their alias.
+    ``full_shapes``: a backend's real shapes where the module holds placeholders (a backend's
+    optional ``full_parameter_shapes(model)``, e.g. DeepSpeed ZeRO-3's partitioned parameters)."""
+    expected = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in expected.items()}
+    shapes.update(full_shapes or {})
+    expected.update({k: None for k in shapes if k not in expected})
+    aliases = _aliases({k: v for k, v in expected.items() if v is not None})
+    fill = [k for k in expected if k not in found and any(a in found for a in aliases.get(k, ()))]
+    missing = sorted(set(expected) - set(found) - set(fill))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = [
+        f"{k}: checkpoint {tuple(found[k])} vs model {shapes[k]}"
+        for k in expected if k in found and tuple(found[k]) != shapes[k]
+    ]
+    if missing or unexpected or wrong:
+        parts = []
+        if wrong:
+            parts.append(f"{len(wrong)} shape mismatches: " + "; ".join(wrong[:5]))
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:5]}")
+        if unexpected:
+            parts.append(f"not in the model: {unexpected[:5]}")
+        raise CheckpointError(
+            f"Checkpoint {where!r} does not match the model ({', '.join(parts)}). It was saved from "
+            "another model (config); resume with the model config it was trained with, or start a "
+            "new run in another train.output_dir."
+        )
+    return fill
+
+
