@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from corelooper.outputs import write_predictions
+from corelooper.cli.predictions import write_predictions
 
 # -- the predict / eval commands ------------------------------------------------------------------
 

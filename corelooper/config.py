@@ -711,42 +711,20 @@ def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleT
         raise ConfigError(f"{key}: importing {ref!r} failed: {type(e).__name__}: {e}") from e
 
 
-# --------------------------------------------------------------------------------------------
-# TOML writer (tomllib reads only); enough for configs: tables of scalars, lists, inline tables
-# --------------------------------------------------------------------------------------------
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        if isinstance(v, float) and not math.isfinite(v):
-            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    if isinstance(v, Path):
-        return _toml_value(str(v))
+def _plain(v: Any) -> Any:
+    """A value tomli_w can write: no None (TOML has no null: unset keys are left out), paths as
+    strings, tuples as lists."""
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items() if x is not None}
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+        return [_plain(x) for x in v]
+    return str(v) if isinstance(v, Path) else v
 
 
-def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+def dumps_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
+    import tomli_w
 
-
-def dumps_toml(data: dict[str, dict[str, Any]]) -> str:
-    lines: list[str] = []
-    for section, values in data.items():
-        lines.append(f"[{_toml_key(section)}]")
-        for k, v in values.items():
-            if v is not None:  # TOML has no null: unset keys are left out
-                lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
-        lines.append("")
-    return "\n".join(lines)
+    return tomli_w.dumps(_plain(data))
 
 
 def as_config(config: Config | TrainArgs | dict | None) -> Config:

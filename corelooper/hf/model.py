@@ -26,7 +26,6 @@ TASKS = {
     "image_classification": "AutoModelForImageClassification",
     "base": "AutoModel",
 }
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _base(config: Config) -> Path | None:
