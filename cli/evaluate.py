@@ -45,7 +45,7 @@ def _dataset(loop, split: str):
             f"No data to predict on: set data.test (or data.eval) in the config to a data file or a "
             f"'module:callable' returning a dataset (asked for {split!r})."
         )
-    return build_dataset(loop.config, split), f"data.{split}"
+    return build_dataset(loop.plugins, loop.config, split), f"data.{split}"
 
 
 def predict(config, checkpoint: str, output: str | None, blocked: list[str] = (), split: str = "test"):
