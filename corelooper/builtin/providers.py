@@ -43,7 +43,7 @@ def create_backend(loop):
                              {k: v for k, v in ddp.items() if v is not None})
 
 
-# -- optimizer and scheduler (by name: corelooper/optimizers.py, corelooper/schedules.py) --------
+# -- optimizer and scheduler (by name: corelooper/hf/optimizers.py, corelooper/hf/schedules.py) --------
 
 
 @hookimpl(trylast=True)
