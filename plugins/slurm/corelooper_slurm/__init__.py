@@ -7,7 +7,12 @@ This module imports neither torch nor corelooper's loop: ``corelooper --help`` l
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -28,10 +33,16 @@ def corelooper_add_commands(app) -> None:
         time: Annotated[str | None, typer.Option("--time", "-t", help="Time limit, e.g. 2-00:00:00.")] = None,
         partition: Annotated[str | None, typer.Option("--partition", help="Slurm partition.")] = None,
         account: Annotated[str | None, typer.Option("--account", "-A", help="Slurm account.")] = None,
-        cpus_per_task: Annotated[int | None, typer.Option("--cpus-per-task", help="CPUs per node's task.")] = None,
+        cpus_per_task: Annotated[int | None, typer.Option(
+            "--cpus-per-task", help="CPUs for each node's ranks (default: the whole node, --exclusive).")] = None,
         signal: Annotated[str, typer.Option("--signal", help="Warning signal that saves and requeues.")] = "USR1",
-        grace: Annotated[int, typer.Option("--grace", help="Seconds between that signal and the end.")] = 120,
-        port: Annotated[int, typer.Option("--port", help="Rendezvous port on the first node.")] = 29500,
+        grace: Annotated[int | None, typer.Option(
+            "--grace", help="Seconds between that signal and the end (default: 120, or 60 + 2 x the last "
+            "checkpoint's measured save time when that is more).")] = None,
+        port: Annotated[int | None, typer.Option(
+            "--port", help="Rendezvous port on the first node (default: 20000 + job id % 20000).")] = None,
+        max_requeues: Annotated[int, typer.Option(
+            "--max-requeues", help="Requeue at most this many times (each only after a newer checkpoint).")] = 20,
         output: Annotated[str | None, typer.Option("--output", "-o", help="Job log (sbatch --output).")] = None,
         set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Config override (repeatable).")] = None,
         plugin: Annotated[list[str] | None, typer.Option("--plugin", "-p", help="As -p of `corelooper run` (no:NAME, module).")] = None,
@@ -47,10 +58,12 @@ def corelooper_add_commands(app) -> None:
         try:
             if not config.is_file():
                 raise ConfigError(f"Config file {str(config)!r} does not exist (or is not a file).")
+            output_dir = resolve_output_dir(config, list(set_ or []))
             spec = JobSpec(
                 config=config.resolve(), nodes=nodes, gpus_per_node=gpus_per_node,
                 nproc_per_node=nproc_per_node, time=time, partition=partition, account=account,
-                cpus_per_task=cpus_per_task, signal=signal, grace=grace, port=port, output=output,
+                cpus_per_task=cpus_per_task, signal=signal, grace=grace or default_grace(output_dir),
+                port=port, max_requeues=max_requeues, output=output, output_dir=output_dir,
                 overrides=list(set_ or []), plugin_options=list(plugin or []),
                 sbatch_args=list(sbatch_arg or []),
             )
@@ -64,6 +77,45 @@ def corelooper_add_commands(app) -> None:
         except CorelooperError as e:
             typer.echo(f"corelooper: error: {e}", err=True)
             raise typer.Exit(e.exit_code) from None
+
+
+def resolve_output_dir(config: Path, overrides: list[str]) -> Path:
+    """``train.output_dir`` of the config with its overrides, absolute (the job runs in this
+    folder: ``--chdir``)."""
+    from corelooper.config import Config
+
+    return (Path.cwd() / Config.load(config, overrides).train.output_dir).resolve()
+
+
+SAVE_TIME_FILE = ".corelooper-slurm-save.json"
+
+
+def default_grace(output_dir: Path) -> int:
+    """120 s, or 60 s + twice the last checkpoint's measured save time when that is more (the
+    signal must leave time for one step, the save and the ranks' exit)."""
+    try:
+        seconds = float(json.loads((output_dir / SAVE_TIME_FILE).read_text())["save_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 120
+    return max(120, math.ceil(60 + 2 * seconds))
+
+
+# In a Slurm job, rank 0 measures each checkpoint save (from the end of the step that saves to
+# the end of the save) and keeps the last one in output_dir, for the next submission's --grace.
+_step_ended: list[float] = []
+
+
+def on_step_end(state) -> None:
+    if "SLURM_JOB_ID" in os.environ and state.is_world_process_zero:
+        _step_ended[:] = [time.monotonic()]
+
+
+def on_save(state, checkpoint_dir) -> None:
+    if "SLURM_JOB_ID" not in os.environ or not state.is_world_process_zero or not _step_ended:
+        return
+    record = {"checkpoint": Path(checkpoint_dir).name, "save_seconds": round(time.monotonic() - _step_ended[0], 3)}
+    with contextlib.suppress(OSError):  # a measurement only: never fail a run for it
+        (Path(checkpoint_dir).parent / SAVE_TIME_FILE).write_text(json.dumps(record) + "\n")
 
 
 def submit(text: str) -> str:

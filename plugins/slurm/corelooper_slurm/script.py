@@ -2,16 +2,19 @@
 
 How a preemption or time limit plays out (``--signal=B:USR1@<grace>`` + ``--requeue``):
 
-1. Slurm sends SIGUSR1 to the batch shell ``grace`` seconds before the end (or ``scancel
-   --signal=USR1 --batch JOB`` does, by hand); the shell's trap notes it and passes it to
-   ``srun``, which forwards it to its tasks (one ``torchrun`` per node);
+1. Slurm sends SIGUSR1 to the batch shell about ``grace`` seconds before the end (up to 60 s
+   earlier: Slurm's event resolution), or ``scancel --signal=USR1 --batch JOB`` does, by hand;
+   the shell's trap passes it to ``srun``, which forwards it to its tasks (one per node:
+   ``python -m corelooper_slurm.node torchrun``, torchrun's agent in that process);
 2. torchrun, started with ``--signals_to_handle ...,SIGUSR1``, forwards it to every rank, and
    waits up to ``--shutdown_timeout`` (the grace) for them;
 3. every rank (``CORELOOPER_STOP_SIGNALS=SIGUSR1``) finishes its optimizer step; all agree on
-   the step, save one checkpoint, and exit;
-4. the shell runs ``scontrol requeue $SLURM_JOB_ID``: the job goes back to the queue and, when it
-   starts again, the same command resumes (``--resume-from-checkpoint auto``: the newest
-   checkpoint if there is one, else a fresh start).
+   the step, save one checkpoint, and exit (128 + 10); each node prints one line with its
+   ranks' exit status;
+4. the shell requeues the job (``scontrol requeue``) only when this restart wrote a checkpoint
+   newer than the one it resumed from, every node stopped cleanly and the job was requeued fewer
+   than ``--max-requeues`` times; otherwise it exits 1 saying why. Requeued, the same command
+   resumes (``--resume-from-checkpoint auto``: the newest checkpoint, else a fresh start).
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ class JobSpec:
     time: str | None = None
     partition: str | None = None
     account: str | None = None
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = None  # default: the whole node (--exclusive) for the node's task
     job_name: str | None = None
     output: str | None = None
     signal: str = "USR1"
     grace: int = 120  # seconds between the warning signal and the end of the allocation
-    port: int = 29500
+    port: int | None = None  # default: 20000 + job id % 20000, on the job's first node
+    max_requeues: int = 20
+    output_dir: Path | None = None  # the config's train.output_dir (with --set), resolved
     overrides: list[str] = field(default_factory=list)
     plugin_options: list[str] = field(default_factory=list)
     sbatch_args: list[str] = field(default_factory=list)
@@ -77,6 +82,11 @@ def check(spec: JobSpec) -> None:
             f"--signal {spec.signal!r} is not a signal a job can catch. Use USR1 (the default), USR2 "
             "or another catchable signal name."
         )
+    if spec.max_requeues < 0:
+        raise ConfigError(f"--max-requeues {spec.max_requeues}: give 0 (never requeue) or more.")
+    if spec.port is not None and not 1024 <= spec.port <= 65535:
+        raise ConfigError(f"--port {spec.port}: give a free TCP port from 1024 to 65535, or leave it out "
+                          "(then each job uses 20000 + its job id % 20000).")
     if spec.grace < 1:
         raise ConfigError(f"--grace {spec.grace}: give the seconds the job needs to save (e.g. 120).")
 
@@ -91,7 +101,7 @@ def render(spec: JobSpec) -> str:
         f"--nodes={spec.nodes}",
         "--ntasks-per-node=1",  # one torchrun per node; it starts the node's ranks
         *([f"--gpus-per-node={spec.gpus_per_node}"] if spec.gpus_per_node else []),
-        *([f"--cpus-per-task={spec.cpus_per_task}"] if spec.cpus_per_task else []),
+        f"--cpus-per-task={spec.cpus_per_task}" if spec.cpus_per_task else "--exclusive",
         *([f"--time={spec.time}"] if spec.time else []),
         *([f"--partition={spec.partition}"] if spec.partition else []),
         *([f"--account={spec.account}"] if spec.account else []),
@@ -107,17 +117,28 @@ def render(spec: JobSpec) -> str:
         run += ["--set", item]
     for item in spec.plugin_options:
         run += ["-p", item]
-    torchrun = [
-        spec.python, "-m", "torch.distributed.run", "--nnodes", '"$SLURM_NNODES"',
+    torchrun = [  # torch.distributed.run's arguments (corelooper_slurm.node runs it)
+        "--nnodes", '"$SLURM_NNODES"',
         "--nproc_per_node", str(spec.procs), "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", f'"$head_node:{spec.port}"', "--rdzv_id", '"$SLURM_JOB_ID"',
+        "--rdzv_endpoint", '"$head_node:$port"', "--rdzv_id", '"$SLURM_JOB_ID"',
         "--max_restarts", "0", "--signals_to_handle", f"{TORCHRUN_SIGNALS},SIG{sig}",
         "--shutdown_timeout", str(spec.grace),
     ]
     quoted = [a if a.startswith('"') else shlex.quote(a) for a in torchrun]
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), _BODY.format(
+    output_dir = spec.output_dir or spec.workdir / "output"
+    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), _HEADER.format(
+        sig=sig, python=spec.python, workdir=spec.workdir, config=spec.config, output_dir=output_dir,
+        max_requeues=spec.max_requeues,
+    ), _BODY.format(
         sig=sig,
-        torchrun=" \\\n    ".join([" ".join(quoted[:3]), *_pairs(quoted[3:])]),
+        python=shlex.quote(spec.python),
+        output_dir=shlex.quote(str(output_dir)),
+        state_dir=shlex.quote(str(output_dir.parent / f".{output_dir.name}.slurm")),
+        port=spec.port if spec.port is not None else "$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        srun_cpus=f"--cpus-per-task={spec.cpus_per_task} " if spec.cpus_per_task
+        else '--cpus-per-task="$SLURM_CPUS_ON_NODE" ',
+        max_requeues=spec.max_requeues,
+        torchrun=" \\\n    ".join(_pairs(quoted)),
         run=" ".join(shlex.quote(a) for a in run),
     )]
     return "\n".join(lines)
@@ -134,21 +155,38 @@ def _pairs(args: list[str]) -> list[str]:
     return out
 
 
-_BODY = """\
+_HEADER = """\
 # Written by `corelooper slurm`. On SIG{sig} (sent before the time limit or a preemption): every
-# rank finishes its step and saves a checkpoint, then this job requeues itself and resumes from it.
+# rank finishes its step and saves a checkpoint; the job requeues itself when that checkpoint is
+# newer than the one this restart resumed from (at most {max_requeues} times) and resumes from it.
+# Baked in when the script was written (every node must see them at these paths):
+#   python:     {python}
+#   workdir:    {workdir}
+#   config:     {config}
+#   output_dir: {output_dir}"""
+
+_BODY = """\
 set -uo pipefail
 export CORELOOPER_STOP_SIGNALS=SIG{sig}
+python={python}
+output_dir={output_dir}
+state_dir={state_dir}/job-$SLURM_JOB_ID
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-requeue=0
+port={port}
+restarts=${{SLURM_RESTART_COUNT:-0}}
+say() {{ echo "corelooper-slurm: $*" >&2; }}
+resumed=$("$python" -m corelooper_slurm.node latest "$output_dir")
+if [ "$resumed" -gt 0 ]; then from="resumed from checkpoint-$resumed"; else from="starting fresh (no checkpoint yet)"; fi
+say "job $SLURM_JOB_ID (restart $restarts) on $SLURM_JOB_NODELIST: $from; rendezvous $head_node:$port"
+rm -rf "$state_dir"
+signalled=0
 on_signal() {{
-  requeue=1
-  echo "corelooper-slurm: SIG{sig}: saving a checkpoint, then requeueing job $SLURM_JOB_ID" >&2
-  kill -{sig} "$srun_pid" 2>/dev/null  # srun forwards it to every node's torchrun
+  signalled=1
+  say "SIG{sig}: every rank finishes its step and saves a checkpoint"
 }}
 trap on_signal {sig}
-echo "corelooper-slurm: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST" >&2
-srun --kill-on-bad-exit=1 \\
+srun --kill-on-bad-exit=1 {srun_cpus}\\
+    "$python" -m corelooper_slurm.node torchrun "$state_dir" -- \\
     {torchrun} \\
     {run} &
 srun_pid=$!
@@ -156,10 +194,38 @@ while true; do
   wait "$srun_pid"
   status=$?
   kill -0 "$srun_pid" 2>/dev/null || break  # wait returned for the trap: the step still runs
+  # pass it on once every node's task holds it (a task still starting Python would die of it);
+  # srun forwards it to each node's torchrun
+  while [ "$(ls "$state_dir" 2>/dev/null | grep -c '^ready-')" -lt "$SLURM_NNODES" ] && kill -0 "$srun_pid" 2>/dev/null; do
+    sleep 0.5
+  done
+  kill -{sig} "$srun_pid" 2>/dev/null
 done
-if [ "$requeue" = 1 ]; then
-  scontrol requeue "$SLURM_JOB_ID"
+newest=$("$python" -m corelooper_slurm.node latest "$output_dir")
+states=$(cat "$state_dir"/node-* 2>/dev/null | sort -u | tr '\\n' ' ')
+nodes=$(ls "$state_dir" 2>/dev/null | grep -c '^node-')
+rm -rf "$state_dir"
+if [ "$states" = "finished " ] && [ "$nodes" = "$SLURM_NNODES" ]; then
+  say "finished (newest checkpoint-$newest)"
   exit 0
 fi
-exit "$status"
+if [ "$signalled" = 0 ]; then
+  say "not requeueing: the run ended without the warning signal (node states: ${{states:-none}}; srun exit $status)"
+  exit "$(( status == 0 ? 1 : status ))"
+fi
+if [ "$newest" -le "$resumed" ]; then
+  say "not requeueing: this restart wrote no checkpoint newer than checkpoint-$resumed (the signal came before a step was saved)"
+  exit 1
+fi
+if [ "$nodes" != "$SLURM_NNODES" ] || [[ "$states" == *failed* ]]; then
+  say "not requeueing: a node did not save and stop cleanly (node states: ${{states:-none}}, from $nodes of $SLURM_NNODES nodes)"
+  exit 1
+fi
+if [ "$restarts" -ge {max_requeues} ]; then
+  say "not requeueing: --max-requeues {max_requeues} reached (restart $restarts); resume with the same command: checkpoint-$newest"
+  exit 1
+fi
+say "requeueing job $SLURM_JOB_ID: checkpoint-$newest is newer than checkpoint-$resumed (requeue $(( restarts + 1 )) of at most {max_requeues})"
+scontrol requeue "$SLURM_JOB_ID"
+exit 0
 """

@@ -66,8 +66,8 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     (tmp_path / "slow.py").write_text(SLOW)
     config = write_config(tmp_path / "job.toml", tmp_path / "job")
     env = {**slurm.env, "TMPDIR": str(tmp_path)}
-    submitted = corelooper("slurm", str(config), "--nodes", "1", "--nproc-per-node", "2", "--cpus-per-task",
-                           str(os.cpu_count() or 1), "--port", str(slurm_cluster._free_port()),
+    # the defaults under test: the whole node's CPUs for its task, the port from the job id
+    submitted = corelooper("slurm", str(config), "--nodes", "1", "--nproc-per-node", "2",
                            "--output", str(tmp_path / "job-%j.out"), "-p", str(tmp_path / "slow.py"),
                            "-p", "no:tensorboard", "--grace", "60", env=env, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
@@ -84,11 +84,28 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     job = slurm.job(job_id)
     log = (tmp_path / f"job-{job_id}.out").read_text()
     assert job["Restarts"] == "1" and job["ExitCode"] == "0:0", (job, log[-3000:])
-    assert "SIGUSR1: saving a checkpoint, then requeueing" in log and "(restart 1)" in log
+    cpus = os.cpu_count() or 1
+    assert job["NumCPUs"] == str(cpus), job  # not 1: the node's ranks share the whole node
     checkpoints = sorted((tmp_path / "job").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     stopped_at = int(checkpoints[0].name.split("-")[1])
     assert 4 <= stopped_at < STEPS, checkpoints  # save_steps=1000: only the signal saved it
     assert log.count(f"corelooper: stopped at step {stopped_at}") == 1  # rank 0 speaks, both ranks stop
+    port = 20000 + int(job_id) % 20000
+    first, second = log.split(f"corelooper-slurm: job {job_id} (restart 1)")
+    assert f"corelooper-slurm: job {job_id} (restart 0) on localhost: starting fresh (no checkpoint yet); " \
+           f"rendezvous localhost:{port}" in first
+    assert second.startswith(f" on localhost: resumed from checkpoint-{stopped_at}; rendezvous localhost:{port}")
+    assert "SIGUSR1: every rank finishes its step and saves a checkpoint" in first
+    assert (f"corelooper-slurm: node localhost ({cpus} CPUs): stopped; torchrun got SIGUSR1; "
+            "rank 0: 138 (stopped on SIGUSR1, saved), rank 1: 138 (stopped on SIGUSR1, saved)") in first
+    assert (f"requeueing job {job_id}: checkpoint-{stopped_at} is newer than checkpoint-0 "
+            "(requeue 1 of at most 20)") in first
+    assert (f"corelooper-slurm: node localhost ({cpus} CPUs): finished; every rank finished") in second
+    assert "corelooper-slurm: finished (newest checkpoint-" in second
+    for noise in ("SignalException", "Traceback", "srun: error"):  # one line per node instead
+        assert noise not in log, log[-3000:]
+    saved = json.loads((tmp_path / "job" / ".corelooper-slurm-save.json").read_text())
+    assert (tmp_path / "job" / saved["checkpoint"]).is_dir() and 0 < saved["save_seconds"] < 60, saved
 
     ref_config = write_config(tmp_path / "ref.toml", tmp_path / "ref")
     ref = corelooper("run", str(ref_config), "--nproc", "2", "-p", "no:tensorboard", env=base_env(tmp_path))
@@ -99,6 +116,52 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     assert sorted(got_losses) == list(range(1, STEPS + 1))
     assert max(abs(got_losses[s] - want_losses[s]) for s in want_losses) <= 1e-5
     assert not torch.equal(final["net.0.weight"], load_file(str(checkpoints[0] / "model.safetensors"))["net.0.weight"])
+
+
+def _submit(slurm, tmp_path: Path, *extra: str) -> tuple[str, Path]:
+    config = write_config(tmp_path / "job.toml", tmp_path / "job")
+    submitted = corelooper("slurm", str(config), "--nproc-per-node", "2", "--output", str(tmp_path / "job-%j.out"),
+                           "-p", "no:tensorboard", "--grace", "30", *extra,
+                           env={**slurm.env, "TMPDIR": str(tmp_path)}, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
+    return job_id, tmp_path / f"job-{job_id}.out"
+
+
+def _ended(slurm, job_id: str, log: Path) -> tuple[dict[str, str], str]:
+    slurm.wait_for("the job did not end", lambda: slurm.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 120)
+    return slurm.job(job_id), log.read_text()
+
+
+def test_a_signal_during_start_up_ends_the_job_instead_of_requeueing_it(slurm, tmp_path):
+    """The issue's loop: a warning signal that lands before a step is saved requeued a job that
+    then made no progress, again and again. Now: no newer checkpoint, no requeue, the reason."""
+    (tmp_path / "slow_start.py").write_text("import time\n\ntime.sleep(20)  # the ranks are still starting\n")
+    job_id, log_path = _submit(slurm, tmp_path, "-p", str(tmp_path / "slow_start.py"))
+    slurm.wait_for("the job did not start", lambda: log_path.exists() and "starting fresh" in log_path.read_text(), 90)
+    assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
+    job, log = _ended(slurm, job_id, log_path)
+    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "1:0"), (job, log)
+    assert "not requeueing: this restart wrote no checkpoint newer than checkpoint-0 (the signal came " \
+           "before a step was saved)" in log, log
+    assert "corelooper-slurm: node localhost" in log and ": failed; " in log, log
+    assert not list((tmp_path / "job").glob("checkpoint-*"))
+
+
+def test_a_job_requeued_max_requeues_times_ends_with_the_reason(slurm, tmp_path):
+    (tmp_path / "slow.py").write_text(SLOW)
+    job_id, log_path = _submit(slurm, tmp_path, "--max-requeues", "0", "-p", str(tmp_path / "slow.py"))
+    metrics = tmp_path / "job" / "metrics.jsonl"
+    slurm.wait_for("the job did not train 2 steps", lambda: metrics.exists() and metrics.read_text().count(
+        '"loss"') >= 2, 120)
+    assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
+    job, log = _ended(slurm, job_id, log_path)
+    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "1:0"), (job, log)
+    step = int(next((tmp_path / "job").glob("checkpoint-*")).name.split("-")[1])
+    assert 2 <= step < STEPS
+    assert (f"not requeueing: --max-requeues 0 reached (restart 0); resume with the same command: "
+            f"checkpoint-{step}") in log, log
+    assert ": stopped; torchrun got SIGUSR1; rank 0: 138 (stopped on SIGUSR1, saved)" in log, log
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -119,13 +182,35 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --time=2-00:00:00", "#SBATCH --partition=gpu", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR2@300", "export CORELOOPER_STOP_SIGNALS=SIGUSR2", "trap on_signal USR2",
-                 '--rdzv_endpoint "$head_node:29500"', "--nproc_per_node 8", "--rdzv_backend c10d",
+                 '--rdzv_endpoint "$head_node:$port"', "port=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+                 "#SBATCH --exclusive", 'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE"',
+                 f"#   python:     {sys.executable}", f"#   workdir:    {REPO}", f"#   config:     {config}",
+                 f"#   output_dir: {tmp_path / 'out'}", "--nproc_per_node 8", "--rdzv_backend c10d",
                  "--signals_to_handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2", "--shutdown_timeout 300",
                  'scontrol requeue "$SLURM_JOB_ID"',
                  f"-m corelooper run {config} --resume-from-checkpoint auto --set train.seed=1"):
         assert line in text, line
     # the script is valid bash
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+
+
+def test_dry_run_overrides_and_the_grace_sized_from_the_last_save(tmp_path):
+    config = write_config(tmp_path / "c.toml", tmp_path / "out")
+    env = base_env(tmp_path)
+    out = corelooper("slurm", str(config), "--cpus-per-task", "16", "--port", "29600", "--max-requeues", "3",
+                     "--set", f"train.output_dir={tmp_path / 'other'}", "--dry-run", env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for line in ("#SBATCH --cpus-per-task=16", "srun --kill-on-bad-exit=1 --cpus-per-task=16 ", "port=29600\n",
+                 "#SBATCH --signal=B:USR1@120", 'if [ "$restarts" -ge 3 ]', f"output_dir={tmp_path / 'other'}\n"):
+        assert line in out.stdout, line
+    assert "--exclusive" not in out.stdout
+    # a run saved before (in a Slurm job rank 0 keeps each save's measured seconds): 60 + 2 x 100
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".corelooper-slurm-save.json").write_text('{"checkpoint": "checkpoint-9", "save_seconds": 100.2}')
+    sized = corelooper("slurm", str(config), "--dry-run", env=env, timeout=60)
+    assert "#SBATCH --signal=B:USR1@261" in sized.stdout and "--shutdown_timeout 261" in sized.stdout
+    given = corelooper("slurm", str(config), "--grace", "90", "--dry-run", env=env, timeout=60)
+    assert "#SBATCH --signal=B:USR1@90" in given.stdout
 
 
 def test_bad_options_are_one_paragraph_errors(tmp_path):
@@ -135,6 +220,10 @@ def test_bad_options_are_one_paragraph_errors(tmp_path):
     assert "Traceback" not in bad.stderr
     missing = corelooper("slurm", str(tmp_path / "nope.toml"), "--dry-run", env=base_env(tmp_path), timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    for option, value, words in (("--max-requeues", "-1", "--max-requeues -1: give 0"),
+                                 ("--port", "80", "--port 80: give a free TCP port from 1024 to 65535")):
+        out = corelooper("slurm", str(config), option, value, "--dry-run", env=base_env(tmp_path), timeout=60)
+        assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
     no_slurm = corelooper("slurm", str(config), env={**base_env(tmp_path), "PATH": str(tmp_path)}, timeout=60)
     assert no_slurm.returncode == 2 and "sbatch was not found on PATH" in no_slurm.stderr
     assert "--dry-run" in no_slurm.stderr and "Traceback" not in no_slurm.stderr
