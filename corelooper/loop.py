@@ -311,7 +311,7 @@ class Loop:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise CorelooperError("No evaluation data: pass eval_dataset= or set data.eval.")
-        with self._reported():
+        with self._reported("Evaluation"):
             metrics, _, _ = self._provide("evaluation_loop", dataset=dataset,
                                           metric_key_prefix=metric_key_prefix, keep_outputs=False)
             # As HF: the metrics are logged (on_log, rank 0) before on_evaluate, which fires on
@@ -323,26 +323,26 @@ class Loop:
 
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
         """Model outputs for every sample, in dataset order: ``(predictions, label_ids, metrics)``."""
-        with self._reported():
+        with self._reported("Prediction"):
             metrics, preds, labels = self._provide("evaluation_loop", dataset=test_dataset,
                                                    metric_key_prefix=metric_key_prefix, keep_outputs=True)
             self.events.fire("on_predict", metrics=metrics)
         return preds, labels, metrics
 
     # -- errors --------------------------------------------------------------------------------------
-    def _failed(self, exc: BaseException) -> BaseException:
+    def _failed(self, exc: BaseException, action: str = "Training") -> BaseException:
         """``on_exception``, then the error naming its plugin and hook (or the model)."""
         try:
             self.events.fire("on_exception", exception=exc)
         except Exception:  # a broken cleanup hook must not hide the original error
             pass
-        return explain_failure(exc, self.plugins, self.state.global_step, self.args.output_dir)
+        return explain_failure(exc, self.plugins, self.state.global_step, self.args.output_dir, action)
 
     @contextmanager
-    def _reported(self):  # evaluate()/predict() called alone report a failure as train() does
+    def _reported(self, action: str):  # evaluate()/predict() called alone report as train() does
         try:
             yield
         except BaseException as exc:
             if self.is_training:  # train() reports it
                 raise
-            raise self._failed(exc) from exc
+            raise self._failed(exc, action) from exc

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import toys
 
 from corelooper import hookimpl, hookspecs
-from corelooper.errors import PluginError
+from corelooper.errors import PluginError, TrainingError
 from corelooper.loop import Loop
 from corelooper.plugins import load_plugins
 
@@ -184,3 +184,20 @@ def test_an_error_in_evaluation_during_train_fires_on_exception_once(train_args)
     with pytest.raises(PluginError, match="Plugin 'raiser' raised in hook 'compute_metrics' at global_step 1"):
         loop.train()
     assert len(plugin.exceptions) == 1
+
+
+def test_a_model_error_in_predict_alone_is_blamed_on_the_model_and_on_exception_fires(train_args):
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            raise RuntimeError("bad weights")
+
+    plugin = Raises("on_log")  # only to record on_exception
+    loop = Loop(Broken(), train_args(), plugins=[plugin])
+    with pytest.raises(TrainingError, match="Prediction failed at global_step 0: RuntimeError: bad weights. "
+                       "The error came from the model or its loss"):
+        loop.predict(toys.Blobs(8))
+    assert [str(x) for x in plugin.exceptions] == ["bad weights"]
