@@ -250,6 +250,8 @@ def hooks() -> None:
             "event" if name.startswith("on_") else "declaration")
         sig = str(inspect.signature(fn)).split(" ->")[0].replace("'", "")  # postponed annotations
         typer.echo(f"{name}{sig}  [{kind}]")
+        if getattr(fn, "corelooper_returns", None):  # what the dispatcher checks every answer against
+            typer.echo(f"    returns: {fn.corelooper_returns}")
         typer.echo("    " + inspect.getdoc(fn).replace("\n", "\n    ") + "\n")
 
 

@@ -37,7 +37,8 @@ class TrainingError(CorelooperError):
     exit_code = 6
 
 
-def explain_failure(exc: BaseException, plugins, global_step: int, output_dir) -> BaseException:
+def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
+                    action: str = "Training") -> BaseException:
     """An exception from training turned into one that names where it came from: the plugin and
     hook whose code raised (``plugins.blame``), else the model or its loss."""
     if isinstance(exc, CorelooperError) or not isinstance(exc, Exception):
@@ -53,6 +54,6 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir) -
             f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`."
         )
     return TrainingError(
-        f"Training failed at global_step {global_step}: {type(exc).__name__}: {exc}. The error came "
+        f"{action} failed at global_step {global_step}: {type(exc).__name__}: {exc}. The error came "
         f"from the model or its loss; the last complete checkpoint in {str(output_dir)!r} is untouched."
     )

@@ -28,7 +28,7 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
     want_outputs = keep_outputs or loop.plugins.implemented_by_others("compute_metrics") or (
         loop.compute_metrics_fn is not None
     )
-    loader = loop.hook.eval_dataloader(loop=loop, dataset=dataset)
+    loader = loop.plugins.call_provider("eval_dataloader", loop=loop, dataset=dataset)[0]
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, device=backend.device, dtype=torch.float64)  # loss sum, items
@@ -93,7 +93,8 @@ def _metrics(loop, totals, collected, prefix: str, answered):
     if collected:
         predictions, label_ids = collected.gather(loop.backend)  # dataset order, padded with -100
     if label_ids is not None:  # as HF: metrics need labels
-        extra = loop.hook.compute_metrics(loop=loop, predictions=predictions, label_ids=label_ids)
+        extra, _ = loop.plugins.call_provider("compute_metrics", loop=loop, predictions=predictions,
+                                              label_ids=label_ids)
         for k, v in (extra or {}).items():
             metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)
     return metrics, predictions, label_ids

@@ -9,7 +9,11 @@ Two kinds of hooks:
   a plugin changes the run through ``control`` (e.g. ``control.should_training_stop = True``).
 * **Providers** (``firstresult=True``) compute something. The builtin plugin implements each one
   with ``trylast=True``, so any other plugin's implementation wins; return ``None`` to let the
-  next one answer.
+  next one answer. Each declares what it returns (``@returns``, shown by ``corelooper hooks``):
+  every answer is checked, and a wrong type is a ``PluginError`` naming the plugin and the hook.
+  Hook wrappers on providers are refused at registration (the loop must know which
+  implementation answered); a provider that wraps the next one calls
+  ``plugins.call_next(hook, self, **kwargs)``. Hook wrappers on events work.
 
 Plugin lifecycle: ``corelooper_config_sections`` (declare keys) -> the config is validated ->
 ``corelooper_configure(config, plugins)`` (register per-run objects and checkpointed state) ->
@@ -49,6 +53,16 @@ import pluggy
 PROJECT = "corelooper"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+def returns(expected: str):
+    """Declare, in words, what a provider returns; ``corelooper.dispatch.CHECKS`` checks it."""
+
+    def mark(spec):
+        spec.corelooper_returns = expected
+        return spec
+
+    return mark
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,6 +121,7 @@ def corelooper_add_commands(app) -> None:
 
 
 @hookspec(firstresult=True)
+@returns("a torch.nn.Module, or None")
 def create_model(config):
     """Return the ``torch.nn.Module`` that ``[model]`` describes, or None when this plugin does
     not build it.
@@ -118,6 +133,7 @@ def create_model(config):
 
 
 @hookspec(firstresult=True)
+@returns("a dataset (map-style: __len__ and __getitem__; or an IterableDataset), or None")
 def create_dataset(config, split: str):
     """Return the dataset ``[data] <split>`` names (``split``: "train", "eval" or "test"), or
     None when this plugin does not read it.
@@ -129,6 +145,7 @@ def create_dataset(config, split: str):
 
 
 @hookspec(firstresult=True)
+@returns("an object with the Backend protocol's methods (corelooper.backends.base.Backend)")
 def create_backend(loop):
     """Return the backend that runs the model on the hardware.
 
@@ -142,6 +159,7 @@ def create_backend(loop):
 
 
 @hookspec(firstresult=True)
+@returns('a torch.optim.Optimizer (or an object with step(), zero_grad() and param_groups)')
 def create_optimizer(loop, model):
     """Return the ``torch.optim.Optimizer`` for ``model`` (already on its device).
 
@@ -151,6 +169,7 @@ def create_optimizer(loop, model):
 
 
 @hookspec(firstresult=True)
+@returns('a learning-rate scheduler (an object with step() and get_last_lr())')
 def create_scheduler(loop, optimizer, num_training_steps: int):
     """Return a learning-rate scheduler for ``optimizer`` (stepped once per optimizer step).
 
@@ -161,6 +180,7 @@ def create_scheduler(loop, optimizer, num_training_steps: int):
 
 
 @hookspec(firstresult=True)
+@returns('an iterable of batches')
 def train_dataloader(loop, dataset):
     """Return an iterable of training batches for one epoch, for this process.
 
@@ -171,12 +191,14 @@ def train_dataloader(loop, dataset):
 
 
 @hookspec(firstresult=True)
+@returns('an iterable of batches')
 def eval_dataloader(loop, dataset):
     """Return an iterable of evaluation batches for this process (no shuffling, no padding
     duplicates across processes)."""
 
 
 @hookspec(firstresult=True)
+@returns('a scalar torch.Tensor (or (loss, outputs) when return_outputs is true)')
 def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     """Return the loss of one micro-batch (a scalar tensor), or ``(loss, outputs)`` when
     ``return_outputs`` is true.
@@ -192,6 +214,7 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
 
 
 @hookspec(firstresult=True)
+@returns('(loss, grad_norm) with loss a torch.Tensor, or a result with a tensor .loss')
 def training_step(loop, micro_batches: list):
     """Run one whole optimizer step over ``micro_batches``; return ``(loss, grad_norm)``.
 
@@ -201,12 +224,14 @@ def training_step(loop, micro_batches: list):
     ``corelooper.step.default_training_step(loop, micro_batches)``: move to the device, count
     ``num_items_in_batch``, for each micro-batch (``no_sync`` on all but the last)
     ``compute_loss`` -> backward, then clip -> optimizer step -> scheduler -> ``zero_grad``.
-    A plugin may replace it (a SAM-style two-pass step), or wrap it by calling
-    ``default_training_step`` itself (auto batch size retries it with smaller micro-batches).
+    A plugin may replace it (a SAM-style two-pass step), or wrap the next provider by calling
+    ``loop.plugins.call_next("training_step", self, loop=loop, micro_batches=...)`` (auto batch
+    size retries it with smaller micro-batches).
     """
 
 
 @hookspec(firstresult=True)
+@returns('a tuple (metrics, predictions, label_ids) with metrics a dict')
 def evaluation_loop(loop, dataset, metric_key_prefix: str, keep_outputs: bool):
     """Run the model over ``dataset``; return ``(metrics, predictions, label_ids)``.
 
@@ -220,6 +245,7 @@ def evaluation_loop(loop, dataset, metric_key_prefix: str, keep_outputs: bool):
 
 
 @hookspec(firstresult=True)
+@returns('a dict of metrics (or None to let the next provider answer)')
 def compute_metrics(loop, predictions, label_ids):
     """Return a dict of metrics (without the ``eval_`` prefix) from the whole evaluation set.
 
@@ -361,8 +387,10 @@ def on_nonfinite(loop, state, control, micro_batches: list, sample_indices, loss
 
 @hookspec
 def on_exception(loop, state, control, exception: BaseException) -> None:
-    """When ``train()`` is about to raise; ``exception`` is what went wrong. Clean up here; the
-    last complete checkpoint is left untouched and the exception is re-raised."""
+    """When ``train()``, or ``evaluate()``/``predict()`` called alone, is about to raise;
+    ``exception`` is what went wrong. Clean up here; the last complete checkpoint is left
+    untouched and the exception is re-raised (as a ``PluginError`` naming the plugin and hook
+    when a plugin's code raised)."""
 
 
 EVENTS = tuple(

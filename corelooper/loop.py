@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ class Loop:
         self._eval_prepared = False
         # As HF's Trainer creates its Accelerator: the distributed facts are known to plugins
         # from on_init_end on.
-        self.backend = self.hook.create_backend(loop=self)
+        self.backend = self._provide("create_backend")
         s = self.state
         s.world_size = self.backend.num_processes
         s.is_world_process_zero = self.backend.is_main_process
@@ -102,14 +103,13 @@ class Loop:
     def _setup_train(self):
         if self.train_dataset is None:
             raise CorelooperError("No training data: pass train_dataset= or set data.train.")
-        loader = self.hook.train_dataloader(loop=self, dataset=self.train_dataset)
+        loader = self._provide("train_dataloader", dataset=self.train_dataset)
         self.train_loader = loader  # its state_dict() (streaming data) goes into checkpoints
         self._plan_steps(loader)
         self.model = apply_model_options(self, self.model)
-        optimizer = self.hook.create_optimizer(loop=self, model=self.model)
-        self.scheduler = self.hook.create_scheduler(
-            loop=self, optimizer=optimizer, num_training_steps=self.state.max_steps
-        )
+        optimizer = self._provide("create_optimizer", model=self.model)
+        self.scheduler = self._provide("create_scheduler", optimizer=optimizer,
+                                       num_training_steps=self.state.max_steps)
         self.model, self.optimizer = self.backend.prepare(self.model, optimizer)
         self.forward_signature = forward_signature(self.backend.unwrap_model(self.model))
         self.tokens_seen = TokensSeen(self.args.tokens_seen_mode, pad_token_id_of(self.data_collator),
@@ -181,8 +181,7 @@ class Loop:
             self.is_training = False
             self.events.fire("on_train_end")
         except BaseException as exc:
-            self._fire_exception(exc)
-            raise self._explain(exc) from exc
+            raise self._failed(exc) from exc
         finally:
             self.is_training = False
             if lock is not None:  # after on_train_end: loggers still write into output_dir there
@@ -241,7 +240,10 @@ class Loop:
 
     def training_step(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step (the ``training_step`` provider): ``(loss, grad_norm)`` on the device."""
-        return self.plugins.call_provider("training_step", loop=self, micro_batches=micro_batches)[0]
+        return self._provide("training_step", micro_batches=micro_batches)
+
+    def _provide(self, hook: str, **kwargs):  # through the dispatcher: checked, its plugin named
+        return self.plugins.call_provider(hook, loop=self, **kwargs)[0]
 
     def _next_micro_batches(self, batches, n: int) -> list:
         try:
@@ -311,30 +313,38 @@ class Loop:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise CorelooperError("No evaluation data: pass eval_dataset= or set data.eval.")
-        metrics, _, _ = self.hook.evaluation_loop(
-            loop=self, dataset=dataset, metric_key_prefix=metric_key_prefix, keep_outputs=False
-        )
-        # As HF: the metrics are logged (on_log, rank 0) before on_evaluate, which fires on every
-        # process: early stopping must decide the same on all ranks.
-        self.tokens_seen.flush(self.backend, self.state)
-        self.log({**metrics, "epoch": round(self.state.epoch, 4)})
-        self.events.fire("on_evaluate", metrics=metrics)
+        with self._reported("Evaluation"):
+            metrics, _, _ = self._provide("evaluation_loop", dataset=dataset,
+                                          metric_key_prefix=metric_key_prefix, keep_outputs=False)
+            # As HF: the metrics are logged (on_log, rank 0) before on_evaluate, which fires on
+            # every process: early stopping must decide the same on all ranks.
+            self.tokens_seen.flush(self.backend, self.state)
+            self.log({**metrics, "epoch": round(self.state.epoch, 4)})
+            self.events.fire("on_evaluate", metrics=metrics)
         return metrics
 
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
         """Model outputs for every sample, in dataset order: ``(predictions, label_ids, metrics)``."""
-        metrics, preds, labels = self.hook.evaluation_loop(
-            loop=self, dataset=test_dataset, metric_key_prefix=metric_key_prefix, keep_outputs=True
-        )
-        self.events.fire("on_predict", metrics=metrics)
+        with self._reported("Prediction"):
+            metrics, preds, labels = self._provide("evaluation_loop", dataset=test_dataset,
+                                                   metric_key_prefix=metric_key_prefix, keep_outputs=True)
+            self.events.fire("on_predict", metrics=metrics)
         return preds, labels, metrics
 
     # -- errors --------------------------------------------------------------------------------------
-    def _fire_exception(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, action: str = "Training") -> BaseException:
+        """``on_exception``, then the error naming its plugin and hook (or the model)."""
         try:
             self.events.fire("on_exception", exception=exc)
         except Exception:  # a broken cleanup hook must not hide the original error
             pass
+        return explain_failure(exc, self.plugins, self.state.global_step, self.args.output_dir, action)
 
-    def _explain(self, exc: BaseException) -> BaseException:
-        return explain_failure(exc, self.plugins, self.state.global_step, self.args.output_dir)
+    @contextmanager
+    def _reported(self, action: str):  # evaluate()/predict() called alone report as train() does
+        try:
+            yield
+        except BaseException as exc:
+            if self.is_training:  # train() reports it
+                raise
+            raise self._failed(exc, action) from exc

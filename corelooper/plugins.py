@@ -22,6 +22,7 @@ import pluggy
 
 from . import hookspecs
 from .config import Config, import_module
+from .dispatch import CHECKS, refuse_wrappers, wrong_result
 from .errors import ConfigError, PluginError
 
 ENTRY_POINT_GROUP = "corelooper"
@@ -117,6 +118,11 @@ class Plugins:
         except ValueError as e:
             raise PluginError(f"Plugin {name!r} could not be registered: {e}") from None
         self._check_names(plugin, name)
+        try:
+            refuse_wrappers(name, self._impls(plugin))
+        except PluginError:
+            self.pm.unregister(plugin)
+            raise
         hooks = sorted(
             {hook for hook, _ in self._impls(plugin)}, key=_hook_order
         )
@@ -198,17 +204,33 @@ class Plugins:
         impls = self._providers(hook_name)[1]
         return len(impls) == 1 and impls[0].plugin is self.pm.get_plugin(BUILTIN)
 
-    def call_provider(self, hook_name: str, **kwargs) -> tuple[Any, Any]:
-        """Call a provider as pluggy's firstresult does; also return the implementation that
-        answered (the loop reads its signature: does it take ``num_items_in_batch``?)."""
+    def call_provider(self, hook_name: str, /, **kwargs) -> tuple[Any, Any]:
+        """The one way to call a provider (the loop, the builtin, plugins): as pluggy's
+        firstresult does, each answer checked against what the hookspec declares (a wrong type
+        raises a PluginError naming the plugin); also returns the implementation that answered
+        (the loop reads its signature: does it take ``num_items_in_batch``?)."""
+        return self._dispatch(hook_name, self._providers(hook_name), kwargs)
+
+    def call_next(self, hook_name: str, after: Any, /, **kwargs) -> tuple[Any, Any]:
+        """As ``call_provider``, asking only the providers after plugin object ``after`` (a
+        provider that wraps the next one: auto batch size retries the next ``training_step``)."""
         caller, impls = self._providers(hook_name)
-        monitored = self.pm.monitors
+        mine = [i for i, impl in enumerate(impls) if impl.plugin is after]
+        if not mine:
+            raise PluginError(f"call_next({hook_name!r}, {after!r}): that object provides no {hook_name!r}.")
+        return self._dispatch(hook_name, (caller, impls[mine[0] + 1:]), kwargs)
+
+    def _dispatch(self, hook_name: str, providers: tuple[Any, list], kwargs: dict) -> tuple[Any, Any]:
+        caller, impls = providers
+        monitored, check = self.pm.monitors, CHECKS.get(hook_name)
         for impl in impls:
             if monitored:  # through pluggy's executor, so the monitor (a recorder, a timer) sees it
                 result = caller._hookexec(caller.name, [impl], kwargs, True)
             else:  # what pluggy's executor does for one implementation, without its bookkeeping
                 result = call_impl(impl, kwargs)
             if result is not None:
+                if check is not None and not check(result, kwargs):
+                    raise wrong_result(self, hook_name, impl, result)
                 return result, impl
         return None, None
 
@@ -220,7 +242,7 @@ class Plugins:
             return cached[1], cached[2]
         caller = getattr(self.hook, hook_name)
         impls = list(reversed(caller.get_hookimpls()))  # pluggy's order: tryfirst, last registered
-        if any(i.hookwrapper or i.wrapper for i in impls):
+        if any(i.hookwrapper or i.wrapper for i in impls):  # only past register(): pm.register
             raise PluginError(f"Hook wrappers are not supported on the provider {hook_name!r}.")
         self._provider_cache[hook_name] = (self.version, caller, impls)
         return caller, impls

@@ -3,7 +3,7 @@
 Read it as nanoGPT's step: fetch -> count the loss-bearing items -> for each micro-batch
 (``no_sync`` on all but the last) ``compute_loss`` -> backward -> clip -> non-finite guard ->
 optimizer step -> scheduler -> ``zero_grad``. A plugin may replace it (``training_step``) or
-call it from its own (auto batch size retries it with smaller micro-batches).
+wrap it (``plugins.call_next``: auto batch size retries it with smaller micro-batches).
 """
 
 from __future__ import annotations
@@ -49,20 +49,27 @@ def forward_backward(loop, batch, num_items, num_micro_batches: int, last: bool)
     """``compute_loss`` and backward of one micro-batch; returns its detached loss."""
     backend, model = loop.backend, loop.model
     with nullcontext() if last else backend.no_sync(model):
-        loss, answered = loop.plugins.call_provider(
-            "compute_loss", loop=loop, model=model, batch=batch, num_items_in_batch=num_items,
-            return_outputs=False,
-        )
-        if "num_items_in_batch" not in answered.argnames:
-            loss = loss / num_micro_batches  # the provider that answered returns a mean
-        elif backend.num_processes > 1:
-            loss = loss * backend.num_processes  # DDP averages gradients over ranks
+        loss = micro_batch_loss(loop, batch, num_items, num_micro_batches)
         loop.events.fire("on_before_backward", loss=loss)
         backend.backward(loss)
         loop.events.fire("on_after_backward", loss=loss)
     if not last:
         loop.events.fire("on_substep_end")
     return loss.detach()
+
+
+def micro_batch_loss(loop, batch, num_items, num_micro_batches: int) -> torch.Tensor:
+    """The ``compute_loss`` provider's loss of one micro-batch, as its share of the step's
+    gradient (the sum/mean rule; auto batch size's probe applies it too)."""
+    loss, answered = loop.plugins.call_provider(
+        "compute_loss", loop=loop, model=loop.model, batch=batch, num_items_in_batch=num_items,
+        return_outputs=False,
+    )
+    if "num_items_in_batch" not in answered.argnames:
+        return loss / num_micro_batches  # the provider that answered returns a mean
+    if loop.backend.num_processes > 1:
+        return loss * loop.backend.num_processes  # DDP averages gradients over ranks
+    return loss
 
 
 def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor | None:

@@ -160,3 +160,12 @@ def test_values_that_can_only_give_nan_fail_at_start_up(cli, tmp_path, line):
     key = line.split(" = ")[0]
     assert_clean_error(cli("run", str(path)), f"train.{key}", "not a finite number", code=2)
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_plugin_that_returns_the_wrong_type_is_blamed(cli, tmp_path):
+    """Not "the model or its loss" (exit 6): the plugin, the hook, what was expected, what came."""
+    (tmp_path / "sched_plugin.py").write_text("def create_scheduler(optimizer):\n    return 'cosine'\n")
+    path = write_config(tmp_path, plugins='local = ["sched_plugin.py"]')
+    r = cli("run", str(path))
+    assert_clean_error(r, "Plugin 'sched_plugin.py' returned a str from hook 'create_scheduler'",
+                       "expected a learning-rate scheduler", "get_last_lr()", "-p no:sched_plugin.py", code=3)

@@ -45,6 +45,8 @@ def test_hookspec_is_documented_with_its_signature(name):
     assert f"### `{name}`" in text, f"docs/hooks.md has no section for {name}: {REGENERATE}"
     section = text.split(f"### `{name}`", 1)[1].split("\n### ", 1)[0]
     assert f"`{signature(all_hookspecs()[name])}`" in section, f"{name}'s signature is stale: {REGENERATE}"
+    returns = getattr(all_hookspecs()[name], "corelooper_returns", None)
+    assert returns is None or f"**Returns** {returns}." in section, f"{name}'s return is stale: {REGENERATE}"
 
 
 def test_docs_list_no_hook_that_does_not_exist():
@@ -68,6 +70,15 @@ when a hook is missing here or has no docstring.
   Among installed plugins the name that sorts first is asked first; local plugins
   (`[plugins] local`) and objects passed to `Loop(plugins=[...])` come before installed ones.
   `corelooper plugins` shows which plugin answers each provider.
+- Every provider declares what it returns (**Returns** below). The loop, the builtin and plugins
+  call providers through one dispatcher (`loop.plugins.call_provider(hook, **kwargs)`), which
+  checks every answer: a wrong type (a float as loss, a parameter list as optimizer) is a
+  `PluginError` naming the plugin, the hook, what was expected and what came (exit 3).
+- Hook wrappers (`@hookimpl(wrapper=True)` / `hookwrapper=True`) work on events; on a
+  provider they are refused when the plugin is registered (the loop must know
+  which implementation answered: the sum/mean rule of `compute_loss`, whom to blame for a wrong
+  answer). A provider that wraps the next one calls
+  `loop.plugins.call_next(hook, self, **kwargs)`, which asks only the providers after it.
 - A function named like a hook is an implementation even without `@hookimpl` (as in pytest); a
   name close to a hook's that is not one (`on_step_ends`) is an error, not silently ignored.
 """
@@ -98,8 +109,10 @@ def render() -> str:
         for name in names:
             kind = "provider (firstresult)" if specs[name].corelooper_spec.get("firstresult") else (
                 "event" if name.startswith("on_") else "declaration")
-            out += [f"### `{name}`", "", f"`{signature(specs[name])}` — {kind}", "",
-                    inspect.getdoc(specs[name]) or "", ""]
+            out += [f"### `{name}`", "", f"`{signature(specs[name])}` — {kind}", ""]
+            if getattr(specs[name], "corelooper_returns", None):
+                out += [f"**Returns** {specs[name].corelooper_returns}.", ""]
+            out += [inspect.getdoc(specs[name]) or "", ""]
     tail = differences_section()
     return "\n".join(out).rstrip() + "\n" + ("\n" + tail if tail else "")
 

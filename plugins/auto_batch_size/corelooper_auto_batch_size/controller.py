@@ -40,9 +40,10 @@ class PeerFailed(RuntimeError):
 class AutoBatchSize:
     """Halves the micro-batch (doubling accumulation) on OOM and retries the same step.
 
-    It is the run's ``training_step`` and ``evaluation_loop`` provider: it wraps the builtin
-    ones (``corelooper.step.default_training_step``, ``corelooper.evaluation.run_evaluation``)
-    in a retry loop, and cuts the batches it passes them to the size found.
+    It is the run's ``training_step`` and ``evaluation_loop`` provider: in a retry loop, it asks
+    the next ``training_step`` provider (``plugins.call_next``: the builtin
+    ``default_training_step`` unless a plugin answers before it) and runs
+    ``corelooper.evaluation.run_evaluation``, with the batches cut to the size found.
     """
 
     def __init__(self, options: dict, args):
@@ -96,14 +97,12 @@ class AutoBatchSize:
 
     # -- providers --------------------------------------------------------------------------------
     def training_step(self, loop, micro_batches: list):
-        from corelooper.step import default_training_step
-
         while True:
             pieces = self._cut(micro_batches, self.train_size)
             self._seen, self._pieces = 0, len(pieces)
             loop.num_micro_batches = len(pieces)
             try:
-                return default_training_step(loop, pieces)
+                return loop.plugins.call_next("training_step", self, loop=loop, micro_batches=pieces)[0]
             except Exception as exc:  # keep no reference: its traceback holds the activations
                 if not self._retry_training(loop, exc, pieces):
                     raise
@@ -202,7 +201,7 @@ class AutoBatchSize:
         from corelooper.seeding import rng_state, set_rng_state
 
         model, backend = loop.model, loop.backend
-        loader = loop.hook.train_dataloader(loop=loop, dataset=loop.train_dataset)
+        loader = loop.plugins.call_provider("train_dataloader", loop=loop, dataset=loop.train_dataset)[0]
         batch = backend.to_device(next(iter(loader)))
         rng = rng_state()
         buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
@@ -216,7 +215,7 @@ class AutoBatchSize:
                     loop.loss_type = resolve_loss_type(piece)
                 oom, fatal = False, None
                 try:
-                    self._forward_backward(loop, piece)
+                    self._forward_backward(loop, piece, self.micro_batches_per_step(loop))
                 except Exception as e:  # keep no reference: its traceback holds the activations
                     if is_oom(e):
                         oom = True
@@ -249,15 +248,14 @@ class AutoBatchSize:
             log.info("auto_find_batch_size: the probe found a training micro-batch of %d.", self.train_size)
 
     @staticmethod
-    def _forward_backward(loop, piece) -> None:
+    def _forward_backward(loop, piece, num_micro_batches: int) -> None:
+        """As the step's first micro-batch: the same dispatcher, the same sum/mean loss rule."""
         from corelooper.data.loader import count_loss_items
+        from corelooper.step import micro_batch_loss
 
         with loop.backend.no_sync(loop.model):
-            loss = loop.hook.compute_loss(
-                loop=loop, model=loop.model, batch=piece,
-                num_items_in_batch=count_loss_items(piece, loop.loss_type), return_outputs=False,
-            )
-            loop.backend.backward(loss)
+            n = count_loss_items(piece, loop.loss_type)
+            loop.backend.backward(micro_batch_loss(loop, piece, n, num_micro_batches))
 
 
 def check_backend(backend) -> None:

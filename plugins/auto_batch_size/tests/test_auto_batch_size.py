@@ -330,3 +330,53 @@ def test_cut_keeps_samples_order_and_structure():
     assert [tuple(t.tolist() for t in p) for p in cut(tup, 2)] == [([[0, 1], [2, 3]], [0, 1]), ([[4, 5]], [2])]
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory")) and is_oom(RuntimeError("CUDA error: out of memory"))
     assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
+
+
+class MeanLoss:
+    """A compute_loss provider that returns a mean (it does not take num_items_in_batch); it
+    records d(backpropagated loss)/d(its loss): 1/micro-batches per step under the sum/mean rule."""
+
+    name = "mean_loss"
+
+    def __init__(self):
+        self.scales: list[float] = []
+
+    def compute_loss(self, model, batch):
+        loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"])
+        if loss.requires_grad:
+            loss.register_hook(lambda g: self.scales.append(g.item()))
+        return loss
+
+
+def test_the_probe_applies_the_steps_sum_mean_rule_to_a_mean_loss(tmp_path):
+    """The probe's forward/backward goes through the dispatcher as the step's does: a mean loss
+    is divided by the step's micro-batches there too (it was backpropagated whole)."""
+    plugin = MeanLoss()
+    loop = make_loop(tmp_path, "probe-mean", mlp(), auto_find_batch_size=True, section={"probe": True},
+                     plugins=[plugin], max_steps=1, gradient_accumulation_steps=2)
+    loop.train()
+    assert plugin.scales == [0.5, 0.5, 0.5]  # the probe, then the step's two micro-batches
+
+
+class NextStep:
+    """A training_step provider asked after auto batch size (whose per-run object is registered
+    later, by corelooper_configure) and before the builtin; it calls the next one itself."""
+
+    name = "next_step"
+
+    def __init__(self):
+        self.sizes: list[list[int]] = []
+
+    def training_step(self, loop, micro_batches):
+        self.sizes.append([len(b["labels"]) for b in micro_batches])
+        return loop.plugins.call_next("training_step", self, loop=loop, micro_batches=micro_batches)[0]
+
+
+def test_auto_batch_size_retries_the_next_training_step_provider_not_the_builtin_directly(tmp_path):
+    nxt = NextStep()
+    oom = make_loop(tmp_path, "next", mlp(train_limit=4), auto_find_batch_size=True, plugins=[nxt],
+                    max_steps=2)
+    assert oom.plugins.provider_order("training_step") == [RUN, "next_step", "builtin"]
+    oom.train()
+    assert nxt.sizes == [[16], [8, 8], [4, 4, 4, 4], [4, 4, 4, 4]]  # step 1: two OOMs, then 4 x 4
+    assert oom.model.ooms == 2

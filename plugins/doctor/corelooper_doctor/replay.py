@@ -14,8 +14,8 @@ def loss_fn_for(loop):
     def loss_fn(model, batch):
         n = count_loss_items(batch, loop.loss_type if loop.loss_type != "auto" else "cross_entropy")
         n = max(int(n), 1)
-        return loop.hook.compute_loss(loop=loop, model=model, batch=batch, num_items_in_batch=n,
-                                      return_outputs=False)
+        return loop.plugins.call_provider("compute_loss", loop=loop, model=model, batch=batch,
+                                          num_items_in_batch=n, return_outputs=False)[0]
 
     return loss_fn
 
