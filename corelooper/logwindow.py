@@ -115,6 +115,7 @@ def run_summary(log_history: list[dict], runtime: float, steps: int, samples: in
         if "loss" not in h and "skipped_steps" not in h:
             continue  # an evaluation's or a plugin's log, not a training window
         skipped = h.get("skipped_steps", 0)
+        prev_skipped = min(prev_skipped, skipped)  # the count starts again after a resume
         n = (h["step"] - prev_step) - (skipped - prev_skipped)
         if "loss" in h:
             weighted, applied = weighted + h["loss"] * n, applied + n
