@@ -12,6 +12,7 @@ import difflib
 import importlib
 import importlib.util
 import math
+import re
 import sys
 import types
 import typing
@@ -145,7 +146,8 @@ class TrainArgs:
     logging_first_step: bool = False
     logging_nan_inf_filter: bool = False
     """HF's default is true (a non-finite loss is logged as the mean of the window's others);
-    corelooper logs the true loss and only accepts false."""
+    corelooper logs the true loss: true is accepted (an HF script passes it) with a note, and
+    has no effect (``on_nonfinite`` handles non-finite steps)."""
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = "all"
     """What ``state.num_input_tokens_seen`` counts (and logs): ``"all"`` (``input_ids.numel()``),
     ``"non_padding"`` (``attention_mask.sum()``; without a mask, ids != the collator's
@@ -233,6 +235,14 @@ class TrainArgs:
         for key, value in check_train_args(self).items():  # derived defaults, set before freezing
             object.__setattr__(self, key, value)
 
+    @classmethod
+    def from_hf(cls, args: Any, **changes: Any) -> TrainArgs:
+        """An HF ``TrainingArguments`` (or its ``to_dict()``) as it is, validated like ``[train]``:
+        the values that mean the same here are taken, HF's defaults of what corelooper does
+        otherwise are accepted, any other value is refused with the corelooper way to do it."""
+        values = args.to_dict() if hasattr(args, "to_dict") else dict(args)
+        return cls(**{**values, **changes})
+
     @property
     def notes(self) -> tuple[str, ...]:
         """What HF (4.x) names were read as, one line each."""
@@ -286,6 +296,11 @@ def _train_values(raw: dict[str, Any]):
                 hint = _did_you_mean(key, sorted(names))
             raise ConfigError(f"Unknown key train.{key}.{hint}")
         tp = hints[key]
+        if value is None and key == "max_grad_norm":  # not "unset": never the default's 1.0
+            raise ConfigError(
+                "train.max_grad_norm = None: HF's Trainer fails on it at the first step. Use 0 for no "
+                "clipping (the gradient norm is still computed and logged) or a positive norm such as 1.0."
+            )
         if value is None and not _matches(None, tp):
             continue  # HF passes None for "unset": the default
         if not _matches(value, tp):
@@ -293,6 +308,11 @@ def _train_values(raw: dict[str, Any]):
         values[key] = float(value) if tp is float and isinstance(value, int) else value
     if "report_to" in values and not isinstance(values["report_to"], str):
         values["report_to"] = list(values["report_to"])
+    if values.get("logging_nan_inf_filter"):  # HF's default: every HF script passes it
+        tr.notes.append(
+            "train.logging_nan_inf_filter = true (HF's default) has no effect: corelooper logs the "
+            "true loss; a non-finite step is handled by train.on_nonfinite (stop, or skip_step)."
+        )
     return values, tr.sections, tr.notes
 
 
@@ -329,6 +349,14 @@ class Config:
     def section(self, name: str) -> dict[str, Any]:
         """A plugin section with its declared defaults filled in (a copy)."""
         return {**self._defaults.get(name, {}), **self.sections.get(name, {})}
+
+    @classmethod
+    def from_hf(cls, args: Any, **changes: Any) -> TrainArgs:
+        """An HF ``TrainingArguments`` (or its ``to_dict()``) as it is, validated like ``[train]``:
+        the values that mean the same here are taken, HF's defaults of what corelooper does
+        otherwise are accepted, any other value is refused with the corelooper way to do it."""
+        values = args.to_dict() if hasattr(args, "to_dict") else dict(args)
+        return cls(**{**values, **changes})
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -529,6 +557,24 @@ _FINITE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs",
            "logging_steps", "eval_steps", "save_steps")
 
 
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ints pass through (bytes)."""
+    m = None if isinstance(size, int) else _SIZE_RE.match(str(size))
+    if isinstance(size, int) and size > 0:
+        return size
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(
+            f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int > 0) or a "
+            "string like '5GB', '500MB', '2GiB'."
+        )
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
 def resolve_interval(steps: int | float, max_steps: int) -> int:
     """An interval in steps: HF's rule for ``logging_steps``/``eval_steps``/``save_steps``
     (a float < 1 is ``ceil(steps * max_steps)``)."""
@@ -555,6 +601,7 @@ def check_train_args(a: TrainArgs) -> dict[str, Any]:
 
     for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
         positive(key)
+    _check_counts(a)
     for key in ("gradient_accumulation_steps", "logging_steps", "save_steps", "max_skipped_steps"):
         positive(key)
     for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "eval_delay"):
@@ -568,12 +615,6 @@ def check_train_args(a: TrainArgs) -> dict[str, Any]:
         v = getattr(a, key)
         if v is not None and v >= 1 and not float(v).is_integer():
             raise ConfigError(f"train.{key} = {v!r}: use an int number of steps or a ratio < 1.")
-    if a.logging_nan_inf_filter:
-        raise ConfigError(
-            "train.logging_nan_inf_filter = true is not supported: corelooper logs the true loss, and a "
-            "non-finite loss is handled by the non-finite guard (train.on_nonfinite) instead of being "
-            "hidden in the logs. Remove the key (or set it to false)."
-        )
     if a.eval_steps is not None and a.eval_steps <= 0:
         raise ConfigError(f"train.eval_steps must be > 0, got {a.eval_steps!r}.")
     if a.save_total_limit is not None and a.save_total_limit < 1:
@@ -584,6 +625,25 @@ def check_train_args(a: TrainArgs) -> dict[str, Any]:
     if a.eval_accumulation_steps is not None and a.eval_accumulation_steps < 1:
         raise ConfigError(f"train.eval_accumulation_steps must be >= 1 (or unset), got {a.eval_accumulation_steps}.")
     return _derived(a)
+
+
+def _check_counts(a: TrainArgs) -> None:
+    """Integers whose wrong values torch or the loop would only report mid-run (or never)."""
+    if a.max_steps != -1 and a.max_steps <= 0:
+        raise ConfigError(
+            f"train.max_steps = {a.max_steps}: use a number of optimizer steps > 0, or -1 (HF's "
+            "default) to train for train.num_train_epochs."
+        )
+    for key in ("seed", "data_seed"):
+        v = getattr(a, key)
+        if v is not None and not 0 <= v < 2**32:
+            raise ConfigError(f"train.{key} = {v}: a seed is an int in [0, 2**32 - 1] (numpy's range).")
+    if a.dataloader_num_workers < 0:
+        raise ConfigError(
+            f"train.dataloader_num_workers = {a.dataloader_num_workers}: use 0 (load in the training "
+            "process) or the number of worker processes (> 0)."
+        )
+    parse_size(a.save_max_shard_size)
 
 
 def _check_best_model(a: TrainArgs) -> None:

@@ -71,12 +71,12 @@ def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
 
 def forward(loop, batch):
     """The model's outputs for ``batch``, with only the columns its ``forward`` accepts."""
-    from .data.columns import model_inputs
+    from .data.columns import call_model, model_inputs
 
     args, kwargs, _ = split_batch(batch)
     if kwargs:
         kwargs = model_inputs(loop, kwargs)
-    return loop.model(*args, **kwargs)
+    return call_model(loop, loop.model, args, kwargs)
 
 
 def _metrics(loop, totals, collected, prefix: str, answered):

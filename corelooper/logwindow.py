@@ -21,15 +21,22 @@ class LogWindow:
 
     def __init__(self, device) -> None:
         self.device = device
+        self.skipped_seen = 0  # the guard's count of skipped steps at the last add
         self.reset()
 
     def reset(self) -> None:
         self.loss = torch.zeros((), device=self.device)
         self.steps = self.samples = self.tokens = 0
+        self.skipped = 0  # steps the non-finite guard skipped (on_nonfinite = "skip_step")
         self.start = time.perf_counter()
 
-    def add(self, step_loss: torch.Tensor, samples: int, tokens: int) -> None:
-        self.loss += step_loss
+    def add(self, step_loss: torch.Tensor, samples: int, tokens: int, skipped_total: int = 0) -> None:
+        """``skipped_total``: the non-finite guard's count of skipped steps, so far."""
+        skipped, self.skipped_seen = skipped_total > self.skipped_seen, skipped_total
+        if skipped:  # its NaN loss is not averaged in: the window's loss is the applied steps'
+            self.skipped += 1
+        else:
+            self.loss += step_loss
         self.steps += 1
         self.samples += samples
         self.tokens += tokens
@@ -37,8 +44,10 @@ class LogWindow:
     def logs(self, backend, grad_norm, learning_rate: float, epoch: float) -> dict[str, Any]:
         """The log of this window (HF's keys), in the order HF writes them."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        loss = backend.reduce_mean(self.loss).item() / max(self.steps, 1)
-        logs: dict[str, Any] = {"loss": round(loss, 6) if math.isfinite(loss) else loss}
+        loss = backend.reduce_mean(self.loss).item() / max(self.steps - self.skipped, 1)
+        logs: dict[str, Any] = {}
+        if self.steps > self.skipped:  # a window of skipped steps only has no loss to log
+            logs["loss"] = round(loss, 6) if math.isfinite(loss) else loss
         if grad_norm is not None:
             logs["grad_norm"] = float(grad_norm)
         logs["learning_rate"] = learning_rate
@@ -52,13 +61,15 @@ class LogWindow:
     def state_dict(self) -> dict[str, Any] | None:
         if not self.steps:
             return None
-        return {"loss": float(self.loss), "steps": self.steps, "samples": self.samples, "tokens": self.tokens}
+        return {"loss": float(self.loss), "steps": self.steps, "samples": self.samples, "tokens": self.tokens,
+                "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.reset()
         if state:
             self.loss += state["loss"]
             self.steps, self.samples, self.tokens = state["steps"], state["samples"], state["tokens"]
+            self.skipped = state.get("skipped", 0)
 
 
 class TokensSeen:
@@ -95,15 +106,23 @@ class TokensSeen:
 def run_summary(log_history: list[dict], runtime: float, steps: int, samples: int) -> dict[str, Any]:
     """``train_runtime``, ``train_steps_per_second``, ``train_samples_per_second``, ``train_loss``.
 
-    ``train_loss`` is the mean over every optimizer step, as HF's: each logged window loss
-    counts for the number of steps it averaged (windows differ, e.g. the last one).
+    ``train_loss`` is the mean over every applied optimizer step, as HF's: each logged window
+    loss counts for the number of steps it averaged (windows differ, e.g. the last one); steps
+    the non-finite guard skipped (the logs' running ``skipped_steps``) count for nothing.
     """
-    windows = [(h["loss"], h["step"]) for h in log_history if "loss" in h]
-    prev_steps = [0] + [step for _, step in windows[:-1]]
-    weighted = sum(loss * (step - prev) for (loss, step), prev in zip(windows, prev_steps, strict=True))
+    weighted, applied, prev_step, prev_skipped = 0.0, 0, 0, 0
+    for h in log_history:
+        if "loss" not in h and "skipped_steps" not in h:
+            continue  # an evaluation's or a plugin's log, not a training window
+        skipped = h.get("skipped_steps", 0)
+        prev_skipped = min(prev_skipped, skipped)  # the count starts again after a resume
+        n = (h["step"] - prev_step) - (skipped - prev_skipped)
+        if "loss" in h:
+            weighted, applied = weighted + h["loss"] * n, applied + n
+        prev_step, prev_skipped = h["step"], skipped
     return {
         "train_runtime": round(runtime, 4),
         "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
         "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
-        "train_loss": weighted / windows[-1][1] if windows else float("nan"),
+        "train_loss": weighted / applied if applied else float("nan"),
     }

@@ -128,6 +128,7 @@ class Loop:
                 "The training data has no length (or is empty): set train.max_steps, or give a "
                 "dataset with samples."
             )
+        self._batches_per_epoch = batches_per_epoch  # the logged epoch counts micro-batches (HF)
         s.steps_per_epoch = math.ceil(batches_per_epoch / a.gradient_accumulation_steps)
         s.max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * s.steps_per_epoch)
         s.num_train_epochs = math.ceil(s.max_steps / s.steps_per_epoch) if s.steps_per_epoch else 1
@@ -215,7 +216,7 @@ class Loop:
                               s.total_samples_seen - samples_before)
         loop_checkpoints.finish(self)
         self.tokens_seen.flush(self.backend, self.state)
-        self.log(summary)
+        self.log({**summary, "epoch": round(s.epoch, 4)})  # HF's run summary log has it too
 
     def _train_epoch(self, loader, epoch: int) -> None:
         s, control = self.state, self.control
@@ -262,11 +263,12 @@ class Loop:
         s.global_step += 1
         s.step_in_epoch += 1
         s.micro_batches_in_epoch += len(micro_batches)
-        s.epoch = epoch + (s.step_in_epoch / s.steps_per_epoch if s.steps_per_epoch else 0)
+        # As HF: micro-batches done / micro-batches per epoch (5 an epoch, GA 2: 0.4, 0.8, 1.0)
+        s.epoch = epoch + (s.micro_batches_in_epoch / self._batches_per_epoch if s.steps_per_epoch else 0)
         samples = sum(batch_rows(b) for b in micro_batches) * s.world_size
         tokens = sum(count_input_tokens(b) for b in micro_batches) * s.world_size
         s.total_samples_seen += samples
-        self.log_window.add(step_loss, samples, tokens)
+        self.log_window.add(step_loss, samples, tokens, self.guard.skipped_total)
         self.tokens_seen.add(micro_batches)
 
     # -- logging, evaluation, saving -----------------------------------------------------------------

@@ -1,9 +1,23 @@
-"""The default loss: summed item losses divided by the step's ``num_items_in_batch``.
+"""The default loss (the builtin ``compute_loss``): what one micro-batch adds to the step's loss.
 
-Models whose ``forward`` takes ``labels`` compute their own loss (HF models); when their
-``forward`` also takes ``num_items_in_batch`` (or ``**kwargs``, as HF models do) it is passed
-through, otherwise their mean loss is divided by the number of micro-batches of the step.
-Other models return logits, and the loss is computed here.
+* A model whose ``forward`` takes ``labels`` computes its own loss (HF models). When ``forward``
+  also takes ``num_items_in_batch`` (or ``**kwargs``, as HF models do: ``accepts_loss_kwargs``),
+  the step's count of loss items (over micro-batches and processes) is passed through, so the
+  model returns its summed loss divided by it: the step loss is the mean over every item of the
+  step, as one big batch (as HF).
+* A model that takes ``labels`` but not the count returns the mean over its batch; in a step of
+  several micro-batches or processes that mean is weighted by the batch's share of the step's
+  items (``items in this batch / num_items_in_batch``), which is again the exact mean over the
+  step's items. HF divides it by ``gradient_accumulation_steps`` instead, which weighs a short
+  micro-batch as much as a full one (a deliberate difference: docs/hooks.md).
+* With ``label_smoothing_factor`` (and for models that return logits only) the loss is computed
+  here from the logits: the summed item losses (cross-entropy, causal-LM with the one-token
+  shift, or MSE for float labels) divided by ``num_items_in_batch``, or by this batch's own
+  item count when the step does not need it.
+* A ``compute_loss`` plugin that does not take ``num_items_in_batch`` returns a mean: the step
+  divides it by the number of micro-batches (corelooper/step.py).
+
+Evaluation uses the same loss per batch and averages it over items (tokens), not batches.
 """
 
 from __future__ import annotations
@@ -13,7 +27,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from .data.columns import model_inputs
+from .data.columns import call_model, model_inputs
 from .data.loader import count_loss_items
 from .errors import DataError
 
@@ -116,7 +130,7 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
         kwargs = dict(batch)
         if sig.accepts_loss_kwargs and num_items_in_batch is not None:
             kwargs["num_items_in_batch"] = num_items_in_batch
-        outputs = model(**kwargs)
+        outputs = call_model(loop, model, (), kwargs)
         loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
         if loss is None:
             loss = outputs[0]
@@ -127,7 +141,7 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
         return (loss, outputs) if return_outputs else loss
 
     args, kwargs, labels = split_batch(batch)
-    outputs = model(*args, **kwargs)
+    outputs = call_model(loop, model, args, kwargs)
     if labels is None:
         raise DataError(
             "The batch has no labels (a 'labels' key, or a last element of a tuple sample), and "

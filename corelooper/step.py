@@ -29,11 +29,10 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
         for i, batch in enumerate(micro_batches)
     ]
     step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-    grad_norm = clip_gradients(loop)
-    logged_norm = grad_norm if loop.args.max_grad_norm > 0 else None  # HF logs it when clipping
+    grad_norm = clip_gradients(loop)  # logged with or without clipping, as HF 5.x
     if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
         zero_grad(optimizer, loop.model)  # skip_step: no update, no scheduler step
-        return step_loss, logged_norm
+        return step_loss, grad_norm
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
     backend.optimizer_step(optimizer)
     loop.events.fire("on_optimizer_step", optimizer=optimizer)
@@ -42,7 +41,7 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
     zero_grad(optimizer, loop.model)
     # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
     # ranks (reduce_mean when logging) is the global loss, as in one process.
-    return step_loss, logged_norm
+    return step_loss, grad_norm
 
 
 def forward_backward(loop, batch, num_items, num_micro_batches: int, last: bool) -> torch.Tensor:
@@ -89,12 +88,8 @@ def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor | None:
     return total.clamp(min=1)  # a step with no loss tokens has loss 0, not NaN
 
 
-def clip_gradients(loop) -> torch.Tensor | None:
-    """Clip to ``max_grad_norm`` and return the norm before clipping. Without clipping the norm
-    is still computed when the non-finite guard is on (it checks it; nothing is scaled)."""
+def clip_gradients(loop) -> torch.Tensor:
+    """Clip to ``max_grad_norm`` and return the norm before clipping. Without clipping
+    (``max_grad_norm = 0``) the norm is still computed, nothing scaled: HF 5.x logs it too."""
     max_norm = loop.args.max_grad_norm
-    if max_norm > 0:
-        return loop.backend.clip_grad_norm(loop.model, max_norm)
-    if loop.args.on_nonfinite != "ignore":
-        return loop.backend.clip_grad_norm(loop.model, float("inf"))
-    return None
+    return loop.backend.clip_grad_norm(loop.model, max_norm if max_norm > 0 else float("inf"))

@@ -22,7 +22,7 @@ from corelooper.checkpoints.checkpoint import (
     read_weights,
 )
 from corelooper.config import TrainArgs
-from corelooper.errors import CheckpointError, DataError, PluginError, TrainingError
+from corelooper.errors import ConfigError, DataError, PluginError, TrainingError
 from corelooper.loop import Loop
 
 
@@ -114,8 +114,9 @@ def test_parse_size(size, bytes_):
 
 
 def test_bad_shard_size_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match="save_max_shard_size = '5 gigs'"):
-        make_loop(tmp_path / "out", save_max_shard_size="5 gigs").train()
+    """A config value: refused when the arguments are built (exit 2), not at the first save."""
+    with pytest.raises(ConfigError, match="save_max_shard_size = '5 gigs' is not a size"):
+        make_loop(tmp_path / "out", save_max_shard_size="5 gigs")
 
 
 def test_sharded_weights_and_resume(tmp_path):

@@ -194,6 +194,15 @@ class StartupStop(BaseException):  # noqa: N818 - like KeyboardInterrupt: not an
 
 
 def _startup_handler(signum: int, frame) -> None:
+    # The first signal stops start-up; later ones (schedulers and launchers send several, ms
+    # apart) are ignored, at the C level: a Python handler would raise a second StartupStop in the
+    # middle of the exit (or in an atexit callback), and one reset by interpreter shutdown would
+    # end the process -15 after it said "Exit 75". One paragraph, one exit code.
+    for sig in SIGNALS:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (ValueError, OSError):
+            pass
     raise StartupStop(signum)
 
 

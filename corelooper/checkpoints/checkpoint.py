@@ -313,9 +313,15 @@ def _read(path: Path, what: str):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(
-            f"Checkpoint file {str(path)!r} ({what}) is unreadable (truncated or corrupt?): "
-            f"{type(e).__name__}: {e}"
+            f"Checkpoint file {str(path)!r} ({what}) is unreadable (truncated or corrupt, or it holds "
+            f"objects that weights_only loading refuses): {type(e).__name__}: {first_line(e)}. Resume "
+            "from another checkpoint (--resume-from-checkpoint latest skips it)."
         ) from None
+
+
+def first_line(error: BaseException) -> str:
+    """torch's load errors run to several paragraphs: their first line says what failed."""
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def _is_adapter_checkpoint(model, directory: Path) -> bool:
@@ -338,6 +344,11 @@ def load_weights(directory: Path, *, model, backend) -> None:
     from .weights import _aliases
 
     loaded = read_weights(directory)
+    if not all_finite(loaded):  # the manifest's "finite" is not trusted: the files may have changed
+        raise CheckpointError(
+            f"Checkpoint {str(directory)!r} holds NaN or inf weights, although its manifest says they "
+            "were finite when saved: it was changed afterwards. Load another checkpoint."
+        )
     fill = check_shapes(module, {k: tuple(v.shape) for k, v in loaded.items()}, str(directory),
                         _full_shapes(module, backend))
     aliases = _aliases(module.state_dict())
@@ -407,8 +418,9 @@ def _load_optimizer(directory: Path, backend, optimizer, config=None) -> None:
     except Exception as e:  # incl. UnpicklingError: weights_only refused an object
         where = directory / "optimizer.pt" if (directory / "optimizer.pt").exists() else directory
         raise CheckpointError(
-            f"Checkpoint file {str(where)!r} (optimizer state) is unreadable (truncated, or from "
-            f"another optimizer?): {type(e).__name__}: {e}"
+            f"Checkpoint file {str(where)!r} (optimizer state) is unreadable (truncated, from another "
+            f"optimizer, or holding objects weights_only loading refuses): {type(e).__name__}: "
+            f"{first_line(e)}. Resume from another checkpoint (--resume-from-checkpoint latest skips it)."
         ) from None
 
 

@@ -151,7 +151,7 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
     if str(resume) == "latest":
         skipped = []
         for path in reversed(list_checkpoints(output_dir)):
-            why = manifest.problem(path)
+            why = manifest.problem(path) or unloadable(path)
             if why is None:
                 if skipped:
                     logger.warning("resuming from %s; skipped newer %s", path.name, "; ".join(skipped))
@@ -173,6 +173,20 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
     if for_training or (path / manifest.MANIFEST).exists():
         manifest.verify(path)  # refused, naming the file, when it does not verify
     return path
+
+
+def unloadable(directory: Path) -> str | None:
+    """Which torch file of a checkpoint that verifies does not load with ``weights_only`` (a
+    file with pickled objects, written by other code): found now, so that ``latest`` skips the
+    checkpoint as it skips one that fails its checksum. Memory-mapped: the tensors are not read."""
+    import torch
+
+    for path in sorted([*directory.glob("*.pt"), *directory.glob("*.pth")]):
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # UnpicklingError (an object weights_only refuses), RuntimeError
+            return f"{path.name} does not load with weights_only: {type(e).__name__}"
+    return None
 
 
 def rotate_checkpoints(output_dir: Path, limit: int | None, keep: Path | None = None,

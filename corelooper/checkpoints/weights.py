@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -20,26 +19,11 @@ try:
 except ImportError:  # numpy is optional for torch
     pass
 
+from ..config import parse_size  # noqa: F401  (re-exported: a config value)
 from ..errors import CheckpointError
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ints pass through (bytes)."""
-    if isinstance(size, int):
-        return size
-    m = _SIZE_RE.match(str(size))
-    if not m:
-        raise CheckpointError(
-            f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int) or a "
-            "string like '5GB', '500MB', '2GiB'."
-        )
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 def torch_save(obj, path) -> None:

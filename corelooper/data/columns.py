@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import DataError
+
 logger = logging.getLogger("corelooper.data.loader")
 
 
@@ -83,3 +85,52 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
     if plan is None:
         return batch
     return {k: batch[k] for k in plan}
+
+
+# -- a batch the model cannot take -----------------------------------------------------------------
+
+
+def call_model(loop, model, args: tuple, kwargs: Mapping):
+    """``model(*args, **kwargs)``; a ``TypeError`` caused by the batch (text not turned into
+    tensors, columns that are not ``forward``'s arguments) becomes one paragraph (exit 4)."""
+    try:
+        return model(*args, **kwargs)
+    except TypeError as e:
+        hint = batch_mismatch(loop, model, kwargs, e)
+        if hint is None:
+            raise
+        raise DataError(hint) from e
+
+
+def _text(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        return _text(value[0])
+    return None
+
+
+def batch_mismatch(loop, model, kwargs: Mapping, error: TypeError) -> str | None:
+    data = loop.config.data
+    where = (f"data.train = {data.train!r}" if data.train else "train_dataset") if loop.is_training else (
+        f"data.eval = {data.eval!r}" if data.eval else "eval_dataset")
+    texts = {k: _text(v) for k, v in kwargs.items() if _text(v) is not None}
+    if texts:
+        key, first = next(iter(texts.items()))
+        return (
+            f"Column {key!r} of the dataset ({where}) holds strings (e.g. {first[:40]!r}), and the model "
+            f"cannot take them ({type(error).__name__}: {error}). Tokenize the column in the dataset or "
+            "the collator (data.collator), or remove it from the samples."
+        )
+    if "required" in str(error) and "argument" in str(error):
+        inner = innermost_model(loop.backend.unwrap_model(model))
+        arguments = list(inspect.signature(inner.forward).parameters)
+        # the columns before model_inputs dropped those forward does not take
+        plans = _column_plans.get(loop, {})
+        columns = next((list(keys) for keys, plan in plans.items() if plan == tuple(kwargs)), list(kwargs))
+        return (
+            f"{type(inner).__name__}.forward cannot be called with the batch ({error}). The batch's "
+            f"columns: {columns}; forward's arguments: {arguments}. Name the columns of the "
+            f"dataset ({where}) or of the collator as forward's arguments."
+        )
+    return None

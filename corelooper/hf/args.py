@@ -247,6 +247,14 @@ _TRACKIO = Unsupported("trackio has no corelooper plugin; logging plugins: tenso
                        (None,))
 _DL = "the loader is rebuilt each epoch from seeded indices, so a resume is exact"
 
+# HF's AcceleratorConfig() as TrainingArguments.to_dict() writes it: what corelooper's Accelerator does.
+_HF_ACCELERATOR_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                            "use_seedable_sampler": True, "non_blocking": False,
+                            "gradient_accumulation_kwargs": None}
+# HF fields that take a dict or its JSON text (HF parses the text in TrainingArguments).
+_JSON_DICT_FIELDS = frozenset({"lr_scheduler_kwargs", "accelerator_config", "fsdp_config", "deepspeed",
+                               "gradient_checkpointing_kwargs", "liger_kernel_config", "optim_args"})
+
 UNSUPPORTED: dict[str, Unsupported] = {
     "optim_target_modules": Unsupported(
         "GaLore/APOLLO optimizers are not built in: provide one with a create_optimizer plugin.", (None,)),
@@ -299,7 +307,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "save_on_each_node": Unsupported(
         "rank 0 writes checkpoints: in multi-node runs output_dir must be on a shared filesystem.", (False,)),
     "push_to_hub": _HUB,
-    "hub_token": _HUB,
+    # to_dict() writes any token as "<HUB_TOKEN>": accepted, since no upload is ever made here
+    "hub_token": Unsupported(_HUB.why, (*_HUB.accepts, "<HUB_TOKEN>")),
     "hub_private_repo": _HUB,
     "hub_model_id": _HUB,
     "hub_strategy": _HUB,
@@ -310,7 +319,7 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "call torch.use_deterministic_algorithms(True) in model.factory.", (False,)),
     "accelerator_config": Unsupported(
         "corelooper builds its own Accelerator; to change it, return your own backend from a "
-        "create_backend plugin.", (None, {})),
+        "create_backend plugin.", (None, {}, _HF_ACCELERATOR_DEFAULTS)),
     "parallelism_config": Unsupported(
         "use --nproc N (data parallel), an [fsdp] section (corelooper-fsdp) or a [deepspeed] section.",
         (None,)),
@@ -348,6 +357,7 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
 
     Raises ``ConfigError`` for a refused HF name; unknown names are left for the caller.
     """
+    raw = {k: _json_dict(k, v) for k, v in raw.items()}
     tr = Translation(train={k: v for k, v in raw.items() if k in known}, sections={}, notes=[])
     for key, value in raw.items():
         if key in known:
@@ -362,13 +372,25 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
             if key in OTHER_TOOLS:
                 raise ConfigError(f"Unknown key train.{key}. Did you mean {what}? (the HF name)")
             mapper(value, tr, old=key)
-            if key in FOUR_X:
+            if key in FOUR_X and value is not None:  # None: HF's "unset" (a 5.x to_dict() has them)
                 note = f"train.{key} is a Transformers 4.x name, read as {what}."
                 tr.notes.append(note)
                 warnings.warn(note, HFNameNote, stacklevel=4)
             continue
         tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
     return tr
+
+
+def _json_dict(key: str, value: Any) -> Any:
+    """A dict field given as JSON text (``'{"num_cycles": 2}'``), read as HF reads it."""
+    if key not in _JSON_DICT_FIELDS or not isinstance(value, str) or not value.lstrip().startswith("{"):
+        return value
+    import json
+
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"train.{key} = {value!r} is not valid JSON ({e}): write a table instead.") from None
 
 
 def hf_names() -> list[str]:

@@ -1,10 +1,12 @@
 """Optimizers by name (``train.optim``, HF's names), ``optim_args``, and parameter groups.
 
-Built in: ``adamw_torch``, ``adamw_torch_fused``, ``sgd``, ``adafactor`` (``torch.optim.Adafactor``),
-``rmsprop``, ``adagrad``. Options beyond the ``[train]`` keys go in ``train.optim_args``: HF's
+Built in: ``adamw_torch``, ``adamw_torch_fused``, ``sgd``, ``adafactor`` (transformers'
+``Adafactor(scale_parameter=False, relative_step=False)``, as HF builds it), ``rmsprop``,
+``adagrad``. Options beyond the ``[train]`` keys go in ``train.optim_args``: HF's
 ``"momentum=0.9,nesterov=True"`` string or a TOML table ``{ momentum = 0.9, nesterov = true }``.
 
-Parameter groups: no weight decay on biases and normalisation weights, and
+Parameter groups: no weight decay on biases and normalisation weights (HF's rule, see
+``no_decay_parameter_names``), and
 ``train.lr_multipliers = { "embed" = 0.1 }`` scales the learning rate of every parameter whose
 name matches the pattern (a regular expression searched in the name, as printed by
 ``model.named_parameters()``; the first matching pattern wins). Schedulers scale each group's LR
@@ -31,18 +33,23 @@ import torch
 
 from ..errors import ConfigError
 
-_NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase)
+# HF's rule (``Trainer.get_decay_parameter_names``, 5.x): no decay for a parameter whose
+# lower-case name matches one of these, or that lies inside an ``nn.LayerNorm``.
+_NO_DECAY_NAME = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
 def no_decay_parameter_names(model: torch.nn.Module) -> set[str]:
-    """Biases and normalisation weights: weight decay would pull them to 0 for no benefit."""
+    """Parameters without weight decay, by HF's rule: names with ``bias``, ``layernorm``,
+    ``rmsnorm``, a ``norm`` component or a ``_norm`` suffix, and parameters of ``nn.LayerNorm``
+    submodules (decay would pull them to 0 for no benefit). Other norm layers are told by
+    their names only, as in HF (an ``nn.RMSNorm`` named ``ln`` is decayed there too)."""
     names = set()
-    for mod_name, module in model.named_modules():
-        is_norm = isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
-        for p_name, _ in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if is_norm or p_name == "bias":
-                names.add(full)
+    for full, _ in model.named_parameters():
+        path = full.split(".")[:-1]
+        inside_layernorm = any(
+            isinstance(model.get_submodule(".".join(path[: i + 1])), torch.nn.LayerNorm) for i in range(len(path)))
+        if inside_layernorm or _NO_DECAY_NAME.search(full.lower()):
+            names.add(full)
     return names
 
 
@@ -162,12 +169,11 @@ def _adagrad(a, groups, extra):
 
 
 def _adafactor(a, groups, extra):
-    if not hasattr(torch.optim, "Adafactor"):
-        raise ConfigError(
-            f'train.optim = "adafactor" needs torch.optim.Adafactor (torch >= 2.5); this is torch '
-            f"{torch.__version__}. Upgrade torch or choose another optimizer."
-        )
-    return torch.optim.Adafactor(groups, **{"lr": a.learning_rate, **extra})
+    # What HF builds for optim = "adafactor": transformers' Adafactor with the run's learning rate
+    # (not its own relative step size) and no parameter-scale factor.
+    from transformers.optimization import Adafactor
+
+    return Adafactor(groups, **{"lr": a.learning_rate, "scale_parameter": False, "relative_step": False, **extra})
 
 
 OPTIMIZERS: dict[str, Callable[[Any, list, dict], torch.optim.Optimizer]] = {

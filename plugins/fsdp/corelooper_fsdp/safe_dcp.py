@@ -3,7 +3,7 @@
 DCP's ``FileSystemReader.read_metadata`` calls ``pickle.load`` on ``.metadata``, and its
 ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(weights_only=False)`` on every non-tensor
 item: a planted payload would run on every rank at resume. ``SafeReader`` reads ``.metadata``
-with an unpickler that resolves only DCP's metadata classes and the torch/pathlib types they
+with an unpickler that resolves only DCP's metadata classes (an explicit list) and the torch/pathlib types they
 hold (Size, dtypes, layouts, memory formats), and refuses every other global, naming it;
 ``SafeLoadPlanner`` loads the byte items with ``weights_only=True``. The tensor data itself is
 already read with ``weights_only=True`` by DCP. The format on disk stays DCP's, so resharding
@@ -22,8 +22,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from corelooper.errors import CheckpointError
 
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
+# The classes a DCP ``.metadata`` pickle holds, by name: not "any class of DCP's modules", which
+# would admit Path, Future, FileSystemWriter and whatever else those modules import.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_CLASSES = {
+    *((_DCP_METADATA, n) for n in ("Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+                                   "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                   "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
 _ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
             ("builtins", "slice"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
             ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
@@ -32,10 +39,8 @@ _ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED or (module in _DCP_MODULES and not name.startswith("__")):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or (module, name) in _ALLOWED:
-                return obj
+        if (module, name) in _ALLOWED or (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
         if module == "torch":
             obj = getattr(torch, name, None)
             if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
