@@ -164,7 +164,9 @@ def create_optimizer(loop, model):
     """Return the ``torch.optim.Optimizer`` for ``model`` (already on its device).
 
     Called once per ``train()``, before the backend prepares the model. The builtin builds
-    AdamW from ``[train]`` with no weight decay on biases and normalisation weights.
+    AdamW from ``[train]`` with no weight decay on biases and normalisation weights, by HF's rule
+    (`Trainer.get_decay_parameter_names`: `nn.LayerNorm` parameters and names holding `bias`,
+    `layernorm`, `rmsnorm`, a `norm` component or a `_norm` suffix).
     """
 
 
