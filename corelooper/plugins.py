@@ -277,6 +277,7 @@ def load_plugins(
     from .builtin.console import Console
     from .builtin.metrics_log import MetricsLog
     from .builtin.preemption import PreemptionPlugin
+    from .builtin.run_record import RunRecord
     from .builtin.throughput import Throughput
 
     plugins = Plugins()
@@ -290,7 +291,8 @@ def load_plugins(
     # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
     # stateful ones are new objects for every run.
     for name, obj in (("console", Console()), ("jsonl", MetricsLog()), ("throughput", Throughput()),
-                      ("preemption", PreemptionPlugin()), ("best_metric", best_metric)):
+                      ("preemption", PreemptionPlugin()), ("best_metric", best_metric),
+                      ("run_record", RunRecord())):
         plugins.register(obj, name, "builtin", "corelooper", version)
 
     if autoload is None:
