@@ -5,7 +5,7 @@
 fresh interpreters (best of N):
 
 * ``python -c pass`` (the interpreter alone),
-* ``import corelooper.config`` (the hand-written validator, with corelooper/hf_args.py),
+* ``import corelooper.config`` (the hand-written validator, with corelooper/hf/args.py),
 * ``import pydantic`` + building a ``BaseModel`` with TrainArgs' fields (schema build included),
 * ``import msgspec`` + the same as a ``msgspec.Struct``,
 * the whole ``corelooper --help`` command.

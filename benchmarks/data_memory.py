@@ -1,6 +1,6 @@
 """Memory of reading a chat JSONL data set by path ([data] train = "file.jsonl") vs its size.
 
-For each size, a child process loads the file with ``corelooper.data.files.load_spec`` (``datasets``:
+For each size, a child process loads the file with ``corelooper_hf.files.load_spec`` (``datasets``:
 converted once into its Arrow cache, then memory-mapped) and reads every row; it reports its peak
 private memory (``RssAnon``, sampled while reading; the memory-mapped Arrow pages are file-backed
 and reclaimable, so they are not in it) and its peak resident memory (``ru_maxrss``, which counts
@@ -36,7 +36,7 @@ if method == "list":
     n = sum(len(r["messages"]) for r in rows)
     peak = max(peak, anon_mb())
 else:
-    from corelooper.data.files import load_spec
+    from corelooper_hf.files import load_spec
     ds = load_spec(path, "data.train")
     n = 0
     for start in range(0, len(ds), 1000):

@@ -92,17 +92,11 @@ def fail(exc: BaseException, show_traceback: bool) -> None:
     raise typer.Exit(code)
 
 
-def load_config(config: Path, overrides: list[str] | None, local_plugins: list[str], check_data: bool = False):
-    """The config with ``--set``s and ``-p`` modules; ``check_data``: every ``[data]`` path is
-    checked now, before a plugin or the model loads (a wrong path fails in seconds)."""
+def load_config(config: Path, overrides: list[str] | None, local_plugins: list[str]):
     from corelooper.config import Config
 
     cfg = Config.load(config, overrides or [])
     cfg = cfg.replace("plugins", local=[*cfg.plugins.local, *local_plugins])
-    if check_data:
-        from corelooper.data.files import check_paths
-
-        check_paths(cfg)
     return cfg
 
 
@@ -142,7 +136,7 @@ def run(
     preempted_exit = 0
     try:
         blocked, local = split_plugin_options(p)
-        cfg = load_config(config, set_, local, check_data=True)
+        cfg = load_config(config, set_, local)
         if nproc is not None:  # checked above once, then run by every child without --nproc
             from corelooper.cli.launch import child_argv, launch
 
@@ -333,7 +327,7 @@ def _on_checkpoint(config: Path, set_, p, traceback_: bool, verbose: bool, actio
     quiet_third_party(verbose)
     try:
         blocked, local = split_plugin_options(p)
-        loop, lines = action(load_config(config, set_, local, check_data=True), blocked)
+        loop, lines = action(load_config(config, set_, local), blocked)
         if loop.state.is_world_process_zero:
             import json
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from corelooper.outputs import write_predictions
+from corelooper.cli.predictions import write_predictions
 
 
 def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
@@ -49,7 +49,7 @@ def _dataset(loop, split: str):
             f"No data to predict on: set data.test (or data.eval) in the config to a data file or a "
             f"'module:callable' returning a dataset (asked for {split!r})."
         )
-    return build_dataset(loop.config, split)
+    return build_dataset(loop.plugins, loop.config, split)
 
 
 def run_checkpoint(config, checkpoint: str, blocked, split: str, prefix: str, keep_outputs: bool):

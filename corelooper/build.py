@@ -1,4 +1,10 @@
-"""Building a run's model, datasets and collator from the config (``[model]``, ``[data]``)."""
+"""Building a run's model, datasets and collator from the config (``[model]``, ``[data]``).
+
+The ``create_model`` and ``create_dataset`` providers build them: the builtin answers for
+``module:callable`` factories (``model_from_factory``, ``dataset_from_factory`` here); a
+plugin answers for the other forms (a Hugging Face folder in ``model.name_or_path``, data files by
+path). When nobody answers, the error names the setting and the hook.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import Config, import_object
-from .errors import CorelooperError, DataError
+from .errors import ConfigError, DataError
 
 
 def config_dir(config: Config) -> Path | None:
@@ -15,42 +21,63 @@ def config_dir(config: Config) -> Path | None:
     return config.source.parent if config.source else None
 
 
-def build_model(config: Config) -> torch.nn.Module:
-    """The ``nn.Module`` that ``[model]`` describes: ``factory`` (a 'module:callable') or
-    ``name_or_path`` (a Hugging Face model folder, corelooper/hf_model.py)."""
-    ref = config.model.factory
-    if not ref and config.model.name_or_path:
-        from .hf.model import load_pretrained
-
-        return load_pretrained(config)
-    if not ref:
-        raise CorelooperError(
-            "No model: pass one to Loop(model=...), or set model.factory (a 'module:callable') or "
-            "model.name_or_path (a Hugging Face model folder)."
+def build_model(plugins, config: Config) -> torch.nn.Module:
+    """The ``nn.Module`` that ``[model]`` describes, from the ``create_model`` provider."""
+    model, _ = plugins.call_provider("create_model", config=config)
+    if model is not None:
+        return model
+    if config.model.name_or_path:
+        raise ConfigError(
+            f"model.name_or_path = {config.model.name_or_path!r}: no installed plugin loads a model "
+            "named this way (the create_model hook). Install the plugin that loads Hugging Face model "
+            "folders (docs/plugins.md lists the first-party plugins), or set model.factory."
         )
+    raise ConfigError(
+        "No model: pass one to Loop(model=...), or set model.factory (a 'module:callable') or "
+        "model.name_or_path (a Hugging Face model folder)."
+    )
+
+
+def model_from_factory(config: Config) -> torch.nn.Module | None:
+    """``model.factory(**model.args)`` (the builtin ``create_model``); None without a factory."""
+    ref = config.model.factory
+    if not ref:
+        return None
     factory = import_object(ref, "model.factory", config_dir(config))
     try:
         model = factory(**config.model.args)
     except Exception as e:
-        raise CorelooperError(
+        raise ConfigError(
             f"model.factory = {ref!r} raised {type(e).__name__}: {e} (called with "
             f"model.args = {config.model.args!r})."
         ) from e
     if not isinstance(model, torch.nn.Module):
-        raise CorelooperError(f"model.factory = {ref!r} returned {type(model).__name__}, not a torch.nn.Module.")
+        raise ConfigError(f"model.factory = {ref!r} returned {type(model).__name__}, not a torch.nn.Module.")
     return model
 
 
-def build_dataset(config: Config, split: str):
-    """The dataset of ``data.<split>`` (``None`` when the config names none): files by path
-    (``data/train.jsonl``, a glob, a mixture, ``eval_split``: corelooper/hf_data.py, lazily
-    read with the ``datasets`` library) or a ``module:callable`` returning a dataset."""
+def build_dataset(plugins, config: Config, split: str):
+    """The dataset of ``data.<split>`` from the ``create_dataset`` provider (None when the config
+    names none)."""
+    dataset, _ = plugins.call_provider("create_dataset", config=config, split=split)
+    if dataset is not None:
+        return dataset
     ref = getattr(config.data, split, None)
-    from .data.files import is_data_ref, load_split
+    if ref or (split == "eval" and config.data.eval_split):
+        what = f"data.{split} = {ref!r}" if ref else f"data.eval_split = {config.data.eval_split!r}"
+        raise ConfigError(
+            f"{what}: no installed plugin reads data named this way (the create_dataset hook). Name a "
+            "'module:callable' returning a dataset, or install the plugin that reads data files by "
+            "path (docs/plugins.md lists the first-party plugins)."
+        )
+    return None
 
-    if is_data_ref(ref, config_dir(config)) or (split == "eval" and getattr(config.data, "eval_split", None)):
-        return load_split(config, split)
-    if not ref:
+
+def dataset_from_factory(config: Config, split: str):
+    """``data.<split>(**data.args)`` for a ``module:callable`` (the builtin ``create_dataset``);
+    None for anything else."""
+    ref = getattr(config.data, split, None)
+    if not isinstance(ref, str) or ":" not in ref:
         return None
     key = f"data.{split}"
     factory = import_object(ref, key, config_dir(config))

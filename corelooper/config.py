@@ -36,7 +36,7 @@ class ModelConfig:
     """Keyword arguments for the factory (or extra ``from_pretrained`` arguments)."""
     name_or_path: str | None = None
     """A Hugging Face model folder (relative paths: to the current folder, else the config's),
-    loaded with ``from_pretrained`` of the auto class ``task`` names (corelooper/hf_model.py)."""
+    loaded with ``from_pretrained`` of the auto class ``task`` names (plugins/hf/corelooper_hf/model.py)."""
     task: str = "causal_lm"
     """causal_lm, seq2seq_lm, masked_lm, sequence_classification, token_classification,
     question_answering, image_classification, base, or an auto class name."""
@@ -53,7 +53,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train: str | list | None = None
-    """``module:callable`` returning the training dataset, or data files (corelooper/hf_data.py):
+    """``module:callable`` returning the training dataset, or data files (plugins/hf/corelooper_hf/files.py):
     a path (.jsonl, .json, .parquet, .csv, .arrow, a ``save_to_disk`` folder), a glob of shards,
     or a mixture ``[{ path = "a.jsonl", weight = 0.7 }, { path = "b.jsonl", weight = 0.3 }]``."""
     eval: str | list | None = None
@@ -84,7 +84,7 @@ class TrainArgs:
 
     ``TrainArgs(output_dir=..., **kwargs)`` validates like the ``[train]`` table of a config file
     (same messages: unknown keys get a hint, HF names are mapped or refused, see
-    ``corelooper/hf_args.py``) and is read-only afterwards; ``dataclasses.replace`` makes a
+    ``corelooper/hf/args.py``) and is read-only afterwards; ``dataclasses.replace`` makes a
     changed copy, validated again.
     """
 
@@ -118,7 +118,7 @@ class TrainArgs:
         "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay", "reduce_lr_on_plateau",
     ] = "linear"
     lr_scheduler_kwargs: dict = field(default_factory=dict)
-    """Options of the schedule, e.g. ``{ num_cycles = 2 }`` (corelooper/schedules.py)."""
+    """Options of the schedule, e.g. ``{ num_cycles = 2 }`` (corelooper/hf/schedules.py)."""
     optim: str = "adamw_torch_fused"
     """adamw_torch_fused (HF's default; plain AdamW where the device has no fused kernel),
     adamw_torch, sgd, adafactor, rmsprop, adagrad, or a plugin's name."""
@@ -182,7 +182,7 @@ class TrainArgs:
     ``i % shards == its index``; resumes on the same shard count only), or ``auto``: global for a
     stream that does not split itself, shards for one that does (``shards_itself = True``, a
     Hugging Face ``datasets.IterableDataset`` with dataloader workers or split by node) and to
-    continue a shards checkpoint. corelooper/streaming.py."""
+    continue a shards checkpoint. corelooper/data/streaming.py."""
     # DDP options of the builtin backend (torch's defaults when unset), as HF.
     ddp_find_unused_parameters: bool | None = None
     """True when some parameters get no gradient in a step (e.g. a branch not taken)."""
@@ -198,7 +198,7 @@ class TrainArgs:
     """Seconds a collective may wait before the process group gives up (HF's name and default);
     passed to ``init_process_group``. The doctor's ``[doctor] hang_timeout`` usually ends a hang
     sooner, with a report."""
-    # Language-model options (corelooper/collators.py, model_options.py, throughput.py).
+    # Language-model options (plugins/lm/corelooper_lm/collators.py, model_options.py, throughput.py).
     train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = "random"
     """Training order: a seeded permutation per epoch, the dataset's order, or similar lengths
     batched together (seeded, resumable; the 4.x ``group_by_length = true``)."""
@@ -711,42 +711,20 @@ def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleT
         raise ConfigError(f"{key}: importing {ref!r} failed: {type(e).__name__}: {e}") from e
 
 
-# --------------------------------------------------------------------------------------------
-# TOML writer (tomllib reads only); enough for configs: tables of scalars, lists, inline tables
-# --------------------------------------------------------------------------------------------
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        if isinstance(v, float) and not math.isfinite(v):
-            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    if isinstance(v, Path):
-        return _toml_value(str(v))
+def _plain(v: Any) -> Any:
+    """A value tomli_w can write: no None (TOML has no null: unset keys are left out), paths as
+    strings, tuples as lists."""
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items() if x is not None}
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+        return [_plain(x) for x in v]
+    return str(v) if isinstance(v, Path) else v
 
 
-def _toml_key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+def dumps_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
+    import tomli_w
 
-
-def dumps_toml(data: dict[str, dict[str, Any]]) -> str:
-    lines: list[str] = []
-    for section, values in data.items():
-        lines.append(f"[{_toml_key(section)}]")
-        for k, v in values.items():
-            if v is not None:  # TOML has no null: unset keys are left out
-                lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
-        lines.append("")
-    return "\n".join(lines)
+    return tomli_w.dumps(_plain(data))
 
 
 def as_config(config: Config | TrainArgs | dict | None) -> Config:

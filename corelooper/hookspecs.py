@@ -107,6 +107,28 @@ def corelooper_add_commands(app) -> None:
 
 
 @hookspec(firstresult=True)
+def create_model(config):
+    """Return the ``torch.nn.Module`` that ``[model]`` describes, or None when this plugin does
+    not build it.
+
+    Called once, in ``Loop.__init__``, when no model was passed to ``Loop(model=...)``. The
+    builtin calls ``model.factory`` (a ``module:callable``) with ``model.args``; a plugin answers
+    for the other ways to name a model (e.g. ``model.name_or_path``, a Hugging Face folder).
+    """
+
+
+@hookspec(firstresult=True)
+def create_dataset(config, split: str):
+    """Return the dataset ``[data] <split>`` names (``split``: "train", "eval" or "test"), or
+    None when this plugin does not read it.
+
+    Called in ``Loop.__init__`` for "train" and "eval" when no dataset was passed, and by
+    ``corelooper predict`` for "test". The builtin calls a ``module:callable`` factory with
+    ``data.args``; a plugin answers for data files named by path (and ``data.eval_split``).
+    """
+
+
+@hookspec(firstresult=True)
 def create_backend(loop):
     """Return the backend that runs the model on the hardware.
 
@@ -347,6 +369,8 @@ EVENTS = tuple(
     name for name, obj in list(globals().items()) if name.startswith("on_") and callable(obj)
 )
 PROVIDERS = (
+    "create_model",
+    "create_dataset",
     "create_backend",
     "create_optimizer",
     "create_scheduler",

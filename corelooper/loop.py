@@ -67,9 +67,11 @@ class Loop:
         self.args = self.config.train
         self.hook = self.plugins.hook
         set_seed(self.args.seed)  # before the model is built: same init every run
-        self.model = model if model is not None else build_model(self.config)
-        self.train_dataset = train_dataset if train_dataset is not None else build_dataset(self.config, "train")
-        self.eval_dataset = eval_dataset if eval_dataset is not None else build_dataset(self.config, "eval")
+        self.model = model if model is not None else build_model(self.plugins, self.config)
+        self.train_dataset = train_dataset if train_dataset is not None else build_dataset(
+            self.plugins, self.config, "train")
+        self.eval_dataset = eval_dataset if eval_dataset is not None else build_dataset(
+            self.plugins, self.config, "eval")
         self.data_collator = data_collator or build_collator(self.config)
         self.compute_metrics_fn = compute_metrics
         self.state, self.control = LoopState(), Control()

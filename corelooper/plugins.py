@@ -22,7 +22,7 @@ import pluggy
 
 from . import hookspecs
 from .config import Config, import_module
-from .errors import ConfigError, PluginError
+from .errors import ConfigError, CorelooperError, PluginError
 
 ENTRY_POINT_GROUP = "corelooper"
 AUTOLOAD_ENV = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
@@ -405,7 +405,7 @@ def configure(plugins: Plugins, config: Config) -> None:
             plugins._configuring = True
             try:
                 impl.function(*({"config": config, "plugins": plugins}[a] for a in impl.argnames))
-            except (ConfigError, PluginError):
+            except CorelooperError:  # said already (a missing data file: DataError, exit 4)
                 raise
             except Exception as e:
                 raise PluginError(

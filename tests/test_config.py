@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from corelooper.config import (
     Config,
@@ -148,9 +149,8 @@ def test_write_and_load_round_trip(tmp_path, example):
     assert again.train.run_name == 'with "quotes" and \\ backslash'
     # unset (None) keys are left out: TOML has no null
     assert "eval_steps = 50" in out.read_text() and "data_seed" not in out.read_text()
-    assert dumps_toml({"s": {"inf": float("inf"), "nested": {"a": [1, 2.5, "x"]}}}) == (
-        '[s]\ninf = inf\nnested = { a = [1, 2.5, "x"] }\n'
-    )
+    data = {"s": {"inf": float("inf"), "unset": None, "path": Path("a/b"), "nested": {"a": [1, 2.5, "x"]}}}
+    assert tomllib.loads(dumps_toml(data)) == {"s": {"inf": float("inf"), "path": "a/b", "nested": {"a": [1, 2.5, "x"]}}}
 
 
 def test_import_object_relative_to_the_config_folder(tmp_path):

@@ -1,5 +1,5 @@
 """Elastic resume: a run saved on N processes continues on M != N with the same global batch and
-the same global sample order (corelooper/elastic.py, data.BatchLoader's global position).
+the same global sample order (corelooper/checkpoints/elastic.py, data.BatchLoader's global position).
 
 The end-to-end test is the issue's: 2 processes -> preempted (SIGTERM) at step 6 -> resumed on 1
 -> preempted at step 9 -> resumed on 2 -> final weights equal an uninterrupted 2-process run to

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from corelooper.cli.predictions import read_predictions
 
-from corelooper.outputs import OutputAccumulator, read_predictions
+from corelooper.outputs import OutputAccumulator
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -132,8 +133,9 @@ def test_bad_checkpoint_and_output_are_one_paragraph_errors(trained):
             predict(Config.load(cfg), str(base / "missing"), None)
     finally:
         os.environ.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD")
+    from corelooper.cli.predictions import write_predictions
+
     from corelooper.errors import ConfigError
-    from corelooper.outputs import write_predictions
 
     with pytest.raises(ConfigError, match=r"p.csv.*\.safetensors or \.jsonl"):
         write_predictions(base / "p.csv", torch.zeros(2, 2), None, {})

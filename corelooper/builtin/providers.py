@@ -15,6 +15,20 @@ from ..step import default_training_step
 
 
 @hookimpl(trylast=True)
+def create_model(config):
+    from ..build import model_from_factory
+
+    return model_from_factory(config)
+
+
+@hookimpl(trylast=True)
+def create_dataset(config, split):
+    from ..build import dataset_from_factory
+
+    return dataset_from_factory(config, split)
+
+
+@hookimpl(trylast=True)
 def create_backend(loop):
     from ..backends.base import AccelerateBackend
     from ..backends.local import LocalBackend, local_device
@@ -29,7 +43,7 @@ def create_backend(loop):
                              {k: v for k, v in ddp.items() if v is not None})
 
 
-# -- optimizer and scheduler (by name: corelooper/optimizers.py, corelooper/schedules.py) --------
+# -- optimizer and scheduler (by name: corelooper/hf/optimizers.py, corelooper/hf/schedules.py) --------
 
 
 @hookimpl(trylast=True)

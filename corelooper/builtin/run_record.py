@@ -11,6 +11,7 @@ an entry to ``"resumed"``.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import socket
@@ -55,21 +56,28 @@ def file_identity(path: Path) -> dict:
 
 
 def data_files(config) -> dict[str, dict]:
-    """``{path: identity}`` of every file the ``[data]`` splits name (folders: the files inside)."""
-    from ..data.files import _files, _sources, is_data_ref
-
+    """``{path: identity}`` of every file the ``[data]`` splits name by path (a file, a glob, a
+    folder: the files inside, a mixture's sources); ``module:callable`` factories have none."""
     base = config.source.parent if config.source else None
     found: dict[str, dict] = {}
     for split in ("train", "eval", "test"):
-        ref = getattr(config.data, split, None)
-        if ref is None or not is_data_ref(ref, base):
-            continue
-        for path, _ in _sources(ref, f"data.{split}"):
-            for name in _files(path, f"data.{split}", base):
-                p = Path(name)
-                files = sorted(f for f in p.rglob("*") if f.is_file())[:200] if p.is_dir() else [p]
-                found.update({str(f.resolve()): file_identity(f) for f in files})
+        for path in _named_paths(getattr(config.data, split, None), base):
+            files = sorted(f for f in path.rglob("*") if f.is_file())[:200] if path.is_dir() else [path]
+            found.update({str(f.resolve()): file_identity(f) for f in files})
     return found
+
+
+def _named_paths(spec, base: Path | None) -> list[Path]:
+    refs = spec if isinstance(spec, list) else [spec]
+    refs = [r.get("path") if isinstance(r, dict) else r for r in refs]
+    out: list[Path] = []
+    for ref in (r for r in refs if isinstance(r, str)):
+        for folder in dict.fromkeys((Path.cwd(), base or Path.cwd())):  # as the data plugin looks
+            matches = [Path(m) for m in sorted(glob.glob(str(folder / Path(ref).expanduser())))]
+            if matches:
+                out += matches
+                break
+    return out
 
 
 def _command() -> dict:

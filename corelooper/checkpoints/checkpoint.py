@@ -14,7 +14,7 @@ what ``load_checkpoint`` returns. API::
         Verify, then load weights, optimizer, scheduler and RNG in place; return the rest:
         Restored.apply(state) copies the saved LoopState fields, .plugin_states (name -> state),
         .extra_process_state (this rank's dict given at save, e.g. the log window),
-        .data_state (this rank's loader position or None), .changes (settings that differ).
+        .changes (settings that differ).
     save_model(directory, *, model, backend, max_shard_size)      the final / best model
     load_weights(directory, *, model, backend)                    weights only (eval, best model)
     collect_plugin_states(named_objects) / apply_plugin_states(named_objects, states, directory)
@@ -110,7 +110,6 @@ class Restored:
     loop_state: LoopState
     plugin_states: dict[str, Any] = field(default_factory=dict)
     extra_process_state: dict[str, Any] = field(default_factory=dict)
-    data_state: dict[str, Any] | None = None
     changes: list[str] = field(default_factory=list)
 
     def apply(self, state: LoopState) -> None:
@@ -388,11 +387,9 @@ def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, co
     extra_path = directory / f"process_state_{rank}.json"
     if extra_path.is_file():
         extra.update(_read(extra_path, "process state"))
-    data_path = directory / f"data_state_{rank}.json"
     restored = LoopState.from_dict(saved)
     restored.best_model_checkpoint = from_run(saved.get("best_model_checkpoint"), directory)
     return Restored(directory=directory, loop_state=restored, plugin_states=plugins, extra_process_state=extra,
-                    data_state=_read(data_path, "data position") if data_path.is_file() else None,
                     changes=changes)
 
 

@@ -464,27 +464,11 @@ class StreamingLoader:
                 "train.ignore_data_skip = true to restart the stream from its beginning.")
 
 
-# -- checkpoint: data_state_{rank}.json (called from checkpoint.py) ---------------------------------
+# -- checkpoint: data_state_{rank}.json (written by checkpoint.py) -----------------------------------
 
 
 def _data_state_path(directory: Path, rank: int) -> Path:
     return Path(directory) / f"data_state_{rank}.json"
-
-
-def save_data_state(loop, directory: Path) -> None:
-    """Write the training loader's position, when it has one (streaming data)."""
-    loader = getattr(loop, "train_loader", None)
-    if loader is None or not callable(getattr(loader, "state_dict", None)):
-        return
-    state = loader.state_dict()
-    try:
-        text = json.dumps(state)
-    except TypeError as e:
-        raise DataError(
-            f"The training dataset's state_dict() must be JSON-serialisable to be checkpointed ({e}). "
-            f"Return numbers, strings, lists and dicts from {type(loop.train_dataset).__name__}.state_dict()."
-        ) from None
-    _data_state_path(directory, loop.backend.process_index).write_text(text)
 
 
 def load_data_state(loop, directory: Path) -> None:

@@ -3,7 +3,7 @@
 * ``DataCollatorForCausalLM`` pads samples of token ids to one length and masks padding (and,
   optionally, the prompt of prompt/completion samples) with -100 in ``labels``.
 * ``pack_sequences`` / ``PackedDataset`` put short samples into fixed-length sequences, each
-  sample attending only to itself (corelooper/packing.py).
+  sample attending only to itself (plugins/lm/corelooper_lm/packing.py).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def pack_sequences(
 ) -> list[list[list[int]]]:
     """Group token sequences into bins of at most ``seq_len`` tokens.
 
-    ``strategy="bfd"`` (best-fit decreasing, as TRL, in ``O(n log n)``: corelooper/packing.py):
+    ``strategy="bfd"`` (best-fit decreasing, as TRL, in ``O(n log n)``: plugins/lm/corelooper_lm/packing.py):
     whole samples go into the fullest bin they fit in; a sample longer than ``seq_len`` is first
     cut into ``seq_len`` pieces. Returns, per bin, the list of its pieces (so the caller can
     reset positions / mask the boundaries). ``strategy="wrap"``: concatenate everything (with

@@ -18,7 +18,7 @@ Two steps, so that the expensive one runs once per data set and the cheap one pe
   row without padding.
 
 So a packed or padding-free batch gives every sample the logits it gets alone, and
-``num_items_in_batch`` counts the same tokens as the padded batch (tests/test_packing.py
+``num_items_in_batch`` counts the same tokens as the padded batch (plugins/lm/tests/test_packing.py
 checks both against a real ``transformers`` Llama).
 """
 
@@ -155,7 +155,7 @@ class SegmentCollator:
     """Rows of segments -> a leak-free causal-LM batch (see the module docstring).
 
     ``attn_implementation``: ``flash_attention_2``/``flash_attention_3``/``kernels-community/...``
-    and ``SEGMENT_SDPA`` (corelooper/segment_attention.py) get one row of concatenated segments
+    and ``SEGMENT_SDPA`` (plugins/lm/corelooper_lm/segment_attention.py) get one row of concatenated segments
     with ``position_ids`` and ``cu_seq_lens_q/k``, ``max_length_q/k``, no padding and no mask;
     ``"sdpa"`` gets a 4-D boolean block-diagonal causal mask (True: attend; sdpa's CPU kernel
     reads it at half the cost of a float mask), ``"eager"`` (or any other) the float mask.

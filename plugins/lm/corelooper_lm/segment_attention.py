@@ -5,7 +5,7 @@ token to attend to the earlier tokens of its own segment only. With plain ``sdpa
 ``[B, 1, T, T]`` block-diagonal mask: the kernel computes (and on CPU, for a float mask, reads)
 all ``T^2`` scores, most of them masked. This attention runs ``sdpa(is_causal=True)`` on each
 segment's slice of the row instead: ``sum(L_i^2)`` scores, no mask to build, the same kernel and
-the same numbers as each sample run alone (tests/test_packing.py). It is what flash-attention's
+the same numbers as each sample run alone (plugins/lm/tests/test_packing.py). It is what flash-attention's
 varlen does on a GPU, for machines and models that have only ``sdpa``.
 
 ``use_segment_attention(model)`` registers it with ``transformers``' attention and mask interfaces

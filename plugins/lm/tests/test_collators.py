@@ -11,11 +11,10 @@ from corelooper_lm.collators import (
     DataCollatorForCausalLM,
     PackedDataset,
     pack_sequences,
-    sample_lengths,
 )
 
 from corelooper.data.columns import accepted_columns
-from corelooper.data.loader import BatchLoader, length_grouped_order
+from corelooper.data.loader import BatchLoader, length_grouped_order, sample_lengths
 from corelooper.errors import DataError
 
 

@@ -128,20 +128,25 @@ def on_train_end(loop, state):
 
 
 def run_tokenizer(loop):
-    """The run's tokenizer (with its chat template): the collator's, else ``[model] tokenizer``
-    or ``name_or_path``'s; None when the run has none (a model built by a factory)."""
+    """The run's tokenizer (with its chat template): the collator's, else the one in the folder
+    the base model was loaded from (``[model] tokenizer`` first); None when there is none (a
+    model built by a factory)."""
     for owner in (loop.data_collator, loop):
         tok = getattr(owner, "tokenizer", None) or getattr(owner, "processing_class", None)
         if hasattr(tok, "save_pretrained"):
             return tok
-    if not (loop.config.model.tokenizer or loop.config.model.name_or_path):
-        return None
-    from corelooper.hf.model import load_tokenizer
+    model = loop.backend.unwrap_model(loop.model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    folders = [loop.config.model.tokenizer, getattr(getattr(base, "config", None), "_name_or_path", None)]
+    for folder in (f for f in folders if f and Path(f).is_dir()):
+        from transformers import AutoTokenizer
 
-    try:
-        return load_tokenizer(loop.config)
-    except ConfigError:  # a folder without tokenizer files: the export has the model only
-        return None
+        try:
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                 trust_remote_code=loop.config.model.trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError):  # no tokenizer files there
+            continue
+    return None
 
 
 def unsharded_copy(peft_model, full_state: dict):

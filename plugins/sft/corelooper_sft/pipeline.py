@@ -1,5 +1,5 @@
 """Raw rows -> tokenized rows (memory-mapped by ``datasets``) -> over-long policy -> packing,
-plus the collator that matches: padded, padding-free, or packed (corelooper/packing.py)."""
+plus the collator that matches: padded, padding-free, or packed (plugins/lm/corelooper_lm/packing.py)."""
 
 from __future__ import annotations
 

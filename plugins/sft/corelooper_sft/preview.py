@@ -43,6 +43,7 @@ def load(config_path: Path, overrides: list[str], split: str):
     from corelooper.build import build_dataset
     from corelooper.config import Config
     from corelooper.errors import ConfigError, DataError
+    from corelooper.plugins import load_plugins
 
     from . import DEFAULTS, SECTION
     from .setup import check, configure_tokenizer, find_tokenizer, prepare_split
@@ -53,7 +54,7 @@ def load(config_path: Path, overrides: list[str], split: str):
     ref = getattr(config.data, split)
     if not ref and not (split == "eval" and config.data.eval_split):
         raise ConfigError(f"data.{split} is not set in {config_path}: nothing to preview.")
-    dataset = build_dataset(config, split)
+    dataset = build_dataset(load_plugins(Config.load(config_path, overrides)), config, split)
     if dataset is None:
         raise DataError(f"data.{split} gave no data set.")
     tok = find_tokenizer(config)

@@ -30,7 +30,7 @@ def check(cfg: dict[str, Any]) -> None:
 
 def find_tokenizer(config, model=None):
     """``[model] tokenizer`` / ``name_or_path``, else the folder the model was loaded from."""
-    from corelooper.hf.model import load_tokenizer
+    from corelooper_hf.model import load_tokenizer
 
     tok = load_tokenizer(config)
     source = getattr(getattr(model, "config", None), "_name_or_path", None) if model is not None else None

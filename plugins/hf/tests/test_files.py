@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
+from corelooper_hf.files import is_data_ref, json_problem, load_spec, load_split
 
 from corelooper.config import Config
-from corelooper.data.files import is_data_ref, json_problem, load_spec, load_split
 from corelooper.errors import ConfigError, CorelooperError, DataError
+
+
+def build_model(config):
+    """The model the run would build: through the create_model providers of the installed plugins."""
+    from corelooper import build
+    from corelooper.plugins import load_plugins
+
+    return build.build_model(load_plugins(config), config)
 
 datasets = pytest.importorskip("datasets")
 ROWS = [{"text": f"row {i}", "difficulty_score": i / 10} for i in range(20)]
@@ -125,8 +133,6 @@ def test_model_by_path_with_dtype_and_attention(llama_dir):
     import torch
     import transformers
 
-    from corelooper.build import build_model
-
     cfg = Config.from_dict({"model": {"name_or_path": str(llama_dir), "torch_dtype": "bfloat16",
                                       "attn_implementation": "eager"}})
     model = build_model(cfg)
@@ -140,8 +146,6 @@ def test_model_by_path_with_dtype_and_attention(llama_dir):
 
 def test_model_task_and_bad_paths_explain(llama_dir, tmp_path):
     import transformers
-
-    from corelooper.build import build_model
 
     cls = build_model(Config.from_dict({"model": {"name_or_path": str(llama_dir),
                                                   "task": "sequence_classification"}}))

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..errors import ConfigError
+from corelooper.config import Config
+from corelooper.errors import ConfigError
 
 # ``task`` -> transformers auto class (the auto class's own name is accepted too).
 TASKS = {
@@ -26,7 +26,6 @@ TASKS = {
     "image_classification": "AutoModelForImageClassification",
     "base": "AutoModel",
 }
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _base(config: Config) -> Path | None:

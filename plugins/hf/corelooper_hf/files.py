@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
+from corelooper.errors import DataError
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
             ".txt": "text"}
