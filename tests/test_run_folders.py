@@ -58,7 +58,9 @@ def config(folder: Path, out: str = "run", model: str = f"{TESTS}/toys.py:mlp", 
 
 
 def cli(*args, cwd: Path, **env):
-    return run_cli(*args, cwd=cwd, env={**QUIET, **env}, timeout=180)
+    """The real CLI, with corelooper-hf (data files and model folders by path) as the one plugin."""
+    hf = ["-p", "corelooper_hf"] if args[0] in ("run", "eval", "predict") else []
+    return run_cli(*args, *hf, cwd=cwd, env={**QUIET, **env}, timeout=180)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -105,7 +107,8 @@ def test_run_json_records_how_the_run_was_made_and_diff_names_what_differs(tmp_p
     record = json.loads((project / "a" / "run.json").read_text())
     commit = _git(project, "rev-parse", "HEAD")
     assert record["git"] == {"commit": commit, "dirty": False}  # a/, the run's output, is not tracked
-    assert record["command"]["argv"][-1] == str(cfg) and record["command"]["sets"] == []
+    assert record["command"]["argv"][-4:] == ["run", str(cfg), "-p", "corelooper_hf"]
+    assert record["command"]["sets"] == [] and record["command"]["cwd"] == str(project)
     assert record["versions"]["corelooper"] == corelooper.__version__
     assert record["versions"]["torch"] == torch.__version__
     assert record["plugins"]["console"]["version"] == corelooper.__version__
