@@ -163,17 +163,33 @@ def run(
         os._exit(0)
 
 
+class _TrainBegan:
+    """Whether ``on_train_begin`` fired (a finished run resumed returns before it)."""
+
+    began = False
+
+    def on_train_begin(self) -> None:
+        self.began = True
+
+
 def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -> int:
     """Build the Loop, train, evaluate; returns the exit code of a preemption (else 0)."""
     from corelooper.loop import Loop
 
-    loop = Loop(config=cfg, blocked_plugins=blocked)
+    began = _TrainBegan()
+    loop = Loop(config=cfg, blocked_plugins=blocked, plugins=[began])
     profiler = None
     if profile_plugins:
         from corelooper.cli.profiling import PluginProfiler
 
         profiler = PluginProfiler(loop.plugins)
     state = loop.train(resume_from_checkpoint=resume)
+    if not began.began:  # resumed at its last step: train() returned before anything was written
+        if state.is_world_process_zero:
+            typer.echo(f"corelooper: {loop.args.output_dir} already finished at step {state.global_step}: "
+                       "nothing to do.")
+        loop.backend.end()
+        return 0
     preempted_exit = 0
     if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
         if state.is_world_process_zero:
@@ -272,23 +288,16 @@ def predict(
     traceback_: TracebackOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Predict on data.test (else data.eval) with a checkpoint's weights; write the outputs in dataset order."""
-    from corelooper.builtin.console import quiet_third_party
+    """Predict on data.test (else data.eval) with a checkpoint's weights; write the outputs in dataset order.
 
-    quiet_third_party(verbose)
-    try:
-        blocked, local = split_plugin_options(p)
+    The training run's files (metrics.jsonl, tensorboard/) are left as they were."""
+    def action(cfg, blocked):
         from corelooper.cli.evaluate import predict as run_predict
 
-        path, metrics, loop = run_predict(load_config(config, set_, local), checkpoint, output, blocked)
-        if loop.state.is_world_process_zero:
-            import json
+        path, metrics, loop = run_predict(cfg, checkpoint, output, blocked)
+        return loop, [f"predictions written to {path}"] + ([metrics] if metrics else [])
 
-            typer.echo(f"predictions written to {path}")
-            if metrics:
-                typer.echo(json.dumps(metrics))
-    except Exception as e:
-        fail(e, traceback_)
+    _on_checkpoint(config, set_, p, traceback_, verbose, action)
 
 
 @app.command("eval")
@@ -300,19 +309,32 @@ def eval_(
     traceback_: TracebackOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Evaluate a checkpoint's weights on data.eval; print the metrics as JSON."""
+    """Evaluate a checkpoint's weights on data.eval; print the metrics as JSON.
+
+    The training run's files (metrics.jsonl, tensorboard/) are left as they were."""
+    def action(cfg, blocked):
+        from corelooper.cli.evaluate import evaluate
+
+        metrics, loop = evaluate(cfg, checkpoint, blocked)
+        return loop, [metrics]
+
+    _on_checkpoint(config, set_, p, traceback_, verbose, action)
+
+
+def _on_checkpoint(config: Path, set_, p, traceback_: bool, verbose: bool, action) -> None:
+    """What ``predict`` and ``eval`` share: quiet start, config, errors; rank 0 prints
+    ``action``'s lines (a dict as one JSON line)."""
     from corelooper.builtin.console import quiet_third_party
 
     quiet_third_party(verbose)
     try:
         blocked, local = split_plugin_options(p)
-        from corelooper.cli.evaluate import evaluate
-
-        metrics, loop = evaluate(load_config(config, set_, local), checkpoint, blocked)
+        loop, lines = action(load_config(config, set_, local), blocked)
         if loop.state.is_world_process_zero:
             import json
 
-            typer.echo(json.dumps(metrics))
+            for line in lines:
+                typer.echo(json.dumps(line) if isinstance(line, dict) else line)
     except Exception as e:
         fail(e, traceback_)
 
@@ -362,6 +384,23 @@ def plot(
 
         path = plot_runs(run_dirs, output)
         typer.echo(f"plot written to {path}")
+    except Exception as e:
+        fail(e, traceback_)
+
+
+@app.command()
+def diff(
+    run_a: Annotated[Path, typer.Argument(help="A run folder (output_dir) with run.json.")],
+    run_b: Annotated[Path, typer.Argument(help="Another run folder.")],
+    traceback_: TracebackOpt = False,
+) -> None:
+    """What differs between two runs (config, versions, plugins, data, git, host, devices), and
+    the first logged step where their losses part."""
+    try:
+        from corelooper.cli.diff import diff_runs
+
+        for line in diff_runs(run_a, run_b):
+            typer.echo(line)
     except Exception as e:
         fail(e, traceback_)
 

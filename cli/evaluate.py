@@ -1,4 +1,10 @@
-"""The ``corelooper predict`` and ``corelooper eval`` commands: a checkpoint's model on a data set."""
+"""The ``corelooper predict`` and ``corelooper eval`` commands: a checkpoint's model on a data set.
+
+Both leave the training run's folder as it was: they call the ``evaluation_loop`` provider
+directly instead of ``Loop.evaluate()``/``Loop.predict()``, so no ``on_log``/``on_predict``
+reaches the run's loggers (``metrics.jsonl``, TensorBoard, W&B). Their results go to stdout
+and to the predictions file they are given.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,6 @@ import json
 from pathlib import Path
 
 from corelooper.cli.predictions import write_predictions
-
-# -- the predict / eval commands ------------------------------------------------------------------
 
 
 def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
@@ -21,7 +25,7 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
     loop.prepare_for_evaluation()
     ckpt.load_weights(directory, model=loop.model, backend=loop.backend)
     state = directory / "loop_state.json"
-    if state.is_file():  # metrics logged by this evaluation carry the checkpoint's step
+    if state.is_file():  # metrics computed here carry the checkpoint's step
         try:
             loop.state.global_step = int(json.loads(state.read_text()).get("global_step", 0))
         except (ValueError, TypeError):
@@ -37,22 +41,31 @@ def _dataset(loop, split: str):
     if split == "test" and not ref:
         split, ref = "eval", loop.config.data.eval
     if split == "eval" and loop.eval_dataset is not None:
-        return loop.eval_dataset, "data.eval"
+        return loop.eval_dataset
     if split == "train" and loop.train_dataset is not None:
-        return loop.train_dataset, "data.train"
+        return loop.train_dataset
     if not ref:
         raise DataError(
             f"No data to predict on: set data.test (or data.eval) in the config to a data file or a "
             f"'module:callable' returning a dataset (asked for {split!r})."
         )
-    return build_dataset(loop.plugins, loop.config, split), f"data.{split}"
+    return build_dataset(loop.plugins, loop.config, split)
 
 
-def predict(config, checkpoint: str, output: str | None, blocked: list[str] = (), split: str = "test"):
-    """``corelooper predict``: returns ``(path written or None, metrics)``; rank 0 writes."""
-    loop, directory = _loop_from_checkpoint(config, checkpoint, list(blocked))
-    dataset, _ = _dataset(loop, split)
-    preds, labels, metrics = loop.predict(dataset)
+def run_checkpoint(config, checkpoint: str, blocked, split: str, prefix: str, keep_outputs: bool):
+    """The checkpoint's model over ``data.<split>``: ``(loop, metrics, predictions, label_ids)``.
+
+    No logging event fires: the run's loggers are not fed (see the module docstring)."""
+    loop, _ = _loop_from_checkpoint(config, checkpoint, list(blocked))
+    dataset = _dataset(loop, split)
+    metrics, preds, labels = loop.hook.evaluation_loop(
+        loop=loop, dataset=dataset, metric_key_prefix=prefix, keep_outputs=keep_outputs)
+    return loop, metrics, preds, labels
+
+
+def predict(config, checkpoint: str, output: str | None, blocked=(), split: str = "test"):
+    """``corelooper predict``: returns ``(path written, metrics, loop)``; rank 0 writes."""
+    loop, metrics, preds, labels = run_checkpoint(config, checkpoint, blocked, split, "test", True)
     path = Path(output) if output else Path(loop.args.output_dir) / "predictions.safetensors"
     if loop.backend.is_main_process:
         write_predictions(path, preds, labels, metrics)
@@ -60,8 +73,7 @@ def predict(config, checkpoint: str, output: str | None, blocked: list[str] = ()
     return path, metrics, loop
 
 
-def evaluate(config, checkpoint: str, blocked: list[str] = (), split: str = "eval"):
-    """``corelooper eval``: the metrics of the checkpoint's model on ``data.eval``."""
-    loop, directory = _loop_from_checkpoint(config, checkpoint, list(blocked))
-    dataset, _ = _dataset(loop, split)
-    return loop.evaluate(dataset), loop
+def evaluate(config, checkpoint: str, blocked=(), split: str = "eval"):
+    """``corelooper eval``: ``(metrics, loop)`` of the checkpoint's model on ``data.eval``."""
+    loop, metrics, _, _ = run_checkpoint(config, checkpoint, blocked, split, "eval", False)
+    return metrics, loop

@@ -88,6 +88,8 @@ def launch(nproc: int, argv: list[str]) -> None:
     if nproc > 1 and not os.environ.get("CORELOOPER_VERBOSE"):
         # torchrun sets OMP_NUM_THREADS=1 for each rank anyway, and prints a banner about it
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not os.environ.get("CORELOOPER_VERBOSE"):
+        quiet_launcher_logs()
     config, cmd, cmd_args = config_from_args(args)
     config.shutdown_timeout = SHUTDOWN_TIMEOUT  # a stop signal: let every rank save first
     os.environ[LAUNCHER_PID] = str(os.getpid())  # inherited by the workers (watch_launcher)
@@ -104,6 +106,30 @@ def launch(nproc: int, argv: list[str]) -> None:
         if 2 <= first <= 6:  # a reported corelooper error (bad config, data, checkpoint, ...)
             error.exit_code = first
         raise error from None
+
+
+def quiet_launcher_logs() -> None:
+    """No torchrun log line on the console ("Received 15 death signal", "Sending process ...
+    closing signal", "failed (exitcode: -9)"): corelooper says what happened in one paragraph.
+
+    Called once torch's launcher modules are imported. Their loggers are named after each
+    module, and a parent logger's filter does not see a child's records: every existing logger
+    under the launcher's names gets the filter, and so do the handlers that print them (torch's
+    own on ``torch``, the root's)."""
+    import logging
+
+    from corelooper.builtin.console import _LAUNCHER_LOGGERS
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.name.startswith(_LAUNCHER_LOGGERS)
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_LAUNCHER_LOGGERS):
+            logging.getLogger(name).addFilter(keep)
+    for logger in (logging.getLogger(), logging.getLogger("torch")):
+        for handler in logger.handlers:
+            handler.addFilter(keep)
+    logging.lastResort.addFilter(keep)
 
 
 def stop_code(error) -> int:

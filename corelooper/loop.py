@@ -171,6 +171,8 @@ class Loop:
                 lock = RunLock.acquire(output_dir)
             if resume_dir is not None:  # first: a bad checkpoint fails before output_dir is changed
                 loop_checkpoints.resume(self, resume_dir)
+                if self.state.global_step >= self.state.max_steps:
+                    return self.state  # a finished run: nothing to do, nothing written
             if self.backend.is_main_process:
                 checkpoint.prepare_output_dir(output_dir, self.config, resuming=resume_dir is not None,
                                               overwrite=a.overwrite_output_dir)

@@ -23,7 +23,7 @@ import pluggy
 from . import hookspecs
 from .config import Config, import_module
 from .dispatch import CHECKS, refuse_wrappers, wrong_result
-from .errors import ConfigError, PluginError
+from .errors import ConfigError, CorelooperError, PluginError
 
 ENTRY_POINT_GROUP = "corelooper"
 AUTOLOAD_ENV = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
@@ -299,6 +299,7 @@ def load_plugins(
     from .builtin.console import Console
     from .builtin.metrics_log import MetricsLog
     from .builtin.preemption import PreemptionPlugin
+    from .builtin.run_record import RunRecord
     from .builtin.throughput import Throughput
 
     plugins = Plugins()
@@ -312,7 +313,8 @@ def load_plugins(
     # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
     # stateful ones are new objects for every run.
     for name, obj in (("console", Console()), ("jsonl", MetricsLog()), ("throughput", Throughput()),
-                      ("preemption", PreemptionPlugin()), ("best_metric", best_metric)):
+                      ("preemption", PreemptionPlugin()), ("best_metric", best_metric),
+                      ("run_record", RunRecord())):
         plugins.register(obj, name, "builtin", "corelooper", version)
 
     if autoload is None:
@@ -425,7 +427,7 @@ def configure(plugins: Plugins, config: Config) -> None:
             plugins._configuring = True
             try:
                 impl.function(*({"config": config, "plugins": plugins}[a] for a in impl.argnames))
-            except (ConfigError, PluginError):
+            except CorelooperError:  # said already (a missing data file: DataError, exit 4)
                 raise
             except Exception as e:
                 raise PluginError(

@@ -228,7 +228,7 @@ def test_inactive_reasons_are_declared_explicitly(train_args):
     assert loop.plugins.inactive["sleepy"] == "no [sleepy] section"
 
 
-@pytest.mark.parametrize("name", ["throughput", "best_metric", "preemption", "console", "jsonl"])
+@pytest.mark.parametrize("name", ["throughput", "best_metric", "preemption", "console", "jsonl", "run_record"])
 def test_core_policies_are_plugins_that_can_be_switched_off(train_args, name):
     args = train_args(per_device_train_batch_size=8, max_steps=2)
     loop = Loop(toys.tiny_lm(), args, train_dataset=toys.lm_samples(16), blocked_plugins=[name])

@@ -158,3 +158,29 @@ def test_predict_same_with_and_without_accumulation(make_loop):
     p2, l2, m2 = make_loop().predict(loop.eval_dataset)
     assert torch.equal(p1, p2) and torch.equal(l1, l2) and m1 == m2
     assert p1.shape[0] == len(loop.eval_dataset)
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_eval_and_predict_leave_the_training_runs_files_as_they_were(tmp_path):
+    """`corelooper eval`/`predict` feed no logger: metrics.jsonl gains no eval line (a later
+    `corelooper plot` would draw it back to the checkpoint's step) and tensorboard/ is untouched."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(CONFIG.format(tests=TESTS, out=tmp_path / "run"))
+    tb = ["-p", "corelooper_tensorboard"]
+    proc = run(["run", str(cfg), *tb], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert (run_dir / "tensorboard").is_dir() and (run_dir / "metrics.jsonl").is_file()
+    before = _files(run_dir)
+    ev = run(["eval", str(cfg), "--checkpoint", "latest", *tb], tmp_path)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "eval_loss" in json.loads(ev.stdout.splitlines()[-1])  # the result: on stdout
+    out = tmp_path / "preds.jsonl"
+    pr = run(["predict", str(cfg), "--checkpoint", "latest", "-o", str(out), *tb], tmp_path)
+    assert pr.returncode == 0, pr.stderr[-3000:]
+    assert len(out.read_text().splitlines()) == 37  # ... and in its own file
+    assert _files(run_dir) == before

@@ -199,3 +199,35 @@ disable_tqdm = true
 [early_stopping]
 patience = 5
 '''
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_every_plugin_names_a_readme_that_exists(plugin):
+    """A missing readme is a warning in every editable install (scripts/setup) and an empty
+    long description on the index."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "plugins" / plugin / "pyproject.toml").read_text())["project"]
+    readme = REPO / "plugins" / plugin / project["readme"]
+    assert readme.is_file() and readme.read_text().startswith(f"# corelooper-{plugin.replace('_', '-')}")
+
+
+def test_setup_says_each_stage_and_hides_the_build_backends_warnings(tmp_path):
+    """scripts/setup with a recording python in place of the venv's: a line per stage, in order,
+    and every pip call runs with the build backends' warnings (setuptools' editable-install
+    notes) switched off."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    calls = tmp_path / "calls.txt"
+    fake = venv / "bin" / "python"
+    fake.write_text(f'#!/bin/sh\necho "PYTHONWARNINGS=$PYTHONWARNINGS $*" >> {calls}\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(REPO / "scripts" / "setup")], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "VENV": str(venv)})
+    assert r.returncode == 0, r.stderr
+    stages = [line.split(" (")[0] for line in r.stdout.splitlines()]
+    assert stages == [f"setup: virtual environment {venv}", "setup: pip", "setup: torch 2.13.0",
+                      f"setup: corelooper and {len(PLUGINS)} plugins, editable", f"setup: done: use {venv}/bin/corelooper and {venv}/bin/python -m pytest"], r.stdout
+    pip = calls.read_text().splitlines()
+    assert len(pip) == 3 and all(c.startswith("PYTHONWARNINGS=ignore -m pip install -q") for c in pip), pip
+    assert pip[2].count(" -e ") == len(PLUGINS) + 1

@@ -4,9 +4,10 @@ One ``Console`` per run, registered as the builtin plugin ``console``; ``-p no:c
 silences it. Only the main process prints.
 
 A log key with a namespace, ``name/key`` (e.g. corelooper-doctor's ``doctor/time_share_data``),
-is a detail: loggers, ``metrics.jsonl`` and ``log_history`` get it, the console line leaves it
-out unless the run is verbose (``corelooper run --verbose``, or ``CORELOOPER_VERBOSE=1`` for a
-``Loop`` in a script), so a line shows the training essentials.
+or one of ``DETAILS`` (model FLOPs per token, TFLOP/s) is a detail: loggers, ``metrics.jsonl``
+and ``log_history`` get it, the console line leaves it out unless the run is verbose
+(``corelooper run --verbose``, or ``CORELOOPER_VERBOSE=1`` for a ``Loop`` in a script), so a
+line shows the training essentials.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
+# Facts a user does not act on at every log: metrics.jsonl and the loggers have them, the console
+# line only when verbose. The line keeps loss, grad norm, learning rate, epoch and throughput.
+DETAILS = frozenset({"model_flops_per_token", "model_tflops_per_second"})
+
 
 def is_detail(key: str) -> bool:
-    """A namespaced log key (``name/key``): not on the console unless verbose."""
-    return "/" in key
+    """A namespaced log key (``name/key``) or a detail: not on the console unless verbose."""
+    return "/" in key or key in DETAILS
 
 
 def _format(logs: dict, verbose: bool = True) -> str:
@@ -36,6 +41,7 @@ class Console:
         self.progress = None
         self.task = None
         self.verbose = False
+        self.resumed_from = None  # the checkpoint folder on_load_checkpoint named
 
     def print(self, text: str) -> None:
         if self.progress is not None:
@@ -53,6 +59,9 @@ class Console:
             f"{state.gradient_accumulation_steps} accumulation x {state.world_size} processes, "
             f"output in {loop.args.output_dir}"
         )
+        if self.resumed_from is not None:
+            self.print(f"corelooper: resuming from {self.resumed_from.name} (step {state.global_step} of "
+                       f"{state.max_steps})")
         if loop.args.disable_tqdm or not sys.stdout.isatty():
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -63,6 +72,9 @@ class Console:
         )
         self.task = self.progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
         self.progress.start()
+
+    def on_load_checkpoint(self, checkpoint_dir) -> None:
+        self.resumed_from = checkpoint_dir
 
     def on_step_end(self, state) -> None:
         if self.progress is not None:
@@ -101,12 +113,28 @@ _LAUNCHER_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torc
 _LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "accelerate")
 
 
+def one_voice() -> None:
+    """On a rank other than 0: corelooper's and its plugins' notes (``corelooper*`` loggers,
+    below ERROR) are not printed; rank 0 prints each once. Filters on the handlers that print
+    (a parent logger's filter does not see its children's records)."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not record.name.startswith("corelooper")
+
+    for handler in (*logging.getLogger().handlers, logging.lastResort):
+        if handler is not None:
+            handler.addFilter(keep)
+
+
 def quiet_third_party(verbose: bool = False) -> None:
     """Filter third-party deprecation warnings and banners (inherited by launched workers)."""
     import logging
     import os
     import warnings
 
+    if os.environ.get("RANK", "0") != "0":
+        one_voice()
     if verbose:
         os.environ["CORELOOPER_VERBOSE"] = "1"
         return

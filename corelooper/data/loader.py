@@ -183,10 +183,13 @@ def resolve_loss_type(batch) -> str:
 
 
 def batch_rows(batch) -> int:
-    """Samples in a batch (dim 0 of its first tensor)."""
+    """Samples in a batch: dim 0 of its first tensor, or the samples packed into its rows."""
     if torch.is_tensor(batch):
         return batch.shape[0]
     if isinstance(batch, dict):
+        packed = packed_samples(batch)
+        if packed is not None:
+            return packed
         for v in batch.values():
             if torch.is_tensor(v):
                 return v.shape[0]
@@ -195,6 +198,23 @@ def batch_rows(batch) -> int:
             if torch.is_tensor(v):
                 return v.shape[0]
     return 1
+
+
+def packed_samples(batch: dict) -> int | None:
+    """The samples of a packed batch (None when its rows are one sample each): flash-attention's
+    ``cu_seq_lens_q`` boundaries, else the restarts of ``position_ids`` that begin a segment with
+    a label to learn (a row's padding restarts the positions too, with labels all -100)."""
+    cu = batch.get("cu_seq_lens_q")
+    if torch.is_tensor(cu) and cu.dim() == 1:
+        return cu.numel() - 1
+    pos, labels = batch.get("position_ids"), batch.get("labels")
+    if not (torch.is_tensor(pos) and pos.dim() == 2 and torch.is_tensor(labels) and labels.shape == pos.shape):
+        return None  # (without labels, left padding's repeated 0 positions would count as samples)
+    starts = pos == 0
+    if int(starts.sum()) <= pos.shape[0]:  # one start per row: rows are samples
+        return None
+    segment = starts.cumsum(-1) + torch.arange(pos.shape[0], device=pos.device)[:, None] * (pos.shape[1] + 1)
+    return int(segment[labels != -100].unique().numel())
 
 
 def count_input_tokens(batch) -> int:

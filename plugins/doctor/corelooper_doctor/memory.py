@@ -21,6 +21,7 @@ from .settings import PREFIX
 from .units import GB, fmt
 
 HEADROOM = 0.9
+LARGE = 16  # a batch this many times larger still fits: memory does not limit it
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -144,12 +145,27 @@ def breakdown(model, optimizer, device, activation_bytes: int, micro_batch: int,
 
 
 def breakdown_line(b: dict) -> str:
+    """The breakdown in the knob a user turns (``per_device_train_batch_size``) and the share of
+    the device used; the raw estimate stays in ``memory.json`` (``largest_micro_batch``)."""
+    used = b["parameters"] + b["gradients"] + b["optimizer_states"] + b["activations"]
+    micro, fit = b["micro_batch"], b["largest_micro_batch"]
+    share = f" ({used / b['capacity']:.0%})" if b.get("capacity") else ""
     return (
-        f"doctor: memory per process on {b['device']}: parameters {fmt(b['parameters'])}, gradients "
+        f"doctor: memory per process on {b['device']}: {fmt(used)} of {fmt(b['capacity'])}{share} at "
+        f"per_device_train_batch_size = {micro}: parameters {fmt(b['parameters'])}, gradients "
         f"{fmt(b['gradients'])}, optimizer states {fmt(b['optimizer_states'])}, activations "
-        f"{fmt(b['activations'])} for a micro-batch of {b['micro_batch']} "
-        f"({fmt(b['activations_per_sample'])} per sample"
+        f"{fmt(b['activations'])} ({fmt(b['activations_per_sample'])} per sample"
         + (f", {fmt(b['activations_per_token'])} per token" if b.get("activations_per_token") else "")
-        + f"); the largest micro-batch that should fit in {fmt(b['capacity'])}: "
-        f"{b['largest_micro_batch']}."
+        + f"); {batch_advice(micro, fit)}."
     )
+
+
+def batch_advice(micro: int, fit: int | None) -> str:
+    if fit is None:
+        return "no activations measured"
+    if fit >= LARGE * max(micro, 1):
+        return f"memory is not the limit: per_device_train_batch_size could grow {LARGE}x and more"
+    if fit < micro:
+        return (f"per_device_train_batch_size = {micro} may not fit: use {max(fit, 1)} or less, with "
+                "gradient_accumulation_steps for the same global batch")
+    return f"per_device_train_batch_size up to {fit} should fit"

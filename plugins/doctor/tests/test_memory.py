@@ -81,3 +81,22 @@ def test_oom_before_the_first_step_says_no_breakdown(tmp_path):
         loop.train()
     text = (tmp_path / "run" / "doctor" / "oom-rank0.txt").read_text()
     assert "at step 1 during forward" in text and "no breakdown was measured" in text
+
+
+def test_the_start_up_line_speaks_in_per_device_train_batch_size(tmp_path, capfd):
+    """Not "the largest micro-batch that should fit in 23.54 GB: 1489690": the knob, the share
+    of the device, and advice that holds at either end (the raw estimate stays in memory.json)."""
+    from corelooper_doctor.memory import breakdown_line
+
+    loop, b = _breakdown(tmp_path, 8)
+    line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("doctor: memory per process"))
+    assert line == breakdown_line(b)
+    assert "at per_device_train_batch_size = 8:" in line and str(b["largest_micro_batch"]) not in line
+    assert "memory is not the limit: per_device_train_batch_size could grow 16x and more" in line
+    used = b["parameters"] + b["gradients"] + b["optimizer_states"] + b["activations"]
+    assert f"({used / b['capacity']:.0%})" in line
+    tight = {**b, "capacity": 4 * used, "largest_micro_batch": 20}
+    assert breakdown_line(tight).endswith("; per_device_train_batch_size up to 20 should fit.")
+    over = {**b, "largest_micro_batch": 3}
+    assert "per_device_train_batch_size = 8 may not fit: use 3 or less, with gradient_accumulation_steps" in (
+        breakdown_line(over))

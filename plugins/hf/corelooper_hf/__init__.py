@@ -8,6 +8,9 @@
 
 A config that names a ``module:callable`` factory instead is left to the builtin (this plugin
 returns None), so installing it changes nothing for such runs.
+
+Every data path is checked when the run is configured (``corelooper_configure``), before the
+model is loaded: a wrong path fails in seconds, naming the key and where it looked.
 """
 
 from __future__ import annotations
@@ -15,6 +18,13 @@ from __future__ import annotations
 from corelooper import hookimpl
 
 __version__ = "0.2.0"
+
+
+@hookimpl
+def corelooper_configure(config):
+    from .files import check_paths
+
+    check_paths(config)
 
 
 @hookimpl

@@ -52,9 +52,22 @@ def _files(ref: str, key: str, base: Path | None) -> list[str]:
         return found
     path = _resolve(ref, base)
     if not path.exists():
-        raise DataError(f"{key} = {ref!r}: no such file or folder (looked in {Path.cwd()}"
-                        f"{f' and {base}' if base else ''}).")
+        places = dict.fromkeys(str(p.resolve()) for p in (Path.cwd(), base) if p is not None)  # once each
+        raise DataError(f"{key} = {ref!r}: no such file or folder (looked in {' and '.join(places)}).")
     return [str(path)]
+
+
+def check_paths(config) -> None:
+    """Every file a ``[data]`` split names exists: checked before the model is loaded, so a
+    wrong path fails in seconds (``DataError`` naming the key and where it looked)."""
+    base = config.source.parent if config.source else None
+    for split in ("train", "eval", "test"):
+        ref = getattr(config.data, split, None)
+        if ref is None or not is_data_ref(ref, base):
+            continue
+        sources = _sources(ref, f"data.{split}")
+        for i, (path, _) in enumerate(sources):
+            _files(path, f"data.{split}[{i}]" if len(sources) > 1 else f"data.{split}", base)
 
 
 def _quiet() -> None:
@@ -67,7 +80,8 @@ def _quiet() -> None:
         ) from None
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # not even errors: a parse error is reported once, by _explain, with the file's line number
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
 
 
 def load_files(ref: str, key: str, base: Path | None = None):

@@ -74,15 +74,39 @@ def load_pretrained(config: Config):
     kwargs = {**pretrained_kwargs(m), **m.args}
     if Path(where).exists():
         kwargs.setdefault("local_files_only", True)
+    elif _looks_like_path(where):  # not a hub name: transformers would only say it cannot connect
+        raise ConfigError(missing_folder(m.name_or_path, config))
     try:
         return cls.from_pretrained(where, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
+        if not Path(where).exists():
+            raise ConfigError(missing_folder(m.name_or_path, config, e)) from None
         raise ConfigError(
             f"model.name_or_path = {m.name_or_path!r}: {cls.__name__}.from_pretrained({where!r}) "
             f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} Check that the "
             "folder holds config.json and the weights (model.safetensors), and model.task / "
             "model.attn_implementation / model.torch_dtype."
         ) from None
+
+
+def _looks_like_path(ref: str) -> bool:
+    """A hub id is ``name`` or ``org/name``; anything else naming a folder is a path."""
+    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref or ref.endswith("/")
+
+
+def missing_folder(ref: str, config: Config, error: Exception | None = None) -> str:
+    """Say that the folder does not exist, where it was looked for, and what a hub name needs."""
+    import os
+
+    places = list(dict.fromkeys(str(p) for p in (Path.cwd(), _base(config)) if p is not None))
+    offline = any(os.environ.get(k, "") not in ("", "0") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    text = f"model.name_or_path = {ref!r}: the folder does not exist (looked in {' and '.join(places)})."
+    if not _looks_like_path(ref):
+        why = "offline (HF_HUB_OFFLINE is set), so" if offline else (
+            f"as a Hugging Face hub name it failed ({type(error).__name__}), and offline")
+        text += (f" {why} hub names cannot be downloaded: download the model once "
+                 "(`hf download NAME --local-dir DIR`) and set model.name_or_path to DIR.")
+    return text
 
 
 def tokenizer_path(config: Config) -> str | None:

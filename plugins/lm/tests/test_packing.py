@@ -212,3 +212,44 @@ def test_flash_kwargs_reach_a_transformers_forward():
     keys = ["input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
             "max_length_k", "difficulty_score"]
     assert accepted_columns(sig, keys) == tuple(k for k in keys if k != "difficulty_score")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_a_packed_batch_counts_its_samples_not_its_rows(attn):
+    from corelooper.data.loader import batch_rows
+
+    segs = samples(n=9, lo=3)
+    plan = plan_packing([len(s.input_ids) for s in segs], 32, "bfd")
+    rows = [[segs[i] for i, _, _ in row] for row in plan]
+    assert len(rows) < 9
+    assert batch_rows(SegmentCollator(pad_token_id=0, attn_implementation=attn)(rows)) == 9
+
+
+def test_padded_rows_with_position_ids_are_one_sample_each():
+    from corelooper_lm.collators import DataCollatorForCausalLM
+
+    from corelooper.data.loader import batch_rows
+
+    rows = [{"input_ids": [5, 6, 7, 8, 9]}, {"input_ids": [5, 6]}, {"input_ids": [7]}]
+    for side in ("left", "right"):
+        batch = DataCollatorForCausalLM(pad_token_id=0, padding_side=side, return_position_ids=True)(rows)
+        assert (batch["position_ids"] == 0).sum() > 3 or side == "right"  # left padding repeats 0
+        assert batch_rows(batch) == 3
+
+
+def test_train_samples_per_second_counts_packed_samples(tmp_path):
+    """9 samples packed into fewer rows, 2 epochs: the run saw 18 samples, not 2 x rows."""
+    from corelooper import Loop
+
+    segs = samples(n=9, lo=3)
+    plan = plan_packing([len(s.input_ids) for s in segs], 32, "bfd")
+    rows = [[segs[i] for i, _, _ in row] for row in plan]
+    model = tiny_llama("sdpa").train()
+    loop = Loop(model, {"train": {"output_dir": str(tmp_path), "save_strategy": "no", "num_train_epochs": 2,
+                                  "per_device_train_batch_size": len(rows), "disable_tqdm": True,
+                                  "remove_unused_columns": False}},
+                train_dataset=rows, data_collator=SegmentCollator(pad_token_id=0, attn_implementation="sdpa"))
+    state = loop.train()
+    assert state.total_samples_seen == 18
+    summary = state.log_history[-1]
+    assert summary["train_samples_per_second"] == pytest.approx(18 / summary["train_runtime"], rel=0.05)

@@ -121,10 +121,32 @@ def on_train_end(loop, state):
         # main rank merges an unsharded copy rebuilt from the full weights.
         full = backend.model_state_dict(loop.model)
         if state.is_world_process_zero:
-            export_merged(unsharded_copy(model, full), directory)
+            export_merged(unsharded_copy(model, full), directory, run_tokenizer(loop))
     elif state.is_world_process_zero:
-        export_merged(model, directory)
+        export_merged(model, directory, run_tokenizer(loop))
     backend.wait_for_everyone()
+
+
+def run_tokenizer(loop):
+    """The run's tokenizer (with its chat template): the collator's, else the one in the folder
+    the base model was loaded from (``[model] tokenizer`` first); None when there is none (a
+    model built by a factory)."""
+    for owner in (loop.data_collator, loop):
+        tok = getattr(owner, "tokenizer", None) or getattr(owner, "processing_class", None)
+        if hasattr(tok, "save_pretrained"):
+            return tok
+    model = loop.backend.unwrap_model(loop.model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    folders = [loop.config.model.tokenizer, getattr(getattr(base, "config", None), "_name_or_path", None)]
+    for folder in (f for f in folders if f and Path(f).is_dir()):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                 trust_remote_code=loop.config.model.trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError):  # no tokenizer files there
+            continue
+    return None
 
 
 def unsharded_copy(peft_model, full_state: dict):
@@ -239,9 +261,16 @@ def _check_adapter_tensors(model, mapped: dict, path: Path, adapter_name: str) -
         )
 
 
-def export_merged(peft_model, directory: Path) -> Path:
-    """The base model with the adapter folded into its weights (the training model is untouched)."""
+def export_merged(peft_model, directory: Path, tokenizer=None) -> Path:
+    """The base model with the adapter folded into its weights (the training model is untouched),
+    as a complete Hugging Face folder: weights, config, generation config, and the tokenizer with
+    its chat template, so ``from_pretrained`` and ``corelooper eval`` load it as it is."""
     merged = copy.deepcopy(peft_model).merge_and_unload()
     directory.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(directory)
+    generation = getattr(merged, "generation_config", None)
+    if generation is not None and not (directory / "generation_config.json").exists():
+        generation.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
     return directory

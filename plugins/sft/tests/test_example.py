@@ -41,6 +41,34 @@ def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
 
     merged = AutoModelForCausalLM.from_pretrained(out / "merged")  # LoRA folded in, plain HF model
     assert merged.config.vocab_size == 512
+    assert_complete_export(out / "merged", model, env)
+
+
+def assert_complete_export(merged: Path, base: Path, env: dict) -> None:
+    """merged/ is a complete HF folder: the tokenizer with its chat template and the generation
+    config load from it as they are, and `corelooper eval` runs on it with no other folder named."""
+    import tomllib
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from corelooper.config import dumps_toml
+
+    tok, want = AutoTokenizer.from_pretrained(merged), AutoTokenizer.from_pretrained(base)
+    assert tok.chat_template == want.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.get_vocab() == want.get_vocab() and tok.pad_token == want.pad_token == "<pad>"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == want.apply_chat_template(chat, tokenize=False)
+    assert (merged / "generation_config.json").is_file() and GenerationConfig.from_pretrained(merged)
+    cfg = tomllib.loads((EXAMPLE / "config.toml").read_text())
+    for section in ("peft", "plugins"):  # the export is a plain model: no adapter, no weighting
+        cfg.pop(section)
+    cfg["model"] = {"name_or_path": str(merged)}
+    cfg["data"] = {"train": str(EXAMPLE / "data" / "chat.jsonl"), "eval": str(EXAMPLE / "data" / "chat.jsonl")}
+    cfg["train"]["output_dir"] = str(merged.parent / "eval_merged")
+    path = merged.parent / "eval_merged.toml"
+    path.write_text(dumps_toml(cfg))
+    ev = sh([str(BIN / "corelooper"), "eval", str(path), "--checkpoint", str(merged)], ROOT, env)
+    loss = json.loads(ev.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert 0 < loss < 6.3, loss  # ln 512 = 6.24 at random init: the trained weights were loaded
 
 
 @pytest.mark.skipif(not EXAMPLE.is_dir(), reason="runs from a repository checkout")

@@ -1,0 +1,82 @@
+"""``corelooper diff RUN_A RUN_B``: what differs between two runs, from their ``run.json``
+(config, versions, plugins, data, git, host, world size, device), and the first logged step
+where their training losses part (``metrics.jsonl``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+SECTIONS = ("config", "versions", "plugins", "data", "git", "command", "host", "world_size", "device")
+LOSS_RTOL = 1e-6  # relative: the same run twice on one machine logs the same floats
+
+
+def read_record(run_dir: Path) -> dict:
+    from corelooper.errors import ConfigError
+
+    path = run_dir / "run.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{str(run_dir)!r} has no run.json: name a run folder (train.output_dir) "
+                          "written by corelooper run.") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}).") from None
+
+
+def flatten(value, prefix: str = "") -> dict[str, object]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, object] = {}
+    for key, sub in value.items():
+        out.update(flatten(sub, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """One line per differing value, grouped by section: ``config: train.learning_rate: 0.05 -> 0.1``."""
+    lines = []
+    for section in SECTIONS:
+        fa, fb = flatten(a.get(section), section), flatten(b.get(section), section)
+        for key in sorted(set(fa) | set(fb)):
+            va, vb = fa.get(key, "(absent)"), fb.get(key, "(absent)")
+            if va != vb:
+                lines.append(f"{key}: {json.dumps(va, default=str)} -> {json.dumps(vb, default=str)}")
+    return lines
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    out: dict[int, float] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut by a kill
+            continue
+        if rec.get("event") == "log" and "loss" in rec:
+            out[int(rec["step"])] = float(rec["loss"])
+    return out
+
+
+def _same(x: float, y: float) -> bool:
+    return (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=LOSS_RTOL, abs_tol=1e-12)
+
+
+def loss_parting(a: Path, b: Path) -> str:
+    la, lb = losses(a), losses(b)
+    common = sorted(set(la) & set(lb))
+    if not common:
+        return "losses: no logged step in common"
+    for step in common:
+        if not _same(la[step], lb[step]):
+            return f"losses part at step {step}: {la[step]!r} vs {lb[step]!r}"
+    return f"losses: the same at all {len(common)} logged steps in common (up to step {common[-1]})"
+
+
+def diff_runs(a: Path, b: Path) -> list[str]:
+    lines = differences(read_record(a), read_record(b))
+    return [*(lines or ["no differences in config, versions, plugins, data"]), loss_parting(a, b)]

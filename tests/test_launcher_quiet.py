@@ -1,0 +1,73 @@
+"""``corelooper run --nproc 2`` as real processes: torch's launcher log lines ("Received 15 death
+signal", "Sending process ... closing signal", "failed (exitcode: -9)") never reach the console
+without ``--verbose`` (on SIGTERM, a rank failure, a rank killed as a hang would be), one
+corelooper paragraph says what happened, and a note every rank would print is printed once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from test_launch_signals import TASK, finish, paused_pids, project, start
+
+LAUNCHER_LINES = ("death signal", "closing signal", "exitcode", "torch.distributed", "elastic")
+# every sample has a column the model's forward does not take: each rank would say so
+TASK_EXTRA_COLUMN = TASK.replace('"labels": torch.randint(0, 3, (), generator=g)}',
+                                 '"labels": torch.randint(0, 3, (), generator=g), "idx": torch.tensor(i)}')
+
+
+def quiet_project(tmp_path):
+    root = project(tmp_path, deepspeed=False)
+    assert TASK_EXTRA_COLUMN != TASK
+    (root / "task.py").write_text(TASK_EXTRA_COLUMN)
+    return root
+
+
+def assert_quiet(err: str) -> None:
+    for line in LAUNCHER_LINES:
+        assert line not in err, err[-3000:]
+    assert err.count("are not arguments of Net.forward") == 1, err[-3000:]  # one rank speaks
+
+
+def test_sigterm_to_the_launcher_shows_no_launcher_line(tmp_path):
+    root = quiet_project(tmp_path)
+    proc = start(root)
+    paused_pids(root, proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    (root / "ctl" / "go").touch()
+    code, out, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert err.count("stopped at step 3; checkpoint saved") == 1, err[-3000:]
+    assert_quiet(err)
+
+
+def test_a_rank_killed_mid_step_is_one_paragraph(tmp_path):
+    """kill -9 of a rank (what a watchdog does to a hung one): the launcher's "failed (exitcode:
+    -9)" and "closing signal" lines stay hidden; corelooper names the rank and the signal."""
+    root = quiet_project(tmp_path)
+    proc = start(root)
+    pids = paused_pids(root, proc)
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.5)
+    (root / "ctl" / "go").touch()
+    code, out, err = finish(proc)
+    assert code == 7, err[-3000:]
+    paragraph = [line for line in err.splitlines() if line.startswith("corelooper: error")]
+    assert len(paragraph) == 1 and "rank 1 of 2" in paragraph[0] and "SIGKILL" in paragraph[0], err[-3000:]
+    assert_quiet(err)
+
+
+def test_a_failing_rank_shows_no_launcher_line(tmp_path):
+    root = quiet_project(tmp_path)
+    (root / "ctl" / "go").touch()  # no pause
+    (root / "crash.py").write_text(
+        "import os\n\n\ndef on_step_end(state):\n"
+        "    if os.environ.get('RANK') == '1' and state.global_step == 2:\n"
+        "        raise RuntimeError('rank one breaks on purpose')\n")
+    proc = start(root, "-p", "crash.py")
+    code, out, err = finish(proc)
+    assert code == 3, err[-3000:]
+    assert err.count("rank one breaks on purpose") == 1, err[-3000:]
+    assert_quiet(err)
