@@ -18,7 +18,8 @@ only: evaluation keeps the model's own logits):
 * ``[lm] head = "trained"``: the head over trained positions only (refused, with the reason, where
   that would not be the model's own loss); ``"all"``: every position (HF); ``"auto"`` (default):
   ``"trained"`` in runs with an ``[sft]`` section (prompt-masked chat data) where it is exact,
-  ``"all"`` elsewhere. Both together: the chunked loss over the trained positions.
+  ``"all"`` elsewhere (and where Liger's fused linear cross-entropy is on). Both together: the
+  chunked loss over the trained positions.
 """
 
 from __future__ import annotations
@@ -49,8 +50,15 @@ def corelooper_configure(config, plugins):
         raise ConfigError(f"lm.loss = {loss!r}: use one of {', '.join(map(repr, LOSSES))}.")
     if head not in HEADS:
         raise ConfigError(f"lm.head = {head!r}: use one of {', '.join(map(repr, HEADS))}.")
-    if head == "auto":
-        head = "trained?" if "sft" in config.sections else "all"  # "?": only where exact
+    liger_flce = "liger" in config.sections and config.section("liger").get("fused_linear_cross_entropy") is not False
+    if head == "trained" and liger_flce:
+        raise ConfigError(
+            "lm.head = 'trained' and Liger's fused linear cross-entropy ([liger]) both replace the model's "
+            "loss: with both, Liger's kernel would never run. Use lm.head = 'auto' (Liger's kernel), or set "
+            "[liger] fused_linear_cross_entropy = false."
+        )
+    if head == "auto":  # "trained?": only where exact; Liger's fused loss already skips the full logits
+        head = "trained?" if "sft" in config.sections and not liger_flce else "all"
     if loss == "default" and head == "all":
         plugins.set_inactive(SECTION, "lm.loss is 'default' and the head covers every position (HF's own loss)")
         return

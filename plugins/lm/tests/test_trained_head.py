@@ -191,3 +191,9 @@ def test_auto_is_on_in_sft_runs_and_off_elsewhere(tmp_path):
     loop = Loop(toys.tiny_llama(), Config(train=_args(tmp_path, "plain")), train_dataset=prompt_masked(6),
                 blocked_plugins=["console"])
     assert loop.plugins.pm.get_plugin("lm.run") is None
+
+
+def test_asked_for_together_with_liger_fused_loss_is_refused(tmp_path):
+    pytest.importorskip("corelooper_liger", reason="corelooper-liger (plugins/liger) declares the [liger] section")
+    with pytest.raises(ConfigError, match=r"lm.head = 'trained' and Liger's fused linear cross-entropy"):
+        train(toys.tiny_llama(), tmp_path, "liger", {"head": "trained"}, use_liger_kernel=True)
