@@ -13,6 +13,7 @@ ratios corelooper / hand-written for the paired steps.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,7 +34,11 @@ PAIRS = [("cl_bf16_full", "raw_bf16_full"), ("cl_bf16_lora", "raw_bf16_lora"),
          ("cl_fp16_scaler", "raw_fp16_scaler"), ("cl_bf16_compile", "raw_bf16_compile"),
          ("cl_packing_flash_varlen", "cl_packing_sdpa"), ("cl_packing_segment_sdpa", "cl_packing_sdpa"),
          ("cl_fsdp2_1gpu", "cl_bf16_full"), ("cl_zero2_1gpu", "cl_bf16_full"),
-         ("cl_bf16_liger", "cl_bf16_full")]
+         ("cl_bf16_liger", "cl_bf16_full"), ("cl_bf16_trained_head", "cl_bf16_full")]
+# What every step needs: without it no step can run, so the script says so and exits 2.
+NEEDS = {"torch": "torch", "transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
+         "corelooper": "-e . (this repository)"}
+ESTIMATE_S["eval_cl_vs_hf"] = 40
 CPU_SKIP = {"cl_fp16_scaler": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)",
             "raw_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
             "cl_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
@@ -129,6 +134,11 @@ def main() -> None:
         for n in names:
             print(f"  {n:28s} ~{ESTIMATE_S.get(n, DEFAULT_ESTIMATE_S)} s")
         return
+    missing = [f"{m} (pip install {how})" for m, how in NEEDS.items() if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"{sys.executable} lacks what every step needs: {', '.join(missing)}. Run bash scripts/setup "
+              "(then .venv/bin/python), or let run.sh install them (without SKIP_INSTALL=1).", file=sys.stderr)
+        sys.exit(2)
     env = environment()
     print(json.dumps(env), flush=True)
     deadline = time.perf_counter() + a.budget_s
@@ -157,6 +167,10 @@ def main() -> None:
     out.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["ratios"], indent=1))
     print(f"wrote {out}")
+    errors = [n for n, r in results.items() if "error" in r]
+    if errors:  # a step that errors is a failed run, not a skip
+        print(f"{len(errors)} step(s) errored: {', '.join(errors)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,43 @@
 # memory of each. No model or data download. Under 8 minutes in all.
 #
 #   bash benchmarks/gpu/run.sh                 # on the GPU machine, from the repository root
-#   bash benchmarks/gpu/run.sh --cpu-smoke     # tiny sizes on a CPU (uses the existing .venv)
+#   bash benchmarks/gpu/run.sh --cpu-smoke     # tiny sizes on a CPU (uses .venv; without one, or
+#                                              # one without torch, installs a CPU one in .smoke-venv)
 #   bash benchmarks/gpu/run.sh --dry-run       # the plan only
 # Env: GPU_VENV (default .gpu-venv), WHEELHOUSE (a folder of wheels for an offline machine:
 # pip --find-links), SKIP_INSTALL=1 (use the python on PATH as is), BUDGET_S (default 360:
 # the steps' share of the 8 minutes; install time comes on top), STEPS (comma list).
-# CI never runs this.
+# Exit status: 0 when every step ran or was skipped (each skip says why), 1 when a step errored,
+# 2 when what every step needs (torch, transformers, corelooper) is missing and was not installed.
+# CI runs the smoke (tests/test_gpu_bench_smoke.py, through bench.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
 ARGS=("$@")
 
+PLUGINS=(plugins/lm plugins/sft plugins/peft plugins/fsdp plugins/deepspeed plugins/auto_batch_size plugins/doctor)
 if [[ " ${ARGS[*]-} " == *" --cpu-smoke "* || " ${ARGS[*]-} " == *" --dry-run "* ]]; then
   PY=${PY:-.venv/bin/python}
   [ -x "$PY" ] || PY=python3
+  if ! "$PY" -c "import torch, transformers, corelooper" 2>/dev/null; then
+    if [ "${SKIP_INSTALL:-0}" = 1 ]; then
+      echo "$PY lacks torch, transformers or corelooper (SKIP_INSTALL=1: not installing them). Run bash scripts/setup" \
+           "(it makes .venv), or run without SKIP_INSTALL to install a CPU venv in .smoke-venv." >&2
+      exit 2
+    fi
+    echo "$PY lacks torch/transformers/corelooper: installing a CPU venv in .smoke-venv (torch CPU wheel, transformers," \
+         "peft, accelerate, safetensors, deepspeed, corelooper and its plugins)"
+    [ -x .smoke-venv/bin/python ] || python3 -m venv .smoke-venv || { echo "python3 -m venv failed" >&2; exit 2; }
+    PY=.smoke-venv/bin/python
+    SPIP=("$PY" -m pip install -q)
+    [ -n "${WHEELHOUSE:-}" ] && SPIP+=(--find-links "$WHEELHOUSE")
+    "${SPIP[@]}" torch --index-url https://download.pytorch.org/whl/cpu \
+      && "${SPIP[@]}" transformers peft accelerate safetensors numpy \
+      && "${SPIP[@]}" -e . $(for d in "${PLUGINS[@]}"; do [ -f "$d/pyproject.toml" ] && echo "-e $d"; done) \
+      || { echo "installing the smoke venv failed: it needs torch, transformers, peft, accelerate, safetensors," \
+                "numpy and corelooper with ${PLUGINS[*]} (pip install -e each)" >&2; exit 2; }
+    "${SPIP[@]}" deepspeed || echo "deepspeed did not install: the ZeRO-2 step says so and is skipped"
+  fi
 elif [ "${SKIP_INSTALL:-0}" = 1 ]; then
   PY=${PY:-python3}
 else
@@ -35,7 +58,7 @@ else
   "${PIP[@]}" -c "$VENV/torch-pin.txt" transformers peft accelerate safetensors numpy deepspeed \
       || echo "WARNING: some of transformers/peft/accelerate/deepspeed did not install; their steps will say so"
   plugins=()
-  for d in plugins/peft plugins/fsdp plugins/deepspeed plugins/auto_batch_size plugins/doctor plugins/sft; do
+  for d in "${PLUGINS[@]}"; do
     [ -f "$d/pyproject.toml" ] && plugins+=(-e "$d")
   done
   "${PIP[@]}" -c "$VENV/torch-pin.txt" -e . "${plugins[@]}" || { echo "corelooper install failed"; exit 1; }
@@ -50,4 +73,6 @@ else
 fi
 
 "$PY" benchmarks/gpu/bench.py --budget-s "${BUDGET_S:-360}" ${STEPS:+--steps "$STEPS"} "${ARGS[@]}"
+RC=$?
 echo "total $(( $(date +%s) - START )) s"
+exit $RC

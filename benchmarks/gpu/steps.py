@@ -176,6 +176,16 @@ def lora_wrap(model):
 # -- corelooper --------------------------------------------------------------------------------
 
 
+def missing_plugin(module: str, where: str) -> dict | None:
+    """A true skip message when ``module`` cannot be imported in this venv, else None."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return {"skipped": f"{module} is not installed in this venv: pip install -e {where}"
+                if where.startswith("plugins/") else f"{module} is not installed in this venv: {where}"}
+    return None
+
+
 def cl_train(model, dataset, size: str, precision: str = "bf16", sections: dict | None = None,
              collator=None, batch: int | None = None, **train) -> tuple[dict, object]:
     from corelooper import Loop
@@ -246,6 +256,12 @@ def cl_sharded(size: str, which: str) -> dict:
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     section = {"fsdp": {"wrap": ["LlamaDecoderLayer"]}} if which == "fsdp2" else {"deepspeed": {"zero_stage": 2}}
+    missing = missing_plugin("corelooper_fsdp" if which == "fsdp2" else "corelooper_deepspeed",
+                             "plugins/fsdp" if which == "fsdp2" else "plugins/deepspeed")
+    if which == "zero2" and not missing:
+        missing = missing_plugin("deepspeed", "deepspeed (pip install deepspeed)")
+    if missing:
+        return missing
     if which == "zero2" and device().type == "cpu":
         import importlib
 
@@ -269,7 +285,7 @@ def cl_packing(size: str, attn: str) -> dict:
     try:
         from corelooper_lm.packing import Segment, SegmentCollator, plan_packing
     except ImportError:
-        return {"skipped": "corelooper_lm.packing is not in this corelooper (the SFT work is not merged)"}
+        return {"skipped": "corelooper-lm (plugins/lm) is not installed in this venv: pip install -e plugins/lm"}
     if attn == "flash_attention_2":
         try:
             import flash_attn  # noqa: F401
@@ -291,7 +307,7 @@ def cl_packing(size: str, attn: str) -> dict:
         try:
             from corelooper_lm.segment_attention import use_segment_attention
         except ImportError:
-            return {"skipped": "corelooper_lm.segment_attention is not in this corelooper"}
+            return {"skipped": "corelooper-lm (plugins/lm) is not installed in this venv: pip install -e plugins/lm"}
         attn = use_segment_attention(model)
     if attn == "flash_attention_2":
         model = model.to(dtype)  # flash kernels need half-precision weights
@@ -301,6 +317,73 @@ def cl_packing(size: str, attn: str) -> dict:
     out["trained_tokens_per_step"] = round(trained / s["steps"])
     out["rows"] = len(rows)
     return with_mfu(out, flops_per_token(model, size), "bf16")
+
+
+# -- the LM head over trained positions; evaluation ------------------------------------------------
+
+
+def cl_trained_head(size: str) -> dict:
+    """cl_bf16_full with ``[lm] head = "trained"`` (the default of [sft] runs): logits only for the
+    trained 75% of the tokens (the prompt quarter is masked), the same loss as the full head."""
+    missing = missing_plugin("corelooper_lm", "plugins/lm")
+    if missing:
+        return missing
+    return cl_full(size, "bf16", sections={"lm": {"head": "trained"}})
+
+
+def eval_compare(size: str) -> dict:
+    """``Loop.evaluate()`` against ``Trainer.evaluate`` (without and with ``compute_metrics``, which
+    makes HF keep every batch's logits) on the same model and eval set: eval tokens/s, peak memory
+    (GPU; peak RSS on a CPU) and eval loss of each, in this order, in one process."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    s = SIZES[size]
+    n = s["batch"] * (4 if size == "full" else 2)
+    data = chat_data(size, n)
+    model = build_model(size, dtype=torch.bfloat16 if device().type == "cuda" else None)
+    tokens = n * s["seq"]
+    out: dict = {"eval_samples": n}
+
+    def timed(name, fn):
+        reset_peak()
+        sync()
+        t = time.perf_counter()
+        loss = fn()
+        sync()
+        dt = time.perf_counter() - t
+        out[name] = {"tokens_per_s": round(tokens / dt, 1), "peak_mem_gib": peak_gib(), "eval_loss": round(loss, 4)}
+
+    def corelooper_eval():
+        from corelooper import Loop
+        from corelooper.config import Config
+
+        cfg = Config.from_dict({"train": dict(output_dir=tempfile.mkdtemp(prefix="gpu-eval-"), save_strategy="no",
+                                              per_device_eval_batch_size=s["batch"], disable_tqdm=True,
+                                              use_cpu=device().type == "cpu", report_to=[])})
+        return Loop(model, cfg, eval_dataset=data).evaluate()["eval_loss"]
+
+    def hf_eval(metrics: bool):
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gpu-eval-hf-"), per_device_eval_batch_size=s["batch"],
+                                 report_to="none", disable_tqdm=True, use_cpu=device().type == "cpu")
+
+        def accuracy(p):  # needs every batch's logits: what users of compute_metrics write
+            import numpy as np
+
+            logits, labels = p.predictions, p.label_ids
+            mask = labels[:, 1:] != -100
+            return {"accuracy": float((np.argmax(logits[:, :-1], -1) == labels[:, 1:])[mask].mean())}
+
+        trainer = Trainer(model=model, args=args, eval_dataset=data, compute_metrics=accuracy if metrics else None)
+        return trainer.evaluate()["eval_loss"]
+
+    timed("corelooper", corelooper_eval)
+    timed("hf_trainer", lambda: hf_eval(False))
+    timed("hf_trainer_compute_metrics", lambda: hf_eval(True))
+    out["tokens_per_s"] = out["corelooper"]["tokens_per_s"]
+    out["peak_mem_gib"] = out["corelooper"]["peak_mem_gib"]
+    out["speedup_over_hf"] = round(out["corelooper"]["tokens_per_s"] / out["hf_trainer"]["tokens_per_s"], 3)
+    return out
 
 
 # -- auto batch size, doctor -------------------------------------------------------------------------
@@ -345,7 +428,7 @@ def doctor_memory(size: str) -> dict:
     try:
         import corelooper_doctor  # noqa: F401
     except ImportError:
-        return {"skipped": "corelooper-doctor (plugins/doctor) is not installed in this checkout"}
+        return {"skipped": "corelooper-doctor (plugins/doctor) is not installed in this venv: pip install -e plugins/doctor"}
     import contextlib
 
     tee = _Tee(sys.stderr)
@@ -366,6 +449,7 @@ def doctor_memory(size: str) -> dict:
 STEPS = {
     "raw_bf16_full": lambda z: raw_loop(z, "bf16"),
     "cl_bf16_full": lambda z: cl_full(z, "bf16"),
+    "cl_bf16_trained_head": cl_trained_head,
     "raw_bf16_lora": lambda z: raw_loop(z, "bf16", lora=True),
     "cl_bf16_lora": cl_lora,
     "raw_fp16_scaler": lambda z: raw_loop(z, "fp16"),
@@ -380,4 +464,5 @@ STEPS = {
     "cl_zero2_1gpu": lambda z: cl_sharded(z, "zero2"),
     "auto_batch_size_real_oom": auto_batch_size,
     "doctor_memory_report": doctor_memory,
+    "eval_cl_vs_hf": eval_compare,
 }

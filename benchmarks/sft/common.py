@@ -148,17 +148,26 @@ def eval_loss(model, samples: list[Sample], batch_size: int = 16) -> float:
 
 class Probe:
     """Counts what the model is fed (forward pre-hook): positions computed (``input_ids.numel()``),
-    trained tokens (labels != -100 after the shift), forward calls. Same cost for every contender."""
+    trained tokens (labels != -100 after the shift), forward calls. Same cost for every contender.
+
+    A forward without ``labels`` (corelooper's head over trained positions: the loss is computed
+    outside the model, from the logits of the trained positions only) counts the rows its output
+    layer computed logits for, which are exactly the trained tokens there."""
 
     def __init__(self, model):
         self.positions = self.trained = self.forwards = 0
         self.trained_per_forward: list[int] = []
         self.threads_in_fwd = None  # what the framework left torch with during training
+        self._unlabelled = False
+        self._head_rows = 0
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        model.register_forward_hook(self._after)
+        model.get_output_embeddings().register_forward_hook(self._head)
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         labels = kwargs.get("labels")
+        self._unlabelled = False
         if ids is None or not module.training:
             return
         if self.threads_in_fwd is None:
@@ -171,6 +180,17 @@ class Probe:
             n = int((labels[..., 1:] != -100).sum())
             self.trained += n
             self.trained_per_forward.append(n)
+        else:
+            self._unlabelled = True
+
+    def _head(self, module, args, out):
+        self._head_rows = out.shape[:-1].numel()
+
+    def _after(self, module, args, out):
+        if self._unlabelled:
+            self.trained += self._head_rows
+            self.trained_per_forward.append(self._head_rows)
+            self._unlabelled = False
 
     def summary(self) -> dict:
         return dict(forwards=self.forwards, positions_computed=self.positions, trained_tokens_fed=self.trained,

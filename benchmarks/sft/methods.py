@@ -43,6 +43,11 @@ def import_framework(method: str) -> None:
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments  # noqa: F401
     if method.startswith("trl_"):
         from trl import SFTConfig, SFTTrainer  # noqa: F401
+    if method.startswith("raw_"):
+        import corelooper_lm.packing  # noqa: F401
+        import corelooper_lm.segment_attention  # noqa: F401
+
+        import corelooper.data.loader  # noqa: F401
     if method.startswith("cl_"):
         import corelooper_lm.collators  # noqa: F401
 
@@ -94,6 +99,31 @@ def hf_grouped(model, train, h):
     _hf(model, train, h, train_sampling_strategy="group_by_length")
 
 
+def _hf_flat(model, train, h):
+    """HF's documented padding-free path: ``DataCollatorWithFlattening`` (one row per batch,
+    ``position_ids`` restarting per sample, ``cu_seq_lens`` for varlen kernels)."""
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    out = tempfile.mkdtemp(prefix="sft-hf-")
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    rows = [{"input_ids": s.input_ids, "labels": s.labels} for s in train]
+    trainer = Trainer(model=model, args=hf_args(h, out), train_dataset=rows, data_collator=collator)
+    trainer.train()
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def hf_flattening(model, train, h):
+    # stock sdpa: transformers turns the restarting position_ids into a T x T block mask
+    _hf_flat(model, train, h)
+
+
+def hf_flattening_seg(model, train, h):
+    """The same, with the attention kernel of corelooper's padding-free row (segment-wise sdpa,
+    what flash-attention varlen is on a GPU): the peer given corelooper's kernel."""
+    with same_kernel_as_corelooper(model):
+        _hf_flat(model, train, h)
+
+
 # -- TRL SFTTrainer ----------------------------------------------------------------------------
 
 
@@ -131,8 +161,69 @@ def trl_padding_free(model, train, h):
     return _trl(model, train, h, padding_free=True, max_length=None)
 
 
+def trl_grouped(model, train, h):
+    # TRL documents the HF sampler option: padded batches of similar length
+    return _trl(model, train, h, max_length=h.max_len, train_sampling_strategy="group_by_length")
+
+
+def trl_padding_free_seg(model, train, h):
+    """TRL's padding-free row with corelooper's attention kernel (TRL documents padding_free for
+    flash attention: on CPU the segment-wise sdpa is that kernel's stand-in)."""
+    with same_kernel_as_corelooper(model):
+        return _trl(model, train, h, padding_free=True, max_length=None)
+
+
 def trl_packing_bfd(model, train, h):
     return _trl(model, train, h, packing=True, packing_strategy="bfd", max_length=h.max_len, batch=h.rows)
+
+
+class same_kernel_as_corelooper:  # noqa: N801 (a context manager used like a function)
+    """Switch ``model``'s sdpa to corelooper's segment-wise sdpa for the block, back after it."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        try:
+            from corelooper_lm.segment_attention import use_segment_attention
+        except ImportError as e:
+            raise Unavailable(f"corelooper_lm.segment_attention is not installed ({e}): pip install -e plugins/lm") from e
+        use_segment_attention(self.model)
+
+    def __exit__(self, *exc):
+        _back_to_sdpa(self.model)
+
+
+# -- hand-written loop ---------------------------------------------------------------------------
+
+
+def raw_padding_free(model, train, h):
+    """A hand-written loop over corelooper's padding-free layout and batches (the same samples per
+    batch, in the order of corelooper's sampler for this seed, one unpadded row, segment-wise sdpa),
+    computing every position: the model's own loss (``labels``), its lm_head over every token.
+    fused AdamW, linear decay, clip 1.0, one epoch, as every row."""
+    import torch
+
+    from corelooper.data.loader import epoch_permutation
+
+    seg = _leak_free_collator(model, h)
+    order = epoch_permutation(len(train), h.seed, 0, True)
+    batches = [order[i:i + h.batch] for i in range(0, len(order), h.batch)]
+    opt = torch.optim.AdamW(model.parameters(), lr=h.lr, weight_decay=0.0, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, 1 - step / len(batches)))
+    model.train()
+    try:
+        for idx in batches:
+            batch = seg([_segments([train[i] for i in idx])])
+            n = (batch["labels"][:, 1:] != -100).sum()
+            loss = model(**batch, num_items_in_batch=n).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        _back_to_sdpa(model)
 
 
 # -- corelooper ----------------------------------------------------------------------------------
@@ -140,6 +231,7 @@ def trl_packing_bfd(model, train, h):
 
 def _loop(model, dataset, h, collator, **train):
     from corelooper import Loop, TrainArgs
+    from corelooper.config import Config
 
     out = tempfile.mkdtemp(prefix="sft-cl-")
     args = TrainArgs(output_dir=out, num_train_epochs=1, per_device_train_batch_size=train.pop("batch", h.batch),
@@ -147,9 +239,16 @@ def _loop(model, dataset, h, collator, **train):
                      max_grad_norm=1.0, logging_steps=10, save_strategy="no", eval_strategy="no",
                      disable_tqdm=True, use_cpu=h.cpu, seed=h.seed,
                      mixed_precision="bf16" if h.bf16 else "no", **train)
-    loop = Loop(model, args, train_dataset=dataset, data_collator=collator)
+    # [lm] head: "trained" is what an [sft] run does by default (corelooper_lm.trained_head)
+    config = Config(train=args, sections={"lm": {"head": train_head(h)}})
+    loop = Loop(model, config, train_dataset=dataset, data_collator=collator)
     loop.train()
     shutil.rmtree(out, ignore_errors=True)
+
+
+def train_head(h) -> str:
+    """``--cl-head``: "trained" (default, as in corelooper-sft runs) or "all" (every position)."""
+    return getattr(h, "cl_head", "trained")
 
 
 def _cl_items(train):
@@ -262,10 +361,17 @@ def cl_packed(model, train, h):
     return prep
 
 
+def cl_padding_free_all(model, train, h):
+    """corelooper's padding-free row with the head over every position (``[lm] head = "all"``):
+    the split between layout and head in the README comes from this row and cl_padding_free."""
+    h = SimpleNamespace(**{**vars(h), "cl_head": "all"})
+    return cl_padding_free(model, train, h)
+
+
 def cl_padding_free(model, train, h):
     if packing_layout(h) == "collators":
-        raise Unavailable("corelooper_lm.collators has no padding-free path; needs corelooper_lm.packing "
-                          "(the SFT work) — rerun after it is merged, or pass --cl-packing packing")
+        raise Unavailable("--cl-packing collators: corelooper_lm.collators has no padding-free path (it is in "
+                          "corelooper_lm.packing); pass --cl-packing packing or auto")
     seg = _leak_free_collator(model, h)
 
     def collate(items):  # the same samples per batch as the padded row, flattened into one row
@@ -278,10 +384,17 @@ def cl_padding_free(model, train, h):
 
 
 METHODS = {
-    "hf_padded": hf_padded, "hf_grouped": hf_grouped,
-    "trl_padded": trl_padded, "trl_padding_free": trl_padding_free, "trl_packing_bfd": trl_packing_bfd,
+    "hf_padded": hf_padded, "hf_grouped": hf_grouped, "hf_flattening": hf_flattening,
+    "hf_flattening_seg": hf_flattening_seg,
+    "trl_padded": trl_padded, "trl_grouped": trl_grouped, "trl_padding_free": trl_padding_free,
+    "trl_padding_free_seg": trl_padding_free_seg, "trl_packing_bfd": trl_packing_bfd,
+    "raw_padding_free": raw_padding_free,
     "cl_padded": cl_padded, "cl_grouped": cl_grouped, "cl_packed": cl_packed, "cl_padding_free": cl_padding_free,
+    "cl_padding_free_all": cl_padding_free_all,
 }
+# Rows that give a peer corelooper's attention kernel: not one of its documented settings, so
+# they are reported beside "best" (the best of each peer's documented settings), not inside it.
+SAME_KERNEL = {"hf_flattening_seg", "trl_padding_free_seg"}
 PACKED = {"trl_packing_bfd", "cl_packed"}
 
 

@@ -3,9 +3,10 @@
 usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] [--batch 8]
                          [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--threads N]
                          [--cl-packing auto|collators|packing] [--cl-attention segments|mask]
-                         [--profile OUT.prof]
-METHOD: hf_padded hf_grouped trl_padded trl_padding_free trl_packing_bfd cl_padded cl_grouped
-        cl_packed cl_padding_free (methods.py)
+                         [--cl-head trained|all] [--profile OUT.prof]
+METHOD: hf_padded hf_grouped hf_flattening hf_flattening_seg trl_padded trl_grouped
+        trl_padding_free trl_padding_free_seg trl_packing_bfd raw_padding_free cl_padded cl_grouped
+        cl_packed cl_padding_free cl_padding_free_all (methods.py)
 
 Times the framework call (trainer construction + train, i.e. including its own data
 preparation) up to its last optimizer step (and the whole call, with the end-of-run save; and the
@@ -48,6 +49,8 @@ def parse(argv=None):
     ap.add_argument("--cl-packing", default="auto", choices=["auto", "collators", "packing"])
     ap.add_argument("--cl-attention", default="segments", choices=["segments", "mask"],
                     help="corelooper's leak-free rows: segment-wise sdpa (default) or one 4-D block mask")
+    ap.add_argument("--cl-head", default="trained", choices=["trained", "all"],
+                    help="corelooper's rows: [lm] head (trained positions only, the [sft] default; or all)")
     ap.add_argument("--profile", default=None)
     return ap.parse_args(argv)
 
@@ -63,7 +66,7 @@ def main() -> None:
     st = C.stats(train)
     rows = a.rows or max(1, round(a.batch * st["mean_len"] / a.max_len))
     h = M.hparams(batch=a.batch, rows=rows, max_len=a.max_len, lr=a.lr, seed=a.seed, cpu=True, bf16=False,
-                  cl_packing=a.cl_packing, cl_attention=a.cl_attention)
+                  cl_packing=a.cl_packing, cl_attention=a.cl_attention, cl_head=a.cl_head)
     model = C.make_model(a.seed, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875) // 8 * 8,
                          num_hidden_layers=a.layers)
     probe = C.Probe(model)
@@ -74,7 +77,8 @@ def main() -> None:
     M.import_framework(a.method)  # each framework's modules are imported before the timed call, for all alike
     rec = dict(method=a.method, seed=a.seed, samples=a.samples, batch=a.batch, packed_rows_per_step=rows,
                threads=torch.get_num_threads(), import_s=round(time.perf_counter() - T0, 3),
-               layout=M.packing_layout(h) if a.method.startswith("cl_pack") or a.method == "cl_padding_free" else None)
+               layout=M.packing_layout(h) if a.method.startswith(("cl_pack", "cl_padding_free")) else None,
+               cl_head=M.train_head(h) if a.method.startswith("cl_") else None)
     fn = M.METHODS[a.method]
     prof = None
     if a.profile:

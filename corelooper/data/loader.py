@@ -228,12 +228,18 @@ def count_input_tokens(batch) -> int:
 
 
 def length_grouped_order(
-    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, mega_batch_mult: int = 50
+    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, mega_batch_mult: int | None = None
 ) -> list[int]:
     """HF's ``get_length_grouped_indices``: a seeded random permutation cut into mega-batches of
-    ``mega_batch_mult * batch_size`` samples, each sorted by length (longest first), with the
-    longest batch moved to the front (an OOM shows up on the first step, not hours later).
-    ``batch_size`` is the global batch (per-device size times processes)."""
+    ``mega_batch_mult * batch_size`` samples (default, as HF: ``min(n // (4 * batch_size), 50)``,
+    at least 1), each sorted by length (longest first), with the longest batch moved to the front
+    (an OOM shows up on the first step, not hours later). The order of HF's
+    ``LengthGroupedSampler`` for the same permutation (tests/test_length_grouped.py). Where it
+    differs: ``batch_size`` is the global micro-batch (per-device size times processes) where HF
+    passes the per-device size times gradient-accumulation steps, and the permutation is
+    ``epoch_permutation`` (seed + epoch) where HF draws from torch's global generator."""
+    if mega_batch_mult is None:
+        mega_batch_mult = min(len(lengths) // (4 * max(1, batch_size)), 50)
     perm = epoch_permutation(len(lengths), seed, epoch, True)
     mega = max(1, mega_batch_mult) * batch_size
     megabatches = [

@@ -163,7 +163,8 @@ def output_head(model) -> torch.nn.Linear:
     return head
 
 
-def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothing: float = 0.0):
+def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothing: float = 0.0,
+                           trained_only: bool = False):
     """The training loss of an HF causal LM with the chunked cross-entropy, GA-exact.
 
     The model runs through its own ``forward`` (so DDP and PEFT wrappers see the call), without
@@ -171,7 +172,8 @@ def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothi
     exactly what the logits would be computed from) and hands the layer an empty slice of it, so
     no logits are computed. Labels are shifted as HF's ``ForCausalLMLoss`` shifts them (or taken
     from ``shift_labels`` when the batch has them); the summed loss is divided by the step's
-    ``num_items_in_batch``.
+    ``num_items_in_batch``. ``trained_only``: only the hidden states of counted positions go
+    through the chunks (``[lm] head = "trained"``), the others have no logits at all.
     """
     from corelooper.errors import ConfigError
 
@@ -201,7 +203,11 @@ def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothi
         labels = batch["shift_labels"]
     else:  # position t predicts token t + 1; the last position predicts nothing
         labels = torch.nn.functional.pad(batch["labels"][..., 1:], (0, 1), value=-100)
-    total = chunked_cross_entropy(captured[0], head.weight, labels, bias=head.bias,
+    hidden = captured[0]
+    if trained_only:
+        keep = labels != -100
+        hidden, labels = hidden[keep], labels[keep]
+    total = chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias,
                                   label_smoothing=label_smoothing)
     if num_items_in_batch is None:
         num_items_in_batch = (labels != -100).sum()

@@ -1,0 +1,64 @@
+"""benchmarks/gpu stays runnable: the CPU smoke exits 0 with true skip messages, a step that
+errors makes it exit 1, and a python without torch is named, not run (exit 2). No timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "gpu"
+STEPS = "cl_bf16_full,cl_bf16_trained_head,cl_fp16_scaler,cl_packing_segment_sdpa,eval_cl_vs_hf"
+
+
+def smoke(tmp_path, steps, **env):
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--cpu-smoke", "--steps", steps, "--out", str(out),
+                           "--budget-s", "1200"], cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, **env})
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
+    proc, summary = smoke(tmp_path, STEPS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = summary["results"]
+    assert not [n for n, r in results.items() if "error" in r]
+    # the one skip here is true: corelooper refuses fp16 on a CPU
+    assert results["cl_fp16_scaler"] == {"skipped": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)"}
+    assert "not merged" not in proc.stdout + proc.stderr
+    for step in ("cl_bf16_full", "cl_bf16_trained_head", "cl_packing_segment_sdpa"):
+        assert results[step]["tokens_per_s"] > 0 and results[step]["final_loss"] is not None
+    # the trained-positions head trains the same model to the same loss as the full head
+    assert abs(results["cl_bf16_trained_head"]["final_loss"] - results["cl_bf16_full"]["final_loss"]) < 1e-3
+    assert "cl_bf16_trained_head/cl_bf16_full" in summary["ratios"]
+    ev = results["eval_cl_vs_hf"]
+    assert abs(ev["corelooper"]["eval_loss"] - ev["hf_trainer"]["eval_loss"]) < 1e-4  # the same eval loss
+    assert ev["hf_trainer_compute_metrics"]["eval_loss"] == ev["hf_trainer"]["eval_loss"]
+
+
+def test_a_step_that_errors_makes_the_run_fail(tmp_path):
+    # the step's process cannot write its result (no temp folder): recorded as an error, exit 1
+    proc, summary = smoke(tmp_path, "cl_bf16_full", TMPDIR=str(tmp_path / "missing"))
+    assert proc.returncode == 1
+    assert "error" in summary["results"]["cl_bf16_full"]
+    assert "1 step(s) errored: cl_bf16_full" in proc.stderr
+
+
+def test_without_torch_the_smoke_names_what_it_needs(tmp_path):
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    py = str(bare / "bin" / "python")
+    proc = subprocess.run([py, str(BENCH / "bench.py"), "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "lacks what every step needs: torch (pip install torch)" in proc.stderr
+    assert "No module named 'torch'" not in proc.stdout + proc.stderr
+    # run.sh from a clone without .venv, told not to install: exit 2 and the same kind of sentence
+    proc = subprocess.run(["bash", str(BENCH / "run.sh"), "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PY": py, "SKIP_INSTALL": "1"})
+    assert proc.returncode == 2
+    assert "lacks torch, transformers or corelooper" in proc.stderr and "scripts/setup" in proc.stderr
