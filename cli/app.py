@@ -168,6 +168,13 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
     from corelooper.loop import Loop
 
     loop = Loop(config=cfg, blocked_plugins=blocked)
+    with loop:  # corelooper_unconfigure: loggers close their runs after the last evaluation
+        preempted_exit = _train_and_evaluate(loop, resume, profile_plugins)
+    loop.backend.end()
+    return preempted_exit
+
+
+def _train_and_evaluate(loop, resume: str | None, profile_plugins: bool) -> int:
     profiler = None
     if profile_plugins:
         from corelooper.cli.profiling import PluginProfiler
@@ -185,7 +192,6 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
     if profiler is not None and loop.state.is_world_process_zero:
         profiler.stop()
         typer.echo(profiler.report())
-    loop.backend.end()
     return preempted_exit
 
 

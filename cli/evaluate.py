@@ -51,17 +51,19 @@ def _dataset(loop, split: str):
 def predict(config, checkpoint: str, output: str | None, blocked: list[str] = (), split: str = "test"):
     """``corelooper predict``: returns ``(path written or None, metrics)``; rank 0 writes."""
     loop, directory = _loop_from_checkpoint(config, checkpoint, list(blocked))
-    dataset, _ = _dataset(loop, split)
-    preds, labels, metrics = loop.predict(dataset)
-    path = Path(output) if output else Path(loop.args.output_dir) / "predictions.safetensors"
-    if loop.backend.is_main_process:
-        write_predictions(path, preds, labels, metrics)
-    loop.backend.wait_for_everyone()
+    with loop:  # corelooper_unconfigure once the predictions are out
+        dataset, _ = _dataset(loop, split)
+        preds, labels, metrics = loop.predict(dataset)
+        path = Path(output) if output else Path(loop.args.output_dir) / "predictions.safetensors"
+        if loop.backend.is_main_process:
+            write_predictions(path, preds, labels, metrics)
+        loop.backend.wait_for_everyone()
     return path, metrics, loop
 
 
 def evaluate(config, checkpoint: str, blocked: list[str] = (), split: str = "eval"):
     """``corelooper eval``: the metrics of the checkpoint's model on ``data.eval``."""
     loop, directory = _loop_from_checkpoint(config, checkpoint, list(blocked))
-    dataset, _ = _dataset(loop, split)
-    return loop.evaluate(dataset), loop
+    with loop:  # corelooper_unconfigure once the metrics are logged
+        dataset, _ = _dataset(loop, split)
+        return loop.evaluate(dataset), loop

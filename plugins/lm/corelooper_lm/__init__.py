@@ -34,7 +34,8 @@ def corelooper_config_sections():
 def corelooper_configure(config, plugins):
     from corelooper.errors import ConfigError
 
-    loss = config.section(SECTION)["loss"] if SECTION in config.sections else "default"
+    section = plugins.section_or_inactive(config, SECTION)
+    loss = section["loss"] if section is not None else "default"
     if loss not in LOSSES:
         raise ConfigError(f"lm.loss = {loss!r}: use one of {', '.join(map(repr, LOSSES))}.")
     if loss == "default":
