@@ -51,13 +51,20 @@ class LatePlugin:
 
     def __init__(self):
         self.configured: list[tuple] = []
-        self.unconfigured: list[tuple] = []
 
     def corelooper_configure(self, config, plugins):
         self.configured.append((config, plugins))
         counter = Counter()
         plugins.register(counter, "late.run")
         plugins.register_for_checkpointing("late", counter)
+
+
+class ClosingPlugin(LatePlugin):
+    """... and records corelooper_unconfigure."""
+
+    def __init__(self):
+        super().__init__()
+        self.unconfigured: list[tuple] = []
 
     def corelooper_unconfigure(self, config, plugins):
         self.unconfigured.append((config, plugins))
@@ -96,7 +103,7 @@ def test_a_late_plugin_that_declares_config_sections_is_refused(train_args):
 
 
 def test_unconfigure_fires_once_when_the_loop_is_closed(train_args, tmp_path):
-    late = LatePlugin()
+    late = ClosingPlugin()
     loop = Loop(toys.mlp(), train_args(max_steps=2), train_dataset=toys.Blobs(16), plugins=[late])
     loop.train()
     assert late.unconfigured == []  # train() does not end the Loop: evaluate() may follow
@@ -105,7 +112,7 @@ def test_unconfigure_fires_once_when_the_loop_is_closed(train_args, tmp_path):
     loop.close()
     assert late.unconfigured == [(loop.config, loop.plugins)]
 
-    late = LatePlugin()
+    late = ClosingPlugin()
     with Loop(toys.mlp(), train_args(max_steps=2, output_dir=str(tmp_path / "b")), train_dataset=toys.Blobs(16),
               plugins=[late]) as loop:
         loop.train()

@@ -18,6 +18,9 @@ from corelooper.testing import SigtermAt
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
     """Offline W&B with every folder it writes under tmp_path."""
+    import wandb
+
+    wandb.teardown()  # W&B keeps its settings (an earlier test's online mode) until torn down
     root = tmp_path / "wandb-home"
     for var, sub in (("WANDB_DIR", "runs"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
                      ("WANDB_DATA_DIR", "data")):
