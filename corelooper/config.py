@@ -36,7 +36,8 @@ class ModelConfig:
     """Keyword arguments for the factory (or extra ``from_pretrained`` arguments)."""
     name_or_path: str | None = None
     """A Hugging Face model folder (relative paths: to the current folder, else the config's),
-    loaded with ``from_pretrained`` of the auto class ``task`` names (plugins/hf/corelooper_hf/model.py)."""
+    loaded with ``from_pretrained`` of the auto class ``task`` names (by the plugin that answers
+    ``create_model`` for it)."""
     task: str = "causal_lm"
     """causal_lm, seq2seq_lm, masked_lm, sequence_classification, token_classification,
     question_answering, image_classification, base, or an auto class name."""
@@ -53,7 +54,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train: str | list | None = None
-    """``module:callable`` returning the training dataset, or data files (plugins/hf/corelooper_hf/files.py):
+    """``module:callable`` returning the training dataset, or data files (read by the plugin that
+    answers ``create_dataset`` for them):
     a path (.jsonl, .json, .parquet, .csv, .arrow, a ``save_to_disk`` folder), a glob of shards,
     or a mixture ``[{ path = "a.jsonl", weight = 0.7 }, { path = "b.jsonl", weight = 0.3 }]``."""
     eval: str | list | None = None

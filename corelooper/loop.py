@@ -339,9 +339,7 @@ class Loop:
     def _explain(self, exc: BaseException) -> BaseException:
         return explain_failure(exc, self.plugins, self.state.global_step, self.args.output_dir)
 
-    def close(self) -> None:
-        """End this Loop: ``corelooper_unconfigure`` fires once (plugins close writers and runs).
-        ``with Loop(...) as loop:`` closes on exit; an unclosed Loop is closed when collected."""
+    def close(self) -> None:  # the Loop ends (also `with Loop(...)`): corelooper_unconfigure, once
         self.plugins.unconfigure()
 
     def __enter__(self) -> Loop:
