@@ -315,8 +315,8 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
 
 
 def hf_names() -> list[str]:
-    """Every HF name this module knows (candidates for "did you mean")."""
-    return [*MAPPED, *UNSUPPORTED]
+    """Every HF name this module and the installed plugins know (candidates for "did you mean")."""
+    return [*MAPPED, *UNSUPPORTED, *declared_train_fields()]
 
 
 def hf_hint(key: str) -> str | None:
@@ -325,4 +325,5 @@ def hf_hint(key: str) -> str | None:
         return MAPPED[key][1]
     if key in UNSUPPORTED:
         return UNSUPPORTED[key].why
-    return None
+    declared = declared_train_fields().get(key)
+    return f"the plugin {declared[0][0]!r} answers to it" if declared else None
