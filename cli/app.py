@@ -178,6 +178,13 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
 
     began = _TrainBegan()
     loop = Loop(config=cfg, blocked_plugins=blocked, plugins=[began])
+    with loop:  # corelooper_unconfigure: loggers close their runs after the last evaluation
+        preempted_exit = _train_and_evaluate(loop, began, resume, profile_plugins)
+    loop.backend.end()
+    return preempted_exit
+
+
+def _train_and_evaluate(loop, began: _TrainBegan, resume: str | None, profile_plugins: bool) -> int:
     profiler = None
     if profile_plugins:
         from corelooper.cli.profiling import PluginProfiler
@@ -188,7 +195,6 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
         if state.is_world_process_zero:
             typer.echo(f"corelooper: {loop.args.output_dir} already finished at step {state.global_step}: "
                        "nothing to do.")
-        loop.backend.end()
         return 0
     preempted_exit = 0
     if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
@@ -201,7 +207,6 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
     if profiler is not None and loop.state.is_world_process_zero:
         profiler.stop()
         typer.echo(profiler.report())
-    loop.backend.end()
     return preempted_exit
 
 

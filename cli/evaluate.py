@@ -57,9 +57,10 @@ def run_checkpoint(config, checkpoint: str, blocked, split: str, prefix: str, ke
 
     No logging event fires: the run's loggers are not fed (see the module docstring)."""
     loop, _ = _loop_from_checkpoint(config, checkpoint, list(blocked))
-    dataset = _dataset(loop, split)
-    metrics, preds, labels = loop.hook.evaluation_loop(
-        loop=loop, dataset=dataset, metric_key_prefix=prefix, keep_outputs=keep_outputs)
+    with loop:  # corelooper_unconfigure once the outputs are out
+        dataset = _dataset(loop, split)
+        metrics, preds, labels = loop.plugins.call_provider(
+            "evaluation_loop", loop=loop, dataset=dataset, metric_key_prefix=prefix, keep_outputs=keep_outputs)[0]
     return loop, metrics, preds, labels
 
 

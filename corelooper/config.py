@@ -37,7 +37,8 @@ class ModelConfig:
     """Keyword arguments for the factory (or extra ``from_pretrained`` arguments)."""
     name_or_path: str | None = None
     """A Hugging Face model folder (relative paths: to the current folder, else the config's),
-    loaded with ``from_pretrained`` of the auto class ``task`` names (plugins/hf/corelooper_hf/model.py)."""
+    loaded with ``from_pretrained`` of the auto class ``task`` names (by the plugin that answers
+    ``create_model`` for it)."""
     task: str = "causal_lm"
     """causal_lm, seq2seq_lm, masked_lm, sequence_classification, token_classification,
     question_answering, image_classification, base, or an auto class name."""
@@ -54,7 +55,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train: str | list | None = None
-    """``module:callable`` returning the training dataset, or data files (plugins/hf/corelooper_hf/files.py):
+    """``module:callable`` returning the training dataset, or data files (read by the plugin that
+    answers ``create_dataset`` for them):
     a path (.jsonl, .json, .parquet, .csv, .arrow, a ``save_to_disk`` folder), a glob of shards,
     or a mixture ``[{ path = "a.jsonl", weight = 0.7 }, { path = "b.jsonl", weight = 0.3 }]``."""
     eval: str | list | None = None
@@ -103,7 +105,7 @@ class TrainArgs:
     gradient_accumulation_steps: int = 1
     auto_find_batch_size: bool = False
     """On out-of-memory, halve the micro-batch and double the accumulation (same effective
-    batch); needs the corelooper-auto-batch-size plugin, options in [auto_batch_size]."""
+    batch); needs a plugin that answers to it (``corelooper plugins`` lists the installed ones)."""
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -155,7 +157,7 @@ class TrainArgs:
     with no device sync, so ``"all"`` costs nothing."""
     report_to: str | list[str] = "all"
     """Logging plugins to feed: ``"all"`` (every installed one), ``"none"``, or names
-    (``["tensorboard", "wandb"]``); the plugin manager turns the others off."""
+    (the ``report_to`` names logging plugins declare); the plugin manager turns the others off."""
     eval_strategy: Literal["no", "steps", "epoch"] = "no"
     eval_steps: int | float | None = None
     """Defaults to ``logging_steps``; a float < 1 is a ratio of the run."""
@@ -198,9 +200,10 @@ class TrainArgs:
     use_cpu: bool = False
     ddp_timeout: int = 1800
     """Seconds a collective may wait before the process group gives up (HF's name and default);
-    passed to ``init_process_group``. The doctor's ``[doctor] hang_timeout`` usually ends a hang
-    sooner, with a report."""
-    # Language-model options (plugins/lm/corelooper_lm/collators.py, model_options.py, throughput.py).
+    passed to ``init_process_group``. A diagnosis plugin's hang timeout may end a hang sooner,
+    with a report."""
+    # Language-model options (read by the language-model plugin's collators, model_options.py,
+    # throughput.py).
     train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = "random"
     """Training order: a seeded permutation per epoch, the dataset's order, or similar lengths
     batched together (seeded, resumable; the 4.x ``group_by_length = true``)."""
@@ -221,7 +224,8 @@ class TrainArgs:
             kwargs["output_dir"] = output_dir
         # `TrainArgs(**other.__dict__)` copies: what other's HF names became comes along
         carried_sections, carried_notes = kwargs.pop("_sections", {}), kwargs.pop("_notes", ())
-        values, sections, notes = _train_values(kwargs)
+        carried_plugin_values = kwargs.pop("_plugin_values", {})
+        values, sections, notes, plugin_values = _train_values(kwargs)
         sections = {**carried_sections, **sections}
         notes = [*carried_notes, *notes]
         for f in dataclasses.fields(self):
@@ -232,6 +236,7 @@ class TrainArgs:
             object.__setattr__(self, f.name, value)
         object.__setattr__(self, "_sections", sections)
         object.__setattr__(self, "_notes", tuple(notes))
+        object.__setattr__(self, "_plugin_values", {**carried_plugin_values, **plugin_values})
         for key, value in check_train_args(self).items():  # derived defaults, set before freezing
             object.__setattr__(self, key, value)
 
@@ -250,8 +255,13 @@ class TrainArgs:
 
     @property
     def plugin_sections(self) -> dict[str, dict[str, Any]]:
-        """Plugin-section values given as HF ``[train]`` names (``deepspeed``, ``fsdp``, ...)."""
+        """Plugin-section values given as HF ``[train]`` names that plugins answer to."""
         return {k: dict(v) for k, v in self._sections.items()}
+
+    @property
+    def plugin_values(self) -> dict[str, Any]:
+        """The HF ``[train]`` names that plugins translated, as written (``corelooper_settings``)."""
+        return dict(self._plugin_values)
 
     @property
     def group_by_length(self) -> bool:
@@ -313,7 +323,7 @@ def _train_values(raw: dict[str, Any]):
             "train.logging_nan_inf_filter = true (HF's default) has no effect: corelooper logs the "
             "true loss; a non-finite step is handled by train.on_nonfinite (stop, or skip_step)."
         )
-    return values, tr.sections, tr.notes
+    return values, tr.sections, tr.notes, tr.plugin_values
 
 
 @dataclass(frozen=True)
@@ -334,7 +344,7 @@ class Config:
 
     def __post_init__(self) -> None:
         sections = {k: dict(v) for k, v in self.sections.items()}
-        for name, values in self.train.plugin_sections.items():  # train.deepspeed -> [deepspeed]
+        for name, values in self.train.plugin_sections.items():  # an HF name -> its plugin's section
             given = sections.setdefault(name, {})
             for key, value in values.items():
                 if key in given and given[key] != value:
@@ -473,7 +483,7 @@ def _did_you_mean(key: str, options: list[str]) -> str:
     hf = hf_hint(key)
     if hf is not None and key in _OTHER_TOOLS:
         return f" Did you mean {hf}?"
-    # Long names share many letters by chance (deepspeed ~ seed: 0.62): ask for more of them.
+    # Long names share many letters by chance (a 9-letter name ~ seed: 0.62): ask for more of them.
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.6 if len(key) <= 6 else 0.75)
     if close:
         about = hf_hint(close[0])  # a misspelt HF name: say what it is here

@@ -47,7 +47,7 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
     if blamed:
         plugin, hook = blamed
         info = plugins.info.get(plugin)
-        # a per-run object ("doctor.run") is blocked through the plugin that registered it
+        # a per-run object ("NAME.run") is blocked through the plugin that registered it
         name = plugin.rsplit(".", 1)[0] if info is not None and info.kind == "run" else plugin
         return PluginError(
             f"Plugin {plugin!r} raised in hook {hook!r} at global_step {global_step}: "

@@ -17,8 +17,11 @@ Two kinds of hooks:
 
 Plugin lifecycle: ``corelooper_config_sections`` (declare keys) -> the config is validated ->
 ``corelooper_configure(config, plugins)`` (register per-run objects and checkpointed state) ->
-the backend is created (``create_backend``) -> ``on_init_end``. A plugin registered later, at any
-time, is called from the next event on.
+the backend is created (``create_backend``) -> ``on_init_end`` -> ... -> ``Loop.close()`` ->
+``corelooper_unconfigure(config, plugins)`` (close writers and runs). A plugin registered later,
+at any time, is configured at registration (``corelooper_configure`` is historic, as pytest's
+``pytest_configure``) and called from the next event on; one that declares config sections is
+refused then (its sections come after the config was validated).
 
 Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
 
@@ -83,25 +86,61 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]] | None:
 
 
 @hookspec
+def corelooper_settings() -> dict[str, Any] | None:
+    """Declare the settings outside this plugin's own section that it answers to.
+
+    Return ``{"train": {key: translate, ...}, "report_to": [name, ...]}`` (either part optional):
+
+    * ``"train"``: ``[train]`` keys (Hugging Face ``TrainingArguments`` names) this plugin
+      implements. ``translate(value, train)`` (``train``: the whole ``[train]`` table as written)
+      returns None when ``value`` asks nothing of the plugin (HF's default, "off"), else the
+      plugin-section values it means, ``{"section": {"key": value}}`` (``{}``: none); it raises
+      ``ConfigError`` for a bad value. A key that is not a corelooper ``[train]`` field is
+      accepted only because an installed plugin declares it. A key that asks for a plugin while
+      no plugin answering to it is loaded (disabled, not in ``[plugins] enable``) is refused
+      before training, naming the plugin and the setting.
+    * ``"report_to"``: the ``train.report_to`` names of a logger (HF's ``report_to``
+      integrations): it is loaded only when ``report_to`` is "all" or names one of them.
+
+    Read from installed plugins when a config is parsed, before any is registered: a plain
+    function of the plugin module, with no arguments.
+    """
+
+
+@hookspec(historic=True)
 def corelooper_configure(config, plugins) -> None:
     """Set up this plugin for one run: register per-run objects, state and inactivity.
 
     Called once for every ``Loop`` (and by ``corelooper plugins --config``) after the config is
     validated and before the backend is created, with the run's read-only ``config`` and its
-    ``corelooper.plugins.Plugins`` registry. As pytest's ``pytest_configure`` registers a reporter
+    ``corelooper.plugins.Plugins`` registry; a plugin registered later (``plugins.register``,
+    ``loop.plugins.register``) is configured at registration, with the same arguments. As pytest's ``pytest_configure`` registers a reporter
     per session, a plugin that keeps state registers a fresh object here, never a module global::
 
         def corelooper_configure(config, plugins):
-            if "early_stopping" not in config.sections:
-                plugins.set_inactive("early_stopping", "no [early_stopping] section")
+            section = plugins.section_or_inactive(config, "mine")  # None: no [mine] section
+            if section is None:
                 return
-            stopper = EarlyStopping(config.section("early_stopping"))
-            plugins.register(stopper, "early_stopping.run")
-            plugins.register_for_checkpointing("early_stopping", stopper)
+            tracker = Tracker(section)
+            plugins.register(tracker, "mine.run")
+            plugins.register_for_checkpointing("mine", tracker)
 
     ``plugins.register_for_checkpointing(name, obj)``: ``obj.state_dict()`` (JSON data) is saved
     in every checkpoint's ``plugins.json`` under ``name``; ``obj.load_state_dict(d)`` restores it.
-    ``plugins.set_inactive(name, reason)``: ``corelooper plugins --config`` shows the reason.
+    ``plugins.set_inactive(name, reason)``: ``corelooper plugins --config`` shows the reason;
+    ``plugins.section_or_inactive(config, name)`` returns ``[name]`` with its defaults, or None
+    after ``set_inactive`` when the config has no such section.
+    """
+
+
+@hookspec
+def corelooper_unconfigure(config, plugins) -> None:
+    """The run's Loop ends: close what ``corelooper_configure`` opened (writers, tracker runs).
+
+    pytest's ``pytest_unconfigure``. Called once per ``Loop``, by ``Loop.close()`` (also at the end
+    of ``with Loop(...) as loop:``; the CLI closes its Loop after run, eval and predict) or, for a
+    script that never closes its Loop, when the Loop is garbage-collected or the interpreter
+    exits. Logs written by ``evaluate()``/``predict()`` after ``train()`` still reach an open run.
     """
 
 
@@ -326,7 +365,7 @@ def on_log(loop, state, control, logs: dict) -> None:
     ``state.log_history`` with ``step``. Main process only. To add
     values (e.g. DPO reward margins), update ``logs`` in a ``tryfirst`` implementation: loggers
     then see them, and they are kept in ``log_history``. A key with a namespace, ``name/key``
-    (corelooper-doctor's ``doctor/time_share_data``), is a detail: every logger gets it, the
+    (a diagnosis plugin's ``diag/time_share_data``), is a detail: every logger gets it, the
     console prints it only with ``corelooper run --verbose``."""
 
 
@@ -382,7 +421,7 @@ def on_nonfinite(loop, state, control, micro_batches: list, sample_indices, loss
     ``sample_indices`` (per micro-batch, the dataset indices of its rows, or ``None`` when the
     loader cannot tell), the step's ``loss`` and ``grad_norm`` tensors, and ``action``:
     ``"stop"`` or ``"skip_step"``. The
-    gradients of the step are still in place (not yet zeroed). Diagnosis plugins (the doctor)
+    gradients of the step are still in place (not yet zeroed). Diagnosis plugins
     re-run a micro-batch here to name the module that went non-finite.
     """
 
@@ -411,4 +450,7 @@ PROVIDERS = (
     "evaluation_loop",
     "compute_metrics",
 )
-DECLARATIONS = ("corelooper_config_sections", "corelooper_configure", "corelooper_add_commands")
+DECLARATIONS = (
+    "corelooper_config_sections", "corelooper_settings", "corelooper_configure", "corelooper_unconfigure",
+    "corelooper_add_commands",
+)

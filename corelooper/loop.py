@@ -352,3 +352,12 @@ class Loop:
             if self.is_training:  # train() reports it
                 raise
             raise self._failed(exc, action) from exc
+
+    def close(self) -> None:  # the Loop ends (also `with Loop(...)`): corelooper_unconfigure, once
+        self.plugins.unconfigure()
+
+    def __enter__(self) -> Loop:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

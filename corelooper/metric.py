@@ -58,7 +58,7 @@ def metric_value(metrics: dict[str, Any], name: str, setting: str, prefix: str =
     """The value of metric ``name`` in ``metrics``, or a ConfigError naming ``setting`` to fix.
 
     ``setting`` is the config key that chose the metric (``train.metric_for_best_model``,
-    ``early_stopping.metric``, ...), so the message says which line of the config to change.
+    a plugin section's ``metric``, ...), so the message says which line of the config to change.
     """
     key = metric_key(name, prefix)
     if key not in metrics:

@@ -24,6 +24,7 @@ from . import hookspecs
 from .config import Config, import_module
 from .dispatch import CHECKS, refuse_wrappers, wrong_result
 from .errors import ConfigError, CorelooperError, PluginError
+from .hf.args import settings_of
 
 ENTRY_POINT_GROUP = "corelooper"
 AUTOLOAD_ENV = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
@@ -89,14 +90,17 @@ class Plugins:
         self.skipped: dict[str, str] = {}  # installed but not loaded -> why
         self.inactive: dict[str, str] = {}  # loaded, but does nothing for this config -> why
         self.stateful: dict[str, Any] = {}  # name -> object saved in checkpoints (plugins.json)
+        self.unloaded: dict[str, Any] = {}  # installed, not loaded for this run: name -> entry point
         self.hook = self.pm.hook
         self.version = 0  # bumped by every (un)registration: the loop's event cache checks it
         self._provider_cache: dict[str, tuple[int, Any, list]] = {}
         self.config = None  # the run's validated config, set by load_plugins
         self._configuring = False
+        self._configured = False  # corelooper_configure ran: later plugins are configured at once
+        self._unconfigured = False
 
     def get(self, name: str) -> Any:
-        """The plugin object registered as ``name`` (e.g. ``"early_stopping.run"``), or None."""
+        """The plugin object registered as ``name`` (e.g. a per-run ``"NAME.run"``), or None."""
         return self.pm.get_plugin(name)
 
     # -- registration ------------------------------------------------------------------------
@@ -128,6 +132,22 @@ class Plugins:
         )
         self.info[name] = PluginInfo(name, plugin, kind, dist, version, hooks)
         self.version += 1
+        if self._configured:  # historic, as pytest_configure: a late plugin is configured now
+            self._configure_late(plugin, name)
+
+    def _configure_late(self, plugin: Any, name: str) -> None:
+        """Configure a plugin registered after the run was configured; refuse one whose config
+        sections come too late (the config was validated and its defaults merged without them)."""
+        impls = dict(self._impls(plugin))
+        if "corelooper_config_sections" in impls and call_impl(impls["corelooper_config_sections"], {}):
+            self.unregister(name)
+            raise PluginError(
+                f"Plugin {name!r} declares config sections (corelooper_config_sections) but was "
+                "registered after the config was validated: pass it to Loop(plugins=[...]) or install "
+                "it as an entry point, so that its sections are checked and their defaults filled in."
+            )
+        if "corelooper_configure" in impls:
+            _configure_one(self, name, impls["corelooper_configure"], self.config)
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
@@ -151,6 +171,31 @@ class Plugins:
     def set_inactive(self, name: str, reason: str) -> None:
         """Record that plugin ``name`` does nothing for this config (``corelooper plugins``)."""
         self.inactive[name] = reason
+
+    def section_or_inactive(self, config: Config, name: str, reason: str | None = None) -> dict | None:
+        """The section ``[name]`` with its defaults, or None after ``set_inactive`` when the config
+        has no such section: the opening of most ``corelooper_configure`` implementations."""
+        if name in config.sections:
+            return config.section(name)
+        self.set_inactive(name, reason or f"no [{name}] section")
+        return None
+
+    def unconfigure(self) -> None:
+        """``corelooper_unconfigure`` once, when the run's Loop ends (``Loop.close()``, or the
+        Loop's finalizer): plugins close writers and runs. Later calls do nothing."""
+        if not self._configured or self._unconfigured:
+            return
+        self._unconfigured = True
+        errors = []
+        for impl in reversed(self.hook.corelooper_unconfigure.get_hookimpls()):
+            name = self.pm.get_name(impl.plugin)
+            try:  # every plugin gets to close its things, even after another one failed
+                call_impl(impl, {"config": self.config, "plugins": self})
+            except Exception as e:
+                errors.append(f"{name!r}: {type(e).__name__}: {e}")
+        if errors:
+            raise PluginError(f"corelooper_unconfigure failed in plugin {'; '.join(errors)}.")
+
     def _impls(self, plugin):
         """(hook name, HookImpl) for each hook ``plugin`` implements."""
         for hook_caller in self.pm.get_hookcallers(plugin) or []:
@@ -304,17 +349,20 @@ def load_plugins(
 
     plugins = Plugins()
     cfg = config.plugins if config is not None else None
+    objects = list(objects)
+    # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
+    # stateful ones are new objects for every run.
+    policies = (("console", Console()), ("jsonl", MetricsLog()), ("throughput", Throughput()),
+                ("preemption", PreemptionPlugin()), ("best_metric", best_metric), ("run_record", RunRecord()))
     blocked = set(blocked) | set(cfg.disable if cfg else ())
     if BUILTIN in blocked:
         raise ConfigError("The builtin plugin cannot be disabled; override its hooks instead.")
+    known = [n for n, _ in policies] + [ep.name for ep in installed_entry_points()]
+    check_blocked(blocked, known + list(cfg.local if cfg else ()) + [_object_name(o) for o in objects])
     plugins.block(blocked)
     version = _version("corelooper")
     plugins.register(builtin, BUILTIN, "builtin", "corelooper", version)
-    # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
-    # stateful ones are new objects for every run.
-    for name, obj in (("console", Console()), ("jsonl", MetricsLog()), ("throughput", Throughput()),
-                      ("preemption", PreemptionPlugin()), ("best_metric", best_metric),
-                      ("run_record", RunRecord())):
+    for name, obj in policies:
         plugins.register(obj, name, "builtin", "corelooper", version)
 
     if autoload is None:
@@ -325,17 +373,35 @@ def load_plugins(
         module = import_module(ref, "plugins.local", base)
         plugins.register(module, ref, "local")
     for obj in objects:
-        name = getattr(obj, "name", None) if not isinstance(obj, types.ModuleType) else obj.__name__
-        name = name if isinstance(name, str) else f"{type(obj).__name__}-{id(obj):x}"
-        plugins.register(obj, name, "object")
+        plugins.register(obj, _object_name(obj), "object")
 
     if config is not None:
+        check_settings(config, plugins, dict(policies))
         declared = plugins.declared_sections()
         check_sections(config, declared, plugins)
         config = config.with_defaults(declared) or config
         plugins.config = config
         configure(plugins, config)
     return plugins
+
+
+def _object_name(obj: Any) -> str:
+    name = getattr(obj, "name", None) if not isinstance(obj, types.ModuleType) else obj.__name__
+    return name if isinstance(name, str) else f"{type(obj).__name__}-{id(obj):x}"
+
+
+def check_blocked(blocked: Iterable[str], known: list[str]) -> None:
+    """``-p no:NAME`` / ``[plugins] disable`` name a plugin there is (a typo would leave the
+    plugin running); a per-run object ``NAME.run`` counts as its plugin ``NAME``."""
+    for name in sorted(blocked):
+        if name in known or name.split(".")[0] in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"-p no:{name} / [plugins] disable names {name!r}, which is not an installed plugin nor a "
+            f"builtin policy.{hint} Known: {', '.join(sorted(set(known)))}. See `corelooper plugins`."
+        )
 
 
 def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool, config: Config | None) -> None:
@@ -366,19 +432,56 @@ def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool
             obj = _load_entry_point(ep, dist, version)
             if not _unwanted_reporter(obj, ep.name, config, plugins, reporters):
                 plugins.register(obj, ep.name, "installed", dist, version)
+                continue
+        plugins.unloaded[ep.name] = ep
     if config is not None and autoload:
         check_report_to(config, [*reporters, *plugins.skipped])
 
 
 def _unwanted_reporter(obj, name: str, config: Config | None, plugins: Plugins, reporters: list[str]) -> bool:
-    """A logging plugin (``reports = True``, HF's report_to integrations) not in train.report_to."""
-    if not getattr(obj, "reports", False):
+    """A logging plugin (it declares ``report_to`` names, HF's report_to integrations) that
+    train.report_to leaves out."""
+    names = list(_settings(obj, name).get("report_to", ()))
+    if not names:
         return False
-    reporters.append(name)
-    if config is not None and not config.train.reports_to(name):
+    reporters.extend(names)
+    if config is not None and not any(config.train.reports_to(n) for n in names):
         plugins.skipped[name] = "not in train.report_to"
         return True
     return False
+
+
+def _settings(obj: Any, name: str) -> dict[str, Any]:
+    try:
+        return settings_of(obj)
+    except Exception as e:
+        raise PluginError(
+            f"Plugin {name!r} raised in hook 'corelooper_settings': {type(e).__name__}: {e}."
+        ) from e
+
+
+def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -> None:
+    """A ``[train]`` setting that asks for a plugin (``corelooper_settings``) while no plugin
+    answering to it is loaded is refused: the run would silently go without the feature."""
+    answered = {key for name in plugins.info for key in _settings(plugins.get(name), name).get("train", {})}
+    train = {**config.train.plugin_values,
+             **{f: getattr(config.train, f) for f in config.train.__dataclass_fields__}}
+    unloaded = {n: obj for n, obj in policies.items() if n not in plugins.info}
+    for name, ep in plugins.unloaded.items():
+        try:
+            unloaded[name] = ep.load()
+        except Exception:  # not loaded for this run anyway; its import error shows when it is
+            continue
+    for name, obj in sorted(unloaded.items()):
+        for key, translate in _settings(obj, name).get("train", {}).items():
+            if key in answered or key not in train or translate(train[key], train) is None:
+                continue
+            why = plugins.skipped.get(name, "disabled")
+            raise ConfigError(
+                f"train.{key} = {train[key]!r} needs the plugin {name!r}, which answers to it but is not "
+                f"loaded for this run ({why}: -p no:{name}, [plugins] disable / enable, or report_to). "
+                f"Load the plugin, or remove train.{key}."
+            )
 
 
 def check_report_to(config: Config, known: list[str]) -> None:
@@ -414,28 +517,34 @@ def _load_entry_point(ep, dist: str | None, version: str | None):
 
 def configure(plugins: Plugins, config: Config) -> None:
     """``corelooper_configure`` of every plugin registered so far, once: per-run objects that
-    they register are configured too (pytest's historic ``pytest_configure``)."""
+    they register are configured too, and so is any plugin registered later (pytest's historic
+    ``pytest_configure``)."""
     done: set[int] = set()
     while True:
         todo = [
             (name, impl) for name, impl in _configure_impls(plugins) if id(impl) not in done
         ]
         if not todo:
+            plugins._configured = True
             return
         for name, impl in todo:
             done.add(id(impl))
-            plugins._configuring = True
-            try:
-                impl.function(*({"config": config, "plugins": plugins}[a] for a in impl.argnames))
-            except CorelooperError:  # said already (a missing data file: DataError, exit 4)
-                raise
-            except Exception as e:
-                raise PluginError(
-                    f"Plugin {name!r} raised in hook 'corelooper_configure': {type(e).__name__}: "
-                    f"{e}. Fix the plugin, or disable it with `-p no:{name}`."
-                ) from e
-            finally:
-                plugins._configuring = False
+            _configure_one(plugins, name, impl, config)
+
+
+def _configure_one(plugins: Plugins, name: str, impl, config: Config) -> None:
+    configuring, plugins._configuring = plugins._configuring, True
+    try:
+        impl.function(*({"config": config, "plugins": plugins}[a] for a in impl.argnames))
+    except CorelooperError:  # said already (a config error; a missing data file: DataError, exit 4)
+        raise
+    except Exception as e:
+        raise PluginError(
+            f"Plugin {name!r} raised in hook 'corelooper_configure': {type(e).__name__}: "
+            f"{e}. Fix the plugin, or disable it with `-p no:{name}`."
+        ) from e
+    finally:
+        plugins._configuring = configuring
 
 
 def _configure_impls(plugins: Plugins):

@@ -281,12 +281,13 @@ def run_loop(make_loop):
     """``run_loop(plugins=[...], sections={...}, resume=None, **train_overrides)`` -> the trained ``Loop``.
 
     Trains the tiny task for 8 steps (logs every 2, evaluates and saves every 4) in about a
-    second on CPU. ``resume="latest"`` continues the run in the same ``output_dir``.
+    second on CPU. ``resume="latest"`` continues the run in the same ``output_dir``. The Loop is
+    closed afterwards, as the CLI closes it (``corelooper_unconfigure``: loggers end their runs).
     """
 
     def run(plugins: Iterable[Any] = (), *, resume: str | Path | None = None, **kwargs: Any):
-        loop = make_loop(plugins, **kwargs)
-        loop.train(resume_from_checkpoint=resume)
+        with make_loop(plugins, **kwargs) as loop:
+            loop.train(resume_from_checkpoint=resume)
         return loop
 
     return run

@@ -134,6 +134,41 @@ def test_the_core_and_the_cli_import_no_plugin_package():
     assert offenders == []
 
 
+def first_party_plugins() -> set[str]:
+    """Section names (entry-point names), import names and distribution names of every
+    first-party plugin, read from plugins/*/pyproject.toml."""
+    import tomllib
+
+    names: set[str] = set()
+    for toml in sorted((REPO / "plugins").glob("*/pyproject.toml")):
+        project = tomllib.loads(toml.read_text())["project"]
+        names.add(project["name"])  # corelooper-auto-batch-size
+        for entry, target in project.get("entry-points", {}).get("corelooper", {}).items():
+            names.update((entry, target.split(":")[0].split(".")[0]))  # auto_batch_size, corelooper_auto_batch_size
+    return names
+
+
+def test_the_core_names_no_plugin():
+    """Not in code, strings, comments or docstrings: a plugin declares what it answers to
+    (corelooper_settings), the core never knows it. Whole words, as written (the technique
+    "FSDP" is not the section "fsdp")."""
+    import re
+
+    # The entry name of a plugin that is also a layer of the core (corelooper/hf/: the HF
+    # TrainingArguments names, formats) is that layer's name there; its packages still count.
+    names = first_party_plugins() - {p.name for p in CORE.iterdir() if p.is_dir()}
+    assert {"tensorboard", "corelooper-wandb", "corelooper_doctor", "corelooper_hf"} <= names  # the collection works
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+                         + r")(?![\w-])")
+    offenders = []
+    for path in sorted(CORE.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".md", ".toml", ".txt", ".json"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                offenders += [f"{path.relative_to(REPO)}:{n} {m.group(1)!r}: {line.strip()}"
+                              for m in pattern.finditer(line)]
+    assert offenders == [], "\n".join(offenders)
+
+
 def test_no_function_in_the_core_is_longer_than_60_lines():
     long = []
     for path in python_files("corelooper"):

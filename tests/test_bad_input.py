@@ -74,7 +74,8 @@ def test_unknown_key_with_did_you_mean(cli, tmp_path):
     assert_clean_error(cli("run", str(path)), "train.save_only_model = True", "exact resume")
     # a misspelt HF name is offered the HF name and what it is here (not an unrelated field)
     path = write_config(tmp_path, train='deepspeeed = "ds.json"')
-    assert_clean_error(cli("run", str(path)), "train.deepspeeed", "Did you mean 'deepspeed'?", "[deepspeed]")
+    assert_clean_error(cli("run", str(path)), "train.deepspeeed", "Did you mean 'deepspeed'?",
+                       "the plugin 'deepspeed' answers to it")
     # and a --set override is checked the same way
     path = write_config(tmp_path)
     r = cli("run", str(path), "--set", "train.num_train_epoch=3")

@@ -31,6 +31,10 @@ class Backend(Protocol):
     #: True when each rank holds only a shard of the parameters (FSDP, ZeRO-3): a plugin that
     #: needs the whole model on every rank must refuse at start-up (getattr default: False).
     shards_parameters: bool
+    #: True when the number of micro-batches per optimizer step is fixed once the backend is
+    #: built (an engine that owns gradient accumulation): a plugin that changes the micro-batch
+    #: size mid-run must refuse at start-up (getattr default: False).
+    fixed_accumulation: bool
 
     def prepare(self, model, optimizer):
         """Wrap model and optimizer for the hardware; returns ``(model, optimizer)``."""
@@ -150,6 +154,7 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
     """
 
     shards_parameters = False
+    fixed_accumulation = False
 
     def __init__(self, mixed_precision: str = "no", use_cpu: bool = False, ddp_timeout: int | None = None,
                  ddp_kwargs: dict | None = None):
@@ -271,7 +276,7 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
 
 def unwrap(model):
     """The user's module inside DDP / torch.compile wrappers. (accelerate's unwrap_model imports
-    deepspeed when it is installed: half a second, on every call site.)"""
+    optional engines when they are installed: half a second, on every call site.)"""
     while True:
         inner = getattr(model, "_orig_mod", None) or (
             model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None

@@ -33,6 +33,7 @@ def local_device(use_cpu: bool) -> torch.device | None:
 
 class LocalBackend(WholeModel, TorchDistributedCollectives):
     shards_parameters = False
+    fixed_accumulation = False
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cpu":

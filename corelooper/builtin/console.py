@@ -3,7 +3,7 @@
 One ``Console`` per run, registered as the builtin plugin ``console``; ``-p no:console``
 silences it. Only the main process prints.
 
-A log key with a namespace, ``name/key`` (e.g. corelooper-doctor's ``doctor/time_share_data``),
+A log key with a namespace, ``name/key`` (e.g. a diagnosis plugin's ``diag/time_share_data``),
 or one of ``DETAILS`` (model FLOPs per token, TFLOP/s) is a detail: loggers, ``metrics.jsonl``
 and ``log_history`` get it, the console line leaves it out unless the run is verbose
 (``corelooper run --verbose``, or ``CORELOOPER_VERBOSE=1`` for a ``Loop`` in a script), so a
@@ -104,13 +104,28 @@ class Console:
 
 
 # Third-party chatter that does not concern the user's run: deprecation notices raised inside
-# torch.distributed / DeepSpeed / accelerate / transformers / peft for their own calls, and
-# the launchers' banners. `corelooper run --verbose` shows all of it.
-_QUIET_MODULES = r"(torch|deepspeed|accelerate|transformers|peft|torchelastic)(\.|$)"
+# torch.distributed / accelerate / transformers for their own calls (plugins add their
+# libraries with quiet_library), and the launchers' banners. `corelooper run --verbose` shows all.
+_QUIET_MODULES = r"(torch|accelerate|transformers|torchelastic)(\.|$)"
 # the launcher's own logs (a failed rank is reported by corelooper, naming it): nothing passes
 _LAUNCHER_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
 # the libraries' logs: errors pass
-_LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "accelerate")
+_LIBRARY_LOGGERS = ("accelerate",)
+_quiet = False  # quiet_third_party ran without --verbose (the CLI): quiet_library applies
+
+
+def quiet_library(modules: str, loggers: tuple[str, ...] = ()) -> None:
+    """For a plugin's library, as for the core's: its deprecation notices (``modules``, a regex
+    of module names) and its loggers below ERROR are hidden, unless ``--verbose``."""
+    import logging
+    import warnings
+
+    if not _quiet:
+        return
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=rf"({modules})(\.|$)")
+    for name in loggers:
+        logging.getLogger(name).addFilter(lambda record: record.levelno >= logging.ERROR)
 
 
 def one_voice() -> None:
@@ -140,6 +155,8 @@ def quiet_third_party(verbose: bool = False) -> None:
         return
     if os.environ.get("CORELOOPER_VERBOSE"):
         return
+    global _quiet
+    _quiet = True
     # transformers' "Writing model shards" bar at every checkpoint (read when it is imported)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for category in (FutureWarning, DeprecationWarning):

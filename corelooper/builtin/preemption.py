@@ -21,7 +21,7 @@ device (the stop then comes two steps after the signal).
 
 ``CORELOOPER_STOP_SIGNALS`` (e.g. ``SIGUSR1``, comma-separated) adds signals that stop the same
 way: schedulers warn a job before its time limit or a preemption with one (Slurm's
-``--signal=USR1@120``; corelooper-slurm's job script sets it). Exit status ``128 + signal``.
+``--signal=USR1@120``; a cluster plugin's job script sets it). Exit status ``128 + signal``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Every provider here is ``trylast``: any other plugin's implementation answers fi
 
 from __future__ import annotations
 
+import weakref
+
 # What every train() uses is imported with the module, not inside the timed loop.
 from ..data.loader import BatchLoader
 from ..hf.optimizers import create_optimizer as _create_optimizer
@@ -186,3 +188,10 @@ def on_epoch_end(loop, state, control):
         control.should_evaluate = True
     if a.save_strategy == "epoch":
         control.should_save = True
+
+
+@hookimpl
+def on_init_end(loop):
+    # A script that never calls Loop.close(): the plugins are unconfigured when the Loop is
+    # collected or the interpreter exits (the finalizer holds the registry, not the Loop).
+    weakref.finalize(loop, loop.plugins.unconfigure)

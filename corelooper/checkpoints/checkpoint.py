@@ -368,7 +368,7 @@ def verify(directory: Path, *, model=None, backend=None, config=None) -> dict[st
         resume_settings.check_same_model(config, directory)
     if model is not None:
         module = backend.unwrap_model(model) if backend is not None else model
-        if not _is_adapter_checkpoint(module, directory):  # peft checks its adapter's shapes itself
+        if not _is_adapter_checkpoint(module, directory):  # the adapter library checks its shapes
             check_shapes(module, weight_shapes(directory), str(directory), _full_shapes(module, backend))
     return state
 
@@ -426,7 +426,7 @@ def _load_optimizer(directory: Path, backend, optimizer, config=None) -> None:
 
 def _sections_dropped(directory: Path, config) -> str:
     """Why an optimizer file can be missing from a sound checkpoint: it was saved by a backend a
-    plugin section chose (``[fsdp]``, ``[deepspeed]``: their own state format), and this run's
+    plugin section chose (a sharding engine's own state format), and this run's
     config no longer has that section ("" when nothing was dropped)."""
     if config is None:
         return ""

@@ -27,8 +27,9 @@ worker and cannot be re-split: resuming it on another world size is refused, nam
 Gradients are the same because the loss is normalised by the global number of loss items
 (``num_items_in_batch`` summed over micro-batches and ranks), whatever the split. Model and
 optimizer state are whole on rank 0 for DDP (``optimizer.pt``), so any M loads them; sharded
-backends re-shard on load (``Backend.load_training_state``): corelooper-fsdp through
-``torch.distributed.checkpoint`` (tested 2 -> 1 -> 2 processes), ZeRO as far as its plugin does.
+backends re-shard on load (``Backend.load_training_state``): an FSDP2 backend through
+``torch.distributed.checkpoint`` (its plugin tests 2 -> 1 -> 2 processes), ZeRO as far as its
+plugin does.
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ A ``[train]`` key (or a ``TrainArgs(...)`` keyword) that is not a corelooper fie
 here, in this order:
 
 * ``MAPPED``: accepted and translated (``bf16 = true`` -> ``mixed_precision = "bf16"``,
-  ``deepspeed = "ds.json"`` -> ``[deepspeed] config``, 4.x names -> their 5.x field, with a note);
+  4.x names -> their 5.x field, with a note);
 * ``UNSUPPORTED``: the values that are no-ops here are accepted (HF's default where it is
   corelooper's behaviour); any other value is refused with the corelooper way to do it, or with
   why it is not supported;
+* a name an installed plugin answers to (its ``corelooper_settings``): translated by the plugin
+  into its section (``load_plugins`` refuses it when that plugin is not loaded);
 * otherwise the key is unknown, and the error offers the closest corelooper name.
 
 This module imports nothing heavy: ``corelooper --help`` loads it.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -34,8 +36,10 @@ class Translation:
     train: dict[str, Any]
     """corelooper ``[train]`` values."""
     sections: dict[str, dict[str, Any]]
-    """Plugin section values (``neftune_noise_alpha`` -> ``{"neftune": {"noise_alpha": ...}}``)."""
+    """Plugin section values (an HF name a plugin answers to -> ``{"section": {"key": ...}}``)."""
     notes: list[str]
+    plugin_values: dict[str, Any] = field(default_factory=dict)
+    """The HF names that plugins translated, as written (``load_plugins`` checks their plugin)."""
 
 
 Mapper = Callable[[Any, Translation], None]
@@ -83,107 +87,9 @@ def _bool_to(key: str, true_value: Any) -> Mapper:
     return mapper
 
 
-def _neftune(value: Any, tr: Translation, old: str = "") -> None:
-    if value is not None:
-        _section(tr, "neftune", "noise_alpha", value)
-
-
-# The switches of Liger's patch functions that [liger] has as keys of its own (the rest: [liger] extra).
-_LIGER_SWITCHES = ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy")
-
-
-def _use_liger_kernel(value: Any, tr: Translation, old: str = "") -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"train.use_liger_kernel must be true or false, got {value!r}.")
-    if value or "liger" in tr.sections:  # false alone is HF's default: no section, nothing needed
-        _section(tr, "liger", "enabled", value)
-
-
-def _liger_kernel_config(value: Any, tr: Translation, old: str = "") -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise ConfigError(
-            f"train.liger_kernel_config must be a table of Liger's patch arguments (e.g. "
-            f"{{ rope = true, fused_linear_cross_entropy = true }}), got {value!r}."
-        )
-    # As HF: the config alone (without use_liger_kernel = true) patches nothing.
-    tr.sections.setdefault("liger", {}).setdefault("enabled", False)
-    for key, v in value.items():
-        if key in _LIGER_SWITCHES:
-            _section(tr, "liger", key, v)
-        else:
-            tr.sections["liger"].setdefault("extra", {})[key] = v
-
-
-def _deepspeed(value: Any, tr: Translation, old: str = "") -> None:
-    if value is None:
-        return
-    if isinstance(value, str):
-        _section(tr, "deepspeed", "config", value)
-    elif isinstance(value, dict):
-        _section(tr, "deepspeed", "extra", dict(value))
-    else:
-        raise ConfigError(f"train.deepspeed must be a DeepSpeed JSON file or a table, got {value!r}.")
-
-
-# HF's `fsdp` option words and the [fsdp] keys they set.
-_FSDP_WORDS = {
-    "full_shard": ("reshard_after_forward", True),
-    "shard_grad_op": ("reshard_after_forward", False),
-    "offload": ("cpu_offload", True),
-    "auto_wrap": None,  # corelooper always wraps (by [fsdp] wrap or the model's _no_split_modules)
-}
-# HF's fsdp_config keys and their [fsdp] names.
-_FSDP_CONFIG = {
-    "transformer_layer_cls_to_wrap": "wrap",
-    "activation_checkpointing": "activation_checkpointing",
-    "reshard_after_forward": "reshard_after_forward",
-    "cpu_offload": "cpu_offload",
-}
-
-
-def _fsdp(value: Any, tr: Translation, old: str = "") -> None:
-    if value in (None, "", False, []):
-        return
-    words = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else []
-    if value is not True and not words:
-        raise ConfigError(f"train.fsdp must be HF's option string (e.g. 'full_shard auto_wrap'), got {value!r}.")
-    tr.sections.setdefault("fsdp", {})
-    for word in words:
-        if word not in _FSDP_WORDS:
-            raise ConfigError(
-                f"train.fsdp option {word!r} is not supported: corelooper-fsdp is FSDP2 ({', '.join(_FSDP_WORDS)}"
-                "); hybrid sharding and no_shard have no FSDP2 equivalent here. See the [fsdp] section."
-            )
-        if _FSDP_WORDS[word]:
-            _section(tr, "fsdp", *_FSDP_WORDS[word])
-
-
-def _fsdp_config(value: Any, tr: Translation, old: str = "") -> None:
-    if not value:
-        return
-    if not isinstance(value, dict):
-        raise ConfigError(f"train.fsdp_config must be a table (HF reads a JSON file; write its keys here), got {value!r}.")
-    for key, v in value.items():
-        name = _FSDP_CONFIG.get(key.removeprefix("fsdp_"))
-        if name is None:
-            raise ConfigError(
-                f"train.fsdp_config.{key} is not supported; the [fsdp] section has: wrap, "
-                "reshard_after_forward, cpu_offload, param_dtype, reduce_dtype, activation_checkpointing, "
-                "sharded_state."
-            )
-        _section(tr, "fsdp", name, list(v) if name == "wrap" and isinstance(v, list | tuple) else v)
-
-
 def _sampling_from_group_by_length(value: Any, tr: Translation, old: str = "") -> None:
     if value:
         _set(tr, "train_sampling_strategy", "group_by_length", old)
-
-
-def _logging_dir(value: Any, tr: Translation, old: str = "") -> None:
-    if value:
-        _section(tr, "tensorboard", "log_dir", value)
 
 
 def _accept(value: Any, tr: Translation, old: str = "") -> None:
@@ -194,12 +100,6 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
     # name: (mapper, what it becomes; 4.x names say so and get a FutureWarning)
     "bf16": (_precision("bf16"), 'mixed_precision = "bf16"'),
     "fp16": (_precision("fp16"), 'mixed_precision = "fp16"'),
-    "neftune_noise_alpha": (_neftune, "[neftune] noise_alpha (the corelooper-neftune plugin)"),
-    "use_liger_kernel": (_use_liger_kernel, "[liger] enabled (the corelooper-liger plugin)"),
-    "liger_kernel_config": (_liger_kernel_config, "[liger] keys (the corelooper-liger plugin)"),
-    "deepspeed": (_deepspeed, "[deepspeed] config (the corelooper-deepspeed plugin)"),
-    "fsdp": (_fsdp, "the [fsdp] section (the corelooper-fsdp plugin, FSDP2)"),
-    "fsdp_config": (_fsdp_config, "[fsdp] keys (the corelooper-fsdp plugin)"),
     "activation_checkpointing": (_renamed("gradient_checkpointing"), "gradient_checkpointing"),
     "do_train": (_accept, "nothing: HF's Trainer does not read it either (use `corelooper run`)"),
     "do_eval": (_accept, "nothing: HF's Trainer does not read it either (use `corelooper eval`)"),
@@ -215,7 +115,6 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
     "no_cuda": (_renamed("use_cpu"), "use_cpu"),
     "per_gpu_train_batch_size": (_renamed("per_device_train_batch_size"), "per_device_train_batch_size"),
     "per_gpu_eval_batch_size": (_renamed("per_device_eval_batch_size"), "per_device_eval_batch_size"),
-    "logging_dir": (_logging_dir, "[tensorboard] log_dir"),
     "include_tokens_per_second": (_accept, "nothing: tokens_per_second is always logged for token batches"),
     "torchdynamo": (_renamed("torch_compile_backend"), "torch_compile_backend"),
     # other tools' names
@@ -225,7 +124,7 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
 }
 FOUR_X = frozenset({
     "evaluation_strategy", "warmup_ratio", "group_by_length", "no_cuda", "per_gpu_train_batch_size",
-    "per_gpu_eval_batch_size", "logging_dir", "include_tokens_per_second", "torchdynamo",
+    "per_gpu_eval_batch_size", "include_tokens_per_second", "torchdynamo",
 })
 NO_OP_MAPPED = frozenset(k for k, (m, _) in MAPPED.items() if m is _accept)
 # Names from other tools: refused with the corelooper name (a user of them must learn the HF name).
@@ -243,8 +142,8 @@ class Unsupported:
 _HUB = Unsupported(
     "Hub upload is not built in: upload output_dir after training (`hf upload REPO runs/x`) or in an "
     "on_save plugin.", (False, None, "every_save", "huggingface"))
-_TRACKIO = Unsupported("trackio has no corelooper plugin; logging plugins: tensorboard, wandb (train.report_to).",
-                       (None,))
+_TRACKIO = Unsupported("trackio has no corelooper plugin; `corelooper plugins` lists the installed loggers "
+                       "(train.report_to).", (None,))
 _DL = "the loader is rebuilt each epoch from seeded indices, so a resume is exact"
 
 # HF's AcceleratorConfig() as TrainingArguments.to_dict() writes it: what corelooper's Accelerator does.
@@ -280,8 +179,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "log_level": Unsupported("corelooper's console is quiet by design; set Python logging levels yourself "
                              "(logging.getLogger('transformers')).", ("passive",)),
     "log_level_replica": Unsupported("only rank 0 speaks; other ranks print nothing.", ("warning", "passive")),
-    "project": Unsupported("trackio has no corelooper plugin; for W&B use [wandb] project.",
-                           ("huggingface",)),
+    "project": Unsupported("trackio has no corelooper plugin; a logging plugin takes its project in its own "
+                           "section (`corelooper plugins` lists them).", ("huggingface",)),
     "trackio_space_id": _TRACKIO,
     "trackio_bucket_id": _TRACKIO,
     "trackio_static_space_id": _TRACKIO,
@@ -321,7 +220,7 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "corelooper builds its own Accelerator; to change it, return your own backend from a "
         "create_backend plugin.", (None, {}, _HF_ACCELERATOR_DEFAULTS)),
     "parallelism_config": Unsupported(
-        "use --nproc N (data parallel), an [fsdp] section (corelooper-fsdp) or a [deepspeed] section.",
+        "use --nproc N (data parallel), or the section of a sharding plugin (`corelooper plugins`).",
         (None,)),
     "dataloader_persistent_workers": Unsupported(f"not supported: {_DL}.", (False,)),
     "dataloader_prefetch_factor": Unsupported(f"not supported: {_DL}; torch's default (2) is used.", (None,)),
@@ -377,7 +276,8 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
                 tr.notes.append(note)
                 warnings.warn(note, HFNameNote, stacklevel=4)
             continue
-        tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
+        if not _plugin_field(key, value, raw, tr):
+            tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
     return tr
 
 
@@ -391,11 +291,52 @@ def _json_dict(key: str, value: Any) -> Any:
         return json.loads(value)
     except json.JSONDecodeError as e:
         raise ConfigError(f"train.{key} = {value!r} is not valid JSON ({e}): write a table instead.") from None
+def _plugin_field(key: str, value: Any, raw: dict[str, Any], tr: Translation) -> bool:
+    """Translate a name an installed plugin answers to into its section; False if none does."""
+    declared = declared_train_fields().get(key)
+    if not declared:
+        return False
+    tr.plugin_values[key] = value
+    part = declared[0][1](value, raw)  # the first plugin by name, as for providers
+    for section, values in (part or {}).items():
+        tr.sections.setdefault(section, {}).update(values)
+    return True
+
+
+def settings_of(plugin: Any) -> dict[str, Any]:
+    """What ``plugin`` declares with ``corelooper_settings`` (``{}`` for nothing)."""
+    declare = getattr(plugin, "corelooper_settings", None)
+    return (declare() or {}) if callable(declare) else {}
+
+
+_DECLARED: tuple[tuple, dict] = ((), {})
+
+
+def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
+    """The ``[train]`` keys installed plugins answer to: key -> [(plugin, translate), ...], by
+    plugin name. Read from the entry points (cached while they stay the same)."""
+    global _DECLARED
+    from importlib.metadata import entry_points
+
+    from ..hookspecs import PROJECT
+
+    eps = tuple(sorted((ep.name, ep.value) for ep in entry_points(group=PROJECT)))
+    if _DECLARED[0] != eps:
+        found: dict[str, list[tuple[str, Callable]]] = {}
+        for ep in sorted(entry_points(group=PROJECT), key=lambda e: e.name):
+            try:
+                train = settings_of(ep.load()).get("train", {})
+            except Exception:  # load_plugins imports it again, strictly, and names the error
+                continue
+            for key, translate in train.items():
+                found.setdefault(key, []).append((ep.name, translate))
+        _DECLARED = (eps, found)
+    return _DECLARED[1]
 
 
 def hf_names() -> list[str]:
-    """Every HF name this module knows (candidates for "did you mean")."""
-    return [*MAPPED, *UNSUPPORTED]
+    """Every HF name this module and the installed plugins know (candidates for "did you mean")."""
+    return [*MAPPED, *UNSUPPORTED, *declared_train_fields()]
 
 
 def hf_hint(key: str) -> str | None:
@@ -404,4 +345,5 @@ def hf_hint(key: str) -> str | None:
         return MAPPED[key][1]
     if key in UNSUPPORTED:
         return UNSUPPORTED[key].why
-    return None
+    declared = declared_train_fields().get(key)
+    return f"the plugin {declared[0][0]!r} answers to it" if declared else None

@@ -22,6 +22,11 @@ def corelooper_config_sections():
     return {SECTION: dict(DEFAULTS)}
 
 
+def corelooper_settings():
+    """``auto_find_batch_size = true`` asks for this plugin: refused when it is not loaded."""
+    return {"train": {"auto_find_batch_size": lambda value, train: {} if value else None}}
+
+
 def corelooper_configure(config, plugins) -> None:
     if not getattr(config.train, "auto_find_batch_size", False):
         if SECTION in config.sections:

@@ -259,13 +259,13 @@ class AutoBatchSize:
 
 
 def check_backend(backend) -> None:
-    """DeepSpeed fixes gradient accumulation when its engine is built, so a smaller micro-batch
-    could not keep the effective batch there."""
-    if not type(backend).__module__.startswith("corelooper_deepspeed"):
+    """A backend that fixes gradient accumulation when it is built (``fixed_accumulation``, e.g.
+    DeepSpeed's engine): a smaller micro-batch could not keep the effective batch there."""
+    if not getattr(backend, "fixed_accumulation", False):
         return
     raise ConfigError(
         f"train.auto_find_batch_size = true cannot work with the {type(backend).__name__} backend: "
-        "DeepSpeed fixes the number of micro-batches per step when its engine is built, so a "
+        "it fixes the number of micro-batches per step when it is built (fixed_accumulation), so a "
         "smaller micro-batch could not keep the effective batch. Set "
         "train.auto_find_batch_size = false and choose per_device_train_batch_size / "
         "gradient_accumulation_steps by hand (or use the default DDP backend, or FSDP on one "

@@ -210,10 +210,10 @@ def test_installed_but_not_turned_on_changes_nothing(tmp_path):
 
 def test_backend_that_cannot_change_accumulation_is_refused_at_start(tmp_path):
     class FixedAccumulation(AccelerateBackend):
-        """Stands in for corelooper-deepspeed's backend (whose engine fixes GA at init): a
-        real DeepSpeed engine is covered by plugins/deepspeed's tests."""
+        """Declares the capability corelooper-deepspeed's backend declares (its engine fixes GA
+        at init): recognised by the flag, not by its module's name."""
 
-    FixedAccumulation.__module__ = "corelooper_deepspeed.backend"
+        fixed_accumulation = True
 
     class Provider:
         name = "fixed-backend"
@@ -224,7 +224,11 @@ def test_backend_that_cannot_change_accumulation_is_refused_at_start(tmp_path):
     with pytest.raises(ConfigError) as info:
         make_loop(tmp_path, "x", mlp(), auto_find_batch_size=True, plugins=[Provider()])
     msg = str(info.value)
-    assert "auto_find_batch_size" in msg and "FixedAccumulation" in msg and "DeepSpeed" in msg
+    assert "auto_find_batch_size" in msg and "FixedAccumulation" in msg and "fixed_accumulation" in msg
+    # a backend of any module without the flag is not refused
+    FixedAccumulation.fixed_accumulation = False
+    FixedAccumulation.__module__ = "corelooper_deepspeed.backend"
+    make_loop(tmp_path, "y", mlp(), auto_find_batch_size=True, plugins=[Provider()])
 
 
 def test_probe_finds_the_size_before_training_and_leaves_no_trace(tmp_path):

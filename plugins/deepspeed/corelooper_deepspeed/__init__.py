@@ -31,8 +31,12 @@ DEFAULTS = {
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    if "deepspeed" not in config.sections:  # `corelooper plugins --config` says so
-        plugins.set_inactive("deepspeed", "no [deepspeed] section")
+    from corelooper.builtin.console import quiet_library
+
+    # DeepSpeed's notices and logs (errors pass; filters, not levels: it resets its logger's level
+    # when imported). Shown with --verbose.
+    quiet_library("deepspeed", ("DeepSpeed", "deepspeed"))
+    plugins.section_or_inactive(config, "deepspeed")  # `corelooper plugins --config` says why
 
 
 @hookimpl
@@ -47,3 +51,21 @@ def create_backend(loop):
     from .backend import DeepSpeedBackend
 
     return DeepSpeedBackend.from_loop(loop)
+
+
+def _hf_deepspeed(value, train):
+    """HF's ``deepspeed`` (a JSON file, or its keys as a table) -> ``[deepspeed]``."""
+    from corelooper.errors import ConfigError
+
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return {"deepspeed": {"config": value}}
+    if isinstance(value, dict):
+        return {"deepspeed": {"extra": dict(value)}}
+    raise ConfigError(f"train.deepspeed must be a DeepSpeed JSON file or a table, got {value!r}.")
+
+
+@hookimpl
+def corelooper_settings():
+    return {"train": {"deepspeed": _hf_deepspeed}}

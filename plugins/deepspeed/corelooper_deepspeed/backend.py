@@ -80,6 +80,7 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         self._rebuild = lambda a: ds_config.build(a, section, self.num_processes, on_cuda, base)
         self.zero_stage = self.config["zero_optimization"]["stage"]
         self.shards_parameters = self.zero_stage == 3
+        self.fixed_accumulation = True  # the engine's gradient_accumulation_steps, set when built
         self.engine = None
         self._grad_norm = None
         atexit.register(_teardown)

@@ -32,8 +32,7 @@ DEFAULTS = {
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    if "fsdp" not in config.sections:  # `corelooper plugins --config` says so
-        plugins.set_inactive("fsdp", "no [fsdp] section")
+    plugins.section_or_inactive(config, "fsdp")  # `corelooper plugins --config` says why
 
 
 @hookimpl
@@ -48,3 +47,67 @@ def create_backend(loop):
     from .backend import FSDPBackend
 
     return FSDPBackend.from_loop(loop)
+
+
+# HF's `fsdp` option words and the [fsdp] keys they set.
+_FSDP_WORDS = {
+    "full_shard": ("reshard_after_forward", True),
+    "shard_grad_op": ("reshard_after_forward", False),
+    "offload": ("cpu_offload", True),
+    "auto_wrap": None,  # always wrapped here (by [fsdp] wrap or the model's _no_split_modules)
+}
+# HF's fsdp_config keys and their [fsdp] names.
+_FSDP_CONFIG = {
+    "transformer_layer_cls_to_wrap": "wrap",
+    "activation_checkpointing": "activation_checkpointing",
+    "reshard_after_forward": "reshard_after_forward",
+    "cpu_offload": "cpu_offload",
+}
+
+
+def _hf_fsdp(value, train):
+    """HF's ``fsdp`` option string -> ``[fsdp]`` keys."""
+    from corelooper.errors import ConfigError
+
+    if value in (None, "", False, []):
+        return None
+    words = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else []
+    if value is not True and not words:
+        raise ConfigError(f"train.fsdp must be HF's option string (e.g. 'full_shard auto_wrap'), got {value!r}.")
+    out = {}
+    for word in words:
+        if word not in _FSDP_WORDS:
+            raise ConfigError(
+                f"train.fsdp option {word!r} is not supported: corelooper-fsdp is FSDP2 ({', '.join(_FSDP_WORDS)}"
+                "); hybrid sharding and no_shard have no FSDP2 equivalent here. See the [fsdp] section."
+            )
+        if _FSDP_WORDS[word]:
+            key, setting = _FSDP_WORDS[word]
+            out[key] = setting
+    return {"fsdp": out}
+
+
+def _hf_fsdp_config(value, train):
+    """HF's ``fsdp_config`` keys -> their ``[fsdp]`` names."""
+    from corelooper.errors import ConfigError
+
+    if not value:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"train.fsdp_config must be a table (HF reads a JSON file; write its keys here), got {value!r}.")
+    out = {}
+    for key, v in value.items():
+        name = _FSDP_CONFIG.get(key.removeprefix("fsdp_"))
+        if name is None:
+            raise ConfigError(
+                f"train.fsdp_config.{key} is not supported; the [fsdp] section has: wrap, "
+                "reshard_after_forward, cpu_offload, param_dtype, reduce_dtype, activation_checkpointing, "
+                "sharded_state."
+            )
+        out[name] = list(v) if name == "wrap" and isinstance(v, list | tuple) else v
+    return {"fsdp": out}
+
+
+@hookimpl
+def corelooper_settings():
+    return {"train": {"fsdp": _hf_fsdp, "fsdp_config": _hf_fsdp_config}}

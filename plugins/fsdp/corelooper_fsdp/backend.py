@@ -48,6 +48,7 @@ class FSDPBackend(TorchDistributedCollectives):
     """Parameters, gradients and optimizer state sharded over all ranks (FSDP2 / DTensor)."""
 
     shards_parameters = True
+    fixed_accumulation = False
 
     def __init__(self, options: dict, mixed_precision: str = "no", use_cpu: bool = False):
         self.options = options

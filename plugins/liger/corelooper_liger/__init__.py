@@ -101,10 +101,9 @@ def unavailable_reason(train) -> str | None:
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    if SECTION not in config.sections:
-        plugins.set_inactive(SECTION, "no [liger] section (or train.use_liger_kernel = true)")
+    section = plugins.section_or_inactive(config, SECTION, "no [liger] section (or train.use_liger_kernel = true)")
+    if section is None:
         return
-    section = config.section(SECTION)
     kwargs = kernel_kwargs(section)
     if not section["enabled"]:
         plugins.set_inactive(SECTION, "[liger] enabled = false")
@@ -188,3 +187,39 @@ class LigerPatch:
         if loop.state.is_world_process_zero:
             logger.info("corelooper-liger: patched %s with Liger kernels %s", type(loop.model).__name__,
                         self.applied or "(the model type's defaults)")
+
+
+# The switches of Liger's patch functions that [liger] has as keys of its own (the rest: [liger] extra).
+_LIGER_SWITCHES = ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy")
+
+
+def _hf_use_liger_kernel(value, train):
+    if not isinstance(value, bool):
+        raise ConfigError(f"train.use_liger_kernel must be true or false, got {value!r}.")
+    if not value and train.get("liger_kernel_config") is None:
+        return None  # false alone is HF's default: no section, nothing needed
+    return {SECTION: {"enabled": value}}
+
+
+def _hf_liger_kernel_config(value, train):
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"train.liger_kernel_config must be a table of Liger's patch arguments (e.g. "
+            f"{{ rope = true, fused_linear_cross_entropy = true }}), got {value!r}."
+        )
+    # As HF: the config alone (without use_liger_kernel = true) patches nothing.
+    out = {"enabled": train.get("use_liger_kernel") is True}
+    for key, v in value.items():
+        if key in _LIGER_SWITCHES:
+            out[key] = v
+        else:
+            out.setdefault("extra", {})[key] = v
+    return {SECTION: out}
+
+
+@hookimpl
+def corelooper_settings():
+    """HF's ``use_liger_kernel`` / ``liger_kernel_config`` -> ``[liger]``."""
+    return {"train": {"use_liger_kernel": _hf_use_liger_kernel, "liger_kernel_config": _hf_liger_kernel_config}}

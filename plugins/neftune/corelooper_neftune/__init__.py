@@ -79,10 +79,9 @@ def activate(model: torch.nn.Module, noise_alpha: float, name: str = ""):
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    if SECTION not in config.sections:
-        plugins.set_inactive(SECTION, "no [neftune] section")
+    cfg = plugins.section_or_inactive(config, SECTION)
+    if cfg is None:
         return
-    cfg = config.section(SECTION)
     plugins.register(NEFTune(float(cfg["noise_alpha"]), cfg["module"]), f"{SECTION}.run")
 
 
@@ -107,3 +106,10 @@ class NEFTune:
 
     def on_exception(self) -> None:
         self.remove()
+
+
+@hookimpl
+def corelooper_settings():
+    """HF's ``neftune_noise_alpha`` -> ``[neftune] noise_alpha``."""
+    return {"train": {"neftune_noise_alpha": lambda value, train: (
+        None if value is None else {SECTION: {"noise_alpha": value}})}}

@@ -30,8 +30,10 @@ SECTION = "peft"
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    if "peft" not in config.sections:  # `corelooper plugins --config` says so
-        plugins.set_inactive("peft", "no [peft] section")
+    from corelooper.builtin.console import quiet_library
+
+    quiet_library("peft")  # peft's deprecation notices for its own calls (shown with --verbose)
+    plugins.section_or_inactive(config, "peft")  # `corelooper plugins --config` says why
 
 
 @hookimpl

@@ -48,8 +48,7 @@ def corelooper_config_sections():
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    if SECTION not in config.sections:  # `corelooper plugins --config` says so
-        plugins.set_inactive(SECTION, "no [sft] section")
+    plugins.section_or_inactive(config, SECTION)  # `corelooper plugins --config` says why
 
 
 @hookimpl

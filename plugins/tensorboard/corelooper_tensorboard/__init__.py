@@ -60,7 +60,12 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]]:
     return {SECTION: dict(DEFAULTS)}
 
 
-reports = True  # a logger: loaded only when train.report_to wants it (HF's report_to)
+def corelooper_settings() -> dict[str, Any]:
+    """A logger: loaded only when train.report_to wants it (HF's report_to); HF's 4.x
+    ``logging_dir`` is ``[tensorboard] log_dir``."""
+    return {"report_to": [SECTION], "train": {"logging_dir": lambda value, train: (
+        {SECTION: {"log_dir": value}} if value else None)}}
+
 
 def inactive_reason(config) -> str | None:
     """Why this plugin does nothing for ``config`` (``None``: it is active)."""
@@ -131,31 +136,41 @@ class TensorBoardLogger:
             file_writer.add_summary(summary)
 
     def on_log(self, loop, state, logs) -> None:
-        # Evaluation metrics arrive here too (on_log before on_evaluate, as in HF): flush them.
-        self._write(loop, state, logs, flush=any(k.startswith("eval_") for k in logs))
+        self._write(loop, state, logs)  # evaluation metrics too (on_log before on_evaluate, as HF)
 
     def on_predict(self, loop, state, metrics) -> None:
-        self._write(loop, state, metrics, flush=True)
+        self._write(loop, state, metrics)
+        self.flush()
 
-    def _write(self, loop, state, values: dict, flush: bool = False) -> None:
+    def _write(self, loop, state, values: dict) -> None:
+        # No flush per write: the writer flushes every flush_secs, at the end of train() and of
+        # each evaluation, at each checkpoint, and closes when the Loop ends.
         writer = self._writer(loop, state)
         if writer is None:
             return
         for name, value in scalars(values).items():
             writer.add_scalar(name, value, state.global_step)
-        if flush or not self.training:  # outside train(): nobody will close it
-            writer.flush()
+
+    def on_evaluate(self) -> None:
+        self.flush()
 
     def on_save(self) -> None:
-        # A checkpoint and the curves up to it reach the disk together.
-        if self.writer is not None:
-            self.writer.flush()
+        self.flush()  # a checkpoint and the curves up to it reach the disk together
 
     def on_train_end(self) -> None:
-        self.close()  # also after a preemption (state.preempted)
+        self.flush()  # also after a preemption (state.preempted)
+        self.training = False
 
     def on_exception(self) -> None:
+        self.flush()
+        self.training = False
+
+    def corelooper_unconfigure(self) -> None:
         self.close()
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
         self.training = False

@@ -116,3 +116,23 @@ def test_evaluate_outside_training_is_written_at_once(make_loop, tmp_path):
     # no num_input_tokens_seen: this data has no input_ids, there are no tokens to count
     assert set(got) == {"eval/loss", "eval/accuracy", "train/epoch"}
     assert list(got["eval/loss"]) == [0]
+
+
+def test_one_event_file_for_training_and_later_evaluations_closed_when_the_loop_ends(make_loop):
+    """Flushed at the end of train() and of each evaluation, closed by corelooper_unconfigure
+    (before: train() closed its file and an evaluate() after it opened a second one, flushed
+    after every write and never closed)."""
+    loop = make_loop([tb_plugin])
+    log_dir = Path(loop.args.output_dir) / "tensorboard"
+    loop.train()
+    logger = loop.plugins.get("tensorboard.run")
+    assert logger.writer is not None  # open until the Loop ends
+    assert sorted(scalar_values(read_events(log_dir))["train/loss"]) == [2, 4, 6, 8]  # flushed
+    loop.evaluate()
+    assert [e.step for e in read_events(log_dir).Scalars("eval/accuracy")] == [4, 8, 8]  # flushed
+    loop.close()
+    assert logger.writer is None
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
+    records = [r for r in jsonl(Path(loop.args.output_dir)) if r["event"] == "eval"]
+    assert [e.value for e in read_events(log_dir).Scalars("eval/accuracy")] == pytest.approx(
+        [r["eval_accuracy"] for r in records], rel=1e-6)

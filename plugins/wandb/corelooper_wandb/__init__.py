@@ -65,7 +65,9 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]]:
     return {SECTION: {**DEFAULTS, "tags": []}}
 
 
-reports = True  # a logger: loaded only when train.report_to wants it (HF's report_to)
+def corelooper_settings() -> dict[str, Any]:
+    return {"report_to": [SECTION]}  # a logger: loaded only when train.report_to wants it (HF's)
+
 
 def settings(config) -> dict[str, Any]:
     return {**DEFAULTS, **config.sections.get(SECTION, {})}
@@ -102,6 +104,7 @@ class WandbLogger:
         self.run = None
         self.run_id: str | None = None  # the id of the current (or last) run, saved in checkpoints
         self._resume_id: str | None = None  # from a checkpoint being loaded
+        self.closed = False  # the Loop ended (corelooper_unconfigure)
 
     def _active(self, loop, state) -> bool:
         return state.is_world_process_zero
@@ -155,8 +158,11 @@ class WandbLogger:
             return
         resume_id = self._resume_id if state.global_step > 0 else None
         self._resume_id = None
-        self._finish()
-        run = self._init(loop, resume_id or new_run_id())
+        if self.run is not None and resume_id in (None, self.run_id):
+            run = self.run  # opened by an evaluate() before train(), or an earlier train(): one run
+        else:
+            self._finish()
+            run = self._init(loop, resume_id or new_run_id())
         model = loop.backend.unwrap_model(loop.model) if loop.backend else loop.model
         run.config.update(
             {"model/num_parameters": sum(p.numel() for p in model.parameters())}, allow_val_change=True
@@ -165,18 +171,22 @@ class WandbLogger:
     def _log(self, loop, state, values: dict[str, Any]) -> None:
         if not self._active(loop, state):
             return
-        run = self.run
-        reopened = run is None  # e.g. evaluate() after train() ended the run: log into the same run
-        if reopened:
+        run = self.run  # open from the first log until the Loop ends (corelooper_unconfigure)
+        if run is None:
             run = self._init(loop, self.run_id or new_run_id())
+        try:
+            self._send(run, state, values)
+        finally:
+            if self.closed:  # a log after the Loop was closed: into the same run, finished again
+                self._finish()
+
+    def _send(self, run, state, values: dict[str, Any]) -> None:
         values = _numbers(values)
         for key in SUMMARY_KEYS:
             if key in values:
                 run.summary[key] = values.pop(key)
         if values:
             run.log({**{tag(k): v for k, v in values.items()}, STEP: state.global_step})
-        if reopened:
-            self._finish()
 
     def on_log(self, loop, state, logs) -> None:
         self._log(loop, state, logs)  # evaluation metrics too (on_log before on_evaluate, as in HF)
@@ -193,10 +203,14 @@ class WandbLogger:
         self.run.summary.update(summary)
         if state.preempted:
             self.run.mark_preempting()  # W&B shows it as preempted; a resume continues this run id
-        self._finish()
+        # The run stays open: evaluate()/predict() after train() log into it; it ends with the Loop.
 
     def on_exception(self, exception) -> None:
         self._finish(exit_code=1)
+
+    def corelooper_unconfigure(self) -> None:
+        self.closed = True
+        self._finish()
 
     def _finish(self, exit_code: int | None = None) -> None:
         run, self.run = self.run, None

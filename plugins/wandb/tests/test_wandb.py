@@ -18,6 +18,9 @@ from corelooper.testing import SigtermAt
 @pytest.fixture
 def wandb_env(tmp_path, monkeypatch):
     """Offline W&B with every folder it writes under tmp_path."""
+    import wandb
+
+    wandb.teardown()  # W&B keeps its settings (an earlier test's online mode) until torn down
     root = tmp_path / "wandb-home"
     for var, sub in (("WANDB_DIR", "runs"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
                      ("WANDB_DATA_DIR", "data")):
@@ -134,3 +137,20 @@ def test_online_without_credentials_is_one_clear_error(run_loop, wandb_env, monk
     with pytest.raises(PluginError, match=r"wandb.init failed: .*API key.*WANDB_MODE=offline.*-p no:wandb"):
         run_loop([wb_plugin], sections={"wandb": {}})
     assert not (tmp_path / "run" / "checkpoint-4").exists()
+
+
+def test_one_run_lives_until_the_loop_ends(make_loop, wandb_env):
+    """An evaluate() after train() logs into the open run, which corelooper_unconfigure finishes
+    (before: train() finished it and the evaluation reopened it: a second run file)."""
+    loop = make_loop([wb_plugin], sections={"wandb": {}})
+    loop.train()
+    logger = loop.plugins.get("wandb.run")
+    assert logger.run is not None
+    metrics = loop.evaluate()
+    loop.close()
+    assert logger.run is None
+    (path,) = find_runs(wandb_env)
+    run = read_run(path)
+    assert run.exit_code == 0 and run.summary["global_step"] == 8
+    evals = [row["eval/accuracy"] for row in run.history if "eval/accuracy" in row]
+    assert len(evals) == 3 and evals[-1] == pytest.approx(metrics["eval_accuracy"])
