@@ -106,7 +106,8 @@ class BatchTokenizer:
             if out[k] is None or out[k]["trained"] == 0:  # the row path tokenizes, or names the error
                 item = self.rows(row, indices[k])
                 out[k] = {**item, "trained": _trained(item["labels"])}
-        return {key: [item[key] for item in out] for key in out[0]}
+        keys = dict.fromkeys(key for item in out for key in item)  # a row without an extra: None
+        return {key: [item.get(key) for item in out] for key in keys}
 
     def _chats(self, rows: list[dict]) -> list[dict]:
         if not rows:
@@ -127,8 +128,13 @@ class BatchTokenizer:
 
 
 def column(ds, name: str) -> list[int]:
-    """One integer column as a list, read as one Arrow array (``ds[name]`` iterates row by row)."""
-    return ds.with_format("arrow")[name].to_numpy().tolist()
+    """One integer column as a list, read as one Arrow array (``ds[name]`` iterates row by row, and
+    datasets gathers a filtered data set's rows one by one: one vectorized ``take`` instead)."""
+    values = ds.data.column(name)
+    indices = getattr(ds, "_indices", None)
+    if indices is not None:
+        values = values.take(indices.column(0))
+    return values.to_numpy().tolist()
 
 
 def _trained(labels: Sequence[int]) -> int:

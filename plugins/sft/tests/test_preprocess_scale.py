@@ -205,3 +205,15 @@ def test_preview_names_a_malformed_line_among_those_it_reads(tmp_path, model_dir
     out = preview(tmp_path, model_dir, ["-n", "2"])
     assert out.returncode == 4 and "chats.jsonl, line 2: not valid JSON" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_lengths_of_a_filtered_data_set_are_those_of_its_rows(overlong):
+    # dropping (and truncating, then dropping rows left untrained) leaves a filtered view
+    data = CHATS * 3 + [{"messages": [{"role": "user", "content": "x " * 60},
+                                      {"role": "assistant", "content": "y"}]}]
+    prepared = prepare(data, make_tokenizer(), cfg(max_length=45, overlong=overlong), "t", use_cache=False)
+    assert prepared.lengths == [len(prepared[i]["input_ids"]) for i in range(len(prepared))]
+    assert prepared.stats.dropped + prepared.stats.fully_masked_dropped > 0
+    assert prepared.stats.trained_tokens == sum(sum(x != -100 for x in prepared[i]["labels"][1:])
+                                                for i in range(len(prepared)))
