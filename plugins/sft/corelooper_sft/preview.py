@@ -38,15 +38,17 @@ def register(app) -> None:
             fail(e, traceback_)
 
 
-def load(config_path: Path, overrides: list[str], split: str):
-    """The prepared data set and tokenizer of a config, without building the model."""
+def load(config_path: Path, overrides: list[str], split: str, n: int = 0):
+    """The prepared data set and tokenizer of a config, without building the model. A JSON Lines
+    file is read only as far as the preview needs (its first rows: ``head``), anything else whole."""
     from corelooper.build import build_dataset
     from corelooper.config import Config
     from corelooper.errors import ConfigError, DataError
     from corelooper.plugins import load_plugins
 
     from . import DEFAULTS, SECTION
-    from .setup import check, configure_tokenizer, find_tokenizer, prepare_split
+    from .pipeline import prepare
+    from .setup import check, configure_tokenizer, find_tokenizer, mode
 
     config = Config.load(config_path, overrides).with_defaults({SECTION: DEFAULTS})
     cfg = config.section(SECTION)
@@ -54,16 +56,77 @@ def load(config_path: Path, overrides: list[str], split: str):
     ref = getattr(config.data, split)
     if not ref and not (split == "eval" and config.data.eval_split):
         raise ConfigError(f"data.{split} is not set in {config_path}: nothing to preview.")
+    tok = find_tokenizer(config)
+    template = configure_tokenizer(tok, cfg, config)
+    where = f"data.{split} ({ref or 'eval_split'})"
+    split_cfg = {**cfg, "packing": mode(cfg, split) == "packed"}
+    file = jsonl_file(ref, config_path)
+    if file is not None and n > 0:
+        return head(file, n, tok, split_cfg, where, template), tok
     dataset = build_dataset(load_plugins(Config.load(config_path, overrides)), config, split)
     if dataset is None:
         raise DataError(f"data.{split} gave no data set.")
-    tok = find_tokenizer(config)
-    template = configure_tokenizer(tok, cfg, config)
-    return prepare_split(dataset, tok, cfg, split, f"data.{split} ({ref or 'eval_split'})", template), tok
+    return prepare(dataset, tok, split_cfg, where, template), tok
+
+
+def jsonl_file(ref, config_path: Path) -> Path | None:
+    """The file a ``[data]`` value names when it is one JSON Lines file (no glob, no mixture)."""
+    if not isinstance(ref, str) or Path(ref).suffix.lower() != ".jsonl" or set("*?[") & set(ref):
+        return None
+    path = Path(ref).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = config_path.parent / path
+    return path if path.is_file() else None
+
+
+def read_rows(file: Path, count: int, start: tuple[int, int] = (0, 0)) -> tuple[list[dict], tuple[int, int], bool]:
+    """Up to ``count`` rows of a JSON Lines file from byte offset ``start[0]`` (line ``start[1]``):
+    the rows, where the next read starts, and whether the file ended. Reads nothing further."""
+    from corelooper.errors import DataError
+
+    rows, (offset, line_no) = [], start
+    with file.open("rb") as fh:
+        fh.seek(offset)
+        while len(rows) < count:
+            line = fh.readline()
+            if not line:
+                return rows, (offset, line_no), True
+            offset, line_no = offset + len(line), line_no + 1
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{file}, line {line_no}: not valid JSON ({e.msg}, column {e.colno}). Each line "
+                                "of a JSON Lines file must be one JSON object.") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{file}, line {line_no}: a {type(row).__name__}, not a JSON object.")
+            rows.append(row)
+    return rows, (offset, line_no), False
+
+
+def head(file: Path, n: int, tok, cfg, where: str, template):
+    """The first ``n`` samples (or packed rows) prepared from the first rows of ``file``: ``n``
+    rows, or when packing as many as fill ``n`` packed rows (doubling), never the whole file
+    unless it is that short. The statistics are those of the rows read (``stats.read``)."""
+    from corelooper.errors import DataError
+
+    from .pipeline import prepare
+
+    rows, pos, ended = read_rows(file, n)
+    while True:
+        if not rows:
+            raise DataError(f"{where}: {file} has no rows.")
+        prepared = prepare(rows, tok, cfg, where, template, use_cache=False)
+        if ended or not cfg["packing"] or len(prepared) > n:
+            prepared.stats.read = {"file": str(file), "rows": len(rows), "whole_file": ended}
+            return prepared
+        more, pos, ended = read_rows(file, len(rows), pos)
+        rows += more
 
 
 def run_preview(config_path: Path, n: int, as_json: bool, overrides: list[str], split: str) -> None:
-    prepared, tok = load(config_path, overrides, split)
+    prepared, tok = load(config_path, overrides, split, n)
     rows = prepared.__getitems__(list(range(min(n, len(prepared)))))
     plan = getattr(prepared, "plan", None)
     if as_json:
@@ -141,7 +204,8 @@ def stats_of(prepared) -> dict:
             "trained_share": round(s.trained_tokens / max(s.tokens, 1), 4), "overlong": s.overlong,
             "truncated": s.truncated, "dropped": s.dropped, "fully_masked_dropped": s.fully_masked_dropped,
             "length_histogram": hist, "max_length": max(lengths, default=0),
-            "packed_rows": len(prepared) if hasattr(prepared, "plan") else None}
+            "packed_rows": len(prepared) if hasattr(prepared, "plan") else None,
+            "read": getattr(s, "read", None)}
 
 
 def describe(stats: dict) -> str:
@@ -151,6 +215,9 @@ def describe(stats: dict) -> str:
              f", dropped with no trained token left {stats['fully_masked_dropped']})"]
     if stats["packed_rows"] is not None:
         lines.append(f"packed into {stats['packed_rows']} rows")
+    read = stats.get("read")
+    if read and not read["whole_file"]:
+        lines.append(f"(of the first {read['rows']} rows of {read['file']}: the preview reads no further)")
     width = max(stats["length_histogram"].values(), default=1)
     for bucket, count in stats["length_histogram"].items():
         lines.append(f"  {bucket:>12} tokens | {'#' * max(1, round(40 * count / width))} {count}")

@@ -29,10 +29,12 @@ def run(args, cwd):
 
 def test_preview_shows_trained_tokens_counts_and_statistics(tmp_path, model_dir):
     cfg = setup(tmp_path, model_dir)
-    out = run(["data", "preview", str(cfg), "-n", "2"], tmp_path)
+    out = run(["data", "preview", str(cfg), "-n", "3"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "[[Paris.]]" in out.stdout  # the trained part, marked (no terminal: no colours)
-    assert "truncated from 42" in out.stdout and "9 samples kept of 9" in out.stdout
+    # the statistics are those of the rows read: the first 3 of the file's 9
+    assert "truncated from 42" in out.stdout and "3 samples kept of 3" in out.stdout
+    assert "of the first 3 rows of" in out.stdout
     assert out.stderr.count("longer than max_length=40") == 1  # reported once
 
 
@@ -43,7 +45,8 @@ def test_preview_json_gives_ids_labels_and_packing_boundaries(tmp_path, model_di
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     rows, stats = lines[:-1], lines[-1]["stats"]
-    assert len(rows) == 2 and stats["packed_rows"] < stats["kept"] == 9
+    # packing reads rows (doubling) until they fill more than the rows shown: 8 of the file's 9
+    assert len(rows) == 2 and stats["packed_rows"] < stats["kept"] == stats["read"]["rows"] == 8
     for row in rows:
         assert len(row["input_ids"]) == len(row["labels"]) == row["boundaries"][-1]["end"] <= 128
         assert all(row["labels"][b["start"]] == -100 for b in row["boundaries"])
