@@ -167,13 +167,15 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
     """Build the Loop, train, evaluate; returns the exit code of a preemption (else 0)."""
     from corelooper.loop import Loop
 
+    if resume:  # in the config: the Loop settles an elastic resume's geometry before plugins see it
+        cfg = cfg.replace("train", resume_from_checkpoint=resume)
     loop = Loop(config=cfg, blocked_plugins=blocked)
     profiler = None
     if profile_plugins:
         from corelooper.cli.profiling import PluginProfiler
 
         profiler = PluginProfiler(loop.plugins)
-    state = loop.train(resume_from_checkpoint=resume)
+    state = loop.train()
     preempted_exit = 0
     if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
         if state.is_world_process_zero:
@@ -242,12 +244,12 @@ def hooks() -> None:
 
     from corelooper import hookspecs
 
-    names = [*hookspecs.DECLARATIONS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
+    names = [*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
     for name in names:
         fn = getattr(hookspecs, name)
         opts = getattr(fn, "corelooper_spec", {}) or {}
         kind = "provider, firstresult" if opts.get("firstresult") else (
-            "event" if name.startswith("on_") else "declaration")
+            "event" if name.startswith("on_") else "transform" if name in hookspecs.TRANSFORMS else "declaration")
         sig = str(inspect.signature(fn)).split(" ->")[0].replace("'", "")  # postponed annotations
         typer.echo(f"{name}{sig}  [{kind}]")
         typer.echo("    " + inspect.getdoc(fn).replace("\n", "\n    ") + "\n")
