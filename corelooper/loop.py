@@ -113,17 +113,16 @@ class Loop:
         self._events = Events(self._plugins, loop=self, state=self._state, control=self._control)
         self._optimizer = self._scheduler = self._train_loader = self._backend = self._last_step = None
         self._loss_type, self._is_training, self._num_micro_batches = self._args.loss_type, False, 0
-        self._learning_rate = self._forward_signature = None  # the rate the last applied step used
-        self._eval_prepared = False
+        # _learning_rate: the rate the last applied optimizer step used (a skipped step applies none)
+        self._learning_rate, self._forward_signature, self._eval_prepared = None, None, False
         # As TRL wraps a PEFT model before the Trainer creates its Accelerator.
         self._model = transforms.transform_model(self._plugins, self, self._model)
         # As HF's Trainer creates its Accelerator: the distributed facts are known from here on.
         self._backend = self._hook.create_backend(loop=self)
         resume.check_world_size(self._backend)
-        s = self._state
-        s.world_size = self._backend.num_processes
-        s.is_world_process_zero = self._backend.is_main_process
-        s.is_local_process_zero = self._backend.is_local_main_process
+        s, b = self._state, self._backend
+        s.world_size, s.is_world_process_zero, s.is_local_process_zero = (
+            b.num_processes, b.is_main_process, b.is_local_main_process)
         data = transforms.transform_data(self._plugins, self, self._model, data)  # before any loader
         self._train_dataset, self._eval_dataset, self._data_collator = (data[k] for k in transforms.DATA_PARTS)
         self._log_window = LogWindow(self._backend.device)

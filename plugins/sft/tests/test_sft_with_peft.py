@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import corelooper_hf
 import corelooper_peft
 import corelooper_sft
 import pytest
@@ -50,7 +51,7 @@ def run(tmp_path, model_dir, names: tuple[str, str], first: str, monkeypatch):  
     lora = {"method": "lora", "config": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}
     cfg = Config.from_dict({**cfg.to_dict(), "peft": lora})
     plugins = [sft, peft_plugin] if first == "sft" else [peft_plugin, sft]
-    loop = Loop(config=cfg, plugins=[*plugins, seen])
+    loop = Loop(config=cfg, plugins=[corelooper_hf, *plugins, seen])  # corelooper-hf loads the model folder
     loop.train()
     return loop, seen
 
