@@ -284,7 +284,9 @@ def compute_metrics(loop, predictions, label_ids):
 
 @hookspec
 def on_init_end(loop, state, control) -> None:
-    """At the end of ``Loop.__init__``: plugins are registered, the config is validated."""
+    """At the end of ``Loop.__init__``: plugins are configured, model and data transformed
+    (``transform_model``, ``transform_data``), the backend created. Read the Loop here; change
+    the model or data with the transform hooks, not by assigning to the Loop."""
 
 
 @hookspec
