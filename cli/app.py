@@ -176,21 +176,23 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
     """Build the Loop, train, evaluate; returns the exit code of a preemption (else 0)."""
     from corelooper.loop import Loop
 
+    if resume:  # in the config: the Loop settles an elastic resume's geometry before plugins see it
+        cfg = cfg.replace("train", resume_from_checkpoint=resume)
     began = _TrainBegan()
     loop = Loop(config=cfg, blocked_plugins=blocked, plugins=[began])
     with loop:  # corelooper_unconfigure: loggers close their runs after the last evaluation
-        preempted_exit = _train_and_evaluate(loop, began, resume, profile_plugins)
+        preempted_exit = _train_and_evaluate(loop, began, profile_plugins)
     loop.backend.end()
     return preempted_exit
 
 
-def _train_and_evaluate(loop, began: _TrainBegan, resume: str | None, profile_plugins: bool) -> int:
+def _train_and_evaluate(loop, began: _TrainBegan, profile_plugins: bool) -> int:
     profiler = None
     if profile_plugins:
         from corelooper.cli.profiling import PluginProfiler
 
         profiler = PluginProfiler(loop.plugins)
-    state = loop.train(resume_from_checkpoint=resume)
+    state = loop.train()
     if not began.began:  # resumed at its last step: train() returned before anything was written
         if state.is_world_process_zero:
             typer.echo(f"corelooper: {loop.args.output_dir} already finished at step {state.global_step}: "
@@ -263,12 +265,12 @@ def hooks() -> None:
 
     from corelooper import hookspecs
 
-    names = [*hookspecs.DECLARATIONS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
+    names = [*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
     for name in names:
         fn = getattr(hookspecs, name)
         opts = getattr(fn, "corelooper_spec", {}) or {}
         kind = "provider, firstresult" if opts.get("firstresult") else (
-            "event" if name.startswith("on_") else "declaration")
+            "event" if name.startswith("on_") else "transform" if name in hookspecs.TRANSFORMS else "declaration")
         sig = str(inspect.signature(fn)).split(" ->")[0].replace("'", "")  # postponed annotations
         typer.echo(f"{name}{sig}  [{kind}]")
         if getattr(fn, "corelooper_returns", None):  # what the dispatcher checks every answer against

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .data.loader import count_loss_items, resolve_loss_type
+from .data.loader import count_loss_items
 from .losses import predictions_of, split_batch
 
 
@@ -49,12 +49,11 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
 
 def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
     """Loss (weighted by the batch's items) into ``totals``; the outputs when wanted."""
-    if loop.loss_type == "auto":
-        loop.loss_type = resolve_loss_type(batch)
+    loss_type = loop.resolve_loss_type(batch)
     has_labels = split_batch(batch)[2] is not None
     outputs = None
     if has_labels:
-        n = count_loss_items(batch, loop.loss_type)
+        n = count_loss_items(batch, loss_type)
         result, answered = loop.plugins.call_provider(
             "compute_loss", loop=loop, model=loop.model, batch=batch, num_items_in_batch=n,
             return_outputs=True,

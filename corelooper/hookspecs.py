@@ -15,13 +15,21 @@ Two kinds of hooks:
   implementation answered); a provider that wraps the next one calls
   ``plugins.call_next(hook, self, **kwargs)``. Hook wrappers on events work.
 
-Plugin lifecycle: ``corelooper_config_sections`` (declare keys) -> the config is validated ->
-``corelooper_configure(config, plugins)`` (register per-run objects and checkpointed state) ->
-the backend is created (``create_backend``) -> ``on_init_end`` -> ... -> ``Loop.close()`` ->
-``corelooper_unconfigure(config, plugins)`` (close writers and runs). A plugin registered later,
-at any time, is configured at registration (``corelooper_configure`` is historic, as pytest's
-``pytest_configure``) and called from the next event on; one that declares config sections is
-refused then (its sections come after the config was validated).
+Plugin lifecycle: ``corelooper_config_sections`` (declare keys) -> the config is validated and
+made final (an elastic resume's batch geometry is settled here: the config is never replaced
+afterwards) -> ``corelooper_configure(config, plugins)`` (register per-run objects and
+checkpointed state) -> model and data are built -> ``transform_model`` (each in its ``order``) ->
+the backend is created (``create_backend``) -> ``transform_data`` (each in its ``order``) ->
+``on_init_end`` -> ... -> ``Loop.close()`` -> ``corelooper_unconfigure(config, plugins)`` (close
+writers and runs). A plugin registered later, at any time, is configured at registration
+(``corelooper_configure`` is historic, as pytest's ``pytest_configure``) and called from the next
+event on; one that declares config sections is refused then (its sections come after the config
+was validated).
+
+* **Transforms** (``transform_model``, ``transform_data``) change the run's model or data once,
+  when the ``Loop`` is built. Every implementation is called, in a declared order (its
+  ``order``, see ``corelooper.transforms``; never the order plugins were registered or named in),
+  each with the previous one's result; ``None`` keeps it unchanged.
 
 Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
 
@@ -155,6 +163,42 @@ def corelooper_add_commands(app) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Transforms: every implementation, in its declared order, each given the previous result
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def transform_model(loop, config, model):
+    """Return the model this run trains instead of ``model`` (or ``None``: unchanged).
+
+    Called once, in ``Loop.__init__``, after the model is built and before the backend is
+    created (as TRL wraps a PEFT model before the Trainer creates its Accelerator), so the
+    backend, the optimizer and ``on_init_end`` see the transformed model. ``loop`` is the Loop
+    being built: ``config``, ``args`` and ``plugins`` are set, ``backend`` is not yet.
+    Implementations run in ascending ``order`` (``corelooper.transforms.order``), each with the
+    previous one's model: ``MODEL_PATCH`` (100: change the model's own modules, e.g. kernels),
+    then ``MODEL_WRAP`` (200: wrap it, e.g. corelooper-peft's ``get_peft_model``), then those
+    that declare none (``DEFAULT_ORDER``, 500); equal orders by plugin name. The result must be a
+    ``torch.nn.Module``, else a PluginError names the plugin.
+    """
+
+
+@hookspec
+def transform_data(loop, config, model, train_dataset, eval_dataset, data_collator):
+    """Return a dict with the parts of the run's data this plugin replaces (or ``None``).
+
+    Keys: ``"train_dataset"``, ``"eval_dataset"``, ``"data_collator"`` (any subset; a value of
+    ``None`` sets that part to ``None``). Called once, in ``Loop.__init__``, after
+    ``transform_model`` and the backend (``loop.backend`` is set: rank 0 may prepare a cache
+    first) and before any loader is built, with the transformed ``model``. Implementations run
+    in ascending ``order`` (``corelooper.transforms.order``), each seeing the previous one's
+    datasets and collator: ``DATA_TOKENIZE`` (100: rows -> model inputs and their collator,
+    e.g. corelooper-sft), ``DATA_PREPARED`` (200: work on model inputs: filters, curricula),
+    then those that declare none (500); equal orders by plugin name.
+    """
+
+
+# --------------------------------------------------------------------------------------------
 # Providers (firstresult): the builtin plugin answers last
 # --------------------------------------------------------------------------------------------
 
@@ -257,11 +301,16 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
 @hookspec(firstresult=True)
 @returns('(loss, grad_norm) with loss a torch.Tensor, or a result with a tensor .loss')
 def training_step(loop, micro_batches: list):
-    """Run one whole optimizer step over ``micro_batches``; return ``(loss, grad_norm)``.
+    """Run one whole optimizer step over ``micro_batches``; return a ``corelooper.step.StepResult``.
 
     The HF Trainer's second override point, after ``compute_loss``. ``micro_batches`` are the
-    step's batches as fetched (on the CPU); ``loss`` is the step's loss as a detached tensor
-    (no host sync), ``grad_norm`` the clipped-before norm or ``None``. The builtin is
+    step's batches as fetched (on the CPU). The step returns what it did as a value and writes
+    nothing on the Loop: ``StepResult(loss, grad_norm, learning_rate, num_micro_batches)`` —
+    ``loss`` the step's loss as a detached tensor (no host sync), ``grad_norm`` the
+    clipped-before norm or ``None``, ``learning_rate`` the rate the optimizer step used
+    (``None``: no update; the last applied rate is logged), ``num_micro_batches`` the
+    micro-batches it ran. An older provider's ``(loss, grad_norm)`` tuple still works (the
+    scheduler's current rate is logged then). The builtin is
     ``corelooper.step.default_training_step(loop, micro_batches)``: move to the device, count
     ``num_items_in_batch``, for each micro-batch (``no_sync`` on all but the last)
     ``compute_loss`` -> backward, then clip -> optimizer step -> scheduler -> ``zero_grad``.
@@ -303,7 +352,9 @@ def compute_metrics(loop, predictions, label_ids):
 
 @hookspec
 def on_init_end(loop, state, control) -> None:
-    """At the end of ``Loop.__init__``: plugins are registered, the config is validated."""
+    """At the end of ``Loop.__init__``: plugins are configured, model and data transformed
+    (``transform_model``, ``transform_data``), the backend created. Read the Loop here; change
+    the model or data with the transform hooks, not by assigning to the Loop."""
 
 
 @hookspec
@@ -454,3 +505,4 @@ DECLARATIONS = (
     "corelooper_config_sections", "corelooper_settings", "corelooper_configure", "corelooper_unconfigure",
     "corelooper_add_commands",
 )
+TRANSFORMS = ("transform_model", "transform_data")

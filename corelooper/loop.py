@@ -1,38 +1,33 @@
 """The training loop: ``Loop.train()`` decides *what happens when*.
 
-Hooks decide *what is computed* (providers: ``training_step``, ``compute_loss``,
-``evaluation_loop``, ...) and *who is told* (events); the backend decides *how it runs* on the
-hardware. The step itself is ``corelooper.step.default_training_step``; evaluation is
-``corelooper.evaluation.run_evaluation``; checkpoints are ``corelooper.checkpoints.checkpoint``.
-
-The public Loop API a plugin may use: ``config``, ``args`` (``[train]``), ``state``,
-``control``, ``plugins`` (the run's registry), ``hook``, ``events.fire``, ``model``,
-``optimizer``, ``scheduler``, ``backend``, ``train_dataset``/``eval_dataset``,
-``data_collator``, ``train_loader``, ``loss_type``, ``is_training``, ``num_micro_batches``,
-``forward_signature``, ``log()``, ``evaluate()``, ``predict()``, ``training_step()``,
-``prepare_for_evaluation()``.
+Hooks decide *what is computed* (providers) and *who is told* (events); the backend decides *how
+it runs*. The step is ``corelooper.step.default_training_step``, evaluation
+``corelooper.evaluation.run_evaluation``, set-up ``corelooper.assemble``. The public Loop API is
+the read-only properties below and the public methods (docs/hooks.md, "The public Loop API"): a
+plugin changes the model or data through the transform hooks, the run through ``control``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from itertools import islice
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import transforms
+from .assemble import Resume, batch_error, count_step, failure, plan_steps, reported, resume_directory
 from .build import build_collator, build_dataset, build_model
-from .checkpoints import checkpoint, elastic
+from .checkpoints import checkpoint
 from .checkpoints import loop_side as loop_checkpoints
 from .checkpoints.lock import RunLock
-from .config import Config, TrainArgs, as_config, resolve_interval
+from .config import Config, TrainArgs, as_config
 from .data.columns import forward_signature
-from .data.loader import batch_rows, count_input_tokens, pad_token_id_of
-from .errors import CorelooperError, DataError, explain_failure
+from .data.loader import pad_token_id_of, resolve_loss_type
+from .errors import CorelooperError
 from .events import Events
 from .gradients import clear_gradients
 from .guard import NonFiniteGuard
@@ -42,6 +37,12 @@ from .plugins import load_plugins
 from .preflight import check_run
 from .seeding import set_seed
 from .state import Control, LoopState
+from .step import StepResult, as_step_result
+
+
+def _public(name: str, doc: str) -> property:
+    """A read-only attribute of the public Loop API; the Loop itself sets ``_name``."""
+    return property(attrgetter("_" + name), doc=doc)
 
 
 class Loop:
@@ -50,6 +51,27 @@ class Loop:
     ``Loop(model, config, train_dataset=..., eval_dataset=..., plugins=[...])``, or
     ``Loop(config=Config.load("config.toml"))`` to build model and data from the config.
     """
+
+    config = _public("config", "The run's validated Config: final before corelooper_configure, never replaced.")
+    args = _public("args", "``config.train``: the HF TrainingArguments names.")
+    plugins = _public("plugins", "The run's plugin registry (corelooper.plugins.Plugins).")
+    hook = _public("hook", "``plugins.hook``: call a hook by name.")
+    state, control = _public("state", "The LoopState."), _public("control", "The Control flags.")
+    events = _public("events", "``events.fire(name, **kwargs)``: fire an event.")
+    model = _public("model", "The model: transformed, then wrapped by the backend in train().")
+    optimizer, scheduler = _public("optimizer", "None before train()."), _public("scheduler", "Its LR schedule.")
+    backend = _public("backend", "The backend (None while transform_model runs).")
+    train_dataset, eval_dataset = _public("train_dataset", "After transform_data."), _public("eval_dataset", "Too.")
+    data_collator = _public("data_collator", "The collator, after transform_data.")
+    train_loader = _public("train_loader", "This run's training loader (None before train()).")
+    loss_type = _public("loss_type", "train.loss_type; 'auto' until resolve_loss_type() sees a batch.")
+    is_training = _public("is_training", "True inside train().")
+    num_micro_batches = _public("num_micro_batches", "Micro-batches fetched for the step in progress.")
+    last_step = _public("last_step", "The StepResult of the last optimizer step (None before).")
+    forward_signature = _public("forward_signature", "What the model's forward() accepts.")
+    compute_metrics_fn = _public("compute_metrics_fn", "Loop(compute_metrics=...).")
+    log_window, tokens_seen = _public("log_window", "Logging window."), _public("tokens_seen", "Token count.")
+    guard = _public("guard", "The non-finite guard (train.on_nonfinite).")
 
     def __init__(
         self,
@@ -63,107 +85,92 @@ class Loop:
         plugins: Iterable[Any] = (),
         blocked_plugins: Iterable[str] = (),
     ):
-        self.plugins = load_plugins(as_config(config), objects=plugins, blocked=blocked_plugins)
-        self.config = self.plugins.config  # validated, with the plugins' section defaults
-        self.args = self.config.train
-        self.hook = self.plugins.hook
-        set_seed(self.args.seed)  # before the model is built: same init every run
-        self.model = model if model is not None else build_model(self.plugins, self.config)
-        self.train_dataset = train_dataset if train_dataset is not None else build_dataset(
-            self.plugins, self.config, "train")
-        self.eval_dataset = eval_dataset if eval_dataset is not None else build_dataset(
-            self.plugins, self.config, "eval")
-        self.data_collator = data_collator or build_collator(self.config)
-        self.compute_metrics_fn = compute_metrics
-        self.state, self.control = LoopState(), Control()
-        self.events = Events(self.plugins, loop=self, state=self.state, control=self.control)
-        self.optimizer = self.scheduler = self.train_loader = None
-        self.loss_type = self.args.loss_type
-        self.is_training = False
-        self.grad_norm = None  # of the last step (logged with its window)
-        self.learning_rate = None  # the rate the last optimizer step used (logged with its window)
-        self.num_micro_batches = 0  # of the current step (a step provider may cut them finer)
-        self.forward_signature = None
-        self._eval_prepared = False
-        # As HF's Trainer creates its Accelerator: the distributed facts are known to plugins
-        # from on_init_end on.
-        self.backend = self._provide("create_backend")
-        s = self.state
-        s.world_size = self.backend.num_processes
-        s.is_world_process_zero = self.backend.is_main_process
-        s.is_local_process_zero = self.backend.is_local_main_process
-        self.log_window = LogWindow(self.backend.device)
-        self.tokens_seen = TokensSeen("no", None, "input_ids")  # set up by train()
-        self.guard = NonFiniteGuard(self.args.on_nonfinite, self.args.max_skipped_steps,
-                                    deferred=self.backend.device.type != "cpu",
-                                    on_cpu=self.backend.device.type == "cpu")
-        self.events.fire("on_init_end")
+        resume = Resume(train_dataset)  # its batch geometry is settled before plugins are configured
+        self._plugins = load_plugins(as_config(config), objects=plugins, blocked=blocked_plugins,
+                                     settle=resume.settle)
+        self._config = self._plugins.config  # validated, with the plugins' section defaults; final
+        self._args, self._hook, self._resume_dir = self._config.train, self._plugins.hook, resume.directory
+        set_seed(self._args.seed)  # before the model is built: same init every run
+        self._model = model if model is not None else build_model(self._plugins, self._config)
+        data = {"train_dataset": resume.dataset(self._config),
+                "eval_dataset": eval_dataset if eval_dataset is not None else build_dataset(
+                    self._plugins, self._config, "eval"),
+                "data_collator": data_collator or build_collator(self._config)}
+        self._train_dataset, self._eval_dataset, self._data_collator = data.values()
+        self._compute_metrics_fn = compute_metrics
+        self._state, self._control = LoopState(), Control()
+        self._events = Events(self._plugins, loop=self, state=self._state, control=self._control)
+        self._optimizer = self._scheduler = self._train_loader = self._backend = self._last_step = None
+        self._loss_type, self._is_training, self._num_micro_batches = self._args.loss_type, False, 0
+        # _learning_rate: the rate the last applied optimizer step used (a skipped step applies none)
+        self._learning_rate, self._forward_signature, self._eval_prepared = None, None, False
+        # As TRL wraps a PEFT model before the Trainer creates its Accelerator.
+        self._model = transforms.transform_model(self._plugins, self, self._model)
+        # As HF's Trainer creates its Accelerator: the distributed facts are known from here on.
+        self._backend = self._provide("create_backend")
+        resume.check_world_size(self._backend)
+        s, b = self._state, self._backend
+        s.world_size, s.is_world_process_zero, s.is_local_process_zero = (
+            b.num_processes, b.is_main_process, b.is_local_main_process)
+        data = transforms.transform_data(self._plugins, self, self._model, data)  # before any loader
+        self._train_dataset, self._eval_dataset, self._data_collator = (data[k] for k in transforms.DATA_PARTS)
+        self._log_window = LogWindow(self._backend.device)
+        self._tokens_seen = TokensSeen("no", None, "input_ids")  # set up by train()
+        on_cpu = self._backend.device.type == "cpu"
+        self._guard = NonFiniteGuard(self._args.on_nonfinite, self._args.max_skipped_steps,
+                                     deferred=not on_cpu, on_cpu=on_cpu)
+        self._events.fire("on_init_end")
 
-    # -- set-up ------------------------------------------------------------------------------------
+    # -- set-up ----------------------------------------------------------------------------------
     def _setup_train(self):
         if self.train_dataset is None:
             raise CorelooperError("No training data: pass train_dataset= or set data.train.")
         loader = self._provide("train_dataloader", dataset=self.train_dataset)
-        self.train_loader = loader  # its state_dict() (streaming data) goes into checkpoints
-        self._plan_steps(loader)
-        self.model = apply_model_options(self, self.model)
+        self._train_loader = loader  # its state_dict() (streaming data) goes into checkpoints
+        self._batches_per_epoch = plan_steps(self.args, self.state, loader)
+        self._model = apply_model_options(self, self.model)
         optimizer = self._provide("create_optimizer", model=self.model)
-        self.scheduler = self._provide("create_scheduler", optimizer=optimizer,
-                                       num_training_steps=self.state.max_steps)
-        self.model, self.optimizer = self.backend.prepare(self.model, optimizer)
-        self.forward_signature = forward_signature(self.backend.unwrap_model(self.model))
-        self.tokens_seen = TokensSeen(self.args.tokens_seen_mode, pad_token_id_of(self.data_collator),
-                                      getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids"))
+        self._scheduler = self._provide("create_scheduler", optimizer=optimizer,
+                                        num_training_steps=self.state.max_steps)
+        self._model, self._optimizer = self.backend.prepare(self.model, optimizer)
+        self._forward_signature = forward_signature(self.backend.unwrap_model(self.model))
+        self._tokens_seen = TokensSeen(self.args.tokens_seen_mode, pad_token_id_of(self.data_collator),
+                                       getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids"))
         return loader
-
-    def _plan_steps(self, loader) -> None:
-        """Steps per epoch, total steps and epochs, from the loader's length and ``[train]``."""
-        a, s = self.args, self.state
-        try:
-            batches_per_epoch = len(loader)
-        except TypeError:
-            batches_per_epoch = 0
-        if batches_per_epoch == 0 and a.max_steps <= 0:
-            raise DataError(
-                "The training data has no length (or is empty): set train.max_steps, or give a "
-                "dataset with samples."
-            )
-        self._batches_per_epoch = batches_per_epoch  # the logged epoch counts micro-batches (HF)
-        s.steps_per_epoch = math.ceil(batches_per_epoch / a.gradient_accumulation_steps)
-        s.max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * s.steps_per_epoch)
-        s.num_train_epochs = math.ceil(s.max_steps / s.steps_per_epoch) if s.steps_per_epoch else 1
-        s.logging_steps = resolve_interval(a.logging_steps, s.max_steps)  # a float < 1: a ratio (HF)
-        s.save_steps = resolve_interval(a.save_steps, s.max_steps)
-        s.eval_steps = resolve_interval(a.eval_steps or a.logging_steps, s.max_steps)
-        s.train_batch_size = a.per_device_train_batch_size
-        s.gradient_accumulation_steps = a.gradient_accumulation_steps
 
     def prepare_for_evaluation(self) -> None:
         """Before ``evaluate()``/``predict()`` without ``train()``: let the backend wrap the model
         (FSDP / DeepSpeed shard it) and read its ``forward`` signature."""
         if self.optimizer is None and not self._eval_prepared:
-            self.model = self.backend.prepare_model(self.model)
+            self._model = self.backend.prepare_model(self.model)
             self._eval_prepared = True
         if self.forward_signature is None:
-            self.forward_signature = forward_signature(self.backend.unwrap_model(self.model))
+            self._forward_signature = forward_signature(self.backend.unwrap_model(self.model))
+
+    def resolve_loss_type(self, batch) -> str:
+        """``train.loss_type``; ``"auto"`` is decided once, from the first batch that asks
+        (``corelooper.data.loader.resolve_loss_type``), and kept for the run."""
+        if self._loss_type == "auto":
+            self._loss_type = resolve_loss_type(batch)
+        return self._loss_type
 
     # -- training ----------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | Path | None = None) -> LoopState:
         """Train for ``max_steps`` or ``num_train_epochs``; returns the final ``LoopState``.
 
+        Resumes from ``train.resume_from_checkpoint`` (settled when the Loop was built), or from
         ``resume_from_checkpoint``: a checkpoint folder, ``"latest"`` for the newest complete
         one in ``output_dir``, or ``"auto"``: the newest one if there is one, else start fresh.
+        A checkpoint saved on another number of processes needs another batch geometry: pass it
+        in the config (``train.resume_from_checkpoint``), which is final once plugins are set up.
         """
         a = self.args
-        self.is_training = True
+        self._is_training = True
         lock = None
         try:
             set_seed(a.seed)
             output_dir = Path(a.output_dir)
-            resume = resume_from_checkpoint or a.resume_from_checkpoint
-            resume_dir = checkpoint.resolve(resume, output_dir) if resume else None  # "auto": maybe None
-            if resume_dir is not None:  # saved on another world size: keep its global batch
-                elastic.prepare_resume(self, resume_dir)
+            resume_dir = resume_directory(self, resume_from_checkpoint, self._resume_dir)
             loader = self._setup_train()
             check_run(a, has_eval_data=self.eval_dataset is not None, has_compute_metrics=(
                 self.compute_metrics_fn is not None or self.plugins.implemented_by_others("compute_metrics")))
@@ -181,12 +188,12 @@ class Loop:
             if a.eval_on_start:  # as HF: once, before the first step (also on resume)
                 self.evaluate()
             self._train_epochs(loader)
-            self.is_training = False
+            self._is_training = False
             self.events.fire("on_train_end")
         except BaseException as exc:
-            raise self._failed(exc) from exc
+            raise failure(self, exc) from exc
         finally:
-            self.is_training = False
+            self._is_training = False
             if lock is not None:  # after on_train_end: loggers still write into output_dir there
                 lock.release()
         return self.state
@@ -211,7 +218,7 @@ class Loop:
             if control.should_training_stop:
                 break
         if self.log_window.steps:
-            self._log_window()
+            self._log_logging_window()
         self.guard.poll(self, wait=True)
         runtime = time.perf_counter() - started
         summary = run_summary(s.log_history, runtime, s.global_step - steps_before,
@@ -232,18 +239,21 @@ class Loop:
             micro_batches = self._next_micro_batches(batches, self.args.gradient_accumulation_steps)
             if not micro_batches:
                 break
-            self.num_micro_batches = len(micro_batches)
+            self._num_micro_batches = len(micro_batches)
             self.events.fire("on_step_begin")
-            step_loss, self.grad_norm = self.training_step(micro_batches)
-            self._count_step(epoch, micro_batches, step_loss)
+            self._last_step = step = self.training_step(micro_batches)
+            if step.learning_rate is not None:  # a skipped step applied none: keep the last one
+                self._learning_rate = step.learning_rate
+            count_step(self, epoch, micro_batches, step.loss, self._batches_per_epoch)
             self.events.fire("on_step_end")
             self._log_evaluate_save()
             if control.should_epoch_stop or control.should_training_stop:
                 break
 
-    def training_step(self, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One optimizer step (the ``training_step`` provider): ``(loss, grad_norm)`` on the device."""
-        return self._provide("training_step", micro_batches=micro_batches)
+    def training_step(self, micro_batches: list) -> StepResult:
+        """One optimizer step (the ``training_step`` provider), as a ``StepResult`` (a
+        provider's ``(loss, grad_norm)`` tuple is accepted)."""
+        return as_step_result(self._provide("training_step", micro_batches=micro_batches), len(micro_batches))
 
     def _provide(self, hook: str, **kwargs):  # through the dispatcher: checked, its plugin named
         return self.plugins.call_provider(hook, loop=self, **kwargs)[0]
@@ -254,30 +264,13 @@ class Loop:
         except CorelooperError:
             raise
         except Exception as e:
-            raise DataError(
-                f"Loading a training batch failed at global_step {self.state.global_step}: "
-                f"{type(e).__name__}: {e}. Check the dataset ({self.config.data.train or 'train_dataset'}) "
-                f"and the collator ({self.config.data.collator or 'default'})."
-            ) from e
-
-    def _count_step(self, epoch: int, micro_batches: list, step_loss: torch.Tensor) -> None:
-        s = self.state
-        s.global_step += 1
-        s.step_in_epoch += 1
-        s.micro_batches_in_epoch += len(micro_batches)
-        # As HF: micro-batches done / micro-batches per epoch (5 an epoch, GA 2: 0.4, 0.8, 1.0)
-        s.epoch = epoch + (s.micro_batches_in_epoch / self._batches_per_epoch if s.steps_per_epoch else 0)
-        samples = sum(batch_rows(b) for b in micro_batches) * s.world_size
-        tokens = sum(count_input_tokens(b) for b in micro_batches) * s.world_size
-        s.total_samples_seen += samples
-        self.log_window.add(step_loss, samples, tokens, self.guard.skipped_total)
-        self.tokens_seen.add(micro_batches)
+            raise batch_error(e, self.state.global_step, self.config) from e
 
     # -- logging, evaluation, saving -----------------------------------------------------------------
     def _log_evaluate_save(self) -> None:
         control = self.control
         if control.should_log and self.log_window.steps:
-            self._log_window()
+            self._log_logging_window()
         control.should_log = False
         if control.should_evaluate:
             control.should_evaluate = False
@@ -291,10 +284,11 @@ class Loop:
             self.tokens_seen.flush(self.backend, self.state)
             loop_checkpoints.save(self)
 
-    def _log_window(self) -> None:
+    def _log_logging_window(self) -> None:
         self.tokens_seen.flush(self.backend, self.state)
-        lr = self.learning_rate if self.learning_rate is not None else self.scheduler.get_last_lr()[0]
-        logs = self.log_window.logs(self.backend, self.grad_norm, lr, self.state.epoch)
+        lr = self._learning_rate if self._learning_rate is not None else self.scheduler.get_last_lr()[0]
+        grad_norm = self.last_step.grad_norm if self.last_step is not None else None
+        logs = self.log_window.logs(self.backend, grad_norm, lr, self.state.epoch)
         if self.guard.skipped_total:
             logs["skipped_steps"] = self.guard.skipped_total
         self.log(logs)
@@ -317,7 +311,7 @@ class Loop:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise CorelooperError("No evaluation data: pass eval_dataset= or set data.eval.")
-        with self._reported("Evaluation"):
+        with reported(self, "Evaluation"):
             metrics, _, _ = self._provide("evaluation_loop", dataset=dataset,
                                           metric_key_prefix=metric_key_prefix, keep_outputs=False)
             # As HF: the metrics are logged (on_log, rank 0) before on_evaluate, which fires on
@@ -329,35 +323,17 @@ class Loop:
 
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
         """Model outputs for every sample, in dataset order: ``(predictions, label_ids, metrics)``."""
-        with self._reported("Prediction"):
+        with reported(self, "Prediction"):
             metrics, preds, labels = self._provide("evaluation_loop", dataset=test_dataset,
                                                    metric_key_prefix=metric_key_prefix, keep_outputs=True)
             self.events.fire("on_predict", metrics=metrics)
         return preds, labels, metrics
 
     # -- errors --------------------------------------------------------------------------------------
-    def _failed(self, exc: BaseException, action: str = "Training") -> BaseException:
-        """``on_exception``, then the error naming its plugin and hook (or the model)."""
-        try:
-            self.events.fire("on_exception", exception=exc)
-        except Exception:  # a broken cleanup hook must not hide the original error
-            pass
-        return explain_failure(exc, self.plugins, self.state.global_step, self.args.output_dir, action)
-
-    @contextmanager
-    def _reported(self, action: str):  # evaluate()/predict() called alone report as train() does
-        try:
-            yield
-        except BaseException as exc:
-            if self.is_training:  # train() reports it
-                raise
-            raise self._failed(exc, action) from exc
-
     def close(self) -> None:  # the Loop ends (also `with Loop(...)`): corelooper_unconfigure, once
         self.plugins.unconfigure()
 
     def __enter__(self) -> Loop:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    __exit__ = lambda self, *exc_info: self.close()  # noqa: E731

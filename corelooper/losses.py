@@ -102,18 +102,13 @@ def summed_loss(
     )
 
 
-def _whole_step(loop) -> bool:
-    """``num_items_in_batch`` counts this batch's items alone (a one-micro-batch step in one
-    process; evaluation counts per batch): the model's mean needs no weighting (its share is 1)."""
-    return not loop.is_training or (loop.num_micro_batches == 1 and loop.backend.num_processes == 1)
-
-
-def reads_num_items(loop, batch) -> bool:
+def reads_num_items(loop, batch, whole_step: bool) -> bool:
     """Whether ``default_loss`` uses ``num_items_in_batch`` for this training batch. It does not
     when the model computes its own mean loss, does not take the count, and the step is this
-    one batch (no weighting): the step can then skip counting (two kernels and a read)."""
+    one batch in one process (``whole_step``: no weighting): the step can then skip counting
+    (two kernels and a read)."""
     sig = loop.forward_signature
-    if sig is None or sig.accepts_loss_kwargs or not sig.accepts_labels or not _whole_step(loop):
+    if sig is None or sig.accepts_loss_kwargs or not sig.accepts_labels or not whole_step:
         return True
     if loop.loss_type != "mse" and getattr(loop.args, "label_smoothing_factor", 0.0):
         return True
@@ -134,9 +129,10 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
         loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
         if loss is None:
             loss = outputs[0]
-        if not sig.accepts_loss_kwargs and num_items_in_batch is not None and not _whole_step(loop):
+        if not sig.accepts_loss_kwargs and num_items_in_batch is not None and loop.is_training:
             # The model can only give the mean over this batch's items: weigh it by their share
-            # of the step's, which is sum / num_items_in_batch, exact under GA and across ranks.
+            # of the step's, which is sum / num_items_in_batch, exact under GA and across ranks
+            # (exactly 1 for a whole step; evaluation counts per batch: always 1, skipped).
             loss = loss * (count_loss_items(batch, loop.loss_type) / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 

@@ -14,7 +14,7 @@ import importlib.metadata
 import inspect
 import os
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ def installed_entry_points() -> list[importlib.metadata.EntryPoint]:
     return sorted(eps, key=lambda ep: ep.name)
 
 
-KNOWN_HOOKS = frozenset((*hookspecs.EVENTS, *hookspecs.PROVIDERS, *hookspecs.DECLARATIONS))
+KNOWN_HOOKS = frozenset((*hookspecs.EVENTS, *hookspecs.PROVIDERS, *hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS))
 
 
 def call_impl(impl, kwargs: dict[str, Any]) -> Any:
@@ -328,7 +328,7 @@ class Plugins:
 
 
 def _hook_order(name: str) -> int:
-    order = [*hookspecs.DECLARATIONS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
+    order = [*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
     return order.index(name) if name in order else len(order)
 
 
@@ -337,8 +337,11 @@ def load_plugins(
     objects: Iterable[Any] = (),
     blocked: Iterable[str] = (),
     autoload: bool | None = None,
+    settle: Callable[[Config, Plugins], Config] | None = None,
 ) -> Plugins:
-    """Build the plugin manager for one run (or for ``corelooper plugins``)."""
+    """Build the plugin manager for one run (or for ``corelooper plugins``). ``settle(config,
+    plugins)``: the Loop makes the validated config final (an elastic resume's geometry) before
+    any plugin is configured."""
     from .builtin import best_metric
     from .builtin import providers as builtin
     from .builtin.console import Console
@@ -380,6 +383,8 @@ def load_plugins(
         declared = plugins.declared_sections()
         check_sections(config, declared, plugins)
         config = config.with_defaults(declared) or config
+        if settle is not None:
+            config = settle(config, plugins)
         plugins.config = config
         configure(plugins, config)
     return plugins

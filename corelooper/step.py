@@ -9,19 +9,42 @@ wrap it (``plugins.call_next``: auto batch size retries it with smaller micro-ba
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
-from .data.loader import count_loss_items, resolve_loss_type
+from .data.loader import count_loss_items
 from .gradients import zero_grad
 from .losses import reads_num_items
 
 
-def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step over ``micro_batches``; returns (step loss, grad norm), both on the
-    device: the loss is the mean over the step's items, the same as one big batch."""
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did, returned by the ``training_step`` provider (the step writes
+    nothing on the Loop). ``loss``: the step's loss, detached, on the device (no host sync);
+    ``grad_norm``: the norm before clipping (logged, as HF 5.x; ``None`` when not computed);
+    ``learning_rate``: the rate the optimizer step used (``None``: no update, a skipped step);
+    ``num_micro_batches``: the micro-batches it ran (more than fetched when a provider cut them)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | None = None
+    learning_rate: float | None = None
+    num_micro_batches: int = 1
+
+
+def as_step_result(result, fetched: int) -> StepResult:
+    """A provider's answer as a StepResult: the older ``(loss, grad_norm)`` tuple is accepted
+    (no learning rate: the scheduler's is logged; ``fetched`` micro-batches)."""
+    if isinstance(result, StepResult):
+        return result
+    loss, grad_norm = result
+    return StepResult(loss, grad_norm, None, fetched)
+
+
+def default_training_step(loop, micro_batches: list) -> StepResult:
+    """One optimizer step over ``micro_batches``: the loss is the mean over the step's items,
+    the same as one big batch."""
     backend, optimizer = loop.backend, loop.optimizer
-    loop.num_micro_batches = len(micro_batches)  # a caller may have split the step's batches
     micro_batches = [backend.to_device(b) for b in micro_batches]
     num_items = num_items_in_batch(loop, micro_batches)
     losses = [
@@ -32,16 +55,16 @@ def default_training_step(loop, micro_batches: list) -> tuple[torch.Tensor, torc
     grad_norm = clip_gradients(loop)  # logged with or without clipping, as HF 5.x
     if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
         zero_grad(optimizer, loop.model)  # skip_step: no update, no scheduler step
-        return step_loss, grad_norm
+        return StepResult(step_loss, grad_norm, None, len(micro_batches))
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
     backend.optimizer_step(optimizer)
     loop.events.fire("on_optimizer_step", optimizer=optimizer)
-    loop.learning_rate = loop.scheduler.get_last_lr()[0]  # the rate this step used: logged (HF 5.x)
+    learning_rate = loop.scheduler.get_last_lr()[0]  # the rate this step used: logged (HF 5.x)
     loop.scheduler.step()
     zero_grad(optimizer, loop.model)
     # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
     # ranks (reduce_mean when logging) is the global loss, as in one process.
-    return step_loss, grad_norm
+    return StepResult(step_loss, grad_norm, learning_rate, len(micro_batches))
 
 
 def forward_backward(loop, batch, num_items, num_micro_batches: int, last: bool) -> torch.Tensor:
@@ -74,11 +97,11 @@ def micro_batch_loss(loop, batch, num_items, num_micro_batches: int) -> torch.Te
 def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor | None:
     """Loss-bearing items of the whole optimizer step, over micro-batches and processes; None
     when only the builtin loss would get it and it does not read it (``reads_num_items``)."""
-    if loop.loss_type == "auto":
-        loop.loss_type = resolve_loss_type(micro_batches[0])
-    if loop.plugins.only_builtin("compute_loss") and not reads_num_items(loop, micro_batches[0]):
+    loss_type = loop.resolve_loss_type(micro_batches[0])
+    whole_step = len(micro_batches) == 1 and loop.backend.num_processes == 1
+    if loop.plugins.only_builtin("compute_loss") and not reads_num_items(loop, micro_batches[0], whole_step):
         return None
-    counts = [count_loss_items(b, loop.loss_type) for b in micro_batches]
+    counts = [count_loss_items(b, loss_type) for b in micro_batches]
     total = counts[0] if len(counts) == 1 else sum(counts[1:], counts[0])
     if not torch.is_tensor(total):
         total = torch.tensor(total)

@@ -286,8 +286,10 @@ def run_loop(make_loop):
     """
 
     def run(plugins: Iterable[Any] = (), *, resume: str | Path | None = None, **kwargs: Any):
+        if resume is not None:  # in the config, as the CLI's --resume-from-checkpoint
+            kwargs["resume_from_checkpoint"] = str(resume)
         with make_loop(plugins, **kwargs) as loop:
-            loop.train(resume_from_checkpoint=resume)
+            loop.train()
         return loop
 
     return run

@@ -123,6 +123,26 @@ def test_nothing_outside_the_loop_uses_a_private_loop_attribute(root):
     assert offenders == []
 
 
+@pytest.mark.parametrize("root", ["corelooper", "cli", "plugins", "examples"])
+def test_nothing_outside_the_loop_assigns_to_the_loop(root):
+    """The Loop is not a shared bag: the step returns a StepResult, plugins change the model and
+    data through transform hooks and the run through ``control``, the config is final."""
+    offenders = []
+    for path in python_files(root):
+        if path == CORE / "loop.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            targets = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+            offenders += [f"{path.relative_to(REPO)}:{node.lineno} loop.{t.attr} = ..." for t in targets
+                          if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "loop"]
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                    and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "loop"):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} setattr(loop, ...)")
+    assert offenders == []
+
+
 def test_the_core_and_the_cli_import_no_plugin_package():
     offenders = []
     for path in python_files("corelooper", "cli"):

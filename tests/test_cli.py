@@ -79,7 +79,7 @@ def test_version_from_the_installed_console_script():
 def test_hooks_lists_every_hook_with_its_doc(cli):
     r = cli("hooks")
     assert r.returncode == 0, r.stderr
-    for name in (*hookspecs.DECLARATIONS, *hookspecs.PROVIDERS, *hookspecs.EVENTS):
+    for name in (*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS):
         doc_first_line = getattr(hookspecs, name).__doc__.strip().splitlines()[0].strip()
         assert f"\n{name}(" in "\n" + r.stdout, name
         assert doc_first_line in r.stdout, name

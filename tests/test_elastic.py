@@ -69,6 +69,58 @@ def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     assert max_diff(final, start) > 1e-3
 
 
+CONFIG_RECORDER = """
+import json
+import os
+
+
+class Recorder:
+    def __init__(self, config):
+        self.config = config  # as a plugin keeps what it was configured with
+
+    def on_train_begin(self, loop, state):
+        if state.is_world_process_zero:
+            geometry = lambda a: [a.per_device_train_batch_size, a.gradient_accumulation_steps]
+            record = {"configured": geometry(self.config.train), "running": geometry(loop.args),
+                      "same_config": self.config is loop.config, "world": state.world_size}
+            with open(os.environ["CONFIG_RECORD"], "a") as f:
+                f.write(json.dumps(record) + "\\n")
+
+
+def corelooper_configure(config, plugins):
+    plugins.register(Recorder(config), "config_recorder.run")
+"""
+
+
+def test_a_plugin_is_configured_with_the_config_the_resumed_run_uses(tmp_path):
+    """2 processes -> preempted -> resumed on 1: the plugins are configured with the settled
+    geometry (4 x 2 accumulation), and the run never replaces that config."""
+    (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
+    (tmp_path / "config_recorder.py").write_text(CONFIG_RECORDER)
+    cfg = write_config(tmp_path, tmp_path / "run", max_steps=6)
+    extra = ["-p", str(tmp_path / "config_recorder.py")]
+    record = tmp_path / "record.jsonl"
+
+    def run(nproc: int, stop: int, resume: bool):
+        args = [sys.executable, "-m", "corelooper", "run", str(cfg), "-p", str(tmp_path / "stop_at.py"), *extra]
+        args += ["--nproc", str(nproc)] if nproc > 1 else []
+        args += ["--resume-from-checkpoint", "latest"] if resume else []
+        return subprocess.run(args, cwd=REPO, env={**env(tmp_path), "STOP_AT_STEP": str(stop),
+                                                    "CONFIG_RECORD": str(record)},
+                              capture_output=True, text=True, timeout=240)
+
+    first = run(2, stop=3, resume=False)
+    assert first.returncode != 0 and (tmp_path / "run" / "checkpoint-3").is_dir(), first.stderr[-3000:]
+    one = run(1, stop=0, resume=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "on 1 processes: 4 per device x 2 accumulation x 1 processes = 8" in one.stdout
+    records = [json.loads(line) for line in record.read_text().splitlines()]
+    assert records == [
+        {"configured": [4, 1], "running": [4, 1], "same_config": True, "world": 2},
+        {"configured": [4, 2], "running": [4, 2], "same_config": True, "world": 1},
+    ]
+
+
 def test_the_global_position_continues_the_order_on_another_world_size():
     """Two ranks consume 3 micro-batches (24 samples); one rank, told to skip those 24 samples,
     reads exactly the rest of the same permutation: nothing repeated, nothing skipped."""
@@ -121,9 +173,18 @@ def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(ru
     refused = make_loop(max_steps=8, group_by_length=True, length_column_name="x")
     with pytest.raises(ConfigError, match=r"on 1 processes with train.group_by_length = true.*Resume on 2"):
         refused.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
-    loop = make_loop(max_steps=8)
-    loop.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    # The config is final once plugins are configured: train(resume_from_checkpoint=...) cannot
+    # change its geometry, and says how to resume (the checkpoint named in the config).
+    late = make_loop(max_steps=8)
+    with pytest.raises(ConfigError, match=r"needs per_device_train_batch_size = 8 and "
+                                          r"gradient_accumulation_steps = 2.*train.resume_from_checkpoint"):
+        late.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert late.args.gradient_accumulation_steps == 1
+    loop = make_loop(max_steps=8, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    config = loop.config
     assert (loop.args.per_device_train_batch_size, loop.args.gradient_accumulation_steps) == (8, 2)
     out = capsys.readouterr().out
     assert "saved with 8 per device x 1 accumulation x 2 processes = 16, on 1 processes: " \
            "8 per device x 2 accumulation x 1 processes = 16 (global batch kept)" in out
+    loop.train()
+    assert loop.config is config and loop.state.global_step == 8

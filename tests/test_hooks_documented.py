@@ -28,7 +28,8 @@ def signature(fn) -> str:
 
 def test_hook_lists_cover_every_spec():
     """EVENTS/PROVIDERS drive `corelooper hooks` and the docs: a spec outside them is hidden."""
-    assert set(all_hookspecs()) == {*hookspecs.DECLARATIONS, *hookspecs.EVENTS, *hookspecs.PROVIDERS}
+    assert set(all_hookspecs()) == {*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.EVENTS,
+                                    *hookspecs.PROVIDERS}
     for name in hookspecs.PROVIDERS:
         assert getattr(hookspecs, name).corelooper_spec["firstresult"], name
 
@@ -79,8 +80,27 @@ when a hook is missing here or has no docstring.
   which implementation answered: the sum/mean rule of `compute_loss`, whom to blame for a wrong
   answer). A provider that wraps the next one calls
   `loop.plugins.call_next(hook, self, **kwargs)`, which asks only the providers after it.
+- **Transforms** (`transform_model`, `transform_data`) change the run's model or data once, when
+  the `Loop` is built: every implementation runs, in its declared `order`
+  (`corelooper.transforms.order`), each given the previous one's result; `None` keeps it.
 - A function named like a hook is an implementation even without `@hookimpl` (as in pytest); a
   name close to a hook's that is not one (`on_step_ends`) is an error, not silently ignored.
+
+## The public Loop API
+
+What a hook may use of the `loop` it is given. These are **read-only** properties (assigning one
+raises `AttributeError`; `tests/test_architecture.py` checks that nothing outside `loop.py`
+assigns to the Loop): `config` (final before `corelooper_configure`, never replaced: an elastic
+resume's batch geometry is settled before plugins are configured), `args` (`config.train`),
+`state`, `control`, `plugins`, `hook`, `events`, `model` (after `transform_model`; wrapped by the
+backend in `train()`), `optimizer`, `scheduler`, `backend`, `train_dataset`, `eval_dataset`,
+`data_collator` (after `transform_data`), `train_loader`, `loss_type` (`"auto"` until the first
+batch resolves it), `is_training`, `num_micro_batches` (fetched for the step in progress),
+`last_step` (the `StepResult` of the last optimizer step), `forward_signature`.
+Methods: `train()`, `evaluate()`, `predict()`, `training_step(micro_batches)` (returns a
+`StepResult`), `log(logs)`, `prepare_for_evaluation()`, `resolve_loss_type(batch)` (decides
+`"auto"` once, from the first batch that asks). A plugin changes the model or the data through
+the transform hooks and the run through `control`; a step provider returns what it did.
 """
 
 
@@ -98,8 +118,8 @@ def render() -> str:
     order = module_doc[module_doc.index("Order of events"):].split("::", 1)[1].strip("\n")
     out = [INTRO, "## Order of events in `Loop.train()`", "", "```", order, "```", ""]
     specs = all_hookspecs()
-    groups = [("Configuration", list(hookspecs.DECLARATIONS)), ("Providers", list(hookspecs.PROVIDERS)),
-              ("Events", list(hookspecs.EVENTS))]
+    groups = [("Configuration", list(hookspecs.DECLARATIONS)), ("Transforms", list(hookspecs.TRANSFORMS)),
+              ("Providers", list(hookspecs.PROVIDERS)), ("Events", list(hookspecs.EVENTS))]
     listed = {n for _, names in groups for n in names}
     groups.append(("Other hooks", sorted(set(specs) - listed)))
     for title, names in groups:
@@ -108,7 +128,8 @@ def render() -> str:
         out += [f"## {title}", ""]
         for name in names:
             kind = "provider (firstresult)" if specs[name].corelooper_spec.get("firstresult") else (
-                "event" if name.startswith("on_") else "declaration")
+                "event" if name.startswith("on_") else "transform" if name in hookspecs.TRANSFORMS
+                else "declaration")
             out += [f"### `{name}`", "", f"`{signature(specs[name])}` — {kind}", ""]
             if getattr(specs[name], "corelooper_returns", None):
                 out += [f"**Returns** {specs[name].corelooper_returns}.", ""]

@@ -49,10 +49,9 @@ def causal_loop(tmp_path, eps: float) -> Loop:
     from toys import tiny_lm
 
     cfg = Config.from_dict({"train": {"output_dir": str(tmp_path), "label_smoothing_factor": eps,
-                                      "max_steps": 1, "disable_tqdm": True}})
+                                      "max_steps": 1, "disable_tqdm": True, "loss_type": "causal_lm"}})
     loop = Loop(tiny_lm(), cfg)
     loop.prepare_for_evaluation()
-    loop.loss_type = "causal_lm"
     return loop
 
 

@@ -31,7 +31,6 @@ def _loop(train_args, model, plugins=(), **args):
     loop = Loop(model, train_args(max_steps=2, per_device_train_batch_size=8, overwrite_output_dir=True, **args),
                 train_dataset=toys.Blobs(32), plugins=plugins, blocked_plugins=["console"])
     loop.train()
-    loop.is_training = True  # as inside a step
     return loop
 
 
@@ -42,8 +41,7 @@ def _batch(n=8):
 
 def test_one_batch_step_of_an_own_loss_model_skips_the_count(train_args):
     loop = _loop(train_args, OwnMeanLoss())
-    loop.num_micro_batches = 1
-    assert num_items_in_batch(loop, [_batch()]) is None
+    assert num_items_in_batch(loop, [_batch()]) is None  # one micro-batch in one process
 
     class CountingDefault:
         """Answers compute_loss with the builtin loss, so the step counts the items again."""
@@ -63,8 +61,7 @@ def test_one_batch_step_of_an_own_loss_model_skips_the_count(train_args):
 
 def test_the_count_is_made_whenever_it_is_read(train_args):
     loop = _loop(train_args, OwnMeanLoss(), gradient_accumulation_steps=2)
-    loop.num_micro_batches = 2  # accumulation: the model's mean must be weighed by the count
-    batches = [_batch(4), _batch(4)]
+    batches = [_batch(4), _batch(4)]  # accumulation: the model's mean must be weighed by the count
     assert int(num_items_in_batch(loop, batches)) == 8
 
     seen = []
@@ -82,7 +79,6 @@ def test_the_count_is_made_whenever_it_is_read(train_args):
     lm = Loop(toys.tiny_llama(), train_args(max_steps=1, per_device_train_batch_size=4, overwrite_output_dir=True),
               train_dataset=toys.lm_samples(8), blocked_plugins=["console"])
     lm.train()
-    lm.is_training, lm.num_micro_batches = True, 1
     batch = next(iter(lm.train_loader))
     expected = int((batch["labels"][:, 1:] != -100).sum())
     assert int(num_items_in_batch(lm, [batch])) == expected  # an HF model takes the count

@@ -40,8 +40,7 @@ def test_sgd_momentum_steps_match_hand_computation(make_loop):
     """Two steps of SGD with momentum 0.9 on one weight, computed by hand."""
     loop = make_loop(optim="sgd", optim_args="momentum=0.9", learning_rate=0.1, weight_decay=0.0)
     w = torch.nn.Parameter(torch.tensor([1.0]))
-    loop.model = torch.nn.ParameterDict({"w": w})
-    opt = optimizer_of(loop)
+    opt = loop.hook.create_optimizer(loop=loop, model=torch.nn.ParameterDict({"w": w}))
     for _ in range(2):
         (w**2).sum().backward()  # grad 2w
         opt.step()

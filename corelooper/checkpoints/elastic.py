@@ -7,7 +7,8 @@ globally (``data.BatchLoader``: one permutation per epoch, cut into global micro
 position in the epoch (samples consumed), not by the per-rank split. On resume with another
 world size:
 
-1. ``prepare_resume`` (before the loader, optimizer and schedule are built) keeps the saved
+1. ``settle`` (in ``Loop.__init__``, before any plugin is configured: the config is final from
+   then on) keeps the saved
    global batch: same per-device batch and a new ``gradient_accumulation_steps`` when that
    divides exactly, else the largest smaller per-device batch that does (a smaller micro-batch
    never needs more memory); it says so in one line. When the world size does not divide the
@@ -91,38 +92,75 @@ def plan(saved: Geometry, world_size: int, per_device: int) -> Geometry:
     raise AssertionError("unreachable: size 1 always divides")
 
 
-def prepare_resume(loop, directory) -> None:
-    """Before the loader, optimizer and schedule are built: on another world size, give the loop
-    a config with the geometry that keeps the checkpoint's global batch (one line says so).
+def settle(config, plugins, directory, world_size: int, dataset, announce: bool):
+    """The run's config for resuming ``directory`` on ``world_size`` processes: on another
+    world size than it was saved on, a copy with the geometry that keeps the checkpoint's global
+    batch (one line says so); else ``config`` itself.
 
-    Called by ``Loop.train`` with the resolved checkpoint folder. A missing or unreadable
+    Called by ``Loop.__init__`` after the config is validated and before any plugin is
+    configured, so the config every plugin sees is final. ``dataset`` is the training data
+    (called only when needed: it may be built from the config). A missing or unreadable
     ``loop_state.json`` is left to the checkpoint's own verification, which names the file.
     """
+    new = planned_geometry(config.train, plugins, directory, world_size, dataset)
+    if new is None:
+        return config
+    saved = saved_geometry(_read_state(directory))
+    if announce:
+        print(f"corelooper: resuming {directory}, saved with {saved.describe()}, on "
+              f"{new.world_size} processes: {new.describe()} (global batch kept)", flush=True)
+        data = dataset()
+        if not _is_iterable(data):  # a stream's length is unknown (docs/clusters.md says what differs)
+            _warn_if_epoch_end_differs(len(data), saved)
+    return config.replace("train", per_device_train_batch_size=new.per_device,
+                          gradient_accumulation_steps=new.accumulation)
+
+
+def planned_geometry(args, plugins, directory, world_size: int, dataset) -> Geometry | None:
+    """The geometry that resuming ``directory`` needs, or None when the configured one is used."""
+    state = _read_state(directory)
+    saved = saved_geometry(state) if state is not None else None
+    now = Geometry(world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    if saved is None or saved.world_size == now.world_size:
+        return None
+    data = dataset()
+    if data is None:
+        return None
+    stream = _is_iterable(data)
+    if stream and not _can_resplit_stream(args, plugins, data, world_size, saved, directory):
+        return None  # ignore_data_skip: the stream restarts, the configured geometry is used
+    if not stream:
+        _check_order_independent_of_geometry(args, world_size, saved, str(directory))
+    new = now if now.global_batch == saved.global_batch else plan(saved, now.world_size, now.per_device)
+    return None if new == now else new
+
+
+def check_settled(loop, directory) -> None:
+    """``Loop.train(resume_from_checkpoint=...)``: refuse a checkpoint that needs another batch
+    geometry than the config the plugins were configured with (it is never replaced)."""
+    new = planned_geometry(loop.args, loop.plugins, directory, loop.state.world_size, lambda: loop.train_dataset)
+    if new is None:
+        return
+    saved = saved_geometry(_read_state(directory))
+    raise ConfigError(
+        f"Cannot resume {directory} from Loop.train(resume_from_checkpoint=...): it was saved with "
+        f"{saved.describe()}, and on {new.world_size} processes keeping its global batch needs "
+        f"per_device_train_batch_size = {new.per_device} and gradient_accumulation_steps = "
+        f"{new.accumulation}, but the run's config is final once plugins are configured. Name the "
+        "checkpoint in the config instead: train.resume_from_checkpoint (TrainArgs(resume_from_"
+        "checkpoint=...), or --resume-from-checkpoint on the command line), and the Loop settles "
+        "the geometry before it configures the plugins."
+    )
+
+
+def _read_state(directory) -> dict[str, Any] | None:
     import json
     from pathlib import Path
 
     try:
-        state = json.loads((Path(directory) / "loop_state.json").read_text())
+        return json.loads((Path(directory) / "loop_state.json").read_text())
     except (OSError, ValueError):
-        return
-    saved, now = saved_geometry(state), current_geometry(loop)
-    if saved is None or saved.world_size == now.world_size or loop.train_dataset is None:
-        return
-    stream = _is_iterable(loop.train_dataset)
-    if stream and not _can_resplit_stream(loop, saved, directory):
-        return  # ignore_data_skip: the stream restarts, the configured geometry is used
-    if not stream:
-        _check_order_independent_of_geometry(loop, saved, str(directory))
-    new = now if now.global_batch == saved.global_batch else plan(saved, now.world_size, now.per_device)
-    # The config is read-only: the run continues with a copy that has the new geometry.
-    loop.config = loop.config.replace("train", per_device_train_batch_size=new.per_device,
-                                      gradient_accumulation_steps=new.accumulation)
-    loop.args = loop.config.train
-    if loop.state.is_world_process_zero:
-        print(f"corelooper: resuming {directory}, saved with {saved.describe()}, on "
-              f"{new.world_size} processes: {new.describe()} (global batch kept)", flush=True)
-        if not stream:  # a stream's length is unknown (docs/clusters.md says what differs)
-            _warn_if_epoch_end_differs(len(loop.train_dataset), saved)
+        return None
 
 
 def _warn_if_epoch_end_differs(n: int, saved: Geometry) -> None:
@@ -143,7 +181,7 @@ def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[st
     """While loading a checkpoint: ``state`` (its loop state) with the position in the epoch
     rewritten for this geometry (samples consumed, in this run's micro-batches).
 
-    With the same global batch as saved (``prepare_resume`` ran), no sample is repeated or
+    With the same global batch as saved (``settle`` ran), no sample is repeated or
     skipped. With another one (the batch was changed on purpose) training continues with a
     warning that it is not the run an uninterrupted one would have been.
     """
@@ -153,7 +191,7 @@ def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[st
     loader = getattr(loop, "train_loader", None)
     own_position = callable(getattr(loader, "load_state_dict", None))  # a stream's loader
     if saved.global_batch != now.global_batch or (own_position and getattr(loader, "split", None) != "global"):
-        _warn_not_exact(saved, now)  # a stream split by shards: refused in prepare_resume, or restarted
+        _warn_not_exact(saved, now)  # a stream split by shards: refused in settle, or restarted
         return state
     if own_position:
         return state  # a global stream position: streaming.load_data_state continues it
@@ -188,27 +226,27 @@ def _is_iterable(dataset) -> bool:
     return isinstance(dataset, IterableDataset)
 
 
-def _check_order_independent_of_geometry(loop, saved: Geometry, where: str) -> None:
+def _check_order_independent_of_geometry(args, world_size: int, saved: Geometry, where: str) -> None:
     """group_by_length groups samples in mega-batches of one global micro-batch: another
     micro-batch size is another order, so the rest of the epoch would repeat or skip samples."""
-    if getattr(loop.args, "group_by_length", False):
+    if getattr(args, "group_by_length", False):
         raise ConfigError(
-            f"Cannot resume {where} on {loop.state.world_size} processes with train.group_by_length "
+            f"Cannot resume {where} on {world_size} processes with train.group_by_length "
             f"= true: the sample order depends on the micro-batch across ranks ({saved.micro_batch} "
             f"when saved). Resume on {saved.world_size} processes, or set train.group_by_length = "
             "false for a new run."
         )
 
 
-def _can_resplit_stream(loop, saved: Geometry, directory) -> bool:
+def _can_resplit_stream(args, plugins, dataset, world_size: int, saved: Geometry, directory) -> bool:
     """A stream split by shards keeps one position per process x worker: another world size
     cannot continue it. True when the stream's global position continues on this world size."""
     from ..data.streaming import choose_split, saved_split
 
-    if loop.plugins.implemented_by_others("train_dataloader"):
+    if plugins.implemented_by_others("train_dataloader"):
         return False  # a plugin's loader: its load_state_dict decides (adapt warns)
-    a = loop.args
-    split, on_disk = choose_split(loop.train_dataset, a.stream_split, a.dataloader_num_workers), saved_split(directory)
+    a = args
+    split, on_disk = choose_split(dataset, a.stream_split, a.dataloader_num_workers), saved_split(directory)
     if split.mode == "global" and on_disk != "shards" or on_disk == "global":
         return True  # a global position (a split that differs is refused as the data state loads)
     if a.ignore_data_skip:
@@ -221,7 +259,7 @@ def _can_resplit_stream(loop, saved: Geometry, directory) -> bool:
         why = split.why
         fix = f"New runs read their stream globally, and resume on any number of processes, if you {split.to_global}."
     raise ConfigError(
-        f"Cannot resume {directory} on {loop.state.world_size} processes: it was saved on "
+        f"Cannot resume {directory} on {world_size} processes: it was saved on "
         f"{saved.world_size}, and its training stream is split into shards (train.stream_split = "
         f'"shards", {why}), one per process x dataloader worker, each with its own position; a stream '
         f"cannot be re-split. Resume on {saved.world_size} processes with the same "

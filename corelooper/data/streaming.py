@@ -475,7 +475,7 @@ def load_data_state(loop, directory: Path) -> None:
     """Restore the training loader's position (or warn how the stream restarts).
 
     A ``"global"`` split's position is the same on every rank: each reads ``data_state_0.json``,
-    so a checkpoint of N processes resumes on any M (their geometry: ``elastic.prepare_resume``);
+    so a checkpoint of N processes resumes on any M (their geometry: ``elastic.settle``);
     a ``"shards"`` one is each rank's own (which the loader continues also with ``"auto"``)."""
     loader = getattr(loop, "train_loader", None)
     if loader is None or not callable(getattr(loader, "load_state_dict", None)):

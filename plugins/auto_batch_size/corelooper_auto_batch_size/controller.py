@@ -100,7 +100,6 @@ class AutoBatchSize:
         while True:
             pieces = self._cut(micro_batches, self.train_size)
             self._seen, self._pieces = 0, len(pieces)
-            loop.num_micro_batches = len(pieces)
             try:
                 return loop.plugins.call_next("training_step", self, loop=loop, micro_batches=pieces)[0]
             except Exception as exc:  # keep no reference: its traceback holds the activations
@@ -197,7 +196,6 @@ class AutoBatchSize:
         No optimizer step; the gradients, the model's buffers (e.g. BatchNorm statistics) and
         the RNG state are restored, so the run is the same as without the probe.
         """
-        from corelooper.data.loader import resolve_loss_type
         from corelooper.seeding import rng_state, set_rng_state
 
         model, backend = loop.model, loop.backend
@@ -211,8 +209,7 @@ class AutoBatchSize:
         try:
             while True:
                 piece = cut(batch, size)[0]
-                if loop.loss_type == "auto":
-                    loop.loss_type = resolve_loss_type(piece)
+                loop.resolve_loss_type(piece)  # as the first training step would: count its items
                 oom, fatal = False, None
                 try:
                     self._forward_backward(loop, piece, self.micro_batches_per_step(loop))

@@ -60,7 +60,7 @@ class DeepSpeedBackend(TorchDistributedCollectives):
 
     # DeepSpeed fixes train_batch_size (micro x accumulation x world) at initialize().
 
-    def __init__(self, args, section: dict, base: Path | None = None, current_args=None):
+    def __init__(self, args, section: dict, base: Path | None = None):
         on_cuda = torch.cuda.is_available() and not args.use_cpu
         if args.mixed_precision == "fp16" and not on_cuda:
             raise ConfigError('train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".')
@@ -73,11 +73,10 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
         self._set_rank_attributes(on_cuda)
         self.mixed_precision = args.mixed_precision
+        # The run's [train] is final (an elastic resume's geometry is settled before plugins are
+        # configured): train_batch_size and accumulation are built into the config once.
+        self.args = args
         self.config = ds_config.build(args, section, self.num_processes, on_cuda, base)
-        # The loop's [train] when prepare() runs: an elastic resume may have changed the
-        # geometry since (corelooper.checkpoints.elastic.prepare_resume: another gradient_accumulation_steps).
-        self._current_args = current_args or (lambda: args)
-        self._rebuild = lambda a: ds_config.build(a, section, self.num_processes, on_cuda, base)
         self.zero_stage = self.config["zero_optimization"]["stage"]
         self.shards_parameters = self.zero_stage == 3
         self.fixed_accumulation = True  # the engine's gradient_accumulation_steps, set when built
@@ -98,14 +97,13 @@ class DeepSpeedBackend(TorchDistributedCollectives):
                 "set torch_compile = false (or use the builtin or FSDP backend)."
             )
         base = loop.config.source.parent if loop.config.source else None
-        return cls(loop.args, loop.config.section("deepspeed"), base, current_args=lambda: loop.args)
+        return cls(loop.args, loop.config.section("deepspeed"), base)
 
     # -- model ---------------------------------------------------------------------------
     def prepare(self, model, optimizer):
         import deepspeed
 
         model.to(self.device)
-        self.config = self._rebuild(self._current_args())  # train_batch_size, accumulation of now
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
                                                dist_init_required=False)
         self.engine = engine
@@ -209,7 +207,7 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         stage, world = reshard.saved_partitioning(path / TAG)
         if stage != 0 and (stage, world) != (self.zero_stage, self.num_processes):
             self._check_reshardable(stage, directory)
-            work = Path(self._current_args().output_dir) / f".tmp-elastic-{Path(directory).name}"
+            work = Path(self.args.output_dir) / f".tmp-elastic-{Path(directory).name}"
             reshard.reshard(self.engine, path / TAG, work, self.is_main_process)
             return
         # DeepSpeed's own engine torch.load(weights_only=False)s every file: nothing is unpickled here

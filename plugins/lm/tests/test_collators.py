@@ -214,15 +214,26 @@ def test_train_group_by_length_reaches_the_loop_batches(tmp_path):
 
     docs = _docs(96, seed=5, lo=2, hi=64)
     data = [{"input_ids": d} for d in docs]
+    from corelooper.step import default_training_step
+
+    class Seen:  # the step's batches, as the loop fetched them
+        name = "seen"
+
+        def __init__(self):
+            self.batches = []
+
+        def training_step(self, loop, micro_batches):
+            self.batches.append(micro_batches[0])
+            return default_training_step(loop, micro_batches)
+
     padding = {}
     for flag in (False, True):
-        seen = []
+        recorder = Seen()
+        seen = recorder.batches
         loop = Loop(TinyLM(), {"train": {"output_dir": str(tmp_path / str(flag)), "max_steps": 12,
                                          "save_strategy": "no", "per_device_train_batch_size": 8,
                                          "group_by_length": flag}},
-                    train_dataset=data, data_collator=DataCollatorForCausalLM(pad_token_id=0))
-        step = loop.training_step
-        loop.training_step = lambda mbs, step=step, seen=seen: (seen.append(mbs[0]), step(mbs))[1]
+                    train_dataset=data, data_collator=DataCollatorForCausalLM(pad_token_id=0), plugins=[recorder])
         loop.train()
         assert loop.state.global_step == 12
         padding[flag] = sum(int((b["attention_mask"] == 0).sum()) for b in seen)

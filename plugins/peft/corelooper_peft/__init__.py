@@ -21,6 +21,7 @@ from pathlib import Path
 
 from corelooper import hookimpl
 from corelooper.errors import ConfigError
+from corelooper.transforms import MODEL_WRAP, order
 
 __version__ = "0.2.0"
 
@@ -90,10 +91,15 @@ def wrap(model, section: dict):
 
 
 @hookimpl
-def on_init_end(loop):
-    if _active(loop):
-        loop.model = wrap(loop.model, loop.config.section(SECTION))
-        route_adapter_loads(loop, loop.model)
+@order(MODEL_WRAP)
+def transform_model(loop, config, model):
+    """Wrap the model before the backend is created (as TRL does before the Accelerator), after
+    any ``MODEL_PATCH`` transform of the base model; data transforms (SFT) see the wrapped one."""
+    if SECTION not in config.sections:
+        return None
+    wrapped = wrap(model, config.section(SECTION))
+    route_adapter_loads(loop, wrapped)
+    return wrapped
 
 
 @hookimpl

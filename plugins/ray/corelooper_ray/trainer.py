@@ -56,16 +56,22 @@ def train_worker(args: dict[str, Any]) -> None:
 
     source = Path(args["source"]) if args.get("source") else None
     config = Config.from_dict(args["config"], source=source)
-    loop = Loop(config=config, blocked_plugins=args["blocked"], plugins=[RayReporter()])
+
+    def train(resume: str, restarted: bool = False) -> None:
+        # In the config: on another number of workers the Loop settles the batch geometry that
+        # keeps the checkpoint's global batch before any plugin is configured.
+        run = config.replace("train", resume_from_checkpoint=resume)
+        loop = Loop(config=run, blocked_plugins=args["blocked"], plugins=[RayReporter()])
+        if restarted and loop.state.is_world_process_zero:
+            print(f"corelooper-ray: restarted after a failure; resuming from {resume}", flush=True)
+        loop.train()
+
     reported = ray.train.get_checkpoint()
     if reported is None:
-        loop.train(resume_from_checkpoint=args["resume"] or "auto")
+        train(args["resume"] or "auto")
         return
     with reported.as_directory() as directory:  # local storage: the folder itself, else a download
-        resume = newest(Path(directory), Path(config.train.output_dir))
-        if loop.state.is_world_process_zero:
-            print(f"corelooper-ray: restarted after a failure; resuming from {resume}", flush=True)
-        loop.train(resume_from_checkpoint=resume)
+        train(str(newest(Path(directory), Path(config.train.output_dir))), restarted=True)
 
 
 def newest(reported: Path, output_dir: Path) -> Path:

@@ -1,7 +1,7 @@
 """corelooper-sft: supervised fine-tuning from chat files, with TRL's ``SFTConfig`` names.
 
-Inert unless the config has an ``[sft]`` section. Then, when the loop is built (``on_init_end``),
-the training and evaluation data sets are tokenized (chat template, prompt/completion, text, or
+Inert unless the config has an ``[sft]`` section. Then, when the loop is built (its
+``transform_data``, after any ``transform_model`` such as corelooper-peft's), the training and evaluation data sets are tokenized (chat template, prompt/completion, text, or
 already tokenized rows; formats detected per row), masked (``assistant_only_loss``,
 ``completion_only_loss``), cut to ``max_length`` (``overlong = "truncate"`` or ``"drop"``,
 counted and reported once), optionally packed (``packing``, ``packing_strategy`` = ``bfd``,
@@ -20,6 +20,7 @@ from __future__ import annotations
 __version__ = "0.2.0"
 
 from corelooper import hookimpl
+from corelooper.transforms import DATA_TOKENIZE, order
 
 SECTION = "sft"
 DEFAULTS = {
@@ -52,12 +53,14 @@ def corelooper_configure(config, plugins):
 
 
 @hookimpl
-def on_init_end(loop):
-    if SECTION not in loop.config.sections:
-        return
-    from .setup import setup_loop
+@order(DATA_TOKENIZE)
+def transform_data(loop, config, model, train_dataset, eval_dataset, data_collator):
+    if SECTION not in config.sections:
+        return None
+    from .setup import prepare_data
 
-    setup_loop(loop, loop.config.section(SECTION))
+    data = {"train_dataset": train_dataset, "eval_dataset": eval_dataset, "data_collator": data_collator}
+    return prepare_data(loop, model, data, config.section(SECTION))
 
 
 @hookimpl

@@ -1,4 +1,4 @@
-"""Wiring the ``[sft]`` section into a run: tokenizer, data sets, collator (from ``on_init_end``)."""
+"""Wiring the ``[sft]`` section into a run: tokenizer, data sets, collator (its ``transform_data``)."""
 
 from __future__ import annotations
 
@@ -86,33 +86,37 @@ def prepare_split(dataset, tok, cfg, split: str, where: str, template):
     return prepare(dataset, tok, split_cfg, where, template)
 
 
-def setup_loop(loop, cfg: dict[str, Any]) -> None:
+def prepare_data(loop, model, data: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """The run's datasets tokenized (and packed) for ``model``, with the collator that batches
+    them: the parts of ``data`` (``train_dataset``, ``eval_dataset``, ``data_collator``) it replaces."""
     check(cfg)
-    tok = find_tokenizer(loop.config, loop.model)
-    template = configure_tokenizer(tok, cfg, loop.config)
+    config = loop.config
+    tok = find_tokenizer(config, model)
+    template = configure_tokenizer(tok, cfg, config)
     backend = loop.backend
     if not backend.is_main_process:  # rank 0 tokenizes first and fills the datasets cache
         backend.wait_for_everyone()
-    names = {"train": loop.config.data.train or "train_dataset", "eval": loop.config.data.eval or "eval_dataset"}
-    if loop.train_dataset is not None:
-        loop.train_dataset = prepare_split(loop.train_dataset, tok, cfg, "train", f"data.train ({names['train']})",
-                                           template)
-    if loop.eval_dataset is not None:
-        loop.eval_dataset = prepare_split(loop.eval_dataset, tok, cfg, "eval", f"data.eval ({names['eval']})",
-                                          template)
+    names = {"train": config.data.train or "train_dataset", "eval": config.data.eval or "eval_dataset"}
+    out: dict[str, Any] = {}
+    for split in ("train", "eval"):
+        if data[f"{split}_dataset"] is not None:
+            out[f"{split}_dataset"] = prepare_split(data[f"{split}_dataset"], tok, cfg, split,
+                                                    f"data.{split} ({names[split]})", template)
     if backend.is_main_process:
         backend.wait_for_everyone()
-    if (cfg["packing"] or cfg["padding_free"]) and cfg["segment_attention"] and loop.data_collator is None:
+    collator = data["data_collator"]
+    if (cfg["packing"] or cfg["padding_free"]) and cfg["segment_attention"] and collator is None:
         from corelooper_lm.segment_attention import use_segment_attention
 
-        use_segment_attention(loop.model)  # sdpa -> one sdpa per segment: no T x T mask per row
-    attn, dtype = attention_of(loop.model)
-    if loop.data_collator is None:
-        loop.data_collator = SplitCollator(cfg, tok.pad_token_id, attn, dtype)
+        use_segment_attention(model)  # sdpa -> one sdpa per segment: no T x T mask per row
+    attn, dtype = attention_of(model)
+    if collator is None:
+        out["data_collator"] = SplitCollator(cfg, tok.pad_token_id, attn, dtype)
     if cfg["packing"] or cfg["padding_free"]:
-        model_config = getattr(loop.model, "config", None)
+        model_config = getattr(model, "config", None)
         if model_config is not None and hasattr(model_config, "use_cache"):
             model_config.use_cache = False  # with a KV cache, Llama attends across packed samples
+    return out
 
 
 class SplitCollator:

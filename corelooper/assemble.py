@@ -1,0 +1,155 @@
+"""How ``Loop.__init__`` and ``Loop.train`` settle what a run is before it runs: the resume
+checkpoint and its batch geometry (before any plugin is configured: the config is final), the
+training plan (steps, epochs, intervals) from the loader's length."""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .config import Config, resolve_interval
+from .data.loader import batch_rows, count_input_tokens
+from .errors import ConfigError, CorelooperError, DataError, explain_failure
+
+
+def world_size_now() -> int:
+    """The number of processes, before the backend exists: a process group already started
+    (Ray, a test), else the launcher's ``WORLD_SIZE`` (torchrun, ``corelooper run --nproc``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Resume:
+    """``train.resume_from_checkpoint``, resolved while the plugins load: ``settle`` is
+    ``load_plugins``' hook between validating the config and configuring the plugins."""
+
+    def __init__(self, train_dataset: Any) -> None:
+        self.given = train_dataset
+        self.built: Any = None  # the training data, when settling needed it before the Loop
+        self.directory: Path | None = None
+        self.world_size: int | None = None  # when the geometry was changed for it
+        self.plugins = None  # the registry (create_dataset), from settle
+
+    def settle(self, config: Config, plugins) -> Config:
+        from .checkpoints import checkpoint, elastic
+
+        self.plugins = plugins
+        resume = config.train.resume_from_checkpoint
+        if not resume:
+            return config
+        try:
+            self.directory = checkpoint.resolve(resume, Path(config.train.output_dir))
+        except CorelooperError:  # train() resolves it again and says what is wrong, as before
+            return config
+        if self.directory is None:  # "auto" with no checkpoint yet
+            return config
+        world = world_size_now()
+        settled = elastic.settle(config, plugins, self.directory, world, lambda: self.dataset(config),
+                                 announce=int(os.environ.get("RANK", "0")) == 0)
+        if settled is not config:
+            self.world_size = world
+        return settled
+
+    def dataset(self, config: Config) -> Any:
+        """The training data: given, else built from the config (once)."""
+        from .build import build_dataset
+
+        if self.given is None and self.built is None:
+            self.built = build_dataset(self.plugins, config, "train")
+        return self.given if self.given is not None else self.built
+
+    def check_world_size(self, backend) -> None:
+        if self.world_size is not None and backend.num_processes != self.world_size:
+            raise ConfigError(
+                f"Resuming {self.directory}: its batch geometry was settled for {self.world_size} "
+                f"processes (WORLD_SIZE), but the backend runs {backend.num_processes}. Start the "
+                "run with a launcher that sets WORLD_SIZE to the number of processes."
+            )
+
+
+def plan_steps(args, state, loader) -> int:
+    """Steps per epoch, total steps and epochs into ``state``, from the loader's length and
+    ``[train]``; returns the micro-batches of an epoch (the logged epoch counts them, as HF)."""
+    a, s = args, state
+    try:
+        batches_per_epoch = len(loader)
+    except TypeError:
+        batches_per_epoch = 0
+    if batches_per_epoch == 0 and a.max_steps <= 0:
+        raise DataError(
+            "The training data has no length (or is empty): set train.max_steps, or give a "
+            "dataset with samples."
+        )
+    s.steps_per_epoch = math.ceil(batches_per_epoch / a.gradient_accumulation_steps)
+    s.max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * s.steps_per_epoch)
+    s.num_train_epochs = math.ceil(s.max_steps / s.steps_per_epoch) if s.steps_per_epoch else 1
+    s.logging_steps = resolve_interval(a.logging_steps, s.max_steps)  # a float < 1: a ratio (HF)
+    s.save_steps = resolve_interval(a.save_steps, s.max_steps)
+    s.eval_steps = resolve_interval(a.eval_steps or a.logging_steps, s.max_steps)
+    s.train_batch_size = a.per_device_train_batch_size
+    s.gradient_accumulation_steps = a.gradient_accumulation_steps
+    return batches_per_epoch
+
+
+def batch_error(exc: Exception, global_step: int, config: Config) -> DataError:
+    return DataError(
+        f"Loading a training batch failed at global_step {global_step}: "
+        f"{type(exc).__name__}: {exc}. Check the dataset ({config.data.train or 'train_dataset'}) "
+        f"and the collator ({config.data.collator or 'default'})."
+    )
+
+
+def resume_directory(loop, asked, settled: Path | None) -> Path | None:
+    """The checkpoint ``train()`` resumes: ``asked`` (its argument; refused when it needs another
+    batch geometry than the final config's), else the config's (settled by ``Resume``)."""
+    from .checkpoints import checkpoint, elastic
+
+    output_dir, configured = Path(loop.args.output_dir), loop.args.resume_from_checkpoint
+    if not asked:
+        return settled if settled is not None or not configured else checkpoint.resolve(configured, output_dir)
+    directory = checkpoint.resolve(asked, output_dir)
+    if directory is not None:
+        elastic.check_settled(loop, directory)
+    return directory
+
+
+def count_step(loop, epoch: int, micro_batches: list, step_loss, batches_per_epoch: int) -> None:
+    """After an optimizer step: the position, samples and tokens into ``loop.state`` and the
+    logging window."""
+    s = loop.state
+    s.global_step += 1
+    s.step_in_epoch += 1
+    s.micro_batches_in_epoch += len(micro_batches)
+    # As HF: micro-batches done / micro-batches per epoch (5 an epoch, GA 2: 0.4, 0.8, 1.0)
+    s.epoch = epoch + (s.micro_batches_in_epoch / batches_per_epoch if s.steps_per_epoch else 0)
+    samples = sum(batch_rows(b) for b in micro_batches) * s.world_size
+    tokens = sum(count_input_tokens(b) for b in micro_batches) * s.world_size
+    s.total_samples_seen += samples
+    loop.log_window.add(step_loss, samples, tokens, loop.guard.skipped_total)
+    loop.tokens_seen.add(micro_batches)
+
+
+def failure(loop, exc: BaseException, action: str = "Training") -> BaseException:
+    """``on_exception``, then the error naming its plugin and hook (or the model)."""
+    try:
+        loop.events.fire("on_exception", exception=exc)
+    except Exception:  # a broken cleanup hook must not hide the original error
+        pass
+    return explain_failure(exc, loop.plugins, loop.state.global_step, loop.args.output_dir, action)
+
+
+@contextmanager
+def reported(loop, action: str):
+    """``evaluate()``/``predict()`` called alone report an error as ``train()`` does."""
+    try:
+        yield
+    except BaseException as exc:
+        if loop.is_training:  # train() reports it
+            raise
+        raise failure(loop, exc, action) from exc
