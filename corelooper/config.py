@@ -211,6 +211,9 @@ class TrainArgs:
     remove_unused_columns: bool = True
     """Do not pass batch columns the model's forward does not accept (logged once)."""
     gradient_checkpointing: bool = False
+    use_cache: bool = False
+    """``model.config.use_cache`` while training (HF 5.x's default, false: no KV cache is built in a
+    training forward)."""
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     """``torch.compile`` backend (default "inductor"); setting it implies ``torch_compile``."""

@@ -177,7 +177,7 @@ def transform_model(loop, config, model):
     being built: ``config``, ``args`` and ``plugins`` are set, ``backend`` is not yet.
     Implementations run in ascending ``order`` (``corelooper.transforms.order``), each with the
     previous one's model: ``MODEL_PATCH`` (100: change the model's own modules, e.g. kernels),
-    then ``MODEL_WRAP`` (200: wrap it, e.g. corelooper-peft's ``get_peft_model``), then those
+    then ``MODEL_WRAP`` (200: wrap it, e.g. an adapter library's ``get_peft_model``), then those
     that declare none (``DEFAULT_ORDER``, 500); equal orders by plugin name. The result must be a
     ``torch.nn.Module``, else a PluginError names the plugin.
     """
@@ -193,7 +193,7 @@ def transform_data(loop, config, model, train_dataset, eval_dataset, data_collat
     first) and before any loader is built, with the transformed ``model``. Implementations run
     in ascending ``order`` (``corelooper.transforms.order``), each seeing the previous one's
     datasets and collator: ``DATA_TOKENIZE`` (100: rows -> model inputs and their collator,
-    e.g. corelooper-sft), ``DATA_PREPARED`` (200: work on model inputs: filters, curricula),
+    e.g. a fine-tuning data plugin), ``DATA_PREPARED`` (200: work on model inputs: filters, curricula),
     then those that declare none (500); equal orders by plugin name.
     """
 

@@ -2,7 +2,7 @@
 its declared order, each given the previous one's result (``corelooper.hookspecs``).
 
 The order is declared by the implementation, never taken from the order plugins were registered
-or named in (entry points register by name: ``peft`` before ``sft`` only by the alphabet)::
+or named in (entry points register by name, so their order is only the alphabet)::
 
     from corelooper.transforms import MODEL_WRAP, order
 

@@ -66,7 +66,7 @@ def test_checkpoint_contents(tmp_path):
     loop.train()
     out = tmp_path / "out"
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.checkpoints.lock"]  # no temp folder
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]  # no temp folder
     ckpt = out / "checkpoint-4"
     names = {p.name for p in ckpt.iterdir()}
     assert names == {WEIGHTS, "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "loop_state.json",

@@ -97,7 +97,7 @@ def project(finished, tmp_path) -> Path:
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file's bytes, except the run lock's (it names the PID of the last run to open the folder)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".corelooper.checkpoints.lock"}
+            if p.is_file() and p.name != ".corelooper.lock"}
 
 
 def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -235,4 +235,4 @@ def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
     _clear_debris(out)
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert snapshot(out / "checkpoint-4") == before
-    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.checkpoints.lock"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]

@@ -67,7 +67,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file's bytes, but the run lock's (it names whoever last held the folder: a resume
     takes it before reading the checkpoint, so no other run writes there meanwhile)."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".corelooper.checkpoints.lock"}
+            if p.is_file() and p.name != ".corelooper.lock"}
 
 
 def test_resuming_a_finished_run_does_nothing_and_a_real_resume_says_where_it_starts(tmp_path):

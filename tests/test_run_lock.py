@@ -1,4 +1,4 @@
-"""The run lock (``fcntl.flock`` on ``output_dir/.corelooper.checkpoints.lock``) when its holder
+"""The run lock (``fcntl.flock`` on ``output_dir/.corelooper.lock``) when its holder
 dies, as on a node lost mid-job, and on a shared file system that has no flock
 (docs/clusters.md, "Shared file system")."""
 

@@ -257,7 +257,7 @@ def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project)
     finally:
         lock.release()
     # the lock file of a dead run (its PID written, no flock held) is simply taken over
-    (out / ".corelooper.checkpoints.lock").write_text('{"pid": 999999, "host": "gone"}\n')
+    (out / ".corelooper.lock").write_text('{"pid": 999999, "host": "gone"}\n')
     result = cli(project, "--resume-from-checkpoint", "latest", "--set", "train.max_steps=6")
     assert result.returncode == 0, result.stderr
 

@@ -20,7 +20,29 @@ import sys
 import time
 from pathlib import Path
 
-LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "datasets")
+CORE_LIBRARIES = ("torch", "accelerate", "safetensors", "transformers", "datasets")
+
+
+def libraries(dists) -> list[str]:
+    """The core's libraries and every library a loaded plugin's distribution requires (a plugin's
+    backend or adapter library: its version is the first question when two runs disagree)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    found = list(CORE_LIBRARIES)
+    for dist in dists:
+        try:
+            reqs = requires(dist) or []
+        except PackageNotFoundError:
+            continue
+        for req in reqs:
+            name = req.split(";")[0].split("[")[0]
+            for sep in "<>=!~ (":
+                name = name.split(sep)[0]
+            if ";" in req and "extra ==" in req:  # a test or optional extra: not what runs
+                continue
+            if name and name not in found and not name.startswith("corelooper"):
+                found.append(name)
+    return found
 HEAD_BYTES = 1 << 20
 RUN_JSON = "run.json"
 
@@ -103,7 +125,7 @@ def record(loop, state) -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": _command(),
         "config": loop.config.to_dict(),
         "versions": {"corelooper": _version("corelooper"), "python": sys.version.split()[0],
-                     **{lib: _version(lib) for lib in LIBRARIES}},
+                     **{lib: _version(lib) for lib in libraries({i.dist for i in loop.plugins.info.values() if i.dist})}},
         "plugins": plugins, "git": _git(project), "host": socket.gethostname(),
         "world_size": state.world_size, "device": str(loop.backend.device),
         "data": data_files(loop.config),

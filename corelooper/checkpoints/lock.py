@@ -1,4 +1,4 @@
-"""One run per ``output_dir``: an advisory ``fcntl.flock`` on ``output_dir/.corelooper.checkpoints.lock``.
+"""One run per ``output_dir``: an advisory ``fcntl.flock`` on ``output_dir/.corelooper.lock``.
 
 Rank 0 takes the lock before it reads a checkpoint or changes anything in ``output_dir`` and
 holds it for the run's life. The kernel releases it when the process dies (even by
@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from .ioerrors import check_is_folder, io_error
 
-LOCK_FILE = ".corelooper.checkpoints.lock"
+LOCK_FILE = ".corelooper.lock"
 
 
 class RunLock:

@@ -151,8 +151,9 @@ _HF_ACCELERATOR_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "e
                             "use_seedable_sampler": True, "non_blocking": False,
                             "gradient_accumulation_kwargs": None}
 # HF fields that take a dict or its JSON text (HF parses the text in TrainingArguments).
-_JSON_DICT_FIELDS = frozenset({"lr_scheduler_kwargs", "accelerator_config", "fsdp_config", "deepspeed",
-                               "gradient_checkpointing_kwargs", "liger_kernel_config", "optim_args"})
+# (So are the fields plugins answer to: ``declared_train_fields``.)
+_JSON_DICT_FIELDS = frozenset({"lr_scheduler_kwargs", "accelerator_config", "gradient_checkpointing_kwargs",
+                               "optim_args"})
 
 UNSUPPORTED: dict[str, Unsupported] = {
     "optim_target_modules": Unsupported(
@@ -170,9 +171,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "gradient_checkpointing_kwargs": Unsupported(
         "not supported: corelooper enables it with use_reentrant=False; call "
         "model.gradient_checkpointing_enable(...) in model.factory for other options.", (None, {})),
-    "use_cache": Unsupported(
-        "corelooper leaves model.config.use_cache as the model has it (turned off with "
-        "gradient_checkpointing); set it in model.factory.", (False,)),
     "torch_empty_cache_steps": Unsupported(
         "not supported: emptying the CUDA cache every N steps only slows training; against fragmentation "
         "use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", (None,)),
@@ -283,7 +281,9 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
 
 def _json_dict(key: str, value: Any) -> Any:
     """A dict field given as JSON text (``'{"num_cycles": 2}'``), read as HF reads it."""
-    if key not in _JSON_DICT_FIELDS or not isinstance(value, str) or not value.lstrip().startswith("{"):
+    if not isinstance(value, str) or not value.lstrip().startswith("{"):
+        return value
+    if key not in _JSON_DICT_FIELDS and key not in declared_train_fields():
         return value
     import json
 

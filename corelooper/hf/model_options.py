@@ -64,6 +64,8 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
 
 def apply_model_options(loop, model: torch.nn.Module) -> torch.nn.Module:
     a = loop.args
+    if hasattr(getattr(model, "config", None), "use_cache"):  # as HF 5.x's Trainer
+        model.config.use_cache = a.use_cache
     if getattr(a, "tf32", None) is not None:
         torch.backends.cuda.matmul.allow_tf32 = a.tf32
         torch.backends.cudnn.allow_tf32 = a.tf32
