@@ -112,6 +112,9 @@ def settle(config, plugins, directory, world_size: int, dataset, announce: bool)
         data = dataset()
         if not _is_iterable(data):  # a stream's length is unknown (docs/clusters.md says what differs)
             _warn_if_epoch_end_differs(len(data), saved)
+    if (new.per_device, new.accumulation) == (config.train.per_device_train_batch_size,
+                                              config.train.gradient_accumulation_steps):
+        return config  # the configured geometry already keeps the global batch
     return config.replace("train", per_device_train_batch_size=new.per_device,
                           gradient_accumulation_steps=new.accumulation)
 
@@ -131,15 +134,15 @@ def planned_geometry(args, plugins, directory, world_size: int, dataset) -> Geom
         return None  # ignore_data_skip: the stream restarts, the configured geometry is used
     if not stream:
         _check_order_independent_of_geometry(args, world_size, saved, str(directory))
-    new = now if now.global_batch == saved.global_batch else plan(saved, now.world_size, now.per_device)
-    return None if new == now else new
+    return now if now.global_batch == saved.global_batch else plan(saved, now.world_size, now.per_device)
 
 
 def check_settled(loop, directory) -> None:
     """``Loop.train(resume_from_checkpoint=...)``: refuse a checkpoint that needs another batch
     geometry than the config the plugins were configured with (it is never replaced)."""
     new = planned_geometry(loop.args, loop.plugins, directory, loop.state.world_size, lambda: loop.train_dataset)
-    if new is None:
+    if new is None or (new.per_device, new.accumulation) == (loop.args.per_device_train_batch_size,
+                                                            loop.args.gradient_accumulation_steps):
         return
     saved = saved_geometry(_read_state(directory))
     raise ConfigError(

@@ -237,4 +237,5 @@ def test_train_group_by_length_reaches_the_loop_batches(tmp_path):
         loop.train()
         assert loop.state.global_step == 12
         padding[flag] = sum(int((b["attention_mask"] == 0).sum()) for b in seen)
-    assert padding[True] < padding[False] / 3  # far less padding with length-grouped batches
+    # far less padding with length-grouped batches (HF's mega-batches: here 96 // (4 * 8) = 3 batches each)
+    assert padding[True] < padding[False] / 2

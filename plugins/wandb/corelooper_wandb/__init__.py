@@ -214,6 +214,13 @@ class WandbLogger:
 
     def _finish(self, exit_code: int | None = None) -> None:
         run, self.run = self.run, None
-        if run is not None:
+        if run is None:
+            return
+        try:
             run.finish(exit_code=exit_code)
+        except Exception as e:
+            # At interpreter exit W&B's own exit handler may finish the run before the Loop's
+            # finalizer gets here: the run is finished, which is what was asked.
+            if type(e).__name__ != "AlreadyJoinedError":
+                raise
 
