@@ -72,7 +72,12 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
+            # Unlock first: a DataLoader worker forked during the run shares this open file, and
+            # closing our descriptor alone would leave the flock held while that worker lives.
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
             self._fd = None
 
     @property
