@@ -1,4 +1,4 @@
-"""A pytest plugin for plugin authors (entry point ``pytest11``, loaded whenever corelooper is installed).
+"""A pytest plugin for plugin authors (entry point ``pytest11``, loaded whenever corelooper-testing is installed).
 
 Fixtures:
 
@@ -9,10 +9,12 @@ Fixtures:
 
 Installed plugins (entry points) are *not* loaded by these fixtures unless ``autoload=True``, so a
 test sees only the plugins it names. This module must not import torch at import time: pytest loads
-it in every test run of every project that has corelooper installed.
+it in every test run of every project that has corelooper-testing installed.
 """
 
 from __future__ import annotations
+
+__version__ = "0.2.0"
 
 import inspect
 import os
@@ -24,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from . import hookspecs
+from corelooper import hookspecs
 
 # Arguments every event receives; the recorder keeps them out of HookCall.kwargs (see HookCall).
 _CONTEXT = ("loop", "state", "control")
@@ -230,9 +232,9 @@ def build_loop(
     **train_overrides: Any,
 ):
     """A ``Loop`` on the tiny task (see ``tiny_task``) with ``plugins`` registered."""
-    from .config import Config
-    from .loop import Loop
-    from .plugins import AUTOLOAD_ENV
+    from corelooper.config import Config
+    from corelooper.loop import Loop
+    from corelooper.plugins import AUTOLOAD_ENV
 
     config = Config.from_dict({
         "train": {**TINY_TRAIN_ARGS, "output_dir": str(output_dir), **train_overrides},
