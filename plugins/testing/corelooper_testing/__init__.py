@@ -6,6 +6,7 @@ Fixtures:
   (a few hundred parameters, 8 optimizer steps, evaluations and checkpoints) with your plugins
   registered and returns the ``Loop``; ``make_loop`` builds the same ``Loop`` without training.
 * ``hook_recorder``: a plugin that records every event and every provider call with its arguments.
+* ``train_args(**overrides)``: a ``TrainArgs`` for a quick in-process ``Loop`` (no checkpoints).
 
 Installed plugins (entry points) are *not* loaded by these fixtures unless ``autoload=True``, so a
 test sees only the plugins it names. This module must not import torch at import time: pytest loads
@@ -262,6 +263,21 @@ def build_loop(
 def hook_recorder() -> HookRecorder:
     """A fresh ``HookRecorder``: pass it in ``plugins=[...]``, then assert on ``.calls``."""
     return HookRecorder()
+
+
+@pytest.fixture
+def train_args(tmp_path):
+    """``train_args(**overrides)`` -> a ``TrainArgs`` for a quick in-process ``Loop``: output in
+    ``tmp_path / "out"``, no checkpoints, a log every step, no clipping, no progress bar."""
+
+    def make(**overrides: Any):
+        from corelooper.config import TrainArgs
+
+        base = dict(output_dir=str(tmp_path / "out"), save_strategy="no", logging_steps=1,
+                    max_grad_norm=0.0, disable_tqdm=True, learning_rate=1e-2)
+        return TrainArgs(**{**base, **overrides})
+
+    return make
 
 
 @pytest.fixture
