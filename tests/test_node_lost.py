@@ -12,7 +12,10 @@ agent sees it (``num_nodes_waiting()`` in its monitor loop: a membership change,
 restart), stops its rank with SIGTERM — which finishes its step and saves a checkpoint — and both
 agents meet in a new round: 2 processes resume that checkpoint with the same global batch and
 sample order. The final weights equal an uninterrupted run that changes world size 2 -> 1 -> 2 at
-the same steps (resumes at those checkpoints). About 100 s here (2 CPU cores).
+the same steps (resumes at those checkpoints). About 2 minutes here (2 CPU cores): the job ~75 s,
+the reference runs ~40 s.
+
+The second test pins the torch behaviour that needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from cluster_task import REPO, STOP_PLUGIN, env, free_port, max_diff, torchrun, write_config
 from safetensors.torch import load_file
 
@@ -101,7 +105,6 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
              "--rdzv_conf", "last_call_timeout=10", "-m", "corelooper", "run", str(config),
              "--resume-from-checkpoint", "auto", "-p", str(tmp_path / "slow.py")]
     logs = [tmp_path / "survivor.log", tmp_path / "lost.log", tmp_path / "back.log"]
-    started = time.monotonic()
     survivor = _agent(tmp_path, agent, "survivor.log")
     time.sleep(1)  # the survivor hosts the rendezvous store (the node that dies must not); both
     # join the first round within its last call (10 s), so the job starts on 2 nodes
@@ -124,7 +127,6 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL) if proc is not survivor else proc.kill()
                 proc.wait()
-    elapsed = time.monotonic() - started
     out = _text(*logs)
     assert (survivor.returncode, nodes[2].returncode) == (0, 0), out[-6000:]
     assert "x 2 processes" in _text(logs[0])  # it did start as one job of world size 2
@@ -161,4 +163,51 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
     assert max_diff(final, load_file(str(tmp_path / "ref" / "model.safetensors"))) <= 1e-5
     assert max_diff(final, load_file(str(tmp_path / "two" / "model.safetensors"))) <= 1e-5  # same global batch
     assert max_diff(final, load_file(str(tmp_path / "job" / f"checkpoint-{BACK_AT}" / "model.safetensors"))) > 1e-3
-    print(f"the elastic job took {elapsed:.0f} s")
+
+
+WORKER = """
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+Path(os.environ["MARKS"], f"world-{os.environ['WORLD_SIZE']}-rank-{os.environ['RANK']}").touch()
+if os.environ["WORLD_SIZE"] == "1":
+    time.sleep(60)  # alone: until the agent stops it for the node that joins
+"""
+
+
+@pytest.mark.parametrize("share_store", [True, False])
+def test_torchrun_takes_in_a_returning_node_only_without_its_shared_store(tmp_path, share_store):
+    """docs/clusters.md: with torch's shared TCPStore (its default) a node joining a later round
+    waits for a MASTER_ADDR nobody writes; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 fixes it.
+    If torch fixes it, the first case fails: drop the variable from the docs and the test above."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    port, run_id = free_port(), uuid.uuid4().hex
+    agent = [*torchrun(), "--nnodes", "1:2", "--nproc_per_node", "1", "--max_restarts", "0", "--monitor_interval",
+             "0.5", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
+             "--rdzv_conf", "last_call_timeout=1,read_timeout=10", str(tmp_path / "worker.py")]
+    environ = {**env(tmp_path), "MARKS": str(tmp_path)}
+    if not share_store:
+        environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    first = subprocess.Popen(agent, cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "world-1-rank-0").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+            time.sleep(0.2)
+        second = subprocess.run(agent, cwd=REPO, env=environ, capture_output=True, text=True, timeout=TIMEOUT)
+        out = first.communicate(timeout=TIMEOUT)[0]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    joined = sorted(p.name for p in tmp_path.glob("world-2-*"))
+    if share_store:
+        assert second.returncode != 0 and first.returncode != 0 and joined == [], second.stderr[-3000:]
+        assert re.search(r"DistStoreError: wait timeout after 10000ms, keys: /torch\.rendezvous\.\w+\.1/MASTER_ADDR",
+                         second.stderr), second.stderr[-3000:]
+    else:
+        assert (first.returncode, second.returncode) == (0, 0), (out[-3000:], second.stderr[-3000:])
+        assert joined == ["world-2-rank-0", "world-2-rank-1"]
