@@ -6,6 +6,11 @@ finishes and its weights and every step's loss equal ``corelooper run --nproc 2`
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -16,7 +21,14 @@ from safetensors.torch import load_file
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import slurm_cluster  # noqa: E402
-from test_slurm import STEPS, _losses, base_env, corelooper, write_config  # noqa: E402
+from test_slurm import SLOW, STEPS, _losses, base_env, corelooper  # noqa: E402
+from test_slurm import write_config as write_slurm_config  # noqa: E402
+
+sys.path.insert(0, str(HERE.parents[2] / "tests"))  # the 2 -> 1 reference of tests/test_node_lost.py
+from cluster_task import max_diff, write_config  # noqa: E402
+from test_node_lost import RESUMED  # noqa: E402
+
+LOST_STEPS = 24
 
 # The jobs reach their first node (in Slurm's sorted node list) by its name, the rendezvous
 # endpoint: this machine's hostname. The second node's name is only Slurm's (slurmd is reached at
@@ -56,7 +68,7 @@ def test_this_slurm_runs_several_slurmd_on_one_host(slurm2):
 
 
 def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
-    config = write_config(tmp_path / "job.toml", tmp_path / "job")
+    config = write_slurm_config(tmp_path / "job.toml", tmp_path / "job")
     env = {**slurm2.env, "TMPDIR": str(tmp_path)}
     submitted = corelooper("slurm", str(config), "--nodes", "2", "--nproc-per-node", "1",
                            "--output", str(tmp_path / "job-%j.out"), "-p", "no:tensorboard", env=env, timeout=60)
@@ -73,7 +85,7 @@ def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
     assert log.count("): finished; every rank finished") == 2, log
     assert "x 2 processes" in log, log  # one job of world size 2, not two runs of 1
 
-    ref = corelooper("run", str(write_config(tmp_path / "ref.toml", tmp_path / "ref")), "--nproc", "2",
+    ref = corelooper("run", str(write_slurm_config(tmp_path / "ref.toml", tmp_path / "ref")), "--nproc", "2",
                      "-p", "no:tensorboard", env=base_env(tmp_path))
     assert ref.returncode == 0, ref.stderr[-3000:]
     final, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("job", "ref"))
@@ -81,3 +93,69 @@ def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
     got, expected = (_losses(tmp_path / d / "metrics.jsonl") for d in ("job", "ref"))
     assert sorted(got) == list(range(1, STEPS + 1))
     assert max(abs(got[s] - expected[s]) for s in expected) <= 1e-5
+
+
+def _kill_node_tasks(job_id: str, node: str) -> list[int]:
+    """kill -9 every process of the job's task on ``node`` (its torchrun agent and its rank): they
+    carry SLURMD_NODENAME and SLURM_JOB_ID in their environment (slurmstepd, which does not, stays)."""
+    want = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_JOB_ID={job_id}".encode()}
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and want <= set((proc / "environ").read_bytes().split(b"\0")) \
+                    and b"corelooper" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def test_a_node_lost_mid_job_the_other_resumes_alone_and_the_job_completes(slurm2, tmp_path):
+    """--min-nodes 1 --max-restarts 1: kill -9 the second node's task (agent and rank) after a
+    checkpoint; the first node's agent re-rendezvous alone, its rank resumes the newest checkpoint
+    on 1 process (same global batch, GA 1 -> 2), the job completes without a requeue, and the
+    weights equal a run that changes world size 2 -> 1 at that checkpoint."""
+    (tmp_path / "slow.py").write_text(SLOW)
+    config = write_config(tmp_path, tmp_path / "job", name="job.toml", max_steps=LOST_STEPS)
+    env = {**slurm2.env, "TMPDIR": str(tmp_path)}
+    submitted = corelooper("slurm", str(config), "--nodes", "2", "--min-nodes", "1", "--max-restarts", "1",
+                           "--nproc-per-node", "1", "--output", str(tmp_path / "job-%j.out"),
+                           "-p", str(tmp_path / "slow.py"), "-p", "no:tensorboard", env=env, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
+    log_path = tmp_path / f"job-{job_id}.out"
+    slurm2.wait_for("the job saved no checkpoint", lambda: (tmp_path / "job" / "checkpoint-3").is_dir(), 240)
+    assert _kill_node_tasks(job_id, SECOND), "no process of the job's task on the second node"
+    slurm2.wait_for("the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 300)
+    job, log = slurm2.job(job_id), log_path.read_text()
+    assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "0", f"{HEAD},{SECOND}"), (job, log)
+    assert "x 2 processes" in log, log  # it started as one job of world size 2
+    resumed = re.search(RESUMED.format(a=1, n=2, m=1, b=2), log)
+    assert resumed, log[-6000:]
+    lost_at = int(resumed.group(1))
+    assert 3 <= lost_at < LOST_STEPS, log[-4000:]
+    assert f"corelooper-slurm: node {SECOND}: lost; its task ended without a status" in log, log[-4000:]
+    assert f"corelooper-slurm: node {HEAD} (" in log and "): finished; every rank finished" in log, log[-4000:]
+    assert "corelooper-slurm: finished on 1 of 2 nodes (newest checkpoint-" in log, log[-4000:]
+    assert "requeueing" not in log, log[-4000:]
+
+    # the reference (as tests/test_node_lost.py builds it): 2 processes to the end (its
+    # checkpoint-<lost_at> is the job's), then 1 process from that checkpoint to the end
+    two = corelooper("run", str(write_config(tmp_path, tmp_path / "two", name="two.toml", max_steps=LOST_STEPS)),
+                     "--nproc", "2", "-p", "no:tensorboard", env=base_env(tmp_path))
+    assert two.returncode == 0, two.stderr[-3000:]
+    saved = f"checkpoint-{lost_at}/model.safetensors"
+    assert max_diff(load_file(str(tmp_path / "two" / saved)), load_file(str(tmp_path / "job" / saved))) <= 1e-5
+    (tmp_path / "ref").mkdir()
+    shutil.copytree(tmp_path / "two" / f"checkpoint-{lost_at}", tmp_path / "ref" / f"checkpoint-{lost_at}")
+    one = corelooper("run", str(write_config(tmp_path, tmp_path / "ref", name="ref.toml", max_steps=LOST_STEPS)),
+                     "--resume-from-checkpoint", "latest", "-p", "no:tensorboard", env=base_env(tmp_path))
+    assert one.returncode == 0 and re.search(RESUMED.format(a=1, n=2, m=1, b=2), one.stdout + one.stderr), \
+        one.stderr[-3000:]
+    final = load_file(str(tmp_path / "job" / "model.safetensors"))
+    assert max_diff(final, load_file(str(tmp_path / "ref" / "model.safetensors"))) <= 1e-5
+    assert max_diff(final, load_file(str(tmp_path / "two" / "model.safetensors"))) <= 1e-5  # same global batch
+    assert max_diff(final, load_file(str(tmp_path / "job" / saved))) > 1e-3  # it trained on after the loss
