@@ -15,6 +15,11 @@ How a preemption or time limit plays out (``--signal=B:USR1@<grace>`` + ``--requ
    newer than the one it resumed from, every node stopped cleanly and the job was requeued fewer
    than ``--max-requeues`` times; otherwise it exits 1 saying why. Requeued, the same command
    resumes (``--resume-from-checkpoint auto``: the newest checkpoint, else a fresh start).
+
+With ``--min-nodes`` below ``--nodes`` a lost node (or its task) does not end the job
+(``--no-kill``, ``srun --kill-on-bad-exit=0 --no-kill``): torchrun's agents on the others
+(``--nnodes MIN:MAX --max_restarts K``) re-rendezvous and their ranks resume the newest checkpoint;
+the job has succeeded when at least MIN nodes finished (docs/clusters.md, Slurm).
 """
 
 from __future__ import annotations
@@ -198,7 +203,7 @@ _HEADER = """\
 # Only with --min-nodes below --nodes.
 _ELASTIC = """
 # A node that comes back in a later rendezvous round waits for an address torch's shared store
-# never writes (torch 2.4-2.13): see docs/clusters.md, "A node lost mid-job".
+# never writes (seen with torch 2.13): see docs/clusters.md, "A node lost mid-job".
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"""
 
 _BODY = """\
@@ -233,7 +238,8 @@ while true; do
   wait "$srun_pid"
   status=$?
   kill -0 "$srun_pid" 2>/dev/null || break  # wait returned for the trap: the step still runs
-  # pass it on once every node's task holds it (a task still starting Python would die of it);
+  # pass it on once every node's task (with --min-nodes: that many) holds it (a task still
+  # starting Python would die of it);
   # srun forwards it to each node's torchrun
   while [ "$(ls "$state_dir" 2>/dev/null | grep -c '^ready-')" -lt "$min_nodes" ] && kill -0 "$srun_pid" 2>/dev/null; do
     sleep 0.5
