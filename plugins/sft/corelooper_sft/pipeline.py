@@ -77,8 +77,9 @@ def tokenize_dataset(dataset, tokenizer, cfg: Mapping[str, Any], where: str, cha
 
 class BatchTokenizer:
     """``datasets.map(batched=True)`` over ``RowTokenizer``: chat rows without tools go through one
-    batched ``apply_chat_template`` call (rendering per row, one Rust ``encode_batch`` for all,
-    HF's own assistant mask), the labels masked on arrays; any other row is tokenized on its own.
+    batched render and one Rust ``encode_batch`` (chatbatch.py: ``apply_chat_template``'s ids and
+    assistant mask, without its per-token loops), the labels masked on arrays; any other row is
+    tokenized on its own.
     Same ids and labels as ``RowTokenizer`` row by row (tests/test_preprocess_scale.py), plus a
     ``trained`` column (labels != -100 after the causal shift) so no later step reads the labels."""
 
@@ -114,14 +115,20 @@ class BatchTokenizer:
             return []
         import numpy as np
 
+        from . import chatbatch
+
         r = self.rows
         masked = r.assistant_only
-        enc = r.tok.apply_chat_template([row["messages"] for row in rows], chat_template=r.template,
-                                        tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
+        convs = [chatbatch.plain(row["messages"]) for row in rows]
+        enc = chatbatch.encode(convs, r.tok, r.template, masked) if all(c is not None for c in convs) else None
+        if enc is None:  # rich messages or a padding/truncating backend: transformers' own path
+            out = r.tok.apply_chat_template([row["messages"] for row in rows], chat_template=r.template,
+                                            tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
+            enc = out["input_ids"], out["assistant_masks"] if masked else None
         items = []
-        for k, ids in enumerate(enc["input_ids"]):
+        for k, ids in enumerate(enc[0]):
             ids_a = np.asarray(ids, dtype=np.int64)
-            labels = np.where(np.asarray(enc["assistant_masks"][k], dtype=bool), ids_a, IGNORE) if masked else ids_a
+            labels = np.where(np.asarray(enc[1][k], dtype=bool), ids_a, IGNORE) if masked else ids_a
             items.append({"input_ids": ids, "labels": labels.tolist(), "length": len(ids),
                           "trained": int((labels[1:] != IGNORE).sum())})
         return items
