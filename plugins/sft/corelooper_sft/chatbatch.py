@@ -1,6 +1,6 @@
 """A batch of plain chat rows -> token ids and the assistant mask, without ``apply_chat_template``'s
 per-row overheads: the same ids and mask as ``tok.apply_chat_template(batch, tokenize=True,
-return_dict=True, return_assistant_tokens_mask=True)``, cheaper (tests/test_chatbatch.py).
+return_dict=True, return_assistant_tokens_mask=True)``, cheaper (plugins/sft/tests/test_chatbatch.py).
 
 Where the time went at 100k conversations (benchmarks/README.md): transformers normalizes every
 message recursively (objects to dicts, then drops ``None`` values), converts every encoding to
