@@ -92,16 +92,18 @@ class BatchTokenizer:
             return False
         return (not r.assistant_only or r.markers) and formats.is_conversation(row["messages"])
 
-    def __call__(self, batch: Mapping[str, list], indices: list[int]) -> dict[str, list]:
+    def __call__(self, batch: Mapping[str, list], indices: list[int]):
         names = list(batch)
         rows = [dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         fast = [k for k, row in enumerate(rows) if self._fast(row)]
-        out: list[dict | None] = [None] * len(rows)
         try:
-            items = self._chats([rows[k] for k in fast])
+            chats = self._chats([rows[k] for k in fast])
         except Exception:  # a template error: the row path names the row that fails
-            fast, items = [], []
-        for k, item in zip(fast, items, strict=True):
+            fast, chats = [], None
+        if chats is not None and len(fast) == len(rows) and chats["trained"].all():
+            return _table(chats, [formats.extras(row) for row in rows])  # Arrow: no Python lists
+        out: list[dict | None] = [None] * len(rows)
+        for k, item in zip(fast, _items(chats) if chats else [], strict=True):
             out[k] = {**item, **formats.extras(rows[k])}
         for k, row in enumerate(rows):
             if out[k] is None or out[k]["trained"] == 0:  # the row path tokenizes, or names the error
@@ -110,9 +112,10 @@ class BatchTokenizer:
         keys = dict.fromkeys(key for item in out for key in item)  # a row without an extra: None
         return {key: [item.get(key) for item in out] for key in keys}
 
-    def _chats(self, rows: list[dict]) -> list[dict]:
+    def _chats(self, rows: list[dict]) -> dict | None:
+        """The rows' ids, labels, lengths and trained counts as flat arrays (chatbatch.Encoded)."""
         if not rows:
-            return []
+            return None
         import numpy as np
 
         from . import chatbatch
@@ -124,14 +127,39 @@ class BatchTokenizer:
         if enc is None:  # rich messages or a padding/truncating backend: transformers' own path
             out = r.tok.apply_chat_template([row["messages"] for row in rows], chat_template=r.template,
                                             tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
-            enc = out["input_ids"], out["assistant_masks"] if masked else None
-        items = []
-        for k, ids in enumerate(enc[0]):
-            ids_a = np.asarray(ids, dtype=np.int64)
-            labels = np.where(np.asarray(enc[1][k], dtype=bool), ids_a, IGNORE) if masked else ids_a
-            items.append({"input_ids": ids, "labels": labels.tolist(), "length": len(ids),
-                          "trained": int((labels[1:] != IGNORE).sum())})
-        return items
+            enc = chatbatch.Encoded.from_lists(out["input_ids"], out["assistant_masks"] if masked else None)
+        labels = np.where(enc.mask, enc.ids, IGNORE) if masked else enc.ids
+        trained = labels != IGNORE
+        # trained after the causal shift: each row's count without its first token
+        sums = np.add.reduceat(trained, np.cumsum(enc.lengths) - enc.lengths) if enc.lengths.all() else None
+        if sums is None:  # an empty rendering: counted row by row (the row path then names it)
+            sums = np.array([t[1:].sum() if len(t) else 0 for t in enc.split(trained)], dtype=np.int64)
+        else:
+            sums = sums.astype(np.int64) - trained[np.cumsum(enc.lengths) - enc.lengths]
+        return {"enc": enc, "labels": labels, "trained": sums}
+
+
+def _items(chats: dict) -> list[dict]:
+    enc = chats["enc"]
+    ids, labels = enc.split(enc.ids), enc.split(chats["labels"])
+    return [{"input_ids": i.tolist(), "labels": lab.tolist(), "length": len(i), "trained": int(t)}
+            for i, lab, t in zip(ids, labels, chats["trained"], strict=True)]
+
+
+def _table(chats: dict, extras: list[dict]):
+    """The batch as an Arrow table (``datasets.map`` writes it as-is): list columns from the flat
+    arrays and their offsets, the same schema as the Python lists give (int64 lists and counts)."""
+    import numpy as np
+    import pyarrow as pa
+
+    enc = chats["enc"]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(enc.lengths)]).astype(np.int32))
+    cols = {"input_ids": pa.ListArray.from_arrays(offsets, pa.array(enc.ids)),
+            "labels": pa.ListArray.from_arrays(offsets, pa.array(chats["labels"])),
+            "length": pa.array(enc.lengths), "trained": pa.array(chats["trained"])}
+    for key in dict.fromkeys(k for e in extras for k in e):  # a row without an extra: None
+        cols[key] = pa.array([e.get(key) for e in extras], type=pa.float64())
+    return pa.table(cols)
 
 
 def column(ds, name: str) -> list[int]:

@@ -48,7 +48,8 @@ def hf(tok, conversations, masked):
 def test_same_ids_and_mask_as_apply_chat_template(template, masked):
     tok = make_tokenizer(template)
     convs = [chatbatch.plain(c) for c in CONVERSATIONS]
-    ids, masks = chatbatch.encode(convs, tok, tok.chat_template, masked)
+    enc = chatbatch.encode(convs, tok, tok.chat_template, masked)
+    ids, masks = [x.tolist() for x in enc.split(enc.ids)], None if enc.mask is None else enc.split(enc.mask)
     want_ids, want_masks = hf(tok, CONVERSATIONS, masked)
     assert ids == want_ids
     if masked:
@@ -86,6 +87,23 @@ def test_mask_on_arrays_equals_the_loop_on_edge_cases():
             spans.reverse()  # ends out of order: the loop itself is used
         got = chatbatch.assistant_mask(offsets, spans).astype(int).tolist()
         assert got == _loop(offsets, spans), (offsets, spans)
+
+
+def test_the_batch_mask_equals_the_loop_row_by_row():
+    rng = random.Random(1)
+    for _ in range(500):
+        rows, spans, texts = [], [], []
+        for _ in range(rng.randrange(1, 6)):
+            size = rng.randrange(0, 30)
+            starts = sorted(rng.randrange(0, size + 1) for _ in range(rng.randrange(0, 10)))
+            rows.append([(s, min(size, s + rng.choice([0, 1, 3]))) for s in starts])
+            cuts = sorted(rng.randrange(0, size + 1) for _ in range(2 * rng.randrange(0, 3)))
+            spans.append(list(zip(cuts[::2], cuts[1::2], strict=True)))
+            texts.append(size)
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
+        flat = np.array([x for r in rows for pair in r for x in pair], dtype=np.int64).reshape(-1, 2)
+        got = chatbatch.batch_mask(flat, lengths, spans, texts).astype(int).tolist()
+        assert got == [x for r, s in zip(rows, spans, strict=True) for x in _loop(r, s)], (rows, spans, texts)
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
