@@ -22,11 +22,15 @@ import numpy as np
 
 
 def plain(messages) -> list[dict] | None:
-    """``messages`` as transformers normalizes them, when every value is a ``str`` or ``None``."""
+    """``messages`` as transformers normalizes them, when every value is a ``str`` or ``None``
+    (a message of strings only is passed as it is: rendering copies what it reads)."""
     out = []
     for m in messages:
         if type(m) is not dict:
             return None
+        if all(type(v) is str for v in m.values()):
+            out.append(m)
+            continue
         item = {}
         for key, value in m.items():
             if type(value) is str:

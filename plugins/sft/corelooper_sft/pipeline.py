@@ -190,25 +190,48 @@ def apply_max_length(ds, cfg: Mapping[str, Any], packing: bool, stats: Stats):
         stats.dropped = stats.overlong
         return ds.filter(lambda n: [x <= max_length for x in n], input_columns="length", batched=True,
                          load_from_cache_file=False)
-    keep_end = cfg["truncation_mode"] == "keep_end"
-    sl = slice(-max_length, None) if keep_end else slice(None, max_length)
-
-    def cut(batch):
-        out = {**batch, "untruncated_length": list(batch["length"])}
-        for k, n in enumerate(batch["length"]):
-            if n > max_length:  # only the over-long rows are touched
-                out["input_ids"][k] = batch["input_ids"][k][sl]
-                out["labels"][k] = batch["labels"][k][sl]
-                out["length"][k] = max_length
-                out["trained"][k] = _trained(out["labels"][k])
-        return out
-
-    ds = ds.map(cut, batched=True, batch_size=BATCH, load_from_cache_file=False)
+    cut = _Truncate(max_length, cfg["truncation_mode"] == "keep_end")
+    ds = ds.with_format("arrow").map(cut, batched=True, batch_size=BATCH, load_from_cache_file=False).with_format(None)
     stats.truncated = stats.overlong
     before = len(ds)
     ds = ds.filter(lambda t: [x > 0 for x in t], input_columns="trained", batched=True, load_from_cache_file=False)
     stats.fully_masked_dropped = before - len(ds)
     return ds
+
+
+class _Truncate:
+    """``datasets.map`` on Arrow batches: over-long rows cut to ``max_length`` (their first or last
+    tokens) with index arithmetic on the flat token arrays, their ``trained`` recounted; the
+    ``untruncated_length`` kept. No row becomes a Python list."""
+
+    def __init__(self, max_length: int, keep_end: bool):
+        self.max_length, self.keep_end = max_length, keep_end
+
+    def __call__(self, table):
+        import numpy as np
+        import pyarrow as pa
+
+        lengths = table.column("length").to_numpy()
+        kept = np.minimum(lengths, self.max_length)
+        offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+        np.cumsum(kept, out=offsets[1:])
+        cols = {name: table.column(name) for name in table.column_names}
+        flat = {}
+        for name in ("input_ids", "labels"):
+            arr = table.column(name).combine_chunks()
+            old = arr.offsets.to_numpy().astype(np.int64)
+            first = old[:-1] + (lengths - kept if self.keep_end else 0)  # where each row's kept tokens start
+            index = np.repeat(first - offsets[:-1], kept) + np.arange(offsets[-1])
+            flat[name] = arr.values.to_numpy()[index]
+            cols[name] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat[name]))
+        trained = (flat["labels"] != IGNORE).astype(np.int64)
+        counts = np.add.reduceat(trained, offsets[:-1]) - trained[offsets[:-1]] if kept.all() else None
+        if counts is None:
+            counts = np.array([trained[a + 1:b].sum() for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
+        cols["trained"] = pa.array(np.where(lengths > self.max_length, counts, table.column("trained").to_numpy()))
+        cols["length"] = pa.array(kept)
+        cols["untruncated_length"] = table.column("length")
+        return pa.table(cols)
 
 
 class TokenizedRows:
