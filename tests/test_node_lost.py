@@ -130,6 +130,10 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
     out = _text(*logs)
     assert (survivor.returncode, nodes[2].returncode) == (0, 0), out[-6000:]
     assert "x 2 processes" in _text(logs[0])  # it did start as one job of world size 2
+    # the survivor's rank saw its peer's collective fail: said so, not blamed on a plugin or the model
+    first_failure = _text(logs[0]).split("on 1 processes: ", 1)[0]
+    assert "a collective between the processes failed" in first_failure, first_failure[-4000:]
+    assert "Fix the plugin" not in first_failure and "from the model" not in first_failure
     lost_at = int(alone.search(out).group(1))
     assert 3 <= lost_at < BACK_AT, out[-4000:]
     # the survivor's agent stopped its healthy rank for the waiting node: a membership change, not
