@@ -19,7 +19,7 @@ import subprocess
 import time
 import uuid
 
-from cluster_task import REPO, env, free_port, max_diff, torchrun, write_config
+from cluster_task import ELASTIC, REPO, env, free_port, max_diff, torchrun, write_config
 from safetensors.torch import load_file
 
 TIMEOUT = 240
@@ -38,7 +38,7 @@ def test_a_node_killed_mid_run_the_survivor_resumes_alone_and_matches(tmp_path):
     agent = [*torchrun(), "--nnodes", "1:2", "--nproc_per_node", "1", "--max_restarts", "1",
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
              "--rdzv_conf", "last_call_timeout=10", "-m", "corelooper", "run", str(config),
-             "--resume-from-checkpoint", "auto", "-p", str(tmp_path / "slow.py")]
+             "--resume-from-checkpoint", "auto", "-p", str(tmp_path / "slow.py"), *ELASTIC]
     survivor = subprocess.Popen(agent, cwd=REPO, env=env(tmp_path), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     time.sleep(1)  # the survivor hosts the rendezvous store (the node that dies must not); both
