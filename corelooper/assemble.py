@@ -12,7 +12,7 @@ from typing import Any
 
 from .config import Config, resolve_interval
 from .data.loader import batch_rows, count_input_tokens
-from .errors import ConfigError, CorelooperError, DataError, explain_failure
+from .errors import ConfigError, CorelooperError, DataError, PluginError, explain_failure
 
 
 def world_size_now() -> int:
@@ -50,9 +50,15 @@ class Resume:
         if self.directory is None:  # "auto" with no checkpoint yet
             return config
         world = world_size_now()
-        settled, _ = plugins.call_provider(
-            "resume_config", config=config, plugins=plugins, directory=self.directory, world_size=world,
-            dataset=lambda: self.dataset(config), announce=int(os.environ.get("RANK", "0")) == 0)
+        try:
+            settled, _ = plugins.call_provider(
+                "resume_config", config=config, plugins=plugins, directory=self.directory, world_size=world,
+                dataset=lambda: self.dataset(config), announce=int(os.environ.get("RANK", "0")) == 0)
+        except Exception as exc:  # before the Loop exists: name the plugin whose code raised
+            named = explain_failure(exc, plugins, 0, config.train.output_dir)
+            if isinstance(named, PluginError):
+                raise named from exc
+            raise
         if settled is None or settled is config:
             return config
         self.world_size = world

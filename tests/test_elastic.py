@@ -195,3 +195,21 @@ def test_without_the_plugin_the_cli_exits_5_and_the_same_world_size_resumes(tmp_
     assert other.returncode == 5, other.stderr[-3000:]
     assert "was saved on 2 processes and this run has 1" in other.stderr
     assert "no loaded plugin adapts it" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_a_resume_config_provider_that_raises_is_named(run_loop, make_loop, tmp_path):
+    """resume_config runs before the Loop exists (the config is settled first): a plugin's error
+    there names the plugin and the hook, as in training."""
+
+    class Broken:
+        name = "broken_resume"
+
+        def resume_config(self, config, directory):
+            raise RuntimeError("cannot read the geometry")
+
+    run_loop(max_steps=4)
+    with pytest.raises(Exception) as e:
+        make_loop([Broken()], max_steps=8, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert type(e.value).__name__ == "PluginError", e.value
+    assert "Plugin 'broken_resume' raised in hook 'resume_config'" in str(e.value)
+    assert "RuntimeError: cannot read the geometry" in str(e.value)
