@@ -76,7 +76,7 @@ def test_a_node_killed_mid_run_the_survivor_resumes_alone_and_matches(tmp_path):
     (tmp_path / "one").mkdir()
     shutil.copytree(tmp_path / "two" / f"checkpoint-{step}", tmp_path / "one" / f"checkpoint-{step}")
     one = _run(tmp_path, write_config(tmp_path, tmp_path / "one", name="one.toml"), 1,
-               "--resume-from-checkpoint", "latest")
+               "--resume-from-checkpoint", "latest", *ELASTIC)
     one_out = one.stdout + one.stderr
     assert one.returncode == 0 and f"checkpoint-{step}" in one_out, one_out[-4000:]
 
