@@ -66,7 +66,7 @@ def write_config(directory: Path, output_dir: Path, name: str = "config.toml", *
     return path
 
 
-ELASTIC = ["-p", "corelooper_streaming", "-p", "corelooper_elastic"]
+ELASTIC = ["-p", "corelooper_streaming", "-p", "corelooper_elastic_resume"]
 """CLI arguments that load the elastic resume (installed plugins are off in ``env``)."""
 
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from corelooper_elastic.geometry import Geometry, plan
+from corelooper_elastic_resume.geometry import Geometry, plan
 
 from corelooper.errors import ConfigError
 

@@ -1,5 +1,5 @@
 """Elastic resume: a run saved on N processes continues on M != N with the same global batch and
-the same global sample order (the corelooper-elastic plugin, data.BatchLoader's global position);
+the same global sample order (the corelooper-elastic-resume plugin, data.BatchLoader's global position);
 without the plugin, such a checkpoint is refused (exit 5).
 
 The end-to-end test is the issue's: 2 processes -> preempted (SIGTERM) at step 6 -> resumed on 1
@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 
-import corelooper_elastic
+import corelooper_elastic_resume
 import pytest
 import torch
 from cluster_task import ELASTIC, REPO, STOP_PLUGIN, claim_two_processes, env, max_diff, write_config
@@ -139,7 +139,7 @@ def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(ru
                                                                                capsys):
     run_loop(max_steps=8)
     claim_two_processes(tmp_path / "run" / "checkpoint-4")
-    elastic = [corelooper_elastic]
+    elastic = [corelooper_elastic_resume]
     refused = make_loop(elastic, max_steps=8, group_by_length=True, length_column_name="x")
     with pytest.raises(ConfigError, match=r"on 1 processes with train.group_by_length = true.*Resume on 2"):
         refused.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))

@@ -4,7 +4,7 @@ the default ``"auto"`` picks for a stream that does not split itself.
 Every rank reads one global order of the stream and takes its slice of each global micro-batch,
 so the checkpointed position is one number (samples of the stream's epoch consumed), which any
 number of processes and dataloader workers continues. The end-to-end test is the issue's, on a
-real stream with real torchrun processes (gloo), the corelooper-streaming and corelooper-elastic plugins: 2 processes -> SIGTERM at step 6 -> resumed on 1
+real stream with real torchrun processes (gloo), the corelooper-streaming and corelooper-elastic-resume plugins: 2 processes -> SIGTERM at step 6 -> resumed on 1
 -> SIGTERM at step 9 -> resumed on 2, equal to an uninterrupted 2-process run to 1e-5, with a
 record of the samples every step consumed.
 """
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import corelooper_elastic
+import corelooper_elastic_resume
 import corelooper_streaming
 import pytest
 import torch
@@ -37,7 +37,7 @@ TASK = TESTS / "elastic_stream_task.py"
 
 
 def Loop(*args, **kwargs):  # noqa: N802 - the Loop with both plugins (autoload is off here)
-    return _Loop(*args, plugins=[corelooper_streaming, corelooper_elastic], **kwargs)
+    return _Loop(*args, plugins=[corelooper_streaming, corelooper_elastic_resume], **kwargs)
 
 
 def _ids(batch) -> list[int]:

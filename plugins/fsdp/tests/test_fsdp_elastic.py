@@ -3,7 +3,7 @@
 The issue's end-to-end run with real ``corelooper run`` processes (torchrun, gloo) and real DCP
 files: 2 processes -> preempted (SIGTERM) at step 6 -> resumed on 1 -> preempted at step 9 ->
 resumed on 2. The sharded model and optimizer state (``fsdp_state/``) are re-sharded by
-``torch.distributed.checkpoint`` on load; the loader's position is corelooper-elastic's (plugins/elastic).
+``torch.distributed.checkpoint`` on load; the loader's position is corelooper-elastic-resume's (plugins/elastic_resume).
 Final weights and every step's loss equal an uninterrupted 2-process FSDP2 run to 1e-5 (a
 repeated or skipped sample, or an optimizer state not carried over, would change both).
 """

@@ -9,7 +9,7 @@ picks one (``choose_split``, which also says why):
   ``r*B .. (r+1)*B - 1`` of each (worker ``w`` of K reads every K-th micro-batch). The position
   is one number, samples of the stream's epoch consumed by all processes together, the same on
   every rank, so any number of processes and workers continues from it
-  (the corelooper-elastic plugin): no sample repeated, none skipped. Every reader reads the whole stream
+  (the corelooper-elastic-resume plugin): no sample repeated, none skipped. Every reader reads the whole stream
   (as accelerate's ``IterableDatasetShard``); a last, short micro-batch of an epoch is split
   evenly across ranks, padded with its own first samples (or dropped, ``dataloader_drop_last``).
   ``"auto"`` picks it for every stream that does not split itself: there, every shard reads the

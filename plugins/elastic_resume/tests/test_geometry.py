@@ -1,11 +1,11 @@
 """The elastic plugin's arithmetic: the geometry that keeps a checkpoint's global batch on another
-number of processes (corelooper_elastic.geometry). End-to-end resumes: tests/test_elastic.py and
+number of processes (corelooper_elastic_resume.geometry). End-to-end resumes: tests/test_elastic.py and
 tests/test_elastic_streaming.py (real torchrun processes, with corelooper-streaming)."""
 
 from __future__ import annotations
 
 import pytest
-from corelooper_elastic.geometry import Geometry, plan
+from corelooper_elastic_resume.geometry import Geometry, plan
 
 from corelooper.errors import ConfigError
 
@@ -33,7 +33,7 @@ def test_no_exact_split_is_refused_naming_what_works():
 def test_a_short_last_step_of_the_epoch_is_named():
     import warnings
 
-    from corelooper_elastic.geometry import _warn_if_epoch_end_differs
+    from corelooper_elastic_resume.geometry import _warn_if_epoch_end_differs
 
     with pytest.warns(UserWarning, match=r"\(60 samples\) is not a whole number of global batches of 8"):
         _warn_if_epoch_end_differs(60, Geometry(2, 4, 1))

@@ -1,5 +1,5 @@
-"""corelooper-elastic: resume a run saved on N processes on M processes, sample-exactly
-(``corelooper_elastic.geometry`` says how).
+"""corelooper-elastic-resume: resume a run saved on N processes on M processes, sample-exactly
+(``corelooper_elastic_resume.geometry`` says how).
 
 Two providers of the core's resume contract:
 
