@@ -12,13 +12,13 @@ switches it off.
 
 from __future__ import annotations
 
-import torch
-
-from corelooper.hookspecs import hookimpl
+from corelooper.hookspecs import hookimpl  # torch is imported when counting: `corelooper --help` loads this
 
 
-def non_embedding_parameters(model: torch.nn.Module) -> int:
+def non_embedding_parameters(model) -> int:
     """Parameters that take part in matmuls: all but input embedding tables (counted once)."""
+    import torch
+
     embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
     # A tied output head shares the embedding table but *is* a matmul: count it.
     out = getattr(model, "get_output_embeddings", lambda: None)()
@@ -32,7 +32,7 @@ def non_embedding_parameters(model: torch.nn.Module) -> int:
     return n
 
 
-def layers_and_width(model: torch.nn.Module) -> tuple[int, int]:
+def layers_and_width(model) -> tuple[int, int]:
     """(layers, hidden size) of a transformer, from an HF config; (0, 0) when unknown."""
     cfg = getattr(model, "config", None)
     if cfg is None:
@@ -42,7 +42,7 @@ def layers_and_width(model: torch.nn.Module) -> tuple[int, int]:
     return int(layers), int(width)
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+def flops_per_token(model, seq_len: float) -> float:
     """Training FLOPs per token: 6N + 12 * layers * width * seq_len."""
     n = non_embedding_parameters(model)
     layers, width = layers_and_width(model)
@@ -53,7 +53,7 @@ class ThroughputMeter:
     """Adds ``model_flops_per_token``, ``model_tflops_per_second`` and
     ``mfu`` (with ``train.peak_flops``) to a window's logs. Parameters are counted once."""
 
-    def __init__(self, model: torch.nn.Module, peak_flops: float | None, world_size: int):
+    def __init__(self, model, peak_flops: float | None, world_size: int):
         self.n = non_embedding_parameters(model)
         self.layers, self.width = layers_and_width(model)
         self.peak = peak_flops if peak_flops and peak_flops > 0 else None
