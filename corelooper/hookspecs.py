@@ -345,6 +345,21 @@ def compute_metrics(loop, predictions, label_ids):
     """
 
 
+@hookspec(firstresult=True)
+@returns('an object with update(predictions, label_ids) and compute() -> dict (or None)')
+def eval_metric(loop):
+    """A streaming metric for ``evaluate()``/``predict()``: no outputs are kept for it.
+
+    Per batch ``update(predictions, label_ids)`` (that batch's model outputs and labels, on the
+    device), at the end ``compute()`` -> a dict of metrics (unprefixed); ``reset()`` (optional)
+    before each evaluation. With more than one process the core calls ``sync(reduce_sum)``
+    before ``compute()``: the metric replaces its state tensors by ``reduce_sum(t)`` (their sum
+    over processes). The builtin answers with ``Loop(compute_metrics=obj)`` when ``obj`` has
+    ``update`` and ``compute``, and with HF's ``compute_metrics(eval_pred, compute_result)``
+    when ``train.batch_eval_metrics`` is true. Replaces ``compute_metrics`` when it answers.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Events: never return anything
 # --------------------------------------------------------------------------------------------
@@ -500,6 +515,7 @@ PROVIDERS = (
     "training_step",
     "evaluation_loop",
     "compute_metrics",
+    "eval_metric",
 )
 DECLARATIONS = (
     "corelooper_config_sections", "corelooper_settings", "corelooper_configure", "corelooper_unconfigure",

@@ -1,0 +1,47 @@
+"""corelooper-hf: Hugging Face model folders and data files, named in the config.
+
+* ``[model] name_or_path = "path/to/model"``: ``from_pretrained`` of the auto class that
+  ``[model] task`` names (``corelooper_hf.model``), answering the ``create_model`` provider;
+* ``[data] train = "data/train.jsonl"`` (a path, a glob of shards, a ``save_to_disk`` folder, a
+  mixture) and ``eval_split``: read with the ``datasets`` library, memory-mapped
+  (``corelooper_hf.files``), answering the ``create_dataset`` provider.
+
+A config that names a ``module:callable`` factory instead is left to the builtin (this plugin
+returns None), so installing it changes nothing for such runs.
+
+Every data path is checked when the run is configured (``corelooper_configure``), before the
+model is loaded: a wrong path fails in seconds, naming the key and where it looked.
+"""
+
+from __future__ import annotations
+
+from corelooper import hookimpl
+
+__version__ = "0.2.0"
+
+
+@hookimpl
+def corelooper_configure(config):
+    from .files import check_paths
+
+    check_paths(config)
+
+
+@hookimpl
+def create_model(config):
+    if config.model.factory or not config.model.name_or_path:
+        return None
+    from .model import load_pretrained
+
+    return load_pretrained(config)
+
+
+@hookimpl
+def create_dataset(config, split):
+    from .files import is_data_ref, load_split
+
+    base = config.source.parent if config.source else None
+    ref = getattr(config.data, split, None)
+    if is_data_ref(ref, base) or (split == "eval" and config.data.eval_split):
+        return load_split(config, split)
+    return None

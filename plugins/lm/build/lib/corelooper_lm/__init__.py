@@ -1,0 +1,127 @@
+"""corelooper-lm: what language-model training needs and a plain ``nn.Module`` run never does.
+
+* ``corelooper_lm.collators``: ``DataCollatorForCausalLM`` (padding, prompt masking),
+  ``pack_sequences`` / ``PackedDataset`` (fixed-length blocks of pre-tokenised text);
+* ``corelooper_lm.packing``: leak-free packing plans and the ``SegmentCollator``
+  (``position_ids`` restart per sample, flash-attention ``cu_seq_lens``);
+* ``corelooper_lm.segment_attention``: ``sdpa`` one segment at a time, no ``T x T`` mask;
+* ``corelooper_lm.chunked_ce``: the causal-LM cross-entropy from the final hidden states in
+  chunks of tokens, never the full ``[tokens, vocab]`` float32 logits.
+
+* ``corelooper_lm.trained_head``: the LM head and the loss only over the positions that train
+  (``labels != -100``): no logits for prompt tokens.
+
+The plugin registers, for a run that asks for something, a ``compute_loss`` provider (training
+only: evaluation keeps the model's own logits):
+
+* ``[lm] loss = "chunked"``: the chunked cross-entropy;
+* ``[lm] head = "trained"``: the head over trained positions only (refused, with the reason, where
+  that would not be the model's own loss); ``"all"``: every position (HF); ``"auto"`` (default):
+  ``"trained"`` in runs with an ``[sft]`` section (prompt-masked chat data) where it is exact,
+  ``"all"`` elsewhere (and where Liger's fused linear cross-entropy is on). Both together: the
+  chunked loss over the trained positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from corelooper import hookimpl
+
+__version__ = "0.2.0"
+
+SECTION = "lm"
+LOSSES = ("default", "chunked")
+HEADS = ("auto", "trained", "all")
+
+
+@hookimpl
+def corelooper_config_sections():
+    return {SECTION: {"loss": "default", "head": "auto"}}
+
+
+@hookimpl
+def corelooper_configure(config, plugins):
+    from corelooper.errors import ConfigError
+
+    cfg = config.section(SECTION)
+    loss, head = cfg.get("loss", "default"), cfg.get("head", "auto")
+    if loss not in LOSSES:
+        raise ConfigError(f"lm.loss = {loss!r}: use one of {', '.join(map(repr, LOSSES))}.")
+    if head not in HEADS:
+        raise ConfigError(f"lm.head = {head!r}: use one of {', '.join(map(repr, HEADS))}.")
+    liger_flce = "liger" in config.sections and config.section("liger").get("fused_linear_cross_entropy") is not False
+    if head == "trained" and liger_flce:
+        raise ConfigError(
+            "lm.head = 'trained' and Liger's fused linear cross-entropy ([liger]) both replace the model's "
+            "loss: with both, Liger's kernel would never run. Use lm.head = 'auto' (Liger's kernel), or set "
+            "[liger] fused_linear_cross_entropy = false."
+        )
+    if head == "auto":  # "trained?": only where exact; Liger's fused loss already skips the full logits
+        head = "trained?" if "sft" in config.sections and not liger_flce else "all"
+    if loss == "default" and head == "all":
+        plugins.set_inactive(SECTION, "lm.loss is 'default' and the head covers every position (HF's own loss)")
+        return
+    plugins.register(LMLoss(chunked=loss == "chunked", head=head), f"{SECTION}.run")
+
+
+class LMLoss:
+    """The training loss of an HF causal LM: chunked, and/or over the trained positions only.
+
+    ``head``: ``"trained"`` (asked for: refused where not exact), ``"trained?"`` (the default in
+    SFT runs: used where exact, else the model's own loss) or ``"all"``.
+    """
+
+    def __init__(self, chunked: bool, head: str):
+        self.chunked, self.head = chunked, head
+        self.checked: str | None = None  # "" once the model passed why_not_exact; else the reason
+
+    @hookimpl
+    def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
+        if return_outputs:  # evaluation and prediction need the logits themselves
+            return None
+        from corelooper.data.columns import model_inputs
+
+        trained = self.head != "all" and self._exact(loop, model)
+        if not (trained or self.chunked):
+            return None  # the model's own loss (the builtin provider)
+        if isinstance(batch, Mapping):
+            batch = model_inputs(loop, batch)
+        smoothing = loop.args.label_smoothing_factor if loop.loss_type != "mse" else 0.0
+        if self.chunked:
+            from .chunked_ce import chunked_causal_lm_loss
+
+            return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing, trained_only=trained)
+        return self._trained_loss(model, batch, num_items_in_batch, smoothing)
+
+    def _exact(self, loop, model) -> bool:
+        """Whether the trained-positions head gives this run's loss (checked once per run)."""
+        from corelooper.errors import ConfigError
+
+        from .trained_head import why_not_exact
+
+        if self.checked is None:
+            reason = why_not_exact(model)
+            if reason is None and loop.loss_type != "causal_lm":
+                reason = f"this run's loss is {loop.loss_type!r} (train.loss_type), not a causal-LM loss"
+            self.checked = reason or ""
+            if reason and self.head == "trained":
+                raise ConfigError(
+                    f"lm.head = 'trained' computes the loss from the logits of the trained positions only, "
+                    f"which would not be this model's own loss: {reason}. Use lm.head = 'all'."
+                )
+        return not self.checked
+
+    @staticmethod
+    def _trained_loss(model, batch, num_items_in_batch, smoothing):
+        from corelooper.errors import ConfigError
+
+        from .trained_head import HeadCallError, trained_positions_loss
+
+        try:
+            return trained_positions_loss(model, batch, num_items_in_batch, smoothing)
+        except HeadCallError as e:
+            raise ConfigError(
+                f"lm.head = 'trained' (the default in [sft] runs) needs the model to call its output layer "
+                f"once per forward with the final hidden states, but {e}. Set lm.head = 'all' for this model."
+            ) from None

@@ -1,0 +1,70 @@
+"""corelooper-sft: supervised fine-tuning from chat files, with TRL's ``SFTConfig`` names.
+
+Inert unless the config has an ``[sft]`` section. Then, when the loop is built (its
+``transform_data``, after any ``transform_model`` such as corelooper-peft's), the training and evaluation data sets are tokenized (chat template, prompt/completion, text, or
+already tokenized rows; formats detected per row), masked (``assistant_only_loss``,
+``completion_only_loss``), cut to ``max_length`` (``overlong = "truncate"`` or ``"drop"``,
+counted and reported once), optionally packed (``packing``, ``packing_strategy`` = ``bfd``,
+``bfd_split``, ``wrapped``) or batched padding-free, and the loop's collator is set to the one
+that matches. Packed and padding-free batches never leak attention between samples
+(``corelooper_lm.packing``); with ``sdpa`` attention (and ``segment_attention = true``, the
+default) the model's attention becomes corelooper's segment-wise sdpa
+(``corelooper_lm.segment_attention``: each sample attends to itself, no ``T x T`` mask), with flash
+attention the varlen kernel does the same. Numeric extra columns (``difficulty_score``) reach the batch.
+
+This module imports neither torch nor transformers nor datasets: ``corelooper --help`` loads it.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.2.0"
+
+from corelooper import hookimpl
+from corelooper.transforms import DATA_TOKENIZE, order
+
+SECTION = "sft"
+DEFAULTS = {
+    "dataset_text_field": "text",
+    "max_length": 1024,
+    "packing": False,
+    "packing_strategy": "bfd",
+    "padding_free": False,
+    "assistant_only_loss": False,
+    "completion_only_loss": None,
+    "chat_template_path": None,
+    "eos_token": None,
+    "pad_token": None,
+    "truncation_mode": "keep_start",
+    "overlong": "truncate",
+    "pad_to_multiple_of": None,
+    "eval_packing": None,
+    "segment_attention": True,
+}
+
+
+@hookimpl
+def corelooper_config_sections():
+    return {SECTION: dict(DEFAULTS)}
+
+
+@hookimpl
+def corelooper_configure(config, plugins):
+    plugins.section_or_inactive(config, SECTION)  # `corelooper plugins --config` says why
+
+
+@hookimpl
+@order(DATA_TOKENIZE)
+def transform_data(loop, config, model, train_dataset, eval_dataset, data_collator):
+    if SECTION not in config.sections:
+        return None
+    from .setup import prepare_data
+
+    data = {"train_dataset": train_dataset, "eval_dataset": eval_dataset, "data_collator": data_collator}
+    return prepare_data(loop, model, data, config.section(SECTION))
+
+
+@hookimpl
+def corelooper_add_commands(app):
+    from .preview import register
+
+    register(app)

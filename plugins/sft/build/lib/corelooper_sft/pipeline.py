@@ -1,0 +1,314 @@
+"""Raw rows -> tokenized rows (memory-mapped by ``datasets``) -> over-long policy -> packing,
+plus the collator that matches: padded, padding-free, or packed (plugins/lm/corelooper_lm/packing.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from corelooper.errors import DataError
+
+from . import formats
+from .tokenize import IGNORE, RowTokenizer
+
+logger = logging.getLogger("corelooper.sft")
+
+
+@dataclass
+class Stats:
+    """What preparing one data set did; reported once per data set, shown by ``data preview``."""
+
+    where: str
+    samples: int = 0
+    overlong: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    fully_masked_dropped: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    lengths: list[int] = field(default_factory=list, repr=False)
+
+    def sentence(self, max_length: int, policy: str) -> str | None:
+        if not self.overlong and not self.fully_masked_dropped:
+            return None
+        what = f"truncated to {max_length} tokens" if policy == "truncate" else "dropped"
+        out = f"sft: {self.where}: {self.overlong} of {self.samples} samples are longer than max_length={max_length}: {what}"
+        if self.fully_masked_dropped:
+            out += f"; {self.fully_masked_dropped} left with no trained token after truncation were dropped"
+        return out + "."
+
+
+def as_hf_dataset(dataset, where: str):
+    """A ``datasets.Dataset`` as-is; a list or map-style dataset of dict rows converted once."""
+    import datasets
+
+    if isinstance(dataset, datasets.Dataset):
+        return dataset
+    if isinstance(dataset, datasets.IterableDataset):
+        raise DataError(f"{where}: streaming (iterable) data sets are not supported by corelooper-sft yet.")
+    try:
+        rows = [dict(dataset[i]) for i in range(len(dataset))]
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{where}: rows must be dicts of columns ({type(e).__name__}: {e}).") from None
+    if not rows:
+        raise DataError(f"{where}: the data set is empty.")
+    return datasets.Dataset.from_list(rows)
+
+
+BATCH = 1000  # rows per batched tokenizer call: the Rust encoder's batch, and datasets' write unit
+
+
+def tokenize_dataset(dataset, tokenizer, cfg: Mapping[str, Any], where: str, chat_template: str | None,
+                     fingerprint: str | None = None):
+    import datasets
+
+    datasets.disable_progress_bars()
+    ds = as_hf_dataset(dataset, where)
+    if len(ds) == 0:
+        raise DataError(f"{where}: the data set is empty.")
+    fn = BatchTokenizer(RowTokenizer(tokenizer, cfg, where, chat_template))
+    # With a cache key, datasets neither hashes the tokenizer (slow) nor reuses its own cache file:
+    # a rebuild is a rebuild.
+    kw = {"new_fingerprint": fingerprint, "load_from_cache_file": False} if fingerprint else {}
+    return ds.map(fn, with_indices=True, batched=True, batch_size=BATCH, remove_columns=ds.column_names, **kw)
+
+
+class BatchTokenizer:
+    """``datasets.map(batched=True)`` over ``RowTokenizer``: chat rows without tools go through one
+    batched ``apply_chat_template`` call (rendering per row, one Rust ``encode_batch`` for all,
+    HF's own assistant mask), the labels masked on arrays; any other row is tokenized on its own.
+    Same ids and labels as ``RowTokenizer`` row by row (tests/test_preprocess_scale.py), plus a
+    ``trained`` column (labels != -100 after the causal shift) so no later step reads the labels."""
+
+    def __init__(self, rows: RowTokenizer):
+        self.rows = rows
+
+    def _fast(self, row: Mapping) -> bool:
+        r = self.rows
+        if "input_ids" in row or "messages" not in row or row.get("tools") or not r.template:
+            return False
+        return (not r.assistant_only or r.markers) and formats.is_conversation(row["messages"])
+
+    def __call__(self, batch: Mapping[str, list], indices: list[int]) -> dict[str, list]:
+        names = list(batch)
+        rows = [dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        fast = [k for k, row in enumerate(rows) if self._fast(row)]
+        out: list[dict | None] = [None] * len(rows)
+        try:
+            items = self._chats([rows[k] for k in fast])
+        except Exception:  # a template error: the row path names the row that fails
+            fast, items = [], []
+        for k, item in zip(fast, items, strict=True):
+            out[k] = {**item, **formats.extras(rows[k])}
+        for k, row in enumerate(rows):
+            if out[k] is None or out[k]["trained"] == 0:  # the row path tokenizes, or names the error
+                item = self.rows(row, indices[k])
+                out[k] = {**item, "trained": _trained(item["labels"])}
+        keys = dict.fromkeys(key for item in out for key in item)  # a row without an extra: None
+        return {key: [item.get(key) for item in out] for key in keys}
+
+    def _chats(self, rows: list[dict]) -> list[dict]:
+        if not rows:
+            return []
+        import numpy as np
+
+        r = self.rows
+        masked = r.assistant_only
+        enc = r.tok.apply_chat_template([row["messages"] for row in rows], chat_template=r.template,
+                                        tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
+        items = []
+        for k, ids in enumerate(enc["input_ids"]):
+            ids_a = np.asarray(ids, dtype=np.int64)
+            labels = np.where(np.asarray(enc["assistant_masks"][k], dtype=bool), ids_a, IGNORE) if masked else ids_a
+            items.append({"input_ids": ids, "labels": labels.tolist(), "length": len(ids),
+                          "trained": int((labels[1:] != IGNORE).sum())})
+        return items
+
+
+def column(ds, name: str) -> list[int]:
+    """One integer column as a list, read as one Arrow array (``ds[name]`` iterates row by row, and
+    datasets gathers a filtered data set's rows one by one: one vectorized ``take`` instead)."""
+    values = ds.data.column(name)
+    indices = getattr(ds, "_indices", None)
+    if indices is not None:
+        values = values.take(indices.column(0))
+    return values.to_numpy().tolist()
+
+
+def _trained(labels: Sequence[int]) -> int:
+    return sum(x != IGNORE for x in labels[1:])
+
+
+def apply_max_length(ds, cfg: Mapping[str, Any], packing: bool, stats: Stats):
+    """Truncate or drop over-long rows (counted); ``bfd_split``/``wrapped`` packing splits them."""
+    max_length = int(cfg["max_length"] or 0)
+    lengths = column(ds, "length")
+    stats.samples = len(lengths)
+    if max_length <= 0 or (packing and cfg["packing_strategy"] != "bfd"):
+        return ds  # no limit, or the packing plan splits over-long samples into pieces
+    stats.overlong = sum(n > max_length for n in lengths)
+    if not stats.overlong:
+        return ds
+    if cfg["overlong"] == "drop":
+        stats.dropped = stats.overlong
+        return ds.filter(lambda n: [x <= max_length for x in n], input_columns="length", batched=True,
+                         load_from_cache_file=False)
+    keep_end = cfg["truncation_mode"] == "keep_end"
+    sl = slice(-max_length, None) if keep_end else slice(None, max_length)
+
+    def cut(batch):
+        out = {**batch, "untruncated_length": list(batch["length"])}
+        for k, n in enumerate(batch["length"]):
+            if n > max_length:  # only the over-long rows are touched
+                out["input_ids"][k] = batch["input_ids"][k][sl]
+                out["labels"][k] = batch["labels"][k][sl]
+                out["length"][k] = max_length
+                out["trained"][k] = _trained(out["labels"][k])
+        return out
+
+    ds = ds.map(cut, batched=True, batch_size=BATCH, load_from_cache_file=False)
+    stats.truncated = stats.overlong
+    before = len(ds)
+    ds = ds.filter(lambda t: [x > 0 for x in t], input_columns="trained", batched=True, load_from_cache_file=False)
+    stats.fully_masked_dropped = before - len(ds)
+    return ds
+
+
+class TokenizedRows:
+    """Map-style view of tokenized rows: ``{"input_ids", "labels", <numeric extras>}`` per item."""
+
+    def __init__(self, ds, stats: Stats):
+        self.stats = stats
+        self._lengths = column(ds, "length") if "length" in ds.column_names else None
+        self.untruncated = column(ds, "untruncated_length") if "untruncated_length" in ds.column_names else None
+        self.ds = ds.remove_columns([c for c in ("length", "untruncated_length", "trained") if c in ds.column_names])
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.ds[int(i)]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict]:
+        return self.ds.__getitems__([int(i) for i in indices])
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._lengths if self._lengths is not None else [len(r["input_ids"]) for r in self.ds]
+
+
+class PackedRows:
+    """Packed rows: item ``r`` is the list of sample pieces (dicts) that share row ``r``."""
+
+    def __init__(self, rows: TokenizedRows, capacity: int, strategy: str, plan: list | None = None):
+        from corelooper_lm.packing import plan_packing
+
+        self.rows = rows
+        self.stats = rows.stats
+        self.plan = plan if plan is not None else plan_packing(rows.lengths, capacity, strategy)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, r: int) -> list[dict]:
+        return self.__getitems__([r])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[list[dict]]:
+        wanted = sorted({i for r in indices for i, _, _ in self.plan[int(r)]})
+        fetched = dict(zip(wanted, self.rows.__getitems__(wanted), strict=True))
+        out = []
+        for r in indices:
+            pieces = []
+            for i, a, b in self.plan[int(r)]:
+                row = fetched[i]
+                pieces.append({**row, "input_ids": row["input_ids"][a:b], "labels": row["labels"][a:b]})
+            out.append(pieces)
+        return out
+
+    @property
+    def lengths(self) -> list[int]:
+        return [sum(b - a for _, a, b in row) for row in self.plan]
+
+
+def prepare(dataset, tokenizer, cfg: Mapping[str, Any], where: str, chat_template: str | None = None,
+            use_cache: bool = True):
+    """The data set as the model will see it: ``TokenizedRows`` or, when packing, ``PackedRows``;
+    read back from the cache (cache.py) when the data, tokenizer, template and settings are unchanged."""
+    from . import cache
+
+    packing = bool(cfg["packing"])
+    if packing and not cfg["max_length"]:
+        raise DataError("[sft] packing = true needs [sft] max_length > 0: the length of a packed row.")
+    source = as_hf_dataset(dataset, where)
+    if len(source) == 0:
+        raise DataError(f"{where}: the data set is empty.")
+    name = cache.key(source, tokenizer, cfg, chat_template) if use_cache and cache.root() is not None else None
+    hit = cache.load(name, where) if name else None
+    if hit is not None:
+        ds, meta = hit
+        stats = Stats(where, **meta["stats"])
+        stats.lengths = column(ds, "length")
+        plan = [[tuple(p) for p in row] for row in meta["plan"]] if meta.get("plan") is not None else None
+        logger.info("sft: %s: prepared data read from the cache (%s).", where, name)
+    else:
+        ds, stats = _prepare(source, tokenizer, cfg, where, chat_template, packing, name)
+        plan = _plan(stats.lengths, cfg) if packing else None
+        if name:
+            meta = {"stats": {k: v for k, v in vars(stats).items() if k not in ("where", "lengths")}, "plan": plan}
+            ds = cache.store(name, ds, meta, where)
+    sentence = stats.sentence(int(cfg["max_length"] or 0), cfg["overlong"])
+    if sentence:
+        logger.warning(sentence)
+    rows = TokenizedRows(ds, stats)
+    return PackedRows(rows, int(cfg["max_length"]), cfg["packing_strategy"], plan) if packing else rows
+
+
+def _plan(lengths: list[int], cfg: Mapping[str, Any]) -> list[list[tuple[int, int, int]]]:
+    from corelooper_lm.packing import plan_packing
+
+    return plan_packing(lengths, int(cfg["max_length"]), cfg["packing_strategy"])
+
+
+def _prepare(source, tokenizer, cfg, where: str, chat_template, packing: bool, name: str | None):
+    """Tokenize, mask, apply max_length: the rows and their statistics (the cache's miss path)."""
+    stats = Stats(where)
+    ds = tokenize_dataset(source, tokenizer, cfg, where, chat_template, name)
+    ds = apply_max_length(ds, cfg, packing, stats)
+    if len(ds) == 0:
+        raise DataError(f"{where}: no sample is left after [sft] overlong = {cfg['overlong']!r}.")
+    stats.lengths = column(ds, "length")
+    stats.tokens = sum(stats.lengths)
+    stats.trained_tokens = sum(column(ds, "trained"))
+    return ds, stats
+
+
+class SFTCollator:
+    """Batches for ``mode`` ``"padded"`` (HF's usual right padding, extras ``[B]``),
+    ``"padding_free"`` (the batch's samples in one row) or ``"packed"`` (``PackedRows`` items);
+    the last two never leak attention and carry extras per token (``[B, T]``)."""
+
+    def __init__(self, mode: str, pad_token_id: int, attn_implementation: str | None = "sdpa",
+                 mask_dtype=None, pad_to_multiple_of: int | None = None):
+        from corelooper_lm.collators import DataCollatorForCausalLM
+        from corelooper_lm.packing import SegmentCollator
+
+        self.mode = mode
+        self.padded = DataCollatorForCausalLM(pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+        self.segments = SegmentCollator(pad_token_id, attn_implementation, mask_dtype, pad_to_multiple_of)
+
+    def __call__(self, items: list) -> dict:
+        if self.mode == "padded":
+            return self.padded(items)
+        rows = [[_segment(p) for p in row] for row in items] if self.mode == "packed" else [
+            [_segment(p) for p in items]]
+        return self.segments(rows)
+
+
+def _segment(item: Mapping):
+    from corelooper_lm.packing import Segment
+
+    extras = {k: v for k, v in item.items() if k not in ("input_ids", "labels")
+              and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return Segment(item["input_ids"], item["labels"], extras)

@@ -1,0 +1,177 @@
+"""What the sbatch script runs on the nodes (``python -m corelooper_slurm.node ...``).
+
+``latest OUTPUT_DIR``
+    The step of the newest ``checkpoint-N`` folder in OUTPUT_DIR (0 when there is none): the
+    batch shell compares it before and after a restart to tell whether the restart made progress.
+    A ``checkpoint-N`` folder appears only by the rename that ends a complete save (a save cut
+    short stays ``.tmp-checkpoint-N``), so listing names is enough and reads no weights.
+
+``torchrun STATE_DIR -- TORCHRUN_ARGS...``
+    One per node (the ``srun`` task): torchrun's elastic agent run in this process, so that a
+    warning signal, a finished run and a failed rank each end in one line per node with every
+    rank's exit status — instead of torchrun's ``SignalException`` traceback and srun's "exited
+    with code 1" — and in ``STATE_DIR/node-$SLURM_NODEID`` (``finished``, ``stopped`` or
+    ``failed``) for the batch shell. ``STATE_DIR/ready-$SLURM_NODEID`` says the process holds
+    the warning signal (the batch shell passes it on only then). Exits 0 when every rank
+    finished or stopped on the warning signal (so srun reports no error), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def latest_step(output_dir: Path) -> int:
+    if not output_dir.is_dir():
+        return 0
+    steps = [int(m.group(1)) for p in output_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()]
+    return max(steps, default=0)
+
+
+def _stop_signals() -> set[int]:
+    """The signals the ranks save and stop on (the script's CORELOOPER_STOP_SIGNALS)."""
+    out = set()
+    for name in os.environ.get("CORELOOPER_STOP_SIGNALS", "").split(","):
+        sig = getattr(signal, name.strip().upper(), None) if name.strip() else None
+        if isinstance(sig, signal.Signals):
+            out.add(int(sig))
+    return out
+
+
+def describe(code: int | None) -> str:
+    """``0``, ``138 (stopped on SIGUSR1, saved)``, ``-9 (killed by SIGKILL)``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"{code} (killed by {_name(-code)})"
+    if code > 128 and code - 128 in _stop_signals():
+        return f"{code} (stopped on {_name(code - 128)}, saved)"
+    return str(code)
+
+
+def _name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def verdict(codes: dict[int, int | None]) -> str:
+    """``finished`` (every rank 0), ``stopped`` (every rank saved and stopped on the warning
+    signal, or finished) or ``failed``."""
+    stops = {128 + s for s in _stop_signals()}
+    if codes and all(c == 0 for c in codes.values()):
+        return "finished"
+    if codes and all(c == 0 or c in stops for c in codes.values()):
+        return "stopped"
+    return "failed"
+
+
+def _record_shutdown_codes(codes: dict[int, int | None]) -> None:
+    """After torchrun's agent stops its ranks (on a signal), note each rank's exit status.
+    torchrun keeps them only inside the agent, so its shutdown is wrapped here; should a torch
+    release rename what is read, the ranks' statuses are reported as unknown (never a crash)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._shutdown
+
+    def _shutdown(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        try:
+            ranks = {w.local_rank: w.global_rank for w in self.get_worker_group().workers}
+            for local_rank, handler in self._pcontext.subprocess_handlers.items():
+                codes[ranks.get(local_rank, local_rank)] = handler.proc.returncode
+        except AttributeError:
+            pass
+
+    LocalElasticAgent._shutdown = _shutdown
+
+
+def _hold_early_signals() -> None:
+    """A stop signal that arrives before torchrun has installed its handlers (while Python and
+    torch import, or during the rendezvous) would kill this process unheard, or be lost. Hold it,
+    and deliver it again as soon as torchrun's handler is in place (torchrun then stops the ranks
+    as for any warning signal). Nothing is raised from the handler: code in between (imports,
+    the rendezvous) could swallow an exception."""
+    import threading
+
+    held: list[int] = []
+
+    def hold(signum, frame) -> None:
+        held.append(signum)
+
+    def redeliver() -> None:
+        while True:
+            for sig in set(held):
+                if signal.getsignal(sig) is not hold:
+                    held[:] = [s for s in held if s != sig]
+                    os.kill(os.getpid(), sig)
+            time.sleep(0.05)
+
+    for sig in _stop_signals():
+        signal.signal(sig, hold)
+    threading.Thread(target=redeliver, name="corelooper-slurm-signals", daemon=True).start()
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as e:
+        print(f"corelooper-slurm: cannot write {path}: {e.strerror}", file=sys.stderr)
+
+
+def _run_torchrun(argv: list[str]) -> tuple[str, dict[int, int | None], str]:
+    """Run torchrun in this process; returns (verdict, {rank: exit status}, what happened)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    codes: dict[int, int | None] = {}
+    _record_shutdown_codes(codes)
+    try:
+        run(parse_args(argv))
+        return "finished", codes, "every rank finished"
+    except SignalException as e:
+        got = f"torchrun got {_name(int(e.sigval))}"
+        return (verdict(codes) if codes else "failed"), codes, got
+    except ChildFailedError as e:
+        for rank, failure in e.failures.items():
+            codes[rank] = failure.exitcode
+        return verdict(codes), codes, "a rank exited"
+
+
+def node_line(state: str, codes: dict[int, int | None], what: str) -> str:
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "?"
+    ranks = ", ".join(f"rank {r}: {describe(c)}" for r, c in sorted(codes.items())) or "no rank exit status"
+    return f"corelooper-slurm: node {node} ({cpus} CPUs): {state}; {what}; {ranks}"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "latest":
+        print(latest_step(Path(argv[1])))
+        return 0
+    if len(argv) >= 3 and argv[0] == "torchrun" and argv[2] == "--":
+        node = os.environ.get("SLURM_NODEID") or socket.gethostname()
+        _hold_early_signals()
+        _write(Path(argv[1]) / f"ready-{node}", "")  # the batch shell may now pass the signal on
+        state, codes, what = _run_torchrun(argv[3:])
+        print(node_line(state, codes, what), file=sys.stderr, flush=True)
+        _write(Path(argv[1]) / f"node-{node}", state + "\n")
+        return 0 if state in ("finished", "stopped") else 1
+    print("usage: python -m corelooper_slurm.node latest OUTPUT_DIR | torchrun STATE_DIR -- ARGS...",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
