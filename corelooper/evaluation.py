@@ -57,10 +57,9 @@ def _streaming_metric(loop):
     if metric is not None and loop.backend.num_processes > 1 and not callable(getattr(metric, "sync", None)):
         raise ConfigError(
             f"The streaming evaluation metric ({type(metric).__name__}) has no sync(reduce_sum) method, so its "
-            f"per-process states cannot be summed over the {loop.backend.num_processes} processes. Give it one "
-            "(replace each state tensor t by reduce_sum(t)), e.g. corelooper_lm.metrics.TokenAccuracy; HF's "
-            "compute_metrics(eval_pred, compute_result) keeps its state inside the function: with "
-            "train.batch_eval_metrics = true it runs on one process only.")
+            f"states cannot be summed over the {loop.backend.num_processes} processes: give it one (replace each "
+            "state tensor t by reduce_sum(t)). HF's compute_metrics(eval_pred, compute_result) "
+            "(train.batch_eval_metrics) keeps its state in the function: it runs on one process only.")
     if metric is not None and callable(getattr(metric, "reset", None)):
         metric.reset()
     return metric

@@ -1,23 +1,16 @@
-"""HF's ``batch_eval_metrics``: ``compute_metrics(eval_pred, compute_result)`` called per batch.
-
-As ``Trainer.evaluation_loop`` (transformers 5.x) does it: every batch's ``EvalPrediction`` goes
-to the function with ``compute_result=False`` except the last one, with ``True``, whose return
-value is the metrics. The function keeps its own running state, so HF users' code runs unchanged;
-one batch is held back (the last one is known only when the loader ends), no other outputs.
-"""
+"""HF's ``batch_eval_metrics``: ``compute_metrics(eval_pred, compute_result)`` called per batch as
+``Trainer.evaluation_loop`` (transformers 5.x) does, ``compute_result=True`` on the last batch (its
+return value is the metrics). One batch is held back: the last is known when the loader ends."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 
 
-class EvalPrediction(NamedTuple):
-    """What HF passes: ``eval_pred.predictions`` / ``.label_ids``, or ``logits, labels = eval_pred``."""
-
+class EvalPrediction(NamedTuple):  # as HF's: eval_pred.predictions, or ``logits, labels = eval_pred``
     predictions: Any
     label_ids: Any
 
@@ -25,12 +18,8 @@ class EvalPrediction(NamedTuple):
 class HFBatchMetrics:
     """A streaming metric (``update``/``compute``) around an HF batch-mode ``compute_metrics``."""
 
-    def __init__(self, fn: Callable):
-        try:
-            takes = "compute_result" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            takes = True
-        if not takes:
+    def __init__(self, fn):
+        if "compute_result" not in inspect.signature(fn).parameters:
             raise ConfigError(
                 "train.batch_eval_metrics = true calls compute_metrics(eval_pred, compute_result=...) once per "
                 f"batch, as HF does, but {getattr(fn, '__qualname__', fn)!r} takes no compute_result argument. "
