@@ -126,9 +126,9 @@ def run(
     (start-up): no checkpoint written by that stop.
     """
     from corelooper.cli.launch import watch_launcher
+    from corelooper.cli.signals import StartupStop, install_startup_handlers
 
     from corelooper.builtin.console import quiet_third_party
-    from corelooper.builtin.preemption import StartupStop, install_startup_handlers
 
     install_startup_handlers()  # before any work: a signal at start-up exits 75/76, no traceback
     watch_launcher()  # a worker dies with its launcher (kill -9 leaves no orphans)
@@ -395,23 +395,6 @@ def plot(
         fail(e, traceback_)
 
 
-@app.command()
-def diff(
-    run_a: Annotated[Path, typer.Argument(help="A run folder (output_dir) with run.json.")],
-    run_b: Annotated[Path, typer.Argument(help="Another run folder.")],
-    traceback_: TracebackOpt = False,
-) -> None:
-    """What differs between two runs (config, versions, plugins, data, git, host, devices), and
-    the first logged step where their losses part."""
-    try:
-        from corelooper.cli.diff import diff_runs
-
-        for line in diff_runs(run_a, run_b):
-            typer.echo(line)
-    except Exception as e:
-        fail(e, traceback_)
-
-
 @app.command("new-plugin")
 def new_plugin(
     name: Annotated[str, typer.Argument(help="The plugin's name: entry point and config section (e.g. grad_stats).")],
@@ -428,13 +411,35 @@ def new_plugin(
         fail(e, traceback_)
 
 
+def add_plugin_commands(app) -> None:
+    """Let every installed plugin add CLI subcommands (``corelooper_add_commands``).
+
+    Only entry points are loaded (no builtin, no config): plugin modules import torch lazily,
+    so ``corelooper --help`` stays fast. A plugin that fails to import here is skipped; the
+    error is reported by the command that needs it (``run`` loads plugins strictly).
+    """
+    from corelooper import hookspecs
+    from corelooper.plugins import AUTOLOAD_ENV, HookManager, installed_entry_points
+
+    if os.environ.get(AUTOLOAD_ENV):
+        return
+    pm = HookManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for ep in installed_entry_points():
+        try:
+            obj = ep.load()
+        except Exception:
+            continue
+        if not isinstance(obj, type) and callable(getattr(obj, "corelooper_add_commands", None)):
+            pm.register(obj, name=ep.name)
+    pm.hook.corelooper_add_commands(app=app)
+
+
 def main() -> None:
-    from corelooper.builtin.preemption import StartupStop, install_startup_handlers
+    from corelooper.cli.signals import StartupStop, install_startup_handlers
 
     install_startup_handlers()  # first thing: a SIGTERM while plugins import exits 75, not -15
     try:
-        from corelooper.plugins import add_plugin_commands
-
         add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
         app(prog_name="corelooper")
     except StartupStop as e:

@@ -2,7 +2,7 @@
 
 The skeleton is a complete package: ``pyproject.toml`` with the entry point, the plugin module
 (a config section, an event hook, state kept across a resume), a README, and tests that run a
-real tiny training with ``corelooper.testing``'s fixtures. ``pip install -e DIR && pytest DIR``
+real tiny training with ``corelooper_testing``'s fixtures. ``pip install -e DIR && pytest DIR``
 passes as written.
 """
 
@@ -29,7 +29,7 @@ requires-python = ">=3.10"
 dependencies = ["corelooper>={core_version},<{next_minor}"]  # the hook contract of this minor version
 
 [project.optional-dependencies]
-test = ["pytest>=8"]
+test = ["pytest>=8", "corelooper-testing>=0.2,<0.3"]
 
 # corelooper finds the plugin through this entry point: installed means loaded.
 [project.entry-points.corelooper]
@@ -86,7 +86,7 @@ class {klass}:
 '''
 
 TEST = '''\
-"""Tests for {dist}, with corelooper.testing's fixtures (a real tiny training on CPU)."""
+"""Tests for {dist}, with corelooper_testing's fixtures (a real tiny training on CPU)."""
 
 import json
 
@@ -131,7 +131,7 @@ README = '''\
 A [corelooper](https://pypi.org/project/corelooper/) plugin.
 
 ```bash
-pip install -e .            # installed = loaded in every corelooper run
+pip install -e ".[test]"   # installed = loaded in every corelooper run; [test] brings corelooper-testing
 corelooper plugins          # shows it, its hooks and its [{name}] keys
 pytest tests                # runs a tiny real training with the plugin registered
 ```

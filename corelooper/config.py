@@ -204,8 +204,7 @@ class TrainArgs:
     """Seconds a collective may wait before the process group gives up (HF's name and default);
     passed to ``init_process_group``. A diagnosis plugin's hang timeout may end a hang sooner,
     with a report."""
-    # Language-model options (read by the language-model plugin's collators, model_options.py,
-    # throughput.py).
+    # Language-model options (read by the language-model plugins and hf/model_options.py).
     train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = "random"
     """Training order: a seeded permutation per epoch, the dataset's order, or similar lengths
     batched together (seeded, resumable; the 4.x ``group_by_length = true``)."""
@@ -222,7 +221,8 @@ class TrainArgs:
     torch_compile_mode: str | None = None
     tf32: bool | None = None
     peak_flops: float | None = None
-    """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16): logs ``mfu`` when set."""
+    """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16): ``mfu`` is logged when set (by a
+    plugin that counts model FLOPs)."""
 
     def __init__(self, output_dir: str | None = None, /, **kwargs: Any) -> None:
         if output_dir is not None:
@@ -364,14 +364,6 @@ class Config:
     def section(self, name: str) -> dict[str, Any]:
         """A plugin section with its declared defaults filled in (a copy)."""
         return {**self._defaults.get(name, {}), **self.sections.get(name, {})}
-
-    @classmethod
-    def from_hf(cls, args: Any, **changes: Any) -> TrainArgs:
-        """An HF ``TrainingArguments`` (or its ``to_dict()``) as it is, validated like ``[train]``:
-        the values that mean the same here are taken, HF's defaults of what corelooper does
-        otherwise are accepted, any other value is refused with the corelooper way to do it."""
-        values = args.to_dict() if hasattr(args, "to_dict") else dict(args)
-        return cls(**{**values, **changes})
 
     @property
     def notes(self) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ The implementations are called in pluggy's order (``tryfirst`` first, then the l
 each with the arguments it names, as pluggy's executor does, but without its per-call
 bookkeeping (~1 µs per implementation: 20 plugins on a 1 ms step would cost 7%). Through
 pluggy itself: an event with a hook wrapper, and every event while a hook-call monitor is
-installed (``corelooper.testing``'s recorder, a diagnosis plugin's hook timer).
+installed (``corelooper_testing``'s recorder, a diagnosis plugin's hook timer).
 """
 
 from __future__ import annotations

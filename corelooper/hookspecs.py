@@ -425,7 +425,7 @@ def on_step_end(loop, state, control) -> None:
 def on_log(loop, state, control, logs: dict) -> None:
     """When the loop logs (every ``logging_steps`` and at the end) and after each evaluation
     (before ``on_evaluate``, as HF). A training log holds ``loss``, ``learning_rate`` (the rate
-    that step used), ``grad_norm``, ``epoch``, throughput and anything plugins added; an
+    that step used), ``grad_norm``, ``epoch``, samples and tokens per second and anything plugins added; an
     evaluation log the ``eval_`` metrics and ``epoch``; both ``num_input_tokens_seen`` unless
     ``include_num_input_tokens_seen = "no"``. The same dict is appended to
     ``state.log_history`` with ``step``. Main process only. To add

@@ -58,7 +58,7 @@ def call_impl(impl, kwargs: dict[str, Any]) -> Any:
     return impl.function(*args)
 
 
-class _Manager(pluggy.PluginManager):
+class HookManager(pluggy.PluginManager):
     """As in pytest: a function named like a hook is an implementation, marked or not."""
 
     monitors = 0  # hook-call monitors installed: while there is one, every call goes through pluggy
@@ -84,7 +84,7 @@ class Plugins:
     """A pluggy ``PluginManager`` plus what the CLI and error messages need to know."""
 
     def __init__(self) -> None:
-        self.pm = _Manager(hookspecs.PROJECT)
+        self.pm = HookManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.info: dict[str, PluginInfo] = {}
         self.skipped: dict[str, str] = {}  # installed but not loaded -> why
@@ -347,16 +347,14 @@ def load_plugins(
     from .builtin.console import Console
     from .builtin.metrics_log import MetricsLog
     from .builtin.preemption import PreemptionPlugin
-    from .builtin.run_record import RunRecord
-    from .builtin.throughput import Throughput
 
     plugins = Plugins()
     cfg = config.plugins if config is not None else None
     objects = list(objects)
     # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
     # stateful ones are new objects for every run.
-    policies = (("console", Console()), ("jsonl", MetricsLog()), ("throughput", Throughput()),
-                ("preemption", PreemptionPlugin()), ("best_metric", best_metric), ("run_record", RunRecord()))
+    policies = (("console", Console()), ("jsonl", MetricsLog()), ("preemption", PreemptionPlugin()),
+                ("best_metric", best_metric))
     blocked = set(blocked) | set(cfg.disable if cfg else ())
     if BUILTIN in blocked:
         raise ConfigError("The builtin plugin cannot be disabled; override its hooks instead.")
@@ -578,24 +576,3 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def add_plugin_commands(app) -> None:
-    """Let every installed plugin add CLI subcommands (``corelooper_add_commands``).
-
-    Only entry points are loaded (no builtin, no config): plugin modules import torch lazily,
-    so ``corelooper --help`` stays fast. A plugin that fails to import here is skipped; the
-    error is reported by the command that needs it (``run`` loads plugins strictly).
-    """
-    if os.environ.get(AUTOLOAD_ENV):
-        return
-    pm = _Manager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    for ep in installed_entry_points():
-        try:
-            obj = ep.load()
-        except Exception:
-            continue
-        if not isinstance(obj, type) and callable(getattr(obj, "corelooper_add_commands", None)):
-            pm.register(obj, name=ep.name)
-    pm.hook.corelooper_add_commands(app=app)

@@ -29,20 +29,6 @@ def cli():
     return run_cli
 
 
-@pytest.fixture
-def train_args(tmp_path):
-    """Fast defaults for in-process Loop tests: no checkpoints, quiet console, output in tmp_path."""
-
-    def make(**overrides):
-        from corelooper.config import TrainArgs
-
-        base = dict(output_dir=str(tmp_path / "out"), save_strategy="no", logging_steps=1,
-                    max_grad_norm=0.0, disable_tqdm=True, learning_rate=1e-2)
-        return TrainArgs(**{**base, **overrides})
-
-    return make
-
-
 @pytest.fixture(autouse=True)
 def _keep_plugin_autoload_setting():
     """Tests that turn plugin autoload off for themselves must not turn it off for the next ones."""

@@ -78,6 +78,37 @@ def test_sft_best_is_the_best_documented_row_and_goals_are_judged_on_intervals(c
     assert "goal corelooper_leak_free_over_hf_best: " in out and "(goal >= 1.5: inconclusive)" in out
 
 
+def test_the_sft_profile_split_accounts_for_the_whole_call(tmp_path):
+    """profile_split.py on a tiny real run: every kind is there, the LM head is told apart from
+    the other matmuls by the vocabulary dimension, and the shares add up to the call's wall time."""
+    out = tmp_path / "split.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "profile_split.py"), "cl_padding_free_all",
+                           "--samples", "16", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text())["rows"]["cl_padding_free_all"]
+    split = row["split"]
+    assert set(split) == {"lm_head", "linear", "attention", "loss", "optimizer", "elementwise", "memory",
+                          "other", "python"}
+    assert split["lm_head"]["s"] > 0 and split["linear"]["s"] > 0 and split["attention"]["s"] > 0
+    assert sum(v["share"] for v in split.values()) == pytest.approx(1.0, abs=0.01)
+    assert "cl_padding_free_all" in proc.stdout  # the printed table
+
+
+def test_profile_split_kinds():
+    sys.path.insert(0, str(BENCH / "sft"))
+    try:
+        from profile_split import kind
+    finally:
+        sys.path.pop(0)
+    assert kind("aten::mm", [[12, 256], [256, 2048]], vocab=2048) == "lm_head"
+    assert kind("aten::mm", [[12, 256], [256, 688]], vocab=2048) == "linear"
+    assert kind("aten::_scaled_dot_product_flash_attention_for_cpu_backward", [], 2048) == "attention"
+    assert kind("aten::select", [], 2048) == "memory"  # not a comparison: "le" inside a name is not "le"
+    assert kind("aten::_fused_adamw_", [], 2048) == "optimizer"
+    assert kind("aten::silu_backward", [], 2048) == "elementwise"
+    assert kind("aten::_log_softmax_backward_data", [], 2048) == "loss"
+
+
 def test_eval_benchmark_smoke_runs_every_row_on_the_same_model_and_batches(tmp_path):
     out = tmp_path / "eval.json"
     proc = subprocess.run([sys.executable, str(BENCH / "eval" / "run_bench.py"), "--smoke", "--out", str(out)],

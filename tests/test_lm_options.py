@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from corelooper_lm.throughput import ThroughputMeter, flops_per_token, non_embedding_parameters
 
 from corelooper import Loop
-from corelooper.builtin.throughput import ThroughputMeter, flops_per_token, non_embedding_parameters
 from corelooper.errors import ConfigError
 from corelooper.hf.model_options import enable_gradient_checkpointing
 

@@ -1,5 +1,5 @@
 """``corelooper new-plugin NAME``: the skeleton it writes installs, is found through its entry point,
-and its own tests pass (run by pytest in a subprocess, with corelooper.testing's fixtures). The
+and its own tests pass (run by pytest in a subprocess, with corelooper_testing's fixtures). The
 tutorial package of docs/plugins.md is installed and tested in the same pip and pytest calls."""
 
 from __future__ import annotations

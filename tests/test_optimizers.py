@@ -103,7 +103,7 @@ def test_without_weight_decay_one_group_makes_the_same_update_as_hfs_two(make_lo
 def test_lr_multiplier_scales_the_update_through_training(run_loop, tmp_path):
     """Plain SGD, constant LR: after training, the first layer moved exactly as a run whose
     multiplier is 1 would have moved it with a 0.25x LR on that layer only -- check one step."""
-    from corelooper.testing import tiny_task
+    from corelooper_testing import tiny_task
 
     loop = run_loop(optim="sgd", learning_rate=0.2, max_steps=1, eval_strategy="no", save_strategy="no",
                     lr_multipliers={r"net\.0\.weight": 0.25}, max_grad_norm=0.0)

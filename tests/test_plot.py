@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from corelooper.testing import build_loop
+from corelooper_testing import build_loop
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import types
 
 import pytest
 from conftest import REPO
+from corelooper_testing import build_loop
 
 from corelooper import hookspecs
 from corelooper.errors import ConfigError
-from corelooper.testing import build_loop
 
 DOC = REPO / "docs" / "plugins.md"
 

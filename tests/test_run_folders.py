@@ -58,9 +58,13 @@ def config(folder: Path, out: str = "run", model: str = f"{TESTS}/toys.py:mlp", 
 
 
 def cli(*args, cwd: Path, **env):
-    """The real CLI, with corelooper-hf (data files and model folders by path) as the one plugin."""
-    hf = ["-p", "corelooper_hf"] if args[0] in ("run", "eval", "predict") else []
-    return run_cli(*args, *hf, cwd=cwd, env={**QUIET, **env}, timeout=180)
+    """The real CLI, with corelooper-hf (data files and model folders by path) and, for a run,
+    corelooper-run-record (run.json) as the only plugins; ``diff`` (a command of
+    corelooper-run-record) with the installed plugins loaded, as a user runs it."""
+    plugins = ["-p", "corelooper_hf"] if args[0] in ("run", "eval", "predict") else []
+    plugins += ["-p", "corelooper_run_record"] if args[0] == "run" else []
+    quiet = {**QUIET, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""} if args[0] == "diff" else QUIET
+    return run_cli(*args, *plugins, cwd=cwd, env={**quiet, **env}, timeout=180)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -107,7 +111,7 @@ def test_run_json_records_how_the_run_was_made_and_diff_names_what_differs(tmp_p
     record = json.loads((project / "a" / "run.json").read_text())
     commit = _git(project, "rev-parse", "HEAD")
     assert record["git"] == {"commit": commit, "dirty": False}  # a/, the run's output, is not tracked
-    assert record["command"]["argv"][-4:] == ["run", str(cfg), "-p", "corelooper_hf"]
+    assert record["command"]["argv"][-6:] == ["run", str(cfg), "-p", "corelooper_hf", "-p", "corelooper_run_record"]
     assert record["command"]["sets"] == [] and record["command"]["cwd"] == str(project)
     assert record["versions"]["corelooper"] == corelooper.__version__
     assert record["versions"]["torch"] == torch.__version__

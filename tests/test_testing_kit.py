@@ -1,4 +1,4 @@
-"""corelooper.testing (the pytest plugin for plugin authors) and `corelooper plugins --config`'s
+"""corelooper_testing (the pytest plugin for plugin authors) and `corelooper plugins --config`'s
 per-config status of installed plugins."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from corelooper.plugins import Plugins, check_sections
 
 
 def test_the_pytest_plugin_imports_no_torch():
-    # pytest loads corelooper.testing in every run of every project that has corelooper installed
-    code = "import sys, corelooper.testing; assert 'torch' not in sys.modules, 'torch imported'"
+    # pytest loads corelooper_testing in every run of every project that has corelooper-testing installed
+    code = "import sys, corelooper_testing; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 

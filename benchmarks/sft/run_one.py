@@ -52,7 +52,32 @@ def parse(argv=None):
     ap.add_argument("--cl-head", default="trained", choices=["trained", "all"],
                     help="corelooper's rows: [lm] head (trained positions only, the [sft] default; or all)")
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--torch-profile", default=None,
+                    help="write the framework call's op events (torch.profiler) as JSON (profile_split.py)")
     return ap.parse_args(argv)
+
+
+class TorchProfile:
+    """torch.profiler with cProfile's enable/disable/dump_stats, for profile_split.py."""
+
+    def __init__(self, path: str) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+    def enable(self) -> None:
+        self.t = time.perf_counter()
+        self.prof.__enter__()
+
+    def disable(self) -> None:
+        self.prof.__exit__(None, None, None)
+        self.wall = time.perf_counter() - self.t
+
+    def dump_stats(self, path: str) -> None:
+        from profile_split import profile_events
+
+        with open(path, "w") as f:
+            json.dump({"wall_s": self.wall, "events": profile_events(self.prof)}, f)
 
 
 def main() -> None:
@@ -85,6 +110,8 @@ def main() -> None:
         import cProfile
 
         prof = cProfile.Profile()
+    elif a.torch_profile:
+        prof = TorchProfile(a.torch_profile)
     t = time.perf_counter()
     try:
         if prof:
@@ -97,7 +124,7 @@ def main() -> None:
     finally:
         if prof:
             prof.disable()
-            prof.dump_stats(a.profile)
+            prof.dump_stats(a.profile or a.torch_profile)
     wall = time.perf_counter() - t
     last_step = [steps[-1]]
     fed = probe.summary()

@@ -16,7 +16,7 @@ import os
 import sys
 
 # Facts a user does not act on at every log: metrics.jsonl and the loggers have them, the console
-# line only when verbose. The line keeps loss, grad norm, learning rate, epoch and throughput.
+# line only when verbose. The line keeps loss, grad norm, learning rate, epoch and samples/tokens per second.
 DETAILS = frozenset({"model_flops_per_token", "model_tflops_per_second"})
 
 

@@ -7,7 +7,7 @@ SIGINT**, the shell's convention for "killed by that signal" — so job schedule
 not finish. Further signals while that happens are ignored (the save is atomic anyway;
 ``kill -9`` remains the hard stop and still leaves every complete checkpoint intact).
 
-**Before training** (``corelooper run`` installs ``install_startup_handlers()`` first thing,
+**Before training** (``corelooper run`` installs ``corelooper.cli.signals`` handlers first thing,
 before the config is read or torch imported), a SIGTERM/SIGINT stops start-up at once: nothing
 was trained, so no checkpoint is written and the exit code says so — **75 for SIGTERM, 76 for
 SIGINT** (distinct from 143/130, which always mean "a checkpoint was written"). The same codes
@@ -175,44 +175,3 @@ class PreemptionPlugin:
 
     def on_exception(self) -> None:
         self.restore()
-
-
-NO_CHECKPOINT_EXIT = {getattr(signal, "SIGTERM", 15): 75, getattr(signal, "SIGINT", 2): 76}
-
-
-class StartupStop(BaseException):  # noqa: N818 - like KeyboardInterrupt: not an error, a stop
-    """A stop signal outside ``train()``: nothing to save; ``exit_code`` is 75 / 76."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-        self.exit_code = NO_CHECKPOINT_EXIT.get(signum, 75)
-
-    def __str__(self) -> str:
-        return (f"{signal.Signals(self.signum).name} received outside training: stopped, no checkpoint "
-                "written by this stop")
-
-
-def _startup_handler(signum: int, frame) -> None:
-    # The first signal stops start-up; later ones (schedulers and launchers send several, ms
-    # apart) are ignored, at the C level: a Python handler would raise a second StartupStop in the
-    # middle of the exit (or in an atexit callback), and one reset by interpreter shutdown would
-    # end the process -15 after it said "Exit 75". One paragraph, one exit code.
-    for sig in SIGNALS:
-        try:
-            signal.signal(sig, signal.SIG_IGN)
-        except (ValueError, OSError):
-            pass
-    raise StartupStop(signum)
-
-
-def install_startup_handlers() -> None:
-    """SIGTERM/SIGINT raise ``StartupStop`` until ``Loop.train`` installs its graceful handlers
-    (and again after it restores them)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in SIGNALS:
-        try:
-            signal.signal(sig, _startup_handler)
-        except (ValueError, OSError):
-            pass

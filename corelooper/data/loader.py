@@ -183,21 +183,27 @@ def resolve_loss_type(batch) -> str:
 
 
 def batch_rows(batch) -> int:
-    """Samples in a batch: dim 0 of its first tensor, or the samples packed into its rows."""
-    if torch.is_tensor(batch):
-        return batch.shape[0]
-    if isinstance(batch, dict):
-        packed = packed_samples(batch)
-        if packed is not None:
-            return packed
-        for v in batch.values():
-            if torch.is_tensor(v):
-                return v.shape[0]
-    if isinstance(batch, (list, tuple)):
-        for v in batch:
-            if torch.is_tensor(v):
-                return v.shape[0]
-    return 1
+    """Samples in a batch: the samples packed into its rows, else its rows (``tensor_rows``)."""
+    packed = packed_samples(batch) if isinstance(batch, dict) else None
+    return tensor_rows(batch) if packed is None else packed
+
+
+def tensor_rows(batch) -> int:
+    """Rows of a batch: dim 0 of its first tensor, searched depth-first through mappings, lists
+    and tuples (1 when it holds none). What a batch is cut along (auto batch size)."""
+    n = _first_rows(batch)
+    return 1 if n is None else n
+
+
+def _first_rows(obj) -> int | None:
+    if torch.is_tensor(obj):
+        return int(obj.shape[0]) if obj.dim() else None
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    for v in values:
+        n = _first_rows(v)
+        if n is not None:
+            return n
+    return None
 
 
 def packed_samples(batch: dict) -> int | None:
@@ -220,7 +226,7 @@ def packed_samples(batch: dict) -> int | None:
 def count_input_tokens(batch) -> int:
     """Tokens fed to the model (``input_ids`` numel; 0 without input_ids). No device sync.
 
-    What throughput (tokens/s, MFU) counts: padding is computed too. ``state.num_input_tokens_seen``
+    What tokens per second count: padding is computed too. ``state.num_input_tokens_seen``
     follows ``include_num_input_tokens_seen`` instead (``count_tokens_seen``)."""
     if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
         return batch["input_ids"].numel()

@@ -79,14 +79,6 @@ def _precision(dtype: str) -> Mapper:
     return mapper
 
 
-def _bool_to(key: str, true_value: Any) -> Mapper:
-    def mapper(value: Any, tr: Translation, old: str = "") -> None:
-        if value:
-            _set(tr, key, true_value, old)
-
-    return mapper
-
-
 def _sampling_from_group_by_length(value: Any, tr: Translation, old: str = "") -> None:
     if value:
         _set(tr, "train_sampling_strategy", "group_by_length", old)
@@ -126,7 +118,6 @@ FOUR_X = frozenset({
     "evaluation_strategy", "warmup_ratio", "group_by_length", "no_cuda", "per_gpu_train_batch_size",
     "per_gpu_eval_batch_size", "include_tokens_per_second", "torchdynamo",
 })
-NO_OP_MAPPED = frozenset(k for k, (m, _) in MAPPED.items() if m is _accept)
 # Names from other tools: refused with the corelooper name (a user of them must learn the HF name).
 OTHER_TOOLS = frozenset({"lr", "batch_size", "epochs"})
 

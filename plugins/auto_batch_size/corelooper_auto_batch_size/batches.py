@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from corelooper.data.loader import tensor_rows
+
 # RuntimeError messages that mean "the device (or host) ran out of memory". CUDA raises
 # torch.OutOfMemoryError; cuDNN/cuBLAS and other back-ends report OOM as a plain RuntimeError.
 _OOM_MESSAGES = (
@@ -26,37 +28,13 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
 
 
-def rows(batch: Any) -> int:
-    """Samples in a batch: dim 0 of its first tensor (1 when it holds no tensor)."""
-    if torch.is_tensor(batch):
-        return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for v in values:
-        if torch.is_tensor(v) or isinstance(v, (Mapping, list, tuple)):
-            n = _first_rows(v)
-            if n is not None:
-                return n
-    return 1
-
-
-def _first_rows(obj: Any) -> int | None:
-    if torch.is_tensor(obj):
-        return int(obj.shape[0]) if obj.dim() else None
-    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
-    for v in values:
-        n = _first_rows(v)
-        if n is not None:
-            return n
-    return None
-
-
 def cut(batch: Any, size: int) -> list:
     """``batch`` as consecutive pieces of at most ``size`` samples, in order (views, no copy).
 
     Tensors whose dim 0 is the batch dimension are sliced; so are per-sample lists (e.g. a
     list of strings with one entry per sample). Anything else is shared by every piece.
     """
-    n = rows(batch)
+    n = tensor_rows(batch)
     if n <= size:
         return [batch]
     return [_take(batch, slice(i, i + size), n) for i in range(0, n, size)]

@@ -20,9 +20,10 @@ import math
 
 import torch
 
+from corelooper.data.loader import tensor_rows
 from corelooper.errors import ConfigError, TrainingError
 
-from .batches import cut, cut_all, is_oom, rows, sample_shape
+from .batches import cut, cut_all, is_oom, sample_shape
 
 log = logging.getLogger("corelooper.auto_batch_size")
 
@@ -122,7 +123,7 @@ class AutoBatchSize:
             free_memory(loop.backend)
 
     def _cut(self, micro_batches: list, size: int | None) -> list:
-        if size is None or all(rows(b) <= size for b in micro_batches):
+        if size is None or all(tensor_rows(b) <= size for b in micro_batches):
             return micro_batches
         return cut_all(micro_batches, size)
 

@@ -6,10 +6,10 @@ import time
 
 import corelooper_doctor
 import torch
+from corelooper_testing import TensorSamples
 
 from corelooper import Loop
 from corelooper.config import Config
-from corelooper.testing import TensorSamples
 
 OUTLIER = 13  # the sample whose features are huge
 

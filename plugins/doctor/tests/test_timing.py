@@ -8,10 +8,9 @@ import pytest
 import torch
 from corelooper_doctor.peaks import known_peak
 from corelooper_doctor.timing import PHASES
+from corelooper_testing import TensorSamples
 from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import Classifier, SlowSamples, make_loop, samples
-
-from corelooper.testing import TensorSamples
 
 
 def _seconds(loop, batch: int = 8, hooks: bool = False):

@@ -1,6 +1,6 @@
 """corelooper-early-stopping: HF's EarlyStoppingCallback decisions, its counter across a resume,
 and start-up errors. Metrics come from a scripted compute_metrics provider so every decision is
-known in advance; training itself is real (the tiny task of corelooper.testing)."""
+known in advance; training itself is real (the tiny task of corelooper_testing)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import corelooper_early_stopping as es_plugin
 import pytest
+from corelooper_testing import SigtermAt
 
 from corelooper.errors import ConfigError
-from corelooper.testing import SigtermAt
 
 
 class Scores:

@@ -19,21 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import toys  # noqa: E402
 from corelooper_lm.chunked_ce import chunked_cross_entropy
 
-from corelooper.config import Config, TrainArgs
+from corelooper.config import Config
 from corelooper.errors import ConfigError
 from corelooper.loop import Loop
-
-
-@pytest.fixture
-def train_args(tmp_path):
-    """Fast defaults for in-process Loop tests: no checkpoints, output in tmp_path."""
-
-    def make(**overrides):
-        base = dict(output_dir=str(tmp_path / "out"), save_strategy="no", logging_steps=1,
-                    max_grad_norm=0.0, disable_tqdm=True, learning_rate=1e-2)
-        return TrainArgs(**{**base, **overrides})
-
-    return make
 
 
 def _inputs(n=37, hidden=24, vocab=101, dtype=torch.float32, ignored=0.3, seed=0, bias=True):

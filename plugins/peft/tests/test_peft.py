@@ -130,7 +130,7 @@ def test_inert_without_a_peft_section(tmp_path):
 
 
 def test_an_interrupted_run_writes_no_merged_model(tmp_path):
-    from corelooper.testing import SigtermAt
+    from corelooper_testing import SigtermAt
 
     loop = Loop(tiny_llama(), config(tmp_path / "run", steps=6, save_steps=6, merge_on_export=True),
                 train_dataset=data(), plugins=[SigtermAt(3)])

@@ -28,7 +28,7 @@ DEFAULTS = {
     "max_length": 1024,
     "packing": False,
     "packing_strategy": "bfd",
-    "padding_free": False,
+    "padding_free": None,  # "auto": the faster exact layout for the model and hardware (setup.padding_free_for)
     "assistant_only_loss": False,
     "completion_only_loss": None,
     "chat_template_path": None,

@@ -38,7 +38,7 @@ def config(tmp_path, model_dir, sft=None, **train):
     })
 
 
-LAYOUTS = {"padded": {}, "padding_free": {"padding_free": True},
+LAYOUTS = {"padded": {"padding_free": False}, "padding_free": {"padding_free": True},
            "bfd": {"packing": True}, "bfd_split": {"packing": True, "packing_strategy": "bfd_split"}}
 # "wrapped" cuts samples at row ends (each piece loses the context before the cut): another loss by design.
 
@@ -59,6 +59,40 @@ def test_eval_loss_and_item_counts_are_the_same_packed_and_unpacked(tmp_path, an
     assert len(set(items.values())) == 1, items  # num_items_in_batch counts the same tokens
     for name, loss in losses.items():
         assert abs(loss - losses["padded"]) <= 1e-5, (name, losses)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padding_free_unset_picks_the_faster_exact_layout_and_trains_as_padded(tmp_path, model_dir, attn, caplog):
+    """``sft.padding_free`` unset ("auto"): on the CPU an sdpa model gets padding-free batches with
+    segment-wise attention (half the time of padded ones: benchmarks/README.md), an eager one keeps
+    padded batches; either way the run's weights equal the explicitly padded run's (exact)."""
+    import logging
+
+    weights = {}
+    for name, sft in (("auto", {}), ("padded", {"padding_free": False})):
+        cfg = config(tmp_path / name, model_dir, {**sft, "max_length": 256}, max_steps=2, optim="sgd",
+                     max_grad_norm=0.0).replace("model", attn_implementation=attn)
+        with caplog.at_level(logging.INFO, logger="corelooper.sft"):
+            loop = Loop(config=cfg)
+        batch = loop.data_collator(loop.train_dataset.__getitems__([0, 1, 2]))
+        if name == "auto":
+            free = attn == "sdpa"
+            assert ("attention_mask" not in batch and batch["input_ids"].shape[0] == 1) is free
+            assert loop.model.config._attn_implementation == ("corelooper_segment_sdpa" if free else "eager")
+            assert ("padding-free batches, the same samples per step" in caplog.text) is free
+        loop.train()
+        weights[name] = torch.cat([p.detach().flatten() for p in loop.model.parameters()])
+    assert (weights["auto"] - weights["padded"]).abs().max().item() <= 1e-5
+
+
+def test_padding_free_must_be_a_bool_or_auto(tmp_path, model_dir):
+    from corelooper.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"sft.padding_free must be true, false or \"auto\""):
+        Loop(config=config(tmp_path, model_dir, {"padding_free": "yes"}))
+    with pytest.raises(ConfigError, match="Set sft.packing or sft.padding_free, not both"):
+        Loop(config=config(tmp_path / "b", model_dir, {"padding_free": True, "packing": True}))
+    Loop(config=config(tmp_path / "c", model_dir, {"padding_free": "auto", "packing": True}))  # auto: packed
 
 
 def test_packing_really_packs_and_trains(tmp_path, model_dir):

@@ -1,5 +1,13 @@
-"""A real single-node Slurm on this machine: munged, slurmctld and slurmd (Debian's slurm-wlm and
-munge packages), started as root with a generated ``slurm.conf`` for localhost on free ports.
+"""A real Slurm on this machine: munged, slurmctld and slurmd (Debian's slurm-wlm and munge
+packages), started as root with a generated ``slurm.conf`` for localhost on free ports.
+
+One node (``localhost``) by default; ``start(..., nodes=[...])`` runs one slurmd per name on this
+host (``slurmd -N NAME``, each on its own port, spool, pid and log), which Slurm allows when built
+with ``--enable-multiple-slurmd`` (``scontrol show config`` then says ``MULTIPLE_SLURMD = Yes``;
+Debian's 22.05 package is). Every node has NodeAddr 127.0.0.1; the first node's name must resolve
+to this host (the jobs reach their rendezvous by it: this machine's hostname), the others are
+Slurm's names only. Not ``localhost`` with other nodes: slurmctld then stops with "fatal:
+Duplicated NodeHostName".
 
 Everything lives in one temporary folder (key, sockets, state, logs); ``SLURM_CONF`` points the
 client commands (sbatch, scontrol, scancel) and the jobs at it. Nothing is faked.
@@ -39,11 +47,11 @@ CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
@@ -60,9 +68,10 @@ InactiveLimit=0
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={node_names} Default=YES MaxTime=INFINITE State=UP
 """
+NODE = "NodeName={name} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
 
 
 @dataclass
@@ -89,14 +98,16 @@ class SlurmCluster:
 
     def logs(self) -> str:
         tails = []
-        for name in ("munged.log", "slurmctld.log", "slurmd.log"):
-            path = self.root / name
+        for path in [self.root / "munged.log", self.root / "slurmctld.log", *sorted(self.root.glob("slurmd-*.log"))]:
             if path.exists():
-                tails.append(f"--- {name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+                tails.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
         return "\n".join(tails)
 
     def stop(self) -> None:
-        self.run("scancel", "--user=root", timeout=10)
+        try:
+            self.run("scancel", "--user=root", timeout=10)
+        except subprocess.TimeoutExpired:  # slurmctld is gone: the daemons are stopped all the same
+            pass
         for proc in reversed(self.processes):  # only what this fixture started, by its pid
             proc.terminate()
         for proc in reversed(self.processes):
@@ -107,34 +118,45 @@ class SlurmCluster:
                 proc.wait()
 
 
-def start(root: Path, env: dict[str, str]) -> SlurmCluster:
-    """munged -> slurmctld -> slurmd, each in the foreground of a child process."""
-    for sub in ("state", "spool"):
+def _controller_up(cluster: SlurmCluster) -> bool:
+    controller = cluster.processes[1]
+    if controller.poll() is not None:  # e.g. "fatal: ..." in a config it refuses: say so now
+        raise RuntimeError(f"slurmctld exited with {controller.returncode}; logs in {cluster.root}:\n{cluster.logs()}")
+    ping = cluster.run("scontrol", "ping")
+    return ping.returncode == 0 and "UP" in ping.stdout
+
+
+def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost",)) -> SlurmCluster:
+    """munged -> slurmctld -> one slurmd per node, each in the foreground of a child process.
+    Several nodes share this host's CPUs (each gets all of them: the tests run one small task per node)."""
+    for sub in ("state", *(f"spool-{n}" for n in nodes)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     conf = root / "slurm.conf"
+    cpus = os.cpu_count() or 1
+    node_lines = "\n".join(NODE.format(name=n, port=_free_port(), cpus=cpus) for n in nodes)
     conf.write_text(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port(),
-                                cpus=os.cpu_count() or 1))
+                                node_lines=node_lines, node_names=",".join(nodes)))
     cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf)})
     commands = [
         ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={root}/munge.socket",
          f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"],
         ["slurmctld", "-D", "-c", "-i"],
-        ["slurmd", "-D", "-N", "localhost"],
+        *(["slurmd", "-D", "-N", n] for n in nodes),
     ]
     try:
         for i, cmd in enumerate(commands):
-            log = open(root / f"{cmd[0]}.out", "w")  # noqa: SIM115 - kept open for the daemon's life
+            name = f"slurmd-{cmd[-1]}" if cmd[0] == "slurmd" else cmd[0]
+            log = open(root / f"{name}.out", "w")  # noqa: SIM115 - kept open for the daemon's life
             cluster.processes.append(subprocess.Popen(cmd, env=cluster.env, stdout=log, stderr=subprocess.STDOUT))
             if i == 0:
                 cluster.wait_for("munged did not start", (root / "munge.socket").exists, 20)
             if i == 1:
-                cluster.wait_for("slurmctld did not answer", lambda: cluster.run("scontrol", "ping").returncode == 0
-                                 and "UP" in cluster.run("scontrol", "ping").stdout, 60)
-        cluster.wait_for("the node did not become idle", lambda: "idle" in cluster.run(
-            "sinfo", "-h", "-o", "%T").stdout, 90)
+                cluster.wait_for("slurmctld did not answer", lambda: _controller_up(cluster), 60)
+        cluster.wait_for("the nodes did not become idle", lambda: cluster.run(
+            "sinfo", "-h", "-N", "-o", "%T").stdout.split().count("idle") == len(nodes), 90)
     except BaseException:
         cluster.stop()
         raise

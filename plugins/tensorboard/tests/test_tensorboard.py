@@ -9,10 +9,9 @@ from pathlib import Path
 import corelooper_tensorboard as tb_plugin
 import pytest
 from corelooper_tensorboard import tag
+from corelooper_testing import SigtermAt
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
-
-from corelooper.testing import SigtermAt
 
 
 def read_events(log_dir: Path) -> EventAccumulator:

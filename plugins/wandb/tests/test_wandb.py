@@ -8,11 +8,11 @@ from pathlib import Path
 
 import corelooper_wandb as wb_plugin
 import pytest
+from corelooper_testing import SigtermAt
 from corelooper_wandb.offline import find_runs as _find_runs
 from corelooper_wandb.offline import read_run
 
 from corelooper.errors import PluginError
-from corelooper.testing import SigtermAt
 
 
 @pytest.fixture

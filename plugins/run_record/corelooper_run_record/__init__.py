@@ -1,7 +1,7 @@
 """``output_dir/run.json``: how the run was made, so two runs that disagree can be compared
 (``corelooper diff RUN_A RUN_B``).
 
-Registered as the builtin plugin ``run_record`` (``-p no:run_record`` switches it off); written
+The plugin ``run_record`` (corelooper-run-record; ``-p no:run_record`` switches it off); written
 by the main process at ``on_train_begin``: the command line and its ``--set``s, the resolved
 config, corelooper's and every loaded plugin's version, the libraries' versions, the project's
 git commit and whether its tree was dirty, host, world size, device, and an identity of each
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+__version__ = "0.2.0"
 
 CORE_LIBRARIES = ("torch", "accelerate", "safetensors", "transformers", "datasets")
 
@@ -132,24 +134,30 @@ def record(loop, state) -> dict:
     }
 
 
-class RunRecord:
-    def on_train_begin(self, loop, state) -> None:
-        if not state.is_world_process_zero:
-            return
-        path = Path(loop.args.output_dir) / RUN_JSON
-        made = record(loop, state)
-        if state.global_step > 0 and path.is_file():  # resumed: the first record stays
-            try:
-                first = json.loads(path.read_text())
-                first.setdefault("resumed", []).append({**made, "from_step": state.global_step})
-                made = first
-            except ValueError:  # a cut-off file: this record replaces it
-                pass
-        tmp = path.with_name(f".{RUN_JSON}.tmp")
-        try:
-            tmp.write_text(json.dumps(made, indent=1, default=str) + "\n")
-            tmp.replace(path)
-        except OSError as e:  # disk full, read-only: an I/O error, not the plugin's
-            from ..checkpoints.ioerrors import io_error
+def corelooper_add_commands(app) -> None:
+    """``corelooper diff RUN_A RUN_B`` (corelooper_run_record/diff.py)."""
+    from .diff import add_commands
 
-            raise io_error(e, f"writing {RUN_JSON}", path.parent) from None
+    add_commands(app)
+
+
+def on_train_begin(loop, state) -> None:
+    if not state.is_world_process_zero:
+        return
+    path = Path(loop.args.output_dir) / RUN_JSON
+    made = record(loop, state)
+    if state.global_step > 0 and path.is_file():  # resumed: the first record stays
+        try:
+            first = json.loads(path.read_text())
+            first.setdefault("resumed", []).append({**made, "from_step": state.global_step})
+            made = first
+        except ValueError:  # a cut-off file: this record replaces it
+            pass
+    tmp = path.with_name(f".{RUN_JSON}.tmp")
+    try:
+        tmp.write_text(json.dumps(made, indent=1, default=str) + "\n")
+        tmp.replace(path)
+    except OSError as e:  # disk full, read-only: an I/O error, not the plugin's
+        from corelooper.checkpoints.ioerrors import io_error
+
+        raise io_error(e, f"writing {RUN_JSON}", path.parent) from None

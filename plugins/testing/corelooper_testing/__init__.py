@@ -1,4 +1,4 @@
-"""A pytest plugin for plugin authors (entry point ``pytest11``, loaded whenever corelooper is installed).
+"""A pytest plugin for plugin authors (entry point ``pytest11``, loaded whenever corelooper-testing is installed).
 
 Fixtures:
 
@@ -6,13 +6,16 @@ Fixtures:
   (a few hundred parameters, 8 optimizer steps, evaluations and checkpoints) with your plugins
   registered and returns the ``Loop``; ``make_loop`` builds the same ``Loop`` without training.
 * ``hook_recorder``: a plugin that records every event and every provider call with its arguments.
+* ``train_args(**overrides)``: a ``TrainArgs`` for a quick in-process ``Loop`` (no checkpoints).
 
 Installed plugins (entry points) are *not* loaded by these fixtures unless ``autoload=True``, so a
 test sees only the plugins it names. This module must not import torch at import time: pytest loads
-it in every test run of every project that has corelooper installed.
+it in every test run of every project that has corelooper-testing installed.
 """
 
 from __future__ import annotations
+
+__version__ = "0.2.0"
 
 import inspect
 import os
@@ -24,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from . import hookspecs
+from corelooper import hookspecs
 
 # Arguments every event receives; the recorder keeps them out of HookCall.kwargs (see HookCall).
 _CONTEXT = ("loop", "state", "control")
@@ -230,9 +233,9 @@ def build_loop(
     **train_overrides: Any,
 ):
     """A ``Loop`` on the tiny task (see ``tiny_task``) with ``plugins`` registered."""
-    from .config import Config
-    from .loop import Loop
-    from .plugins import AUTOLOAD_ENV
+    from corelooper.config import Config
+    from corelooper.loop import Loop
+    from corelooper.plugins import AUTOLOAD_ENV
 
     config = Config.from_dict({
         "train": {**TINY_TRAIN_ARGS, "output_dir": str(output_dir), **train_overrides},
@@ -260,6 +263,21 @@ def build_loop(
 def hook_recorder() -> HookRecorder:
     """A fresh ``HookRecorder``: pass it in ``plugins=[...]``, then assert on ``.calls``."""
     return HookRecorder()
+
+
+@pytest.fixture
+def train_args(tmp_path):
+    """``train_args(**overrides)`` -> a ``TrainArgs`` for a quick in-process ``Loop``: output in
+    ``tmp_path / "out"``, no checkpoints, a log every step, no clipping, no progress bar."""
+
+    def make(**overrides: Any):
+        from corelooper.config import TrainArgs
+
+        base = dict(output_dir=str(tmp_path / "out"), save_strategy="no", logging_steps=1,
+                    max_grad_norm=0.0, disable_tqdm=True, learning_rate=1e-2)
+        return TrainArgs(**{**base, **overrides})
+
+    return make
 
 
 @pytest.fixture

@@ -5,13 +5,16 @@ matmuls with the N non-embedding parameters (forward 2N, backward 4N), plus ``12
 for attention scores and values over a context of T tokens (L layers of width d). Recomputation
 (gradient checkpointing) is not counted: these are *model* FLOPs, as MFU is defined.
 MFU = achieved model FLOP/s / (``train.peak_flops`` per device x processes).
+
+An installed plugin of its own (entry point ``throughput``): on in every run, ``-p no:throughput``
+switches it off.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..hookspecs import hookimpl
+from corelooper.hookspecs import hookimpl
 
 
 def non_embedding_parameters(model: torch.nn.Module) -> int:
@@ -69,8 +72,13 @@ class ThroughputMeter:
         return out
 
 
+def corelooper_configure(config, plugins) -> None:
+    """A fresh meter for every run (it counts the run's model once)."""
+    plugins.register(Throughput(), "throughput.run")
+
+
 class Throughput:
-    """The builtin plugin ``throughput``: FLOPs and MFU in every log that has tokens/s
+    """The plugin ``throughput`` (corelooper-lm): FLOPs and MFU in every log that has tokens/s
     (``-p no:throughput`` leaves only samples/s and tokens/s)."""
 
     def __init__(self) -> None:

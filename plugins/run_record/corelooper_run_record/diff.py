@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 SECTIONS = ("config", "versions", "plugins", "data", "git", "command", "host", "world_size", "device")
 LOSS_RTOL = 1e-6  # relative: the same run twice on one machine logs the same floats
@@ -80,3 +83,21 @@ def loss_parting(a: Path, b: Path) -> str:
 def diff_runs(a: Path, b: Path) -> list[str]:
     lines = differences(read_record(a), read_record(b))
     return [*(lines or ["no differences in config, versions, plugins, data"]), loss_parting(a, b)]
+
+
+def add_commands(app) -> None:
+    @app.command("diff")
+    def diff(
+        run_a: Annotated[Path, typer.Argument(help="A run folder (output_dir) with run.json.")],
+        run_b: Annotated[Path, typer.Argument(help="Another run folder.")],
+        traceback_: Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")] = False,
+    ) -> None:
+        """What differs between two runs (config, versions, plugins, data, git, host, devices), and
+        the first logged step where their losses part."""
+        from corelooper.cli.app import fail
+
+        try:
+            for line in diff_runs(run_a, run_b):
+                typer.echo(line)
+        except Exception as e:
+            fail(e, traceback_)
