@@ -12,7 +12,7 @@ from typing import Any
 
 from .config import Config, resolve_interval
 from .data.loader import batch_rows, count_input_tokens
-from .errors import ConfigError, CorelooperError, DataError, explain_failure
+from .errors import ConfigError, CorelooperError, DataError, PluginError, explain_failure
 
 
 def world_size_now() -> int:
@@ -37,7 +37,7 @@ class Resume:
         self.plugins = None  # the registry (create_dataset), from settle
 
     def settle(self, config: Config, plugins) -> Config:
-        from .checkpoints import checkpoint, elastic
+        from .checkpoints import checkpoint
 
         self.plugins = plugins
         resume = config.train.resume_from_checkpoint
@@ -50,10 +50,18 @@ class Resume:
         if self.directory is None:  # "auto" with no checkpoint yet
             return config
         world = world_size_now()
-        settled = elastic.settle(config, plugins, self.directory, world, lambda: self.dataset(config),
-                                 announce=int(os.environ.get("RANK", "0")) == 0)
-        if settled is not config:
-            self.world_size = world
+        try:
+            settled, _ = plugins.call_provider(
+                "resume_config", config=config, plugins=plugins, directory=self.directory, world_size=world,
+                dataset=lambda: self.dataset(config), announce=int(os.environ.get("RANK", "0")) == 0)
+        except Exception as exc:  # before the Loop exists: name the plugin whose code raised
+            named = explain_failure(exc, plugins, 0, config.train.output_dir)
+            if isinstance(named, PluginError):
+                raise named from exc
+            raise
+        if settled is None or settled is config:
+            return config
+        self.world_size = world
         return settled
 
     def dataset(self, config: Config) -> Any:
@@ -108,15 +116,36 @@ def batch_error(exc: Exception, global_step: int, config: Config) -> DataError:
 def resume_directory(loop, asked, settled: Path | None) -> Path | None:
     """The checkpoint ``train()`` resumes: ``asked`` (its argument; refused when it needs another
     batch geometry than the final config's), else the config's (settled by ``Resume``)."""
-    from .checkpoints import checkpoint, elastic
+    from .checkpoints import checkpoint
 
     output_dir, configured = Path(loop.args.output_dir), loop.args.resume_from_checkpoint
     if not asked:
         return settled if settled is not None or not configured else checkpoint.resolve(configured, output_dir)
     directory = checkpoint.resolve(asked, output_dir)
     if directory is not None:
-        elastic.check_settled(loop, directory)
+        _check_settled(loop, directory)
     return directory
+
+
+def _check_settled(loop, directory: Path) -> None:
+    """``train(resume_from_checkpoint=...)``: refuse a checkpoint that needs another batch
+    geometry than the config the plugins were configured with (it is never replaced)."""
+    need, _ = loop.plugins.call_provider(
+        "resume_config", config=loop.config, plugins=loop.plugins, directory=directory,
+        world_size=loop.state.world_size, dataset=lambda: loop.train_dataset, announce=False)
+    a, b = loop.args, need.train if need is not None else loop.args
+    if (b.per_device_train_batch_size, b.gradient_accumulation_steps) == (
+            a.per_device_train_batch_size, a.gradient_accumulation_steps):
+        return
+    raise ConfigError(
+        f"Cannot resume {directory} from Loop.train(resume_from_checkpoint=...): on "
+        f"{loop.state.world_size} processes keeping its global batch needs per_device_train_batch_size = "
+        f"{b.per_device_train_batch_size} and gradient_accumulation_steps = {b.gradient_accumulation_steps}, "
+        "but the run's config is final once plugins are configured. Name the checkpoint in the "
+        "config instead: train.resume_from_checkpoint (TrainArgs(resume_from_checkpoint=...), or "
+        "--resume-from-checkpoint on the command line), and the Loop settles the geometry before it "
+        "configures the plugins."
+    )
 
 
 def count_step(loop, epoch: int, micro_batches: list, step_loss, batches_per_epoch: int) -> None:

@@ -181,14 +181,6 @@ class TrainArgs:
     dataloader_drop_last: bool = False
     dataloader_pin_memory: bool = True
     """Pinned host memory for batches when training on a GPU (ignored on the CPU)."""
-    stream_split: Literal["auto", "shards", "global"] = "auto"
-    """How a training ``IterableDataset`` is split over processes x dataloader workers: ``global``
-    (one global order, each rank takes its slice of every global micro-batch; resumes on any
-    number of processes and workers, sample-exactly), ``shards`` (each keeps items
-    ``i % shards == its index``; resumes on the same shard count only), or ``auto``: global for a
-    stream that does not split itself, shards for one that does (``shards_itself = True``, a
-    Hugging Face ``datasets.IterableDataset`` with dataloader workers or split by node) and to
-    continue a shards checkpoint. corelooper/data/streaming.py."""
     # DDP options of the builtin backend (torch's defaults when unset), as HF.
     ddp_find_unused_parameters: bool | None = None
     """True when some parameters get no gradient in a step (e.g. a branch not taken)."""

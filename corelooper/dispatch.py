@@ -62,6 +62,8 @@ CHECKS: dict[str, Any] = {  # hook -> check(result, kwargs of the call) -> bool
     "compute_metrics": lambda r, kw: isinstance(r, Mapping),
     "eval_metric": lambda r, kw: _has(r, "update", "compute"),
     "create_backend": lambda r, kw: not _backend_missing(r),
+    "resume_config": lambda r, kw: type(r) is type(kw["config"]),
+    "resume_position": lambda r, kw: isinstance(r, Mapping) and "micro_batches_in_epoch" in r,
 }
 
 

@@ -37,12 +37,45 @@ class TrainingError(CorelooperError):
     exit_code = 6
 
 
+class PeerLostError(CorelooperError):
+    """A collective failed: another process of the run stopped, or the network between them."""
+
+    exit_code = 7
+
+
+# What torch's process groups say when the other end of a collective is gone (gloo, NCCL, the store).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "NCCL error", "ProcessGroupNCCL", "ProcessGroupGloo", "third_party/gloo", "Socket Timeout")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective rather than a bug where it was raised."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # only a run with several processes imported it
+    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOST)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
 def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
                     action: str = "Training") -> BaseException:
     """An exception from training turned into one that names where it came from: the plugin and
     hook whose code raised (``plugins.blame``), else the model or its loss."""
     if isinstance(exc, CorelooperError) or not isinstance(exc, Exception):
         return exc
+    if peer_lost(exc):  # whoever waited on the collective (a plugin, DDP's backward) is not to blame
+        return PeerLostError(
+            f"{action} stopped at global_step {global_step}: a collective between the processes failed "
+            f"({type(exc).__name__}: {_first_line(exc)}). Another process of the run stopped (killed, "
+            "crashed, or its node was lost) or the network between them failed: its own output names "
+            f"the first failure. The last complete checkpoint in {str(output_dir)!r} is untouched; "
+            "resume with --resume-from-checkpoint latest (on fewer processes if a node is gone)."
+        )
     blamed = plugins.blame(exc)
     if blamed:
         plugin, hook = blamed

@@ -16,7 +16,7 @@ Two kinds of hooks:
   ``plugins.call_next(hook, self, **kwargs)``. Hook wrappers on events work.
 
 Plugin lifecycle: ``corelooper_config_sections`` (declare keys) -> the config is validated and
-made final (an elastic resume's batch geometry is settled here: the config is never replaced
+made final (a resume's batch geometry is settled here, ``resume_config``: the config is never replaced
 afterwards) -> ``corelooper_configure(config, plugins)`` (register per-run objects and
 checkpointed state) -> model and data are built -> ``transform_model`` (each in its ``order``) ->
 the backend is created (``create_backend``) -> ``transform_data`` (each in its ``order``) ->
@@ -269,9 +269,14 @@ def create_scheduler(loop, optimizer, num_training_steps: int):
 def train_dataloader(loop, dataset):
     """Return an iterable of training batches for one epoch, for this process.
 
-    The builtin returns a ``corelooper.data.loader.BatchLoader``: a seeded, resumable, rank-sharded
-    sampler; each iterable returned must have ``set_epoch(epoch)`` and ``skip(n_batches)``
-    (or simply be re-iterable; then resume falls back to re-reading).
+    The builtin returns a ``corelooper.data.loader.BatchLoader`` for a map-style dataset (a
+    seeded, resumable, rank-sharded sampler) and refuses an ``IterableDataset`` (exit 4): a plugin
+    loads streams. A loader resumes one of two ways: ``set_epoch(epoch)`` and ``skip(n_batches)``
+    (the loop skips what the checkpoint's position says), or its own position, torchdata's
+    ``StatefulDataLoader`` protocol: ``state_dict()`` (JSON data) is saved in every checkpoint,
+    one file per rank (``data_state_{rank}.json``), and on resume the core calls
+    ``load_state_dict(state)`` with this rank's file (rank 0's on a rank the saving run did not
+    have), unless ``train.ignore_data_skip`` (then it starts from the beginning, with a warning).
     """
 
 
@@ -357,6 +362,35 @@ def eval_metric(loop):
     over processes). The builtin answers with ``Loop(compute_metrics=obj)`` when ``obj`` has
     ``update`` and ``compute``, and with HF's ``compute_metrics(eval_pred, compute_result)``
     when ``train.batch_eval_metrics`` is true. Replaces ``compute_metrics`` when it answers.
+    """
+
+
+@hookspec(firstresult=True)
+@returns("a corelooper.config.Config (config itself, or a copy with another batch geometry), or None")
+def resume_config(config, plugins, directory, world_size: int, dataset, announce: bool):
+    """Return the config to resume checkpoint ``directory`` with on ``world_size`` processes.
+
+    Called by ``Loop.__init__`` for ``train.resume_from_checkpoint`` after the config is
+    validated and before any plugin is configured (the config is final from then on), and by
+    ``Loop.train(resume_from_checkpoint=...)`` with ``announce=False`` (a config that differs
+    from the run's is refused there). ``dataset()`` returns the training data (built from the
+    config when first called); ``announce``: this process may print. No answer (None): no
+    installed plugin resumes a checkpoint on another world size; the checkpoint is then refused
+    when it loads if it was saved on another one (``resume_position``).
+    """
+
+
+@hookspec(firstresult=True)
+@returns("a dict (the checkpoint's loop state, its position in this run's micro-batches), or None")
+def resume_position(loop, state, directory):
+    """Return the checkpoint's loop state (``state``, its ``loop_state.json`` as a dict) with
+    ``micro_batches_in_epoch`` rewritten as this run's micro-batches.
+
+    Called while a checkpoint loads, after the weights, optimizer and scheduler were restored
+    and before the state is applied and the loader's position is restored (``state["world_size"]``
+    is the number of processes that saved it). No answer (None): the position is used as saved;
+    a checkpoint saved on another number of processes is then refused (exit 5) unless
+    ``train.ignore_data_skip`` restarts the epoch's data.
     """
 
 
@@ -516,6 +550,8 @@ PROVIDERS = (
     "evaluation_loop",
     "compute_metrics",
     "eval_metric",
+    "resume_config",
+    "resume_position",
 )
 DECLARATIONS = (
     "corelooper_config_sections", "corelooper_settings", "corelooper_configure", "corelooper_unconfigure",

@@ -126,7 +126,7 @@ class Loop:
         if self.train_dataset is None:
             raise CorelooperError("No training data: pass train_dataset= or set data.train.")
         loader = self._provide("train_dataloader", dataset=self.train_dataset)
-        self._train_loader = loader  # its state_dict() (streaming data) goes into checkpoints
+        self._train_loader = loader  # its state_dict(), if any, goes into checkpoints
         self._batches_per_epoch = plan_steps(self.args, self.state, loader)
         self._model = apply_model_options(self, self.model)
         optimizer = self._provide("create_optimizer", model=self.model)

@@ -340,7 +340,7 @@ def load_plugins(
     settle: Callable[[Config, Plugins], Config] | None = None,
 ) -> Plugins:
     """Build the plugin manager for one run (or for ``corelooper plugins``). ``settle(config,
-    plugins)``: the Loop makes the validated config final (an elastic resume's geometry) before
+    plugins)``: the Loop makes the validated config final (a resume's batch geometry) before
     any plugin is configured."""
     from .builtin import best_metric
     from .builtin import providers as builtin

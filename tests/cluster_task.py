@@ -66,6 +66,10 @@ def write_config(directory: Path, output_dir: Path, name: str = "config.toml", *
     return path
 
 
+ELASTIC = ["-p", "corelooper_streaming", "-p", "corelooper_elastic_resume"]
+"""CLI arguments that load the elastic resume (installed plugins are off in ``env``)."""
+
+
 def env(tmp_path: Path) -> dict[str, str]:
     """One thread per process, torchrun's debris in the test's folder, installed plugins off."""
     return {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+from corelooper_elastic_resume.geometry import Geometry, plan
 
-from corelooper.checkpoints.elastic import Geometry, plan
 from corelooper.errors import ConfigError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "clusters.md"

@@ -1,5 +1,6 @@
 """Elastic resume: a run saved on N processes continues on M != N with the same global batch and
-the same global sample order (corelooper/checkpoints/elastic.py, data.BatchLoader's global position).
+the same global sample order (the corelooper-elastic-resume plugin, data.BatchLoader's global position);
+without the plugin, such a checkpoint is refused (exit 5).
 
 The end-to-end test is the issue's: 2 processes -> preempted (SIGTERM) at step 6 -> resumed on 1
 -> preempted at step 9 -> resumed on 2 -> final weights equal an uninterrupted 2-process run to
@@ -12,18 +13,18 @@ import json
 import subprocess
 import sys
 
+import corelooper_elastic_resume
 import pytest
 import torch
-from cluster_task import REPO, STOP_PLUGIN, claim_two_processes, env, max_diff, write_config
+from cluster_task import ELASTIC, REPO, STOP_PLUGIN, claim_two_processes, env, max_diff, write_config
 from safetensors.torch import load_file
 
-from corelooper.checkpoints.elastic import Geometry, plan
 from corelooper.data.loader import BatchLoader
-from corelooper.errors import ConfigError
+from corelooper.errors import CheckpointError, ConfigError
 
 
 def _run(tmp_path, config, nproc: int, stop: int = 0, resume: bool = False):
-    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp_path / "stop_at.py")]
+    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp_path / "stop_at.py"), *ELASTIC]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     if resume:
@@ -98,7 +99,7 @@ def test_a_plugin_is_configured_with_the_config_the_resumed_run_uses(tmp_path):
     (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
     (tmp_path / "config_recorder.py").write_text(CONFIG_RECORDER)
     cfg = write_config(tmp_path, tmp_path / "run", max_steps=6)
-    extra = ["-p", str(tmp_path / "config_recorder.py")]
+    extra = ["-p", str(tmp_path / "config_recorder.py"), *ELASTIC]
     record = tmp_path / "record.jsonl"
 
     def run(nproc: int, stop: int, resume: bool):
@@ -134,53 +135,22 @@ def test_the_global_position_continues_the_order_on_another_world_size():
     assert seen + rest == BatchLoader(data, 64, seed=5).batch_indices()[0]  # the epoch's order
 
 
-@pytest.mark.parametrize(("saved", "world", "per_device", "expected"), [
-    (Geometry(2, 4, 1), 1, 4, Geometry(1, 4, 2)),     # fewer processes: more accumulation
-    (Geometry(1, 4, 2), 2, 4, Geometry(2, 4, 1)),
-    (Geometry(1, 4, 1), 2, 4, Geometry(2, 2, 1)),     # no exact accumulation: smaller micro-batch
-    (Geometry(2, 6, 1), 4, 6, Geometry(4, 3, 1)),
-    (Geometry(1, 5, 3), 3, 5, Geometry(3, 5, 1)),
-    (Geometry(2, 3, 2), 4, 8, Geometry(4, 3, 1)),     # never above what fits the 12-sample batch
-])
-def test_plan_keeps_the_global_batch(saved, world, per_device, expected):
-    got = plan(saved, world, per_device)
-    assert got == expected and got.global_batch == saved.global_batch
-    assert got.per_device <= per_device
-
-
-def test_no_exact_split_is_refused_naming_what_works():
-    with pytest.raises(ConfigError, match=r"global batch is 4 per device x 1 accumulation x 2 processes = 8 "
-                                          r"samples, and 8 is not divisible by 3.*\(1, 2, 4, 8\)"):
-        plan(Geometry(2, 4, 1), 3, 4)
-
-
-def test_a_short_last_step_of_the_epoch_is_named():
-    import warnings
-
-    from corelooper.checkpoints.elastic import _warn_if_epoch_end_differs
-
-    with pytest.warns(UserWarning, match=r"\(60 samples\) is not a whole number of global batches of 8"):
-        _warn_if_epoch_end_differs(60, Geometry(2, 4, 1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _warn_if_epoch_end_differs(64, Geometry(2, 4, 1))
-
-
 def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(run_loop, make_loop, tmp_path,
                                                                                capsys):
     run_loop(max_steps=8)
     claim_two_processes(tmp_path / "run" / "checkpoint-4")
-    refused = make_loop(max_steps=8, group_by_length=True, length_column_name="x")
+    elastic = [corelooper_elastic_resume]
+    refused = make_loop(elastic, max_steps=8, group_by_length=True, length_column_name="x")
     with pytest.raises(ConfigError, match=r"on 1 processes with train.group_by_length = true.*Resume on 2"):
         refused.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     # The config is final once plugins are configured: train(resume_from_checkpoint=...) cannot
     # change its geometry, and says how to resume (the checkpoint named in the config).
-    late = make_loop(max_steps=8)
+    late = make_loop(elastic, max_steps=8)
     with pytest.raises(ConfigError, match=r"needs per_device_train_batch_size = 8 and "
                                           r"gradient_accumulation_steps = 2.*train.resume_from_checkpoint"):
         late.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert late.args.gradient_accumulation_steps == 1
-    loop = make_loop(max_steps=8, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    loop = make_loop(elastic, max_steps=8, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     config = loop.config
     assert (loop.args.per_device_train_batch_size, loop.args.gradient_accumulation_steps) == (8, 2)
     out = capsys.readouterr().out
@@ -188,3 +158,58 @@ def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(ru
            "8 per device x 2 accumulation x 1 processes = 16 (global batch kept)" in out
     loop.train()
     assert loop.config is config and loop.state.global_step == 8
+
+
+# -- without the elastic plugin: the same world size resumes, another one is refused -------------
+
+
+def test_without_the_plugin_another_world_size_is_refused_naming_both(run_loop, make_loop, tmp_path):
+    run_loop(max_steps=8)
+    claim_two_processes(tmp_path / "run" / "checkpoint-4")
+    loop = make_loop(max_steps=8)  # no elastic plugin: no provider answers resume_position
+    with pytest.raises(CheckpointError, match=r"checkpoint-4 was saved on 2 processes and this run has 1.*no "
+                                              r"loaded plugin adapts it.*`resume_position`.*Resume on 2 "
+                                              r"processes.*ignore_data_skip = true"):
+        loop.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    restarted = make_loop(max_steps=8, ignore_data_skip=True)  # the fix the message names
+    restarted.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert restarted.state.global_step == 8
+
+
+def test_without_the_plugin_the_cli_exits_5_and_the_same_world_size_resumes(tmp_path):
+    (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
+    cfg = write_config(tmp_path, tmp_path / "run", max_steps=6)
+    base = [sys.executable, "-m", "corelooper", "run", str(cfg), "-p", str(tmp_path / "stop_at.py")]
+
+    def run(*extra, stop=0):  # installed plugins loaded, as a user has them; elastic_resume blocked
+        return subprocess.run([*base, "-p", "no:elastic_resume", *extra], cwd=REPO,
+                              env={**env(tmp_path), "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "",
+                                   "STOP_AT_STEP": str(stop)}, capture_output=True, text=True, timeout=240)
+
+    first = run(stop=3)
+    assert first.returncode != 0 and (tmp_path / "run" / "checkpoint-3").is_dir(), first.stderr[-3000:]
+    same = run("--resume-from-checkpoint", "latest")
+    assert same.returncode == 0, same.stderr[-3000:]
+    claim_two_processes(tmp_path / "run" / "checkpoint-3")
+    other = run("--resume-from-checkpoint", str(tmp_path / "run" / "checkpoint-3"))
+    assert other.returncode == 5, other.stderr[-3000:]
+    assert "was saved on 2 processes and this run has 1" in other.stderr
+    assert "no loaded plugin adapts it" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_a_resume_config_provider_that_raises_is_named(run_loop, make_loop, tmp_path):
+    """resume_config runs before the Loop exists (the config is settled first): a plugin's error
+    there names the plugin and the hook, as in training."""
+
+    class Broken:
+        name = "broken_resume"
+
+        def resume_config(self, config, directory):
+            raise RuntimeError("cannot read the geometry")
+
+    run_loop(max_steps=4)
+    with pytest.raises(Exception) as e:
+        make_loop([Broken()], max_steps=8, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert type(e.value).__name__ == "PluginError", e.value
+    assert "Plugin 'broken_resume' raised in hook 'resume_config'" in str(e.value)
+    assert "RuntimeError: cannot read the geometry" in str(e.value)

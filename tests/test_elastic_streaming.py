@@ -4,7 +4,7 @@ the default ``"auto"`` picks for a stream that does not split itself.
 Every rank reads one global order of the stream and takes its slice of each global micro-batch,
 so the checkpointed position is one number (samples of the stream's epoch consumed), which any
 number of processes and dataloader workers continues. The end-to-end test is the issue's, on a
-real stream with real torchrun processes (gloo): 2 processes -> SIGTERM at step 6 -> resumed on 1
+real stream with real torchrun processes (gloo), the corelooper-streaming and corelooper-elastic-resume plugins: 2 processes -> SIGTERM at step 6 -> resumed on 1
 -> SIGTERM at step 9 -> resumed on 2, equal to an uninterrupted 2-process run to 1e-5, with a
 record of the samples every step consumed.
 """
@@ -16,15 +16,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import corelooper_elastic_resume
+import corelooper_streaming
 import pytest
 import torch
-from cluster_task import REPO, claim_two_processes, env, max_diff
+from cluster_task import ELASTIC, REPO, claim_two_processes, env, max_diff
+from corelooper_streaming.loader import StreamingLoader
 from safetensors.torch import load_file
 
 from corelooper.config import TrainArgs
-from corelooper.data.streaming import StreamingLoader
 from corelooper.errors import CheckpointError, ConfigError
-from corelooper.loop import Loop
+from corelooper.loop import Loop as _Loop
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -32,6 +34,10 @@ from elastic_stream_task import RECORD_PLUGIN, ShuffledStream, epoch_order  # no
 from streams import Recorder, StatefulStream, Stream  # noqa: E402
 
 TASK = TESTS / "elastic_stream_task.py"
+
+
+def Loop(*args, **kwargs):  # noqa: N802 - the Loop with both plugins (autoload is off here)
+    return _Loop(*args, plugins=[corelooper_streaming, corelooper_elastic_resume], **kwargs)
 
 
 def _ids(batch) -> list[int]:
@@ -193,7 +199,7 @@ class OwnShards(StatefulStream):
     shards_itself = True
 
     def __iter__(self):
-        from corelooper.data.streaming import current_shard
+        from corelooper_streaming.loader import current_shard
 
         shard = current_shard()
         for i in super().__iter__():
@@ -258,7 +264,7 @@ def test_a_checkpoint_of_the_old_default_resumes_in_shards_mode_with_auto(tmp_pa
 
 
 def test_in_process_resume_of_a_global_stream(tmp_path, monkeypatch):
-    """The checkpoint holds one global position (data_state_0.json, which every rank reads);
+    """The checkpoint holds one global position (the same data_state_{rank}.json on every rank);
     resumed with 2 dataloader workers, the run continues at sample 6 with the same weights."""
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
     first = Recorder()
@@ -290,7 +296,7 @@ def _write_config(tmp_path: Path, name: str, output_dir: Path, **train) -> Path:
 
 def _run(tmp_path, config, nproc: int, record: Path, stop: int = 0, resume: bool = False):
     record.mkdir(exist_ok=True)
-    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp_path / "record.py")]
+    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp_path / "record.py"), *ELASTIC]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     if resume:

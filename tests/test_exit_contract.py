@@ -252,3 +252,25 @@ def test_two_signals_during_start_up_give_one_paragraph_and_exit_75(cli, tmp_pat
     assert r.returncode == 75, out
     assert out.count("Exit 75") == 1, out
     assert "Exception ignored" not in out and "Traceback" not in out and "StartupStop" not in out, out
+
+
+def test_a_collective_that_fails_because_a_process_left_is_not_blamed_on_the_waiting_plugin():
+    """Real gloo, two processes: rank 1 leaves, rank 0's all-reduce inside a plugin's hook fails.
+    Exit 7, "a collective between the processes failed", not "Fix the plugin" (which it was)."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    task = str(REPO / "tests" / "peer_lost_task.py")
+    procs = [subprocess.Popen([sys.executable, task, str(r), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    out0, err0 = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=30)
+    assert out0.startswith("PeerLostError 7 "), out0 + err0[-2000:]
+    assert "a collective between the processes failed" in out0 and "at global_step 7" in out0
+    assert "Fix the plugin" not in out0 and "from the model" not in out0

@@ -90,8 +90,8 @@ when a hook is missing here or has no docstring.
 
 What a hook may use of the `loop` it is given. These are **read-only** properties (assigning one
 raises `AttributeError`; `tests/test_architecture.py` checks that nothing outside `loop.py`
-assigns to the Loop): `config` (final before `corelooper_configure`, never replaced: an elastic
-resume's batch geometry is settled before plugins are configured), `args` (`config.train`),
+assigns to the Loop): `config` (final before `corelooper_configure`, never replaced: a
+resume's batch geometry, `resume_config`, is settled before plugins are configured), `args` (`config.train`),
 `state`, `control`, `plugins`, `hook`, `events`, `model` (after `transform_model`; wrapped by the
 backend in `train()`), `optimizer`, `scheduler`, `backend`, `train_dataset`, `eval_dataset`,
 `data_collator` (after `transform_data`), `train_loader`, `loss_type` (`"auto"` until the first

@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cluster_task import REPO, STOP_PLUGIN, env, free_port, max_diff, torchrun, write_config
+from cluster_task import ELASTIC, REPO, STOP_PLUGIN, env, free_port, max_diff, torchrun, write_config
 from safetensors.torch import load_file
 
 TIMEOUT = 240
@@ -68,7 +68,8 @@ RESUMED = (r"resuming \S*checkpoint-(\d+), saved with 4 per device x {a} accumul
 
 
 def _run(tmp_path, config, nproc: int, *extra: str, **environ: str) -> subprocess.CompletedProcess:
-    cmd = [*torchrun(), "--standalone", "--nproc_per_node", str(nproc), "-m", "corelooper", "run", str(config), *extra]
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node", str(nproc), "-m", "corelooper", "run", str(config),
+           *ELASTIC, *extra]
     return subprocess.run(cmd, cwd=REPO, env={**env(tmp_path), **environ}, capture_output=True, text=True,
                           timeout=TIMEOUT)
 
@@ -103,7 +104,7 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
     agent = [*torchrun(), "--nnodes", "1:2", "--nproc_per_node", "1", "--max_restarts", "1",
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
              "--rdzv_conf", "last_call_timeout=10", "-m", "corelooper", "run", str(config),
-             "--resume-from-checkpoint", "auto", "-p", str(tmp_path / "slow.py")]
+             "--resume-from-checkpoint", "auto", "-p", str(tmp_path / "slow.py"), *ELASTIC]
     logs = [tmp_path / "survivor.log", tmp_path / "lost.log", tmp_path / "back.log"]
     survivor = _agent(tmp_path, agent, "survivor.log")
     time.sleep(1)  # the survivor hosts the rendezvous store (the node that dies must not); both
@@ -130,6 +131,10 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
     out = _text(*logs)
     assert (survivor.returncode, nodes[2].returncode) == (0, 0), out[-6000:]
     assert "x 2 processes" in _text(logs[0])  # it did start as one job of world size 2
+    # the survivor's rank saw its peer's collective fail: said so, not blamed on a plugin or the model
+    first_failure = _text(logs[0]).split("on 1 processes: ", 1)[0]
+    assert "a collective between the processes failed" in first_failure, first_failure[-4000:]
+    assert "Fix the plugin" not in first_failure and "from the model" not in first_failure
     lost_at = int(alone.search(out).group(1))
     assert 3 <= lost_at < BACK_AT, out[-4000:]
     # the survivor's agent stopped its healthy rank for the waiting node: a membership change, not

@@ -2,7 +2,7 @@
 template, assistant-masked and packed (bfd, 512) — corelooper-sft vs TRL's ``SFTTrainer``, same
 tokenizer, same tiny Llama, one optimizer step each.
 
-usage: python preprocess.py [--sizes 10000 100000] [--reps 1] [--work DIR] [--only cl|trl]
+usage: python preprocess.py [--sizes 10000 100000] [--reps 3] [--work DIR] [--only cl|trl]
        python preprocess.py one {cl,trl} --data F.jsonl --tokenizer DIR --out DIR   (one run, one JSON line)
 
 Each run is a fresh process with fresh caches (``HF_DATASETS_CACHE``, ``CORELOOPER_SFT_CACHE``);
@@ -11,7 +11,12 @@ tokenizing, masking, packing, model build, one step), the time spent preparing t
 (corelooper_sft.pipeline.prepare / SFTTrainer._prepare_dataset), the CPU time of both (user +
 system: what a loaded machine distorts least), and the peak RSS at that step.
 corelooper is then started a second time on the same caches: its preparation should be a cache
-read. Writes ``results/preprocess.json``; the load average of every run is in it.
+read. Repetitions are interleaved (cl, cl second start, TRL; the order of cl and TRL alternates
+from one repetition to the next) and judged on the ratios of the same repetition: TRL / corelooper
+for the time and CPU time to the first optimizer step and for the preparation, with the bootstrap
+95% interval of their median (run_bench.median_ci95) and the goal's verdict (run_bench.verdict:
+"met" only when the whole interval is at or over 2x); the second start's share of the first.
+Writes ``results/preprocess.json`` (runs and summary); the load average of every run is in it.
 """
 
 from __future__ import annotations
@@ -141,7 +146,7 @@ def bench(sizes: list[int], reps: int, work: Path, only: str | None) -> list[dic
             chat_data.write_jsonl(data, n)
             print(f"wrote {data} ({data.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t:.0f} s", flush=True)
         for rep in range(reps):
-            for method in ("cl", "trl"):
+            for method in ("cl", "trl") if rep % 2 == 0 else ("trl", "cl"):
                 if only and method != only:
                     continue
                 cache = Path(tempfile.mkdtemp(prefix=f"pp-{method}-", dir=work))
@@ -153,6 +158,37 @@ def bench(sizes: list[int], reps: int, work: Path, only: str | None) -> list[dic
                     r.update(conversations=n, rep=rep, mb=round(data.stat().st_size / 1e6, 1))
                     print(json.dumps(r), flush=True)
                     out.append(r)
+    return out
+
+
+GOAL = 2.0  # issue 28: >= 2x TRL's SFTTrainer preprocessing, as time to the first optimizer step
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per size: TRL / corelooper per repetition (paired), medians, 95% intervals, verdicts."""
+    import statistics
+
+    from run_bench import median_ci95, verdict
+
+    out = []
+    for n in sorted({r["conversations"] for r in rows}):
+        by = {(r["method"], r["rep"]): r for r in rows if r["conversations"] == n}
+        reps = sorted({rep for m, rep in by if ("cl", rep) in by and ("trl", rep) in by})
+        row: dict = {"conversations": n, "reps": len(reps)}
+        for key in ("to_first_step_s", "cpu_to_first_step_s", "prepare_s", "prepare_cpu_s", "peak_rss_mb"):
+            ratios = [by[("trl", k)][key] / by[("cl", k)][key] for k in reps if by[("cl", k)][key]]
+            med = round(statistics.median(ratios), 3) if ratios else None
+            row[key] = {"trl_over_cl": med, "ci95": median_ci95(ratios), "per_rep": [round(x, 3) for x in ratios]}
+            if key in ("to_first_step_s", "cpu_to_first_step_s"):
+                row[key]["verdict"] = verdict(med, GOAL, row[key]["ci95"])
+        second = [by[("cl (second start)", k)]["prepare_cpu_s"] / by[("cl", k)]["prepare_cpu_s"]
+                  for k in reps if ("cl (second start)", k) in by]
+        row["second_start_prepare_share"] = round(statistics.median(second), 4) if second else None
+        out.append(row)
+        for key in ("to_first_step_s", "cpu_to_first_step_s"):
+            r = row[key]
+            print(f"goal ({n} conversations, TRL / corelooper, {key}): {r['trl_over_cl']}x "
+                  f"(95% interval {r['ci95']}, {len(reps)} reps) vs >= {GOAL}x: {r['verdict']}", flush=True)
     return out
 
 
@@ -169,7 +205,7 @@ def main() -> None:
         raise SystemExit("no optimizer step was taken")
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
-    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cl-preprocess")
     ap.add_argument("--only", choices=["cl", "trl"], default=None)
     a = ap.parse_args()
@@ -178,7 +214,7 @@ def main() -> None:
     res = HERE.parent / "results" / "preprocess.json"
     res.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                    command=" ".join(sys.argv), uname=os.uname().nodename,
-                                   runs=rows), indent=1))
+                                   runs=rows, summary=summarize(rows)), indent=1))
     print(f"wrote {res}")
 
 

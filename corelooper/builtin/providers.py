@@ -9,6 +9,7 @@ import weakref
 
 # What every train() uses is imported with the module, not inside the timed loop.
 from ..data.loader import BatchLoader
+from ..errors import DataError
 from ..hf.optimizers import create_optimizer as _create_optimizer
 from ..hf.schedules import create_scheduler as _create_scheduler
 from ..hookspecs import hookimpl
@@ -64,8 +65,7 @@ def create_scheduler(loop, optimizer, num_training_steps):
 @hookimpl(trylast=True)
 def train_dataloader(loop, dataset):
     a = loop.args
-    if _is_iterable(dataset):
-        return _streaming_loader(loop, dataset, a.per_device_train_batch_size, cycle=True, split=a.stream_split)
+    _refuse_stream(dataset, "train_dataloader")
     return BatchLoader(
         dataset,
         a.per_device_train_batch_size,
@@ -81,22 +81,17 @@ def train_dataloader(loop, dataset):
     )
 
 
-def _is_iterable(dataset) -> bool:
+def _refuse_stream(dataset, hook: str) -> None:
+    """An ``IterableDataset`` reaches the builtin only when no plugin loads streams."""
     from torch.utils.data import IterableDataset
 
-    return isinstance(dataset, IterableDataset)
-
-
-def _streaming_loader(loop, dataset, batch_size: int, cycle: bool, split: str = "shards"):
-    from ..data.streaming import StreamingLoader
-
-    a = loop.args
-    return StreamingLoader(
-        dataset, batch_size, loop.data_collator, rank=loop.backend.process_index,
-        num_replicas=loop.backend.num_processes, num_workers=a.dataloader_num_workers,
-        drop_last=a.dataloader_drop_last, cycle=cycle, split=split,
-        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
-    )
+    if isinstance(dataset, IterableDataset):
+        raise DataError(
+            f"The dataset is a torch IterableDataset ({type(dataset).__name__}, a stream without "
+            f"__len__/__getitem__), and no loaded plugin answers {hook!r} for it: the builtin loader "
+            "needs a map-style dataset. Install or enable a plugin that loads an IterableDataset "
+            "(`corelooper plugins` lists them), or give a map-style dataset."
+        )
 
 
 def _lengths(loop, dataset):
@@ -108,8 +103,7 @@ def _lengths(loop, dataset):
 @hookimpl(trylast=True)
 def eval_dataloader(loop, dataset):
     a = loop.args
-    if _is_iterable(dataset):
-        return _streaming_loader(loop, dataset, a.per_device_eval_batch_size, cycle=False)
+    _refuse_stream(dataset, "eval_dataloader")
     return BatchLoader(
         dataset,
         a.per_device_eval_batch_size,

@@ -37,7 +37,7 @@ promoted. Contents of ``checkpoint-N/``::
     process_state_{rank}.json          the loop's extra per-process state (log window)
     loop_state.json                    LoopState; best_model_checkpoint stored as a folder name
     plugins.json                       the registered plugin states
-    data_state_{rank}.json             a streaming loader's position (per shard, or one global one)
+    data_state_{rank}.json             the training loader's state_dict(), when it has one
     config.toml                        the resolved config (text, never a pickled object)
     manifest.json                      file -> size, checksum; written last
 
@@ -285,7 +285,7 @@ def collect_plugin_states(named_objects: Iterable[tuple[str, Any]]) -> dict[str,
 
 
 def loader_state(loader, what: str = "training dataset") -> dict[str, Any] | None:
-    """A (streaming) loader's position for ``data_state``, or None when it has none."""
+    """A loader's position for ``data_state`` (its ``state_dict()``), or None when it has none."""
     if loader is None or not callable(getattr(loader, "state_dict", None)):
         return None
     from ..errors import DataError

@@ -7,9 +7,14 @@ log window, the loader's position) and fires ``on_save`` / ``on_load_checkpoint`
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
-from . import checkpoint, elastic
+from ..errors import CheckpointError
+from . import checkpoint
+
+logger = logging.getLogger("corelooper.checkpoints")
 
 
 def save(loop) -> Path:
@@ -28,20 +33,59 @@ def save(loop) -> Path:
 
 def resume(loop, directory: Path) -> None:
     """Restore everything the run saved in ``directory``, then fire ``on_load_checkpoint``."""
-    from ..data import streaming
-
     restored = checkpoint.load_checkpoint(
         directory, model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
         scheduler=loop.scheduler, config=loop.config, state=loop.state,
     )
-    # Saved on another world size: the same position, in this run's micro-batches (elastic.py).
-    position = elastic.adapt(loop, restored.loop_state.to_dict(), str(directory))
-    restored.loop_state.micro_batches_in_epoch = position["micro_batches_in_epoch"]
+    saved = restored.loop_state.to_dict()
+    # A plugin rewrites the position in this run's micro-batches (saved on another world size).
+    position, _ = loop.plugins.call_provider("resume_position", loop=loop, state=saved, directory=directory)
+    if position is None:
+        _check_world_size(loop, saved, directory)
+    else:
+        restored.loop_state.micro_batches_in_epoch = position["micro_batches_in_epoch"]
     restored.apply(loop.state)
     checkpoint.apply_plugin_states(loop.plugins.stateful.items(), restored.plugin_states, directory)
     loop.log_window.load_state_dict(restored.extra_process_state.get("log_window"))
-    streaming.load_data_state(loop, directory)  # a streaming loader's position (or a warning)
+    restore_loader(loop, directory)
     loop.events.fire("on_load_checkpoint", checkpoint_dir=directory)
+
+
+def _check_world_size(loop, saved: dict, directory: Path) -> None:
+    """No plugin adapted the position: one saved on another world size would be wrong here."""
+    world, now = saved.get("world_size", loop.state.world_size), loop.state.world_size
+    if world != now and not loop.args.ignore_data_skip:
+        raise CheckpointError(
+            f"Checkpoint {directory} was saved on {world} processes and this run has {now}; its "
+            "position in the epoch counts the micro-batches of that world size, and no loaded plugin "
+            f"adapts it to this one (the `resume_position` hook). Resume on {world} processes, install "
+            "or enable a plugin that resumes on another world size (`corelooper plugins`), or set "
+            "train.ignore_data_skip = true to start the epoch's data from its beginning."
+        )
+
+
+def restore_loader(loop, directory: Path) -> None:
+    """The training loader's position (torchdata's ``StatefulDataLoader`` protocol): a loader
+    with ``load_state_dict`` gets what its ``state_dict()`` saved on this rank
+    (``data_state_{rank}.json``; rank 0's on a rank the saving run did not have)."""
+    loader = loop.train_loader
+    if not callable(getattr(loader, "load_state_dict", None)):
+        return
+    if loop.args.ignore_data_skip:
+        logger.warning("train.ignore_data_skip = true: the training stream starts again from its beginning, "
+                       "so the samples seen before the checkpoint are seen again.")
+        return
+    own = Path(directory) / f"data_state_{loop.backend.process_index}.json"
+    path = own if own.is_file() else Path(directory) / "data_state_0.json"
+    if not path.is_file():
+        logger.warning("Checkpoint %s has no data position (%s): the training stream starts again from its "
+                       "beginning.", directory, own.name)
+        return
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{str(path)!r} is unreadable (truncated or corrupt?): {e}") from None
+    loader.load_state_dict(state)
 
 
 def finish(loop) -> None:

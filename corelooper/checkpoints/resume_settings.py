@@ -103,7 +103,7 @@ def compare(config, directory: Path, saved_state: dict[str, Any], state) -> list
         geometry.append(f"world_size {world} -> {state.world_size}")
     saved_global = saved_state.get("train_batch_size", 0) * saved_state.get("gradient_accumulation_steps", 1) * world
     now_global = config.train.per_device_train_batch_size * config.train.gradient_accumulation_steps * state.world_size
-    if geometry and saved_global != now_global:  # the same global batch: elastic.py resumes exactly
+    if geometry and saved_global != now_global:  # the same global batch: a resume_position provider resumes exactly
         warnings.warn(
             f"Resuming with a different batch geometry ({', '.join(geometry)}): training continues "
             "from the checkpoint, but not with the batches an uninterrupted run would have seen.",

@@ -33,7 +33,7 @@ class BatchLoader:
     (padded by wrapping to the start of the epoch when needed, as accelerate does) unless
     ``drop_last``. The position in an epoch is global, in samples consumed by all processes
     together (``skip_samples``), so a run resumed on another number of processes continues the
-    same order (``corelooper.checkpoints.elastic``).
+    same order (the ``resume_position`` provider rewrites it).
 
     Evaluation (``shuffle=False, contiguous=True``): each rank takes a contiguous block with no
     padding, so gathering in rank order restores dataset order without duplicates.

@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
-from cluster_task import STOP_PLUGIN, env, max_diff, write_config  # noqa: E402
+from cluster_task import ELASTIC, STOP_PLUGIN, env, max_diff, write_config  # noqa: E402
 
 STAGES = (1, 2, 3)
 
@@ -35,7 +35,7 @@ def _config(tmp: Path, name: str, stage: int) -> Path:
 
 
 def _run(tmp: Path, config: Path, nproc: int, stop: int = 0, resume: bool = False):
-    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp / "stop_at.py")]
+    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp / "stop_at.py"), *ELASTIC]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     if resume:

@@ -3,7 +3,7 @@
 The issue's end-to-end run with real ``corelooper run`` processes (torchrun, gloo) and real DCP
 files: 2 processes -> preempted (SIGTERM) at step 6 -> resumed on 1 -> preempted at step 9 ->
 resumed on 2. The sharded model and optimizer state (``fsdp_state/``) are re-sharded by
-``torch.distributed.checkpoint`` on load; the loader's position is core's (corelooper/checkpoints/elastic.py).
+``torch.distributed.checkpoint`` on load; the loader's position is corelooper-elastic-resume's (plugins/elastic_resume).
 Final weights and every step's loss equal an uninterrupted 2-process FSDP2 run to 1e-5 (a
 repeated or skipped sample, or an optimizer state not carried over, would change both).
 """
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
-from cluster_task import STOP_PLUGIN, env, max_diff, write_config  # noqa: E402
+from cluster_task import ELASTIC, STOP_PLUGIN, env, max_diff, write_config  # noqa: E402
 
 MODEL = "[model.args]\nhidden = 7\n"  # 7 rows split 4 + 3 over 2 ranks: uneven shards to re-shard
 
@@ -34,9 +34,9 @@ def _config(tmp_path: Path, name: str, sharded_state: bool = True, **train) -> P
 
 
 def _run(tmp_path: Path, config: Path, nproc: int, stop: int = 0, resume: bool = False):
-    """``corelooper run`` with the FSDP plugin (autoload is off in tests: named with -p)."""
+    """``corelooper run`` with the FSDP and elastic plugins (autoload is off in tests: named with -p)."""
     args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", "corelooper_fsdp",
-            "-p", str(tmp_path / "stop_at.py")]
+            "-p", str(tmp_path / "stop_at.py"), *ELASTIC]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     if resume:

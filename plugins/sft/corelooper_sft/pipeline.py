@@ -77,8 +77,9 @@ def tokenize_dataset(dataset, tokenizer, cfg: Mapping[str, Any], where: str, cha
 
 class BatchTokenizer:
     """``datasets.map(batched=True)`` over ``RowTokenizer``: chat rows without tools go through one
-    batched ``apply_chat_template`` call (rendering per row, one Rust ``encode_batch`` for all,
-    HF's own assistant mask), the labels masked on arrays; any other row is tokenized on its own.
+    batched render and one Rust ``encode_batch`` (chatbatch.py: ``apply_chat_template``'s ids and
+    assistant mask, without its per-token loops), the labels masked on arrays; any other row is
+    tokenized on its own.
     Same ids and labels as ``RowTokenizer`` row by row (tests/test_preprocess_scale.py), plus a
     ``trained`` column (labels != -100 after the causal shift) so no later step reads the labels."""
 
@@ -91,16 +92,18 @@ class BatchTokenizer:
             return False
         return (not r.assistant_only or r.markers) and formats.is_conversation(row["messages"])
 
-    def __call__(self, batch: Mapping[str, list], indices: list[int]) -> dict[str, list]:
+    def __call__(self, batch: Mapping[str, list], indices: list[int]):
         names = list(batch)
         rows = [dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         fast = [k for k, row in enumerate(rows) if self._fast(row)]
-        out: list[dict | None] = [None] * len(rows)
         try:
-            items = self._chats([rows[k] for k in fast])
+            chats = self._chats([rows[k] for k in fast])
         except Exception:  # a template error: the row path names the row that fails
-            fast, items = [], []
-        for k, item in zip(fast, items, strict=True):
+            fast, chats = [], None
+        if chats is not None and len(fast) == len(rows) and chats["trained"].all():
+            return _table(chats, [formats.extras(row) for row in rows])  # Arrow: no Python lists
+        out: list[dict | None] = [None] * len(rows)
+        for k, item in zip(fast, _items(chats) if chats else [], strict=True):
             out[k] = {**item, **formats.extras(rows[k])}
         for k, row in enumerate(rows):
             if out[k] is None or out[k]["trained"] == 0:  # the row path tokenizes, or names the error
@@ -109,22 +112,54 @@ class BatchTokenizer:
         keys = dict.fromkeys(key for item in out for key in item)  # a row without an extra: None
         return {key: [item.get(key) for item in out] for key in keys}
 
-    def _chats(self, rows: list[dict]) -> list[dict]:
+    def _chats(self, rows: list[dict]) -> dict | None:
+        """The rows' ids, labels, lengths and trained counts as flat arrays (chatbatch.Encoded)."""
         if not rows:
-            return []
+            return None
         import numpy as np
+
+        from . import chatbatch
 
         r = self.rows
         masked = r.assistant_only
-        enc = r.tok.apply_chat_template([row["messages"] for row in rows], chat_template=r.template,
-                                        tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
-        items = []
-        for k, ids in enumerate(enc["input_ids"]):
-            ids_a = np.asarray(ids, dtype=np.int64)
-            labels = np.where(np.asarray(enc["assistant_masks"][k], dtype=bool), ids_a, IGNORE) if masked else ids_a
-            items.append({"input_ids": ids, "labels": labels.tolist(), "length": len(ids),
-                          "trained": int((labels[1:] != IGNORE).sum())})
-        return items
+        convs = [chatbatch.plain(row["messages"]) for row in rows]
+        enc = chatbatch.encode(convs, r.tok, r.template, masked) if all(c is not None for c in convs) else None
+        if enc is None:  # rich messages or a padding/truncating backend: transformers' own path
+            out = r.tok.apply_chat_template([row["messages"] for row in rows], chat_template=r.template,
+                                            tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
+            enc = chatbatch.Encoded.from_lists(out["input_ids"], out["assistant_masks"] if masked else None)
+        labels = np.where(enc.mask, enc.ids, IGNORE) if masked else enc.ids
+        trained = labels != IGNORE
+        # trained after the causal shift: each row's count without its first token
+        sums = np.add.reduceat(trained, np.cumsum(enc.lengths) - enc.lengths) if enc.lengths.all() else None
+        if sums is None:  # an empty rendering: counted row by row (the row path then names it)
+            sums = np.array([t[1:].sum() if len(t) else 0 for t in enc.split(trained)], dtype=np.int64)
+        else:
+            sums = sums.astype(np.int64) - trained[np.cumsum(enc.lengths) - enc.lengths]
+        return {"enc": enc, "labels": labels, "trained": sums}
+
+
+def _items(chats: dict) -> list[dict]:
+    enc = chats["enc"]
+    ids, labels = enc.split(enc.ids), enc.split(chats["labels"])
+    return [{"input_ids": i.tolist(), "labels": lab.tolist(), "length": len(i), "trained": int(t)}
+            for i, lab, t in zip(ids, labels, chats["trained"], strict=True)]
+
+
+def _table(chats: dict, extras: list[dict]):
+    """The batch as an Arrow table (``datasets.map`` writes it as-is): list columns from the flat
+    arrays and their offsets, the same schema as the Python lists give (int64 lists and counts)."""
+    import numpy as np
+    import pyarrow as pa
+
+    enc = chats["enc"]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(enc.lengths)]).astype(np.int32))
+    cols = {"input_ids": pa.ListArray.from_arrays(offsets, pa.array(enc.ids)),
+            "labels": pa.ListArray.from_arrays(offsets, pa.array(chats["labels"])),
+            "length": pa.array(enc.lengths), "trained": pa.array(chats["trained"])}
+    for key in dict.fromkeys(k for e in extras for k in e):  # a row without an extra: None
+        cols[key] = pa.array([e.get(key) for e in extras], type=pa.float64())
+    return pa.table(cols)
 
 
 def column(ds, name: str) -> list[int]:
@@ -155,25 +190,48 @@ def apply_max_length(ds, cfg: Mapping[str, Any], packing: bool, stats: Stats):
         stats.dropped = stats.overlong
         return ds.filter(lambda n: [x <= max_length for x in n], input_columns="length", batched=True,
                          load_from_cache_file=False)
-    keep_end = cfg["truncation_mode"] == "keep_end"
-    sl = slice(-max_length, None) if keep_end else slice(None, max_length)
-
-    def cut(batch):
-        out = {**batch, "untruncated_length": list(batch["length"])}
-        for k, n in enumerate(batch["length"]):
-            if n > max_length:  # only the over-long rows are touched
-                out["input_ids"][k] = batch["input_ids"][k][sl]
-                out["labels"][k] = batch["labels"][k][sl]
-                out["length"][k] = max_length
-                out["trained"][k] = _trained(out["labels"][k])
-        return out
-
-    ds = ds.map(cut, batched=True, batch_size=BATCH, load_from_cache_file=False)
+    cut = _Truncate(max_length, cfg["truncation_mode"] == "keep_end")
+    ds = ds.with_format("arrow").map(cut, batched=True, batch_size=BATCH, load_from_cache_file=False).with_format(None)
     stats.truncated = stats.overlong
     before = len(ds)
     ds = ds.filter(lambda t: [x > 0 for x in t], input_columns="trained", batched=True, load_from_cache_file=False)
     stats.fully_masked_dropped = before - len(ds)
     return ds
+
+
+class _Truncate:
+    """``datasets.map`` on Arrow batches: over-long rows cut to ``max_length`` (their first or last
+    tokens) with index arithmetic on the flat token arrays, their ``trained`` recounted; the
+    ``untruncated_length`` kept. No row becomes a Python list."""
+
+    def __init__(self, max_length: int, keep_end: bool):
+        self.max_length, self.keep_end = max_length, keep_end
+
+    def __call__(self, table):
+        import numpy as np
+        import pyarrow as pa
+
+        lengths = table.column("length").to_numpy()
+        kept = np.minimum(lengths, self.max_length)
+        offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+        np.cumsum(kept, out=offsets[1:])
+        cols = {name: table.column(name) for name in table.column_names}
+        flat = {}
+        for name in ("input_ids", "labels"):
+            arr = table.column(name).combine_chunks()
+            old = arr.offsets.to_numpy().astype(np.int64)
+            first = old[:-1] + (lengths - kept if self.keep_end else 0)  # where each row's kept tokens start
+            index = np.repeat(first - offsets[:-1], kept) + np.arange(offsets[-1])
+            flat[name] = arr.values.to_numpy()[index]
+            cols[name] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat[name]))
+        trained = (flat["labels"] != IGNORE).astype(np.int64)
+        counts = np.add.reduceat(trained, offsets[:-1]) - trained[offsets[:-1]] if kept.all() else None
+        if counts is None:
+            counts = np.array([trained[a + 1:b].sum() for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
+        cols["trained"] = pa.array(np.where(lengths > self.max_length, counts, table.column("trained").to_numpy()))
+        cols["length"] = pa.array(kept)
+        cols["untruncated_length"] = table.column("length")
+        return pa.table(cols)
 
 
 class TokenizedRows:

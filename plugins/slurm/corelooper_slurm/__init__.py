@@ -43,6 +43,12 @@ def corelooper_add_commands(app) -> None:
             "--port", help="Rendezvous port on the first node (default: 20000 + job id % 20000).")] = None,
         max_requeues: Annotated[int, typer.Option(
             "--max-requeues", help="Requeue at most this many times (each only after a newer checkpoint).")] = 20,
+        min_nodes: Annotated[int | None, typer.Option(
+            "--min-nodes", help="Go on with this many nodes when others are lost: their survivors resume the newest "
+            "checkpoint (default: --nodes, a lost node ends the job).")] = None,
+        max_restarts: Annotated[int | None, typer.Option(
+            "--max-restarts", help="torchrun's restarts after a lost node or failed rank (default: 3 with "
+            "--min-nodes below --nodes, else 0).")] = None,
         output: Annotated[str | None, typer.Option("--output", "-o", help="Job log (sbatch --output).")] = None,
         set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Config override (repeatable).")] = None,
         plugin: Annotated[list[str] | None, typer.Option("--plugin", "-p", help="As -p of `corelooper run` (no:NAME, module).")] = None,
@@ -63,7 +69,7 @@ def corelooper_add_commands(app) -> None:
                 config=config.resolve(), nodes=nodes, gpus_per_node=gpus_per_node,
                 nproc_per_node=nproc_per_node, time=time, partition=partition, account=account,
                 cpus_per_task=cpus_per_task, signal=signal, grace=grace or default_grace(output_dir),
-                port=port, max_requeues=max_requeues, output=output, output_dir=output_dir,
+                port=port, max_requeues=max_requeues, min_nodes=min_nodes, max_restarts=max_restarts, output=output, output_dir=output_dir,
                 overrides=list(set_ or []), plugin_options=list(plugin or []),
                 sbatch_args=list(sbatch_arg or []),
             )

@@ -149,6 +149,16 @@ def _run_torchrun(argv: list[str]) -> tuple[str, dict[int, int | None], str]:
         return verdict(codes), codes, "a rank exited"
 
 
+def _rendezvous_host(args: list[str]) -> list[str]:
+    """The job's first node hosts the rendezvous store, the others connect to it. torchrun would
+    guess from the hostname, and where several Slurm nodes share a host (a test cluster) every one
+    would try; whichever won would take the store with it if it died."""
+    head, here = os.environ.get("CORELOOPER_SLURM_HEAD_NODE"), os.environ.get("SLURMD_NODENAME")
+    if not head or not here:
+        return args
+    return ["--rdzv_conf", f"is_host={int(head == here)}", *args]
+
+
 def node_line(state: str, codes: dict[int, int | None], what: str) -> str:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "?"
@@ -164,7 +174,7 @@ def main(argv: list[str]) -> int:
         node = os.environ.get("SLURM_NODEID") or socket.gethostname()
         _hold_early_signals()
         _write(Path(argv[1]) / f"ready-{node}", "")  # the batch shell may now pass the signal on
-        state, codes, what = _run_torchrun(argv[3:])
+        state, codes, what = _run_torchrun(_rendezvous_host(argv[3:]))
         print(node_line(state, codes, what), file=sys.stderr, flush=True)
         _write(Path(argv[1]) / f"node-{node}", state + "\n")
         return 0 if state in ("finished", "stopped") else 1

@@ -15,6 +15,11 @@ How a preemption or time limit plays out (``--signal=B:USR1@<grace>`` + ``--requ
    newer than the one it resumed from, every node stopped cleanly and the job was requeued fewer
    than ``--max-requeues`` times; otherwise it exits 1 saying why. Requeued, the same command
    resumes (``--resume-from-checkpoint auto``: the newest checkpoint, else a fresh start).
+
+With ``--min-nodes`` below ``--nodes`` a lost node (or its task) does not end the job
+(``--no-kill``, ``srun --kill-on-bad-exit=0 --no-kill``): torchrun's agents on the others
+(``--nnodes MIN:MAX --max_restarts K``) re-rendezvous and their ranks resume the newest checkpoint;
+the job has succeeded when at least MIN nodes finished (docs/clusters.md, Slurm).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class JobSpec:
     grace: int = 120  # seconds between the warning signal and the end of the allocation
     port: int | None = None  # default: 20000 + job id % 20000, on the job's first node
     max_requeues: int = 20
+    min_nodes: int | None = None  # default: nodes (a lost node ends the job); fewer: elastic
+    max_restarts: int | None = None  # torchrun's restarts: default 3 when elastic, else 0
     output_dir: Path | None = None  # the config's train.output_dir (with --set), resolved
     overrides: list[str] = field(default_factory=list)
     plugin_options: list[str] = field(default_factory=list)
@@ -54,6 +61,21 @@ class JobSpec:
     @property
     def procs(self) -> int:
         return self.nproc_per_node or max(self.gpus_per_node, 1)
+
+    @property
+    def min(self) -> int:
+        return self.nodes if self.min_nodes is None else self.min_nodes
+
+    @property
+    def elastic(self) -> bool:
+        """Fewer nodes than allocated may go on: a lost node's survivors re-rendezvous."""
+        return self.min < self.nodes
+
+    @property
+    def restarts(self) -> int:
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.elastic else 0
 
     @property
     def signal_name(self) -> str:
@@ -82,6 +104,14 @@ def check(spec: JobSpec) -> None:
             f"--signal {spec.signal!r} is not a signal a job can catch. Use USR1 (the default), USR2 "
             "or another catchable signal name."
         )
+    if not 1 <= spec.min <= max(spec.nodes, 1):
+        raise ConfigError(
+            f"--min-nodes {spec.min} with --nodes {spec.nodes}: give 1 to {spec.nodes} (the fewest nodes the "
+            "run may go on with after losing some), or leave it out (then a lost node ends the job)."
+        )
+    if spec.restarts < 0:
+        raise ConfigError(f"--max-restarts {spec.restarts}: give 0 (a lost node or failed rank ends the run) "
+                          "or more (torchrun restarts the ranks that many times, from the newest checkpoint).")
     if spec.max_requeues < 0:
         raise ConfigError(f"--max-requeues {spec.max_requeues}: give 0 (never requeue) or more.")
     if spec.port is not None and not 1024 <= spec.port <= 65535:
@@ -108,6 +138,8 @@ def render(spec: JobSpec) -> str:
         f"--output={spec.output or 'slurm-%x-%j.out'}",
         "--open-mode=append",  # a requeued job appends to the same log
         "--requeue",
+        # a node that fails does not end the allocation: the survivors go on (see the srun line)
+        *(["--no-kill"] if spec.elastic else []),
         f"--signal=B:{sig}@{spec.grace}",  # to the batch shell, which passes it on (see the trap)
         f"--chdir={spec.workdir}",
         *spec.sbatch_args,
@@ -118,10 +150,10 @@ def render(spec: JobSpec) -> str:
     for item in spec.plugin_options:
         run += ["-p", item]
     torchrun = [  # torch.distributed.run's arguments (corelooper_slurm.node runs it)
-        "--nnodes", '"$SLURM_NNODES"',
+        "--nnodes", f'"{spec.min}:$SLURM_NNODES"' if spec.elastic else '"$SLURM_NNODES"',
         "--nproc_per_node", str(spec.procs), "--rdzv_backend", "c10d",
         "--rdzv_endpoint", '"$head_node:$port"', "--rdzv_id", '"$SLURM_JOB_ID"',
-        "--max_restarts", "0", "--signals_to_handle", f"{TORCHRUN_SIGNALS},SIG{sig}",
+        "--max_restarts", str(spec.restarts), "--signals_to_handle", f"{TORCHRUN_SIGNALS},SIG{sig}",
         "--shutdown_timeout", str(spec.grace),
     ]
     quoted = [a if a.startswith('"') else shlex.quote(a) for a in torchrun]
@@ -138,6 +170,9 @@ def render(spec: JobSpec) -> str:
         srun_cpus=f"--cpus-per-task={spec.cpus_per_task} " if spec.cpus_per_task
         else '--cpus-per-task="$SLURM_CPUS_ON_NODE" ',
         max_requeues=spec.max_requeues,
+        min_nodes=spec.min if spec.elastic else '"$SLURM_NNODES"',
+        elastic=_ELASTIC if spec.elastic else "",
+        srun_kill="--kill-on-bad-exit=0 --no-kill" if spec.elastic else "--kill-on-bad-exit=1",
         torchrun=" \\\n    ".join(_pairs(quoted)),
         run=" ".join(shlex.quote(a) for a in run),
     )]
@@ -165,13 +200,22 @@ _HEADER = """\
 #   config:     {config}
 #   output_dir: {output_dir}"""
 
+# Only with --min-nodes below --nodes.
+_ELASTIC = """
+# A node that comes back in a later rendezvous round waits for an address torch's shared store
+# never writes (seen with torch 2.13): see docs/clusters.md, "A node lost mid-job".
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"""
+
 _BODY = """\
 set -uo pipefail
-export CORELOOPER_STOP_SIGNALS=SIG{sig}
+export CORELOOPER_STOP_SIGNALS=SIG{sig}{elastic}
 python={python}
 output_dir={output_dir}
 state_dir={state_dir}/job-$SLURM_JOB_ID
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+node_names=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))  # by SLURM_NODEID
+head_node=${{node_names[0]}}
+export CORELOOPER_SLURM_HEAD_NODE="$head_node"  # it hosts the rendezvous store
+min_nodes={min_nodes}
 port={port}
 restarts=${{SLURM_RESTART_COUNT:-0}}
 say() {{ echo "corelooper-slurm: $*" >&2; }}
@@ -185,7 +229,7 @@ on_signal() {{
   say "SIG{sig}: every rank finishes its step and saves a checkpoint"
 }}
 trap on_signal {sig}
-srun --kill-on-bad-exit=1 {srun_cpus}\\
+srun {srun_kill} {srun_cpus}\\
     "$python" -m corelooper_slurm.node torchrun "$state_dir" -- \\
     {torchrun} \\
     {run} &
@@ -194,9 +238,10 @@ while true; do
   wait "$srun_pid"
   status=$?
   kill -0 "$srun_pid" 2>/dev/null || break  # wait returned for the trap: the step still runs
-  # pass it on once every node's task holds it (a task still starting Python would die of it);
+  # pass it on once every node's task (with --min-nodes: that many) holds it (a task still
+  # starting Python would die of it);
   # srun forwards it to each node's torchrun
-  while [ "$(ls "$state_dir" 2>/dev/null | grep -c '^ready-')" -lt "$SLURM_NNODES" ] && kill -0 "$srun_pid" 2>/dev/null; do
+  while [ "$(ls "$state_dir" 2>/dev/null | grep -c '^ready-')" -lt "$min_nodes" ] && kill -0 "$srun_pid" 2>/dev/null; do
     sleep 0.5
   done
   kill -{sig} "$srun_pid" 2>/dev/null
@@ -204,9 +249,12 @@ done
 newest=$("$python" -m corelooper_slurm.node latest "$output_dir")
 states=$(cat "$state_dir"/node-* 2>/dev/null | sort -u | tr '\\n' ' ')
 nodes=$(ls "$state_dir" 2>/dev/null | grep -c '^node-')
+for id in "${{!node_names[@]}}"; do
+  [ -e "$state_dir/node-$id" ] || say "node ${{node_names[$id]}}: lost; its task ended without a status (killed, or the node failed)"
+done
 rm -rf "$state_dir"
-if [ "$states" = "finished " ] && [ "$nodes" = "$SLURM_NNODES" ]; then
-  say "finished (newest checkpoint-$newest)"
+if [ "$states" = "finished " ] && [ "$nodes" -ge "$min_nodes" ]; then
+  say "finished on $nodes of $SLURM_NNODES nodes (newest checkpoint-$newest)"
   exit 0
 fi
 if [ "$signalled" = 0 ]; then
@@ -217,8 +265,8 @@ if [ "$newest" -le "$resumed" ]; then
   say "not requeueing: this restart wrote no checkpoint newer than checkpoint-$resumed (the signal came before a step was saved)"
   exit 1
 fi
-if [ "$nodes" != "$SLURM_NNODES" ] || [[ "$states" == *failed* ]]; then
-  say "not requeueing: a node did not save and stop cleanly (node states: ${{states:-none}}, from $nodes of $SLURM_NNODES nodes)"
+if [ "$nodes" -lt "$min_nodes" ] || [[ "$states" == *failed* ]]; then
+  say "not requeueing: a node did not save and stop cleanly (node states: ${{states:-none}}, from $nodes of $SLURM_NNODES nodes; at least $min_nodes needed)"
   exit 1
 fi
 if [ "$restarts" -ge {max_requeues} ]; then

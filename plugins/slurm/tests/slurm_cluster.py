@@ -64,6 +64,7 @@ ReturnToService=2
 JobRequeue=1
 MinJobAge=600
 KillWait=30
+SlurmdTimeout={slurmd_timeout}
 InactiveLimit=0
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
@@ -96,6 +97,15 @@ class SlurmCluster:
             time.sleep(0.5)
         raise TimeoutError(f"{what} after {timeout} s; logs in {self.root}:\n{self.logs()}")
 
+    def restart_slurmd(self, node: str) -> None:
+        """Start the node's slurmd again (after a test killed it: the node comes back)."""
+        log = open(self.root / f"slurmd-{node}.out", "a")  # noqa: SIM115 - kept open for the daemon's life
+        self.processes.append(subprocess.Popen(["slurmd", "-D", "-N", node], env=self.env, stdout=log,
+                                               stderr=subprocess.STDOUT))
+
+    def slurmd(self, node: str) -> subprocess.Popen:
+        return next(p for p in reversed(self.processes) if p.args == ["slurmd", "-D", "-N", node])
+
     def logs(self) -> str:
         tails = []
         for path in [self.root / "munged.log", self.root / "slurmctld.log", *sorted(self.root.glob("slurmd-*.log"))]:
@@ -126,9 +136,11 @@ def _controller_up(cluster: SlurmCluster) -> bool:
     return ping.returncode == 0 and "UP" in ping.stdout
 
 
-def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost",)) -> SlurmCluster:
+def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost",),
+          slurmd_timeout: int = 300) -> SlurmCluster:
     """munged -> slurmctld -> one slurmd per node, each in the foreground of a child process.
-    Several nodes share this host's CPUs (each gets all of them: the tests run one small task per node)."""
+    Several nodes share this host's CPUs (each gets all of them: the tests run one small task per node).
+    ``slurmd_timeout``: seconds before slurmctld sets a silent node DOWN (Slurm's default 300)."""
     for sub in ("state", *(f"spool-{n}" for n in nodes)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     key = root / "munge.key"
@@ -138,7 +150,7 @@ def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost"
     cpus = os.cpu_count() or 1
     node_lines = "\n".join(NODE.format(name=n, port=_free_port(), cpus=cpus) for n in nodes)
     conf.write_text(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port(),
-                                node_lines=node_lines, node_names=",".join(nodes)))
+                                node_lines=node_lines, node_names=",".join(nodes), slurmd_timeout=slurmd_timeout))
     cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf)})
     commands = [
         ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={root}/munge.socket",

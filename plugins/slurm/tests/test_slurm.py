@@ -101,7 +101,7 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     assert (f"requeueing job {job_id}: checkpoint-{stopped_at} is newer than checkpoint-0 "
             "(requeue 1 of at most 20)") in first
     assert (f"corelooper-slurm: node localhost ({cpus} CPUs): finished; every rank finished") in second
-    assert "corelooper-slurm: finished (newest checkpoint-" in second
+    assert "corelooper-slurm: finished on 1 of 1 nodes (newest checkpoint-" in second
     for noise in ("SignalException", "Traceback", "srun: error"):  # one line per node instead
         assert noise not in log, log[-3000:]
     saved = json.loads((tmp_path / "job" / ".corelooper-slurm-save.json").read_text())
@@ -187,11 +187,37 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
                  f"#   python:     {sys.executable}", f"#   workdir:    {REPO}", f"#   config:     {config}",
                  f"#   output_dir: {tmp_path / 'out'}", "--nproc_per_node 8", "--rdzv_backend c10d",
                  "--signals_to_handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2", "--shutdown_timeout 300",
-                 'scontrol requeue "$SLURM_JOB_ID"',
+                 'scontrol requeue "$SLURM_JOB_ID"', '--nnodes "$SLURM_NNODES"', "--max_restarts 0",
                  f"-m corelooper run {config} --resume-from-checkpoint auto --set train.seed=1"):
         assert line in text, line
     # the script is valid bash
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    # without --min-nodes a lost node ends the job: Slurm's defaults, no elastic rendezvous
+    for line in ("--no-kill", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "--kill-on-bad-exit=0"):
+        assert line not in text, line
+
+
+def test_min_nodes_makes_the_job_go_on_without_a_lost_node(tmp_path):
+    """--min-nodes below --nodes: Slurm keeps the allocation and the step when a node or its task
+    dies, torchrun's elastic agent re-rendezvous the survivors (MIN:MAX) and restarts their ranks."""
+    config = write_config(tmp_path / "c.toml", tmp_path / "out")
+    out = corelooper("slurm", str(config), "--nodes", "4", "--min-nodes", "2", "--script", str(tmp_path / "job.sbatch"),
+                     "--dry-run", env=base_env(tmp_path), timeout=60)
+    assert out.returncode == 0, out.stderr
+    for line in ("#SBATCH --nodes=4", "#SBATCH --no-kill\n", "#SBATCH --requeue",
+                 "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n", "docs/clusters.md",
+                 "srun --kill-on-bad-exit=0 --no-kill ", '--nnodes "2:$SLURM_NNODES"', "--max_restarts 3 ",
+                 "min_nodes=2\n", 'export CORELOOPER_SLURM_HEAD_NODE="$head_node"'):
+        assert line in out.stdout, line
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    given = corelooper("slurm", str(config), "--nodes", "2", "--min-nodes", "1", "--max-restarts", "1", "--dry-run",
+                       env=base_env(tmp_path), timeout=60)
+    assert '--nnodes "1:$SLURM_NNODES"' in given.stdout and "--max_restarts 1 " in given.stdout, given.stderr
+    # --max-restarts alone: torchrun restarts failed ranks on every node, a lost node still ends the job
+    alone = corelooper("slurm", str(config), "--nodes", "2", "--max-restarts", "2", "--dry-run",
+                       env=base_env(tmp_path), timeout=60)
+    assert "--max_restarts 2 " in alone.stdout and "--no-kill" not in alone.stdout, alone.stderr
+    assert '--nnodes "$SLURM_NNODES"' in alone.stdout
 
 
 def test_dry_run_overrides_and_the_grace_sized_from_the_last_save(tmp_path):
@@ -221,8 +247,12 @@ def test_bad_options_are_one_paragraph_errors(tmp_path):
     missing = corelooper("slurm", str(tmp_path / "nope.toml"), "--dry-run", env=base_env(tmp_path), timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     for option, value, words in (("--max-requeues", "-1", "--max-requeues -1: give 0"),
-                                 ("--port", "80", "--port 80: give a free TCP port from 1024 to 65535")):
-        out = corelooper("slurm", str(config), option, value, "--dry-run", env=base_env(tmp_path), timeout=60)
+                                 ("--port", "80", "--port 80: give a free TCP port from 1024 to 65535"),
+                                 ("--min-nodes", "0", "--min-nodes 0 with --nodes 2: give 1 to 2"),
+                                 ("--min-nodes", "3", "--min-nodes 3 with --nodes 2: give 1 to 2"),
+                                 ("--max-restarts", "-1", "--max-restarts -1: give 0")):
+        out = corelooper("slurm", str(config), "--nodes", "2", option, value, "--dry-run", env=base_env(tmp_path),
+                         timeout=60)
         assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
     no_slurm = corelooper("slurm", str(config), env={**base_env(tmp_path), "PATH": str(tmp_path)}, timeout=60)
     assert no_slurm.returncode == 2 and "sbatch was not found on PATH" in no_slurm.stderr

@@ -6,6 +6,11 @@ finishes and its weights and every step's loss equal ``corelooper run --nproc 2`
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -16,7 +21,14 @@ from safetensors.torch import load_file
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import slurm_cluster  # noqa: E402
-from test_slurm import STEPS, _losses, base_env, corelooper, write_config  # noqa: E402
+from test_slurm import SLOW, STEPS, _losses, base_env, corelooper  # noqa: E402
+from test_slurm import write_config as write_slurm_config  # noqa: E402
+
+sys.path.insert(0, str(HERE.parents[2] / "tests"))  # the 2 -> 1 reference of tests/test_node_lost.py
+from cluster_task import max_diff, write_config  # noqa: E402
+from test_node_lost import RESUMED  # noqa: E402
+
+LOST_STEPS = 24
 
 # The jobs reach their first node (in Slurm's sorted node list) by its name, the rendezvous
 # endpoint: this machine's hostname. The second node's name is only Slurm's (slurmd is reached at
@@ -42,7 +54,8 @@ def slurm2(tmp_path_factory):
     if not _head_resolves():  # the rendezvous endpoint would not resolve; /etc/hosts usually names it
         pytest.skip(f"this machine's hostname {HEAD!r} does not resolve: add it to /etc/hosts")
     root = tmp_path_factory.mktemp("slurm2")
-    cluster = slurm_cluster.start(root, base_env(root), nodes=NODES)
+    # a node silent for 15 s is DOWN (Slurm's default 300 s): the node-failure test waits for it
+    cluster = slurm_cluster.start(root, base_env(root), nodes=NODES, slurmd_timeout=15)
     yield cluster
     cluster.stop()
 
@@ -56,7 +69,7 @@ def test_this_slurm_runs_several_slurmd_on_one_host(slurm2):
 
 
 def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
-    config = write_config(tmp_path / "job.toml", tmp_path / "job")
+    config = write_slurm_config(tmp_path / "job.toml", tmp_path / "job")
     env = {**slurm2.env, "TMPDIR": str(tmp_path)}
     submitted = corelooper("slurm", str(config), "--nodes", "2", "--nproc-per-node", "1",
                            "--output", str(tmp_path / "job-%j.out"), "-p", "no:tensorboard", env=env, timeout=60)
@@ -73,7 +86,7 @@ def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
     assert log.count("): finished; every rank finished") == 2, log
     assert "x 2 processes" in log, log  # one job of world size 2, not two runs of 1
 
-    ref = corelooper("run", str(write_config(tmp_path / "ref.toml", tmp_path / "ref")), "--nproc", "2",
+    ref = corelooper("run", str(write_slurm_config(tmp_path / "ref.toml", tmp_path / "ref")), "--nproc", "2",
                      "-p", "no:tensorboard", env=base_env(tmp_path))
     assert ref.returncode == 0, ref.stderr[-3000:]
     final, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("job", "ref"))
@@ -81,3 +94,110 @@ def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
     got, expected = (_losses(tmp_path / d / "metrics.jsonl") for d in ("job", "ref"))
     assert sorted(got) == list(range(1, STEPS + 1))
     assert max(abs(got[s] - expected[s]) for s in expected) <= 1e-5
+
+
+def _kill_node_tasks(job_id: str, node: str, stepd: bool = False) -> list[int]:
+    """kill -9 every process of the job's task on ``node`` (its torchrun agent and its rank): they
+    carry SLURMD_NODENAME and SLURM_JOB_ID in their environment. ``stepd``: also the slurmstepd
+    that started the task (the agent's parent), as when the node loses power."""
+    want = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_JOB_ID={job_id}".encode()}
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and want <= set((proc / "environ").read_bytes().split(b"\0")) \
+                    and b"corelooper" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+                parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                if stepd and Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"slurmstepd"):
+                    pids.append(int(parent))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def test_a_node_lost_mid_job_the_other_resumes_alone_and_the_job_completes(slurm2, tmp_path):
+    """--min-nodes 1 --max-restarts 1: kill -9 the second node's task (agent and rank) after a
+    checkpoint; the first node's agent re-rendezvous alone, its rank resumes the newest checkpoint
+    on 1 process (same global batch, GA 1 -> 2), the job completes without a requeue, and the
+    weights equal a run that changes world size 2 -> 1 at that checkpoint."""
+    (tmp_path / "slow.py").write_text(SLOW)
+    config = write_config(tmp_path, tmp_path / "job", name="job.toml", max_steps=LOST_STEPS)
+    env = {**slurm2.env, "TMPDIR": str(tmp_path)}
+    submitted = corelooper("slurm", str(config), "--nodes", "2", "--min-nodes", "1", "--max-restarts", "1",
+                           "--nproc-per-node", "1", "--output", str(tmp_path / "job-%j.out"),
+                           "-p", str(tmp_path / "slow.py"), "-p", "no:tensorboard", env=env, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
+    log_path = tmp_path / f"job-{job_id}.out"
+    slurm2.wait_for("the job saved no checkpoint", lambda: (tmp_path / "job" / "checkpoint-3").is_dir(), 240)
+    assert _kill_node_tasks(job_id, SECOND), "no process of the job's task on the second node"
+    slurm2.wait_for("the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 300)
+    job, log = slurm2.job(job_id), log_path.read_text()
+    assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "0", f"{HEAD},{SECOND}"), (job, log)
+    assert "x 2 processes" in log, log  # it started as one job of world size 2
+    resumed = re.search(RESUMED.format(a=1, n=2, m=1, b=2), log)
+    assert resumed, log[-6000:]
+    lost_at = int(resumed.group(1))
+    assert 3 <= lost_at < LOST_STEPS, log[-4000:]
+    assert f"corelooper-slurm: node {SECOND}: lost; its task ended without a status" in log, log[-4000:]
+    assert f"corelooper-slurm: node {HEAD} (" in log and "): finished; every rank finished" in log, log[-4000:]
+    assert "corelooper-slurm: finished on 1 of 2 nodes (newest checkpoint-" in log, log[-4000:]
+    assert "requeueing" not in log, log[-4000:]
+
+    # the reference (as tests/test_node_lost.py builds it): 2 processes to the end (its
+    # checkpoint-<lost_at> is the job's), then 1 process from that checkpoint to the end
+    two = corelooper("run", str(write_config(tmp_path, tmp_path / "two", name="two.toml", max_steps=LOST_STEPS)),
+                     "--nproc", "2", "-p", "no:tensorboard", env=base_env(tmp_path))
+    assert two.returncode == 0, two.stderr[-3000:]
+    saved = f"checkpoint-{lost_at}/model.safetensors"
+    assert max_diff(load_file(str(tmp_path / "two" / saved)), load_file(str(tmp_path / "job" / saved))) <= 1e-5
+    (tmp_path / "ref").mkdir()
+    shutil.copytree(tmp_path / "two" / f"checkpoint-{lost_at}", tmp_path / "ref" / f"checkpoint-{lost_at}")
+    one = corelooper("run", str(write_config(tmp_path, tmp_path / "ref", name="ref.toml", max_steps=LOST_STEPS)),
+                     "--resume-from-checkpoint", "latest", "-p", "no:tensorboard", env=base_env(tmp_path))
+    assert one.returncode == 0 and re.search(RESUMED.format(a=1, n=2, m=1, b=2), one.stdout + one.stderr), \
+        one.stderr[-3000:]
+    final = load_file(str(tmp_path / "job" / "model.safetensors"))
+    assert max_diff(final, load_file(str(tmp_path / "ref" / "model.safetensors"))) <= 1e-5
+    assert max_diff(final, load_file(str(tmp_path / "two" / "model.safetensors"))) <= 1e-5  # same global batch
+    assert max_diff(final, load_file(str(tmp_path / "job" / saved))) > 1e-3  # it trained on after the loss
+
+
+def test_a_failed_node_leaves_the_job_which_completes_and_does_not_rejoin_it(slurm2, tmp_path):
+    """docs/clusters.md: a node failure as Slurm sees it (its slurmd, slurmstepd and processes
+    gone: kill -9). With --no-kill slurmctld removes the node from the job when it stops answering
+    (SlurmdTimeout) instead of ending the job; srun --no-kill keeps the step on the other node,
+    which resumes alone; the node, back in service, is idle, not in the running job."""
+    (tmp_path / "slow.py").write_text(SLOW)
+    config = write_config(tmp_path, tmp_path / "job", name="job.toml", max_steps=2 * LOST_STEPS)
+    submitted = corelooper("slurm", str(config), "--nodes", "2", "--min-nodes", "1", "--nproc-per-node", "1",
+                           "--output", str(tmp_path / "job-%j.out"), "-p", str(tmp_path / "slow.py"),
+                           "-p", "no:tensorboard", env={**slurm2.env, "TMPDIR": str(tmp_path)}, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
+    slurm2.wait_for("the job saved no checkpoint", lambda: (tmp_path / "job" / "checkpoint-3").is_dir(), 240)
+    slurmd = slurm2.slurmd(SECOND)
+    slurmd.kill()  # the node fails: its slurmd, then everything the job ran there
+    slurmd.wait()
+    assert len(_kill_node_tasks(job_id, SECOND, stepd=True)) == 3, "agent, rank and slurmstepd of the second node"
+
+    def state(node: str) -> str:
+        return dict(line.split() for line in slurm2.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.splitlines())[node]
+
+    slurm2.wait_for("the node was not set DOWN", lambda: state(SECOND).startswith("down"), 120)
+    job = slurm2.job(job_id)
+    assert (job["JobState"], job["NodeList"], job["NumNodes"]) == ("RUNNING", HEAD, "1"), job
+    slurm2.restart_slurmd(SECOND)  # the node comes back (ReturnToService=2): idle, not in the job
+    slurm2.wait_for("the node did not return", lambda: state(SECOND) == "idle", 60)
+    running = slurm2.job(job_id)
+    assert (running["JobState"], running["NodeList"]) == ("RUNNING", HEAD), "the job ended before the node was back"
+    slurm2.wait_for("the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 300)
+    job, log = slurm2.job(job_id), (tmp_path / f"job-{job_id}.out").read_text()
+    assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "0", HEAD), (job, log[-4000:])
+    assert re.search(RESUMED.format(a=1, n=2, m=1, b=2), log), log[-6000:]
+    assert f"corelooper-slurm: node {SECOND}: lost; its task ended without a status" in log, log[-4000:]
+    assert "corelooper-slurm: finished on 1 of 2 nodes (newest checkpoint-48)" in log, log[-4000:]
+    assert f"Removing failed node {SECOND} from JobId={job_id}" in (slurm2.root / "slurmctld.log").read_text()

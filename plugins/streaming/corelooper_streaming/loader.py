@@ -9,7 +9,7 @@ picks one (``choose_split``, which also says why):
   ``r*B .. (r+1)*B - 1`` of each (worker ``w`` of K reads every K-th micro-batch). The position
   is one number, samples of the stream's epoch consumed by all processes together, the same on
   every rank, so any number of processes and workers continues from it
-  (``corelooper.checkpoints.elastic``): no sample repeated, none skipped. Every reader reads the whole stream
+  (the corelooper-elastic-resume plugin): no sample repeated, none skipped. Every reader reads the whole stream
   (as accelerate's ``IterableDatasetShard``); a last, short micro-batch of an epoch is split
   evenly across ranks, padded with its own first samples (or dropped, ``dataloader_drop_last``).
   ``"auto"`` picks it for every stream that does not split itself: there, every shard reads the
@@ -64,9 +64,9 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from ..errors import CheckpointError, DataError
+from corelooper.errors import CheckpointError, DataError
 
-logger = logging.getLogger("corelooper.data.streaming")
+logger = logging.getLogger("corelooper.streaming")
 
 
 @dataclass(frozen=True)
@@ -420,6 +420,13 @@ class StreamingLoader:
                 "next": self._turn, "shards": {str(k): v for k, v in self._states.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """The position of a checkpoint's ``data_state_{rank}.json`` (rank 0's on a rank the run
+        that saved it did not have): a global one continues on any number of processes and
+        workers, a shards one only on the same shard count."""
+        self._restore(state)
+        _warn_if_rereading(self.dataset, state)
+
+    def _restore(self, state: dict) -> None:
         saved = state.get("split", "shards")
         if saved == "shards" and self.split == "global" and self.requested == "auto":
             logger.warning('train.stream_split = "auto": the checkpoint\'s stream is split by shards, so this '
@@ -431,6 +438,9 @@ class StreamingLoader:
         if saved == "global":
             self._global = {k: state[k] for k in ("epoch", "position", "dataset")}
             self._consumed = int(state["batches"])
+            if state.get("micro_batch") != self.micro_batch and self.rank == 0:
+                print(f"corelooper: continuing the stream after sample {state['position']} of its epoch "
+                      f"{state['epoch']} (no sample repeated or skipped)", flush=True)
             return
         if state.get("num_shards") != self.num_shards:
             raise CheckpointError(
@@ -464,49 +474,12 @@ class StreamingLoader:
                 "train.ignore_data_skip = true to restart the stream from its beginning.")
 
 
-# -- checkpoint: data_state_{rank}.json (written by checkpoint.py) -----------------------------------
-
-
 def _data_state_path(directory: Path, rank: int) -> Path:
     return Path(directory) / f"data_state_{rank}.json"
 
 
-def load_data_state(loop, directory: Path) -> None:
-    """Restore the training loader's position (or warn how the stream restarts).
-
-    A ``"global"`` split's position is the same on every rank: each reads ``data_state_0.json``,
-    so a checkpoint of N processes resumes on any M (their geometry: ``elastic.settle``);
-    a ``"shards"`` one is each rank's own (which the loader continues also with ``"auto"``)."""
-    loader = getattr(loop, "train_loader", None)
-    if loader is None or not callable(getattr(loader, "load_state_dict", None)):
-        return
-    path = _data_state_path(directory, 0 if saved_split(directory) == "global" else loop.backend.process_index)
-    if loop.args.ignore_data_skip:
-        logger.warning(
-            "train.ignore_data_skip = true: the training stream starts again from its beginning, so the "
-            "samples seen before the checkpoint are seen again."
-        )
-        return
-    if not path.is_file():
-        logger.warning(
-            "Checkpoint %s has no data position (%s): the training stream starts again from its "
-            "beginning.", directory, path.name,
-        )
-        return
-    try:
-        state = json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{str(path)!r} is unreadable (truncated or corrupt?): {e}") from None
-    loader.load_state_dict(state)
-    if getattr(loader, "split", None) == "global" and state.get("micro_batch") != loader.micro_batch and loop.state.is_world_process_zero:
-        print(f"corelooper: continuing the stream after sample {state['position']} of its epoch "
-              f"{state['epoch']} (no sample repeated or skipped)", flush=True)
-    _warn_if_rereading(loader, state)
-
-
-def _warn_if_rereading(loader, state: dict) -> None:
-    dataset = getattr(loader, "dataset", None)
-    if isinstance(dataset, IterableDataset) and not is_stateful(dataset):
+def _warn_if_rereading(dataset, state: dict) -> None:
+    if not is_stateful(dataset):
         shards = state.get("shards", {}).values()
         skipped = max((s.get("position", 0) for s in shards), default=state.get("position", 0))
         logger.warning(

@@ -7,20 +7,20 @@ globally (``data.BatchLoader``: one permutation per epoch, cut into global micro
 position in the epoch (samples consumed), not by the per-rank split. On resume with another
 world size:
 
-1. ``settle`` (in ``Loop.__init__``, before any plugin is configured: the config is final from
-   then on) keeps the saved
+1. ``settle`` (the ``resume_config`` hook, in ``Loop.__init__``, before any plugin is configured:
+   the config is final from then on) keeps the saved
    global batch: same per-device batch and a new ``gradient_accumulation_steps`` when that
    divides exactly, else the largest smaller per-device batch that does (a smaller micro-batch
    never needs more memory); it says so in one line. When the world size does not divide the
    global batch it refuses, naming the process counts that would work;
-2. ``adapt`` (while the checkpoint loads) rewrites the saved position, per-rank micro-batches,
+2. ``adapt`` (the ``resume_position`` hook, while the checkpoint loads) rewrites the saved position, per-rank micro-batches,
    as samples consumed in the epoch, then as micro-batches of the new geometry: no sample is
    repeated and none skipped.
 
 Streams (``IterableDataset``) resume the same way when read globally (``train.stream_split =
 "global"``, which the default ``"auto"`` picks for every stream that does not split itself):
 every rank reads one global order and takes its slice of each global micro-batch, and the
-checkpointed position is the samples of the stream's epoch consumed (``streaming.StreamingLoader``),
+checkpointed position is the samples of the stream's epoch consumed (``corelooper_streaming``),
 which any world size and number of dataloader workers continues. A stream split by shards
 (``"shards"``, or ``"auto"`` for a dataset that splits itself) keeps a position per process x
 worker and cannot be re-split: resuming it on another world size is refused, naming what works.
@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from corelooper.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,13 @@ def settle(config, plugins, directory, world_size: int, dataset, announce: bool)
     world size than it was saved on, a copy with the geometry that keeps the checkpoint's global
     batch (one line says so); else ``config`` itself.
 
-    Called by ``Loop.__init__`` after the config is validated and before any plugin is
-    configured, so the config every plugin sees is final. ``dataset`` is the training data
+    Called (``resume_config``) by ``Loop.__init__`` after the config is validated and before any
+    plugin is configured, so the config every plugin sees is final, and by ``Loop.train`` for its
+    ``resume_from_checkpoint`` argument (``announce`` False: the core refuses another geometry). ``dataset`` is the training data
     (called only when needed: it may be built from the config). A missing or unreadable
     ``loop_state.json`` is left to the checkpoint's own verification, which names the file.
     """
-    new = planned_geometry(config.train, plugins, directory, world_size, dataset)
+    new = planned_geometry(config, plugins, directory, world_size, dataset)
     if new is None:
         return config
     saved = saved_geometry(_read_state(directory))
@@ -119,10 +120,11 @@ def settle(config, plugins, directory, world_size: int, dataset, announce: bool)
                           gradient_accumulation_steps=new.accumulation)
 
 
-def planned_geometry(args, plugins, directory, world_size: int, dataset) -> Geometry | None:
+def planned_geometry(config, plugins, directory, world_size: int, dataset) -> Geometry | None:
     """The geometry that resuming ``directory`` needs, or None when the configured one is used."""
     state = _read_state(directory)
     saved = saved_geometry(state) if state is not None else None
+    args = config.train
     now = Geometry(world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps)
     if saved is None or saved.world_size == now.world_size:
         return None
@@ -130,30 +132,11 @@ def planned_geometry(args, plugins, directory, world_size: int, dataset) -> Geom
     if data is None:
         return None
     stream = _is_iterable(data)
-    if stream and not _can_resplit_stream(args, plugins, data, world_size, saved, directory):
+    if stream and not _can_resplit_stream(config, plugins, data, world_size, saved, directory):
         return None  # ignore_data_skip: the stream restarts, the configured geometry is used
     if not stream:
         _check_order_independent_of_geometry(args, world_size, saved, str(directory))
     return now if now.global_batch == saved.global_batch else plan(saved, now.world_size, now.per_device)
-
-
-def check_settled(loop, directory) -> None:
-    """``Loop.train(resume_from_checkpoint=...)``: refuse a checkpoint that needs another batch
-    geometry than the config the plugins were configured with (it is never replaced)."""
-    new = planned_geometry(loop.args, loop.plugins, directory, loop.state.world_size, lambda: loop.train_dataset)
-    if new is None or (new.per_device, new.accumulation) == (loop.args.per_device_train_batch_size,
-                                                            loop.args.gradient_accumulation_steps):
-        return
-    saved = saved_geometry(_read_state(directory))
-    raise ConfigError(
-        f"Cannot resume {directory} from Loop.train(resume_from_checkpoint=...): it was saved with "
-        f"{saved.describe()}, and on {new.world_size} processes keeping its global batch needs "
-        f"per_device_train_batch_size = {new.per_device} and gradient_accumulation_steps = "
-        f"{new.accumulation}, but the run's config is final once plugins are configured. Name the "
-        "checkpoint in the config instead: train.resume_from_checkpoint (TrainArgs(resume_from_"
-        "checkpoint=...), or --resume-from-checkpoint on the command line), and the Loop settles "
-        "the geometry before it configures the plugins."
-    )
 
 
 def _read_state(directory) -> dict[str, Any] | None:
@@ -197,7 +180,7 @@ def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[st
         _warn_not_exact(saved, now)  # a stream split by shards: refused in settle, or restarted
         return state
     if own_position:
-        return state  # a global stream position: streaming.load_data_state continues it
+        return state  # a global stream position: the loader's load_state_dict continues it
     position = state.get("micro_batches_in_epoch", 0) * saved.micro_batch  # samples consumed
     if position % now.micro_batch:
         raise ConfigError(
@@ -241,15 +224,15 @@ def _check_order_independent_of_geometry(args, world_size: int, saved: Geometry,
         )
 
 
-def _can_resplit_stream(args, plugins, dataset, world_size: int, saved: Geometry, directory) -> bool:
+def _can_resplit_stream(config, plugins, dataset, world_size: int, saved: Geometry, directory) -> bool:
     """A stream split by shards keeps one position per process x worker: another world size
     cannot continue it. True when the stream's global position continues on this world size."""
-    from ..data.streaming import choose_split, saved_split
-
-    if plugins.implemented_by_others("train_dataloader"):
+    if _other_loader(plugins):
         return False  # a plugin's loader: its load_state_dict decides (adapt warns)
-    a = args
-    split, on_disk = choose_split(dataset, a.stream_split, a.dataloader_num_workers), saved_split(directory)
+    from corelooper_streaming.loader import choose_split, saved_split
+
+    a, requested = config.train, config.section("streaming").get("split", "auto")  # train.stream_split
+    split, on_disk = choose_split(dataset, requested, a.dataloader_num_workers), saved_split(directory)
     if split.mode == "global" and on_disk != "shards" or on_disk == "global":
         return True  # a global position (a split that differs is refused as the data state loads)
     if a.ignore_data_skip:
@@ -269,6 +252,19 @@ def _can_resplit_stream(args, plugins, dataset, world_size: int, saved: Geometry
         "train.dataloader_num_workers, or set train.ignore_data_skip = true to restart the stream "
         f"from its beginning (samples seen again). {fix}"
     )
+
+
+def _other_loader(plugins) -> bool:
+    """Whether a plugin other than the builtin and corelooper-streaming loads the training data."""
+    from corelooper.plugins import BUILTIN
+
+    try:
+        import corelooper_streaming
+    except ImportError:  # then another plugin loads the stream: its load_state_dict decides
+        return True
+
+    known = (plugins.pm.get_plugin(BUILTIN), corelooper_streaming)
+    return any(all(i.plugin is not k for k in known) for i in plugins.hook.train_dataloader.get_hookimpls())
 
 
 def _warn_not_exact(saved: Geometry, now: Geometry) -> None:

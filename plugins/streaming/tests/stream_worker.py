@@ -1,6 +1,6 @@
-"""Streaming runs for tests/test_streaming.py, in every rank of a torchrun job.
+"""Streaming runs for test_streaming.py, in every rank of a torchrun job.
 
-``torchrun --nproc_per_node 2 tests/stream_worker.py OUT`` trains on a 64-sample stream with 2
+``torchrun --nproc_per_node 2 plugins/streaming/tests/stream_worker.py OUT`` trains on a 64-sample stream with 2
 dataloader workers per process, saving at step 5, then resumes from checkpoint-5 in a fresh Loop;
 for a stream with state_dict/load_state_dict and for one without, each with the default
 ``train.stream_split`` ("auto": read globally) and with ``"shards"`` (2 x 2 = 4 shards). Each rank
@@ -15,13 +15,18 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # streams.py
 os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
 
+import corelooper_streaming  # noqa: E402
 from streams import Recorder, StatefulStream, Stream  # noqa: E402
 
 from corelooper.config import TrainArgs  # noqa: E402
-from corelooper.loop import Loop  # noqa: E402
+from corelooper.loop import Loop as _Loop  # noqa: E402
+
+
+def Loop(*args, **kwargs):  # noqa: N802 - the Loop, with this plugin (autoload is off here)
+    return _Loop(*args, plugins=[corelooper_streaming], **kwargs)
 
 
 def args(out: Path, **kw) -> TrainArgs:

@@ -9,16 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import corelooper_streaming
 import datasets  # the test extra: a real Hugging Face IterableDataset below
 import pytest
 
 from corelooper.config import TrainArgs
 from corelooper.errors import CheckpointError, DataError
-from corelooper.loop import Loop
+from corelooper.loop import Loop as _Loop
 
 TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(TESTS.parents[2] / "tests"))  # streams.py: shared with the elastic tests
 from streams import Recorder, StatefulStream, Stream  # noqa: E402
+
+
+def Loop(*args, **kwargs):  # noqa: N802 - the Loop, with this plugin (autoload is off here)
+    return _Loop(*args, plugins=[corelooper_streaming], **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -122,13 +127,13 @@ def test_stateless_resume_rereads_with_a_warning_and_ignore_data_skip_restarts(t
     Loop(Recorder(), args(tmp_path), train_dataset=Stream(64)).train()
     ckpt = str(tmp_path / "run" / "checkpoint-3")
     model = Recorder()
-    with caplog.at_level(logging.WARNING, logger="corelooper.data.streaming"):
+    with caplog.at_level(logging.WARNING, logger="corelooper.streaming"):
         Loop(model, args(tmp_path), train_dataset=Stream(64)).train(resume_from_checkpoint=ckpt)
     assert model.seen[0] == [6, 7]
     assert "Stream has no state_dict()/load_state_dict(): resuming re-reads" in caplog.text
     caplog.clear()
     model = Recorder()
-    with caplog.at_level(logging.WARNING, logger="corelooper.data.streaming"):
+    with caplog.at_level(logging.WARNING, logger="corelooper.checkpoints"):
         Loop(model, args(tmp_path, ignore_data_skip=True), train_dataset=Stream(64)).train(
             resume_from_checkpoint=ckpt)
     assert model.seen[0] == [0, 1]
@@ -184,7 +189,7 @@ def test_evaluate_on_a_stream(tmp_path):
 def test_a_dataset_that_shards_itself_reads_only_its_part(tmp_path):
     """`shards_itself = True`: the dataset asks current_shard() and yields only its items; the
     loader does no skipping of its own. 2 workers: shards {even, odd} alternate batch by batch."""
-    from corelooper.data.streaming import current_shard
+    from corelooper_streaming.loader import current_shard
 
     class OwnShards(Stream):
         shards_itself = True
@@ -215,7 +220,7 @@ def hf_stream(n: int = 40, num_shards: int = 4):
 
 
 def _one_pass(make, world: int, workers: int, split: str = "shards") -> list[int]:
-    from corelooper.data.streaming import StreamingLoader
+    from corelooper_streaming.loader import StreamingLoader
 
     return [i for rank in range(world)
             for batch in StreamingLoader(make(rank), 4, rank=rank, num_replicas=world, num_workers=workers,
@@ -248,9 +253,8 @@ def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
 
 
 def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(caplog):
+    from corelooper_streaming.loader import StreamingLoader
     from datasets.distributed import split_dataset_by_node
-
-    from corelooper.data.streaming import StreamingLoader
 
     def choice(ds, workers=0):
         return StreamingLoader(ds, 2, num_workers=workers, split="auto").choice
@@ -261,7 +265,7 @@ def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(
     assert "IterableDataset splits its shards among the 2 dataloader workers itself" in hf.why
     node = choice(split_dataset_by_node(hf_stream(), rank=0, world_size=2))
     assert (node.mode, node.to_global) == ("shards", "pass the dataset before that split")
-    with caplog.at_level(logging.INFO, logger="corelooper.data.streaming"):  # the run says which and why
+    with caplog.at_level(logging.INFO, logger="corelooper.streaming"):  # the run says which and why
         choice(Stream(8))
     assert 'Training stream split: "global" ("auto": Stream does not split itself' in caplog.text
 
@@ -306,7 +310,7 @@ def test_a_hugging_face_stream_on_2_processes_x_2_workers_continues_each_shard_e
     checkpoint stores it), a fresh loader continues with the batches an uninterrupted one gives."""
     from itertools import islice
 
-    from corelooper.data.streaming import StreamingLoader
+    from corelooper_streaming.loader import StreamingLoader
 
     def loader(rank, cycle=True):
         return StreamingLoader(hf_stream(40, num_shards), 4, rank=rank, num_replicas=2, num_workers=2,
@@ -328,3 +332,25 @@ def test_a_hugging_face_stream_on_2_processes_x_2_workers_continues_each_shard_e
             resumed = loader(rank)
             resumed.load_state_dict(state)
             assert [b["idx"].tolist() for b in islice(resumed, 16 - stop)] == ref[stop:], (rank, stop)
+
+
+def test_a_map_style_dataset_is_left_to_the_builtin_loader(tmp_path):
+    from streams import sample
+
+    from corelooper.data.loader import BatchLoader
+
+    data = [sample(i) for i in range(8)]
+    loop = Loop(Recorder(), args(tmp_path, max_steps=1, save_strategy="no"), train_dataset=data)
+    assert corelooper_streaming.train_dataloader(loop, data) is None
+    assert corelooper_streaming.eval_dataloader(loop, data) is None
+    answer, impl = loop.plugins.call_provider("train_dataloader", loop=loop, dataset=data)
+    assert isinstance(answer, BatchLoader) and loop.plugins.pm.get_name(impl.plugin) == "builtin"
+
+
+def test_stream_split_is_the_plugins_setting(tmp_path):
+    loop = Loop(Recorder(), args(tmp_path, stream_split="global"), train_dataset=StatefulStream(8))
+    assert loop.config.section("streaming") == {"split": "global"}
+    assert Loop(Recorder(), args(tmp_path), train_dataset=StatefulStream(8)).config.section("streaming") == {
+        "split": "auto"}
+    with pytest.raises(Exception, match=r'train.stream_split must be "auto", "shards" or "global", not \'rows\''):
+        args(tmp_path, stream_split="rows")
