@@ -26,7 +26,7 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
 
     loop.prepare_for_evaluation()
     backend, model = loop.backend, loop.model
-    metric = _streaming_metric(loop)  # per batch: no outputs are kept for it
+    metric = _batch_metric(loop)  # per batch: no outputs are kept for it
     want_outputs = keep_outputs or metric is None and (
         loop.plugins.implemented_by_others("compute_metrics") or loop.compute_metrics_fn is not None)
     loader = loop.plugins.call_provider("eval_dataloader", loop=loop, dataset=dataset)[0]
@@ -51,12 +51,12 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
     return _metrics(loop, totals, collected if want_outputs else None, metric_key_prefix, answered, metric)
 
 
-def _streaming_metric(loop):
+def _batch_metric(loop):
     """The ``eval_metric`` provider's object (reset), or None; one that sums across processes."""
     metric = loop.plugins.call_provider("eval_metric", loop=loop)[0]
     if metric is not None and loop.backend.num_processes > 1 and not callable(getattr(metric, "sync", None)):
         raise ConfigError(
-            f"The streaming evaluation metric ({type(metric).__name__}) has no sync(reduce_sum) method, so its "
+            f"The per-batch evaluation metric ({type(metric).__name__}) has no sync(reduce_sum) method, so its "
             f"states cannot be summed over the {loop.backend.num_processes} processes: give it one (replace each "
             "state tensor t by reduce_sum(t)). HF's compute_metrics(eval_pred, compute_result) "
             "(train.batch_eval_metrics) keeps its state in the function: it runs on one process only.")

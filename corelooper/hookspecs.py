@@ -353,7 +353,7 @@ def compute_metrics(loop, predictions, label_ids):
 @hookspec(firstresult=True)
 @returns('an object with update(predictions, label_ids) and compute() -> dict (or None)')
 def eval_metric(loop):
-    """A streaming metric for ``evaluate()``/``predict()``: no outputs are kept for it.
+    """A per-batch metric for ``evaluate()``/``predict()``: no outputs are kept for it.
 
     Per batch ``update(predictions, label_ids)`` (that batch's model outputs and labels, on the
     device), at the end ``compute()`` -> a dict of metrics (unprefixed); ``reset()`` (optional)

@@ -81,7 +81,7 @@ class Loop:
         train_dataset=None,
         eval_dataset=None,
         data_collator: Callable | None = None,
-        compute_metrics: Callable | Any | None = None,  # a function, or a streaming metric (eval_metric)
+        compute_metrics: Callable | Any | None = None,  # a function, or a per-batch metric (eval_metric)
         plugins: Iterable[Any] = (),
         blocked_plugins: Iterable[str] = (),
     ):

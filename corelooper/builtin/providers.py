@@ -141,7 +141,7 @@ def evaluation_loop(loop, dataset, metric_key_prefix, keep_outputs):
 def eval_metric(loop):
     fn = loop.compute_metrics_fn
     if callable(getattr(fn, "update", None)) and callable(getattr(fn, "compute", None)):
-        return fn  # Loop(compute_metrics=a streaming metric object)
+        return fn  # Loop(compute_metrics=a per-batch metric object)
     if fn is not None and loop.args.batch_eval_metrics:
         from ..hf.batch_metrics import HFBatchMetrics
 

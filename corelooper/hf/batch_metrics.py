@@ -16,7 +16,7 @@ class EvalPrediction(NamedTuple):  # as HF's: eval_pred.predictions, or ``logits
 
 
 class HFBatchMetrics:
-    """A streaming metric (``update``/``compute``) around an HF batch-mode ``compute_metrics``."""
+    """A per-batch metric (``update``/``compute``) around an HF batch-mode ``compute_metrics``."""
 
     def __init__(self, fn):
         if "compute_result" not in inspect.signature(fn).parameters:
