@@ -130,6 +130,8 @@ class TrainArgs:
     lr_multipliers: dict = field(default_factory=dict)
     """``{ "regex" = factor }``: LR times factor for parameters whose name matches (first wins)."""
     label_smoothing_factor: float = 0.0
+    batch_eval_metrics: bool = False
+    """HF's: ``compute_metrics(eval_pred, compute_result)`` per batch, no outputs kept."""
     eval_accumulation_steps: int | None = None
     """Move evaluation/prediction outputs to the CPU every N batches (default: at the end)."""
     ignore_data_skip: bool = False

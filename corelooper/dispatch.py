@@ -60,6 +60,7 @@ CHECKS: dict[str, Any] = {  # hook -> check(result, kwargs of the call) -> bool
     "eval_dataloader": lambda r, kw: isinstance(r, Iterable),
     "evaluation_loop": lambda r, kw: type(r) is tuple and len(r) == 3 and isinstance(r[0], Mapping),
     "compute_metrics": lambda r, kw: isinstance(r, Mapping),
+    "eval_metric": lambda r, kw: _has(r, "update", "compute"),
     "create_backend": lambda r, kw: not _backend_missing(r),
     "resume_config": lambda r, kw: type(r) is type(kw["config"]),
     "resume_position": lambda r, kw: isinstance(r, Mapping) and "micro_batches_in_epoch" in r,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .data.loader import count_loss_items
+from .errors import ConfigError
 from .losses import predictions_of, split_batch
 
 
@@ -25,9 +26,9 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
 
     loop.prepare_for_evaluation()
     backend, model = loop.backend, loop.model
-    want_outputs = keep_outputs or loop.plugins.implemented_by_others("compute_metrics") or (
-        loop.compute_metrics_fn is not None
-    )
+    metric = _batch_metric(loop)  # per batch: no outputs are kept for it
+    want_outputs = keep_outputs or metric is None and (
+        loop.plugins.implemented_by_others("compute_metrics") or loop.compute_metrics_fn is not None)
     loader = loop.plugins.call_provider("eval_dataloader", loop=loop, dataset=dataset)[0]
     was_training = model.training
     model.eval()
@@ -38,13 +39,30 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
         for batch in loader:
             for piece in batch_transform(batch) if batch_transform else (batch,):
                 piece = backend.to_device(piece)
-                outputs, answered = _eval_batch(loop, piece, totals, want_outputs, answered)
-                kept = predictions_of(outputs) if want_outputs else None
-                if kept is not None:
-                    collected.add(kept, split_batch(piece)[2])
+                outputs, answered = _eval_batch(loop, piece, totals, want_outputs or metric is not None, answered)
+                kept, labels = predictions_of(outputs) if outputs is not None else None, split_batch(piece)[2]
+                if metric is not None and kept is not None and labels is not None:
+                    metric.update(kept, labels)
+                if want_outputs and kept is not None:
+                    collected.add(kept, labels)
+                del outputs, kept  # this batch's logits go before the next batch's are made
     finally:
         model.train(was_training)
-    return _metrics(loop, totals, collected if want_outputs else None, metric_key_prefix, answered)
+    return _metrics(loop, totals, collected if want_outputs else None, metric_key_prefix, answered, metric)
+
+
+def _batch_metric(loop):
+    """The ``eval_metric`` provider's object (reset), or None; one that sums across processes."""
+    metric = loop.plugins.call_provider("eval_metric", loop=loop)[0]
+    if metric is not None and loop.backend.num_processes > 1 and not callable(getattr(metric, "sync", None)):
+        raise ConfigError(
+            f"The per-batch evaluation metric ({type(metric).__name__}) has no sync(reduce_sum) method, so its "
+            f"states cannot be summed over the {loop.backend.num_processes} processes: give it one (replace each "
+            "state tensor t by reduce_sum(t)). HF's compute_metrics(eval_pred, compute_result) "
+            "(train.batch_eval_metrics) keeps its state in the function: it runs on one process only.")
+    if metric is not None and callable(getattr(metric, "reset", None)):
+        metric.reset()
+    return metric
 
 
 def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
@@ -78,7 +96,7 @@ def forward(loop, batch):
     return call_model(loop, loop.model, args, kwargs)
 
 
-def _metrics(loop, totals, collected, prefix: str, answered):
+def _metrics(loop, totals, collected, prefix: str, answered, metric=None):
     totals = loop.backend.reduce_sum(totals)
     loss_sum, items = totals.tolist()
     metrics = {}
@@ -91,11 +109,16 @@ def _metrics(loop, totals, collected, prefix: str, answered):
     predictions = label_ids = None
     if collected:
         predictions, label_ids = collected.gather(loop.backend)  # dataset order, padded with -100
-    if label_ids is not None:  # as HF: metrics need labels
+    extra = None
+    if metric is not None:
+        if callable(getattr(metric, "sync", None)):
+            metric.sync(loop.backend.reduce_sum)
+        extra = metric.compute()
+    elif label_ids is not None:  # as HF: metrics need labels
         extra, _ = loop.plugins.call_provider("compute_metrics", loop=loop, predictions=predictions,
                                               label_ids=label_ids)
-        for k, v in (extra or {}).items():
-            metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)
+    for k, v in (extra or {}).items():
+        metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)
     return metrics, predictions, label_ids
 
 

@@ -351,6 +351,21 @@ def compute_metrics(loop, predictions, label_ids):
 
 
 @hookspec(firstresult=True)
+@returns('an object with update(predictions, label_ids) and compute() -> dict (or None)')
+def eval_metric(loop):
+    """A per-batch metric for ``evaluate()``/``predict()``: no outputs are kept for it.
+
+    Per batch ``update(predictions, label_ids)`` (that batch's model outputs and labels, on the
+    device), at the end ``compute()`` -> a dict of metrics (unprefixed); ``reset()`` (optional)
+    before each evaluation. With more than one process the core calls ``sync(reduce_sum)``
+    before ``compute()``: the metric replaces its state tensors by ``reduce_sum(t)`` (their sum
+    over processes). The builtin answers with ``Loop(compute_metrics=obj)`` when ``obj`` has
+    ``update`` and ``compute``, and with HF's ``compute_metrics(eval_pred, compute_result)``
+    when ``train.batch_eval_metrics`` is true. Replaces ``compute_metrics`` when it answers.
+    """
+
+
+@hookspec(firstresult=True)
 @returns("a corelooper.config.Config (config itself, or a copy with another batch geometry), or None")
 def resume_config(config, plugins, directory, world_size: int, dataset, announce: bool):
     """Return the config to resume checkpoint ``directory`` with on ``world_size`` processes.
@@ -534,6 +549,7 @@ PROVIDERS = (
     "training_step",
     "evaluation_loop",
     "compute_metrics",
+    "eval_metric",
     "resume_config",
     "resume_position",
 )

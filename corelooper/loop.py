@@ -81,7 +81,7 @@ class Loop:
         train_dataset=None,
         eval_dataset=None,
         data_collator: Callable | None = None,
-        compute_metrics: Callable | None = None,
+        compute_metrics: Callable | Any | None = None,  # a function, or a per-batch metric (eval_metric)
         plugins: Iterable[Any] = (),
         blocked_plugins: Iterable[str] = (),
     ):
@@ -173,7 +173,8 @@ class Loop:
             resume_dir = resume_directory(self, resume_from_checkpoint, self._resume_dir)
             loader = self._setup_train()
             check_run(a, has_eval_data=self.eval_dataset is not None, has_compute_metrics=(
-                self.compute_metrics_fn is not None or self.plugins.implemented_by_others("compute_metrics")))
+                self.compute_metrics_fn is not None or self.plugins.implemented_by_others("compute_metrics")
+                or self.plugins.implemented_by_others("eval_metric")))
             if self.backend.is_main_process:  # one run per output_dir, for the run's life
                 lock = RunLock.acquire(output_dir)
             if resume_dir is not None:  # first: a bad checkpoint fails before output_dir is changed

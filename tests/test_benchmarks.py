@@ -107,3 +107,32 @@ def test_profile_split_kinds():
     assert kind("aten::_fused_adamw_", [], 2048) == "optimizer"
     assert kind("aten::silu_backward", [], 2048) == "elementwise"
     assert kind("aten::_log_softmax_backward_data", [], 2048) == "loss"
+
+
+def test_eval_benchmark_smoke_runs_every_row_on_the_same_model_and_batches(tmp_path):
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "eval" / "run_bench.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    table = {t["row"]: t for t in summary["table"]}
+    load = load_eval()
+    assert set(table) == set(load.ROWS) and not [r for r, t in table.items() if "failed" in t]
+    hf_loss = table["hf_loss"]["eval_loss"]
+    for row in ("cl_loss", "cl_stream", "cl_batch_hf"):
+        assert table[row]["loss_hf_way"] == pytest.approx(hf_loss, abs=1e-5)  # the same model, the same batches
+        assert table[row]["eval_loss"] == table["cl_loss"]["eval_loss"]  # a metric does not change the loss
+    accuracies = {r: table[r]["accuracy"] for r in ("cl_stream", "cl_batch_hf", "hf_argmax", "hf_batch", "hf_naive")}
+    assert len({round(a, 9) for a in accuracies.values()}) == 1, accuracies
+    assert set(summary["goals"]) == {f"{o}_vs_{t}_{k}" for o, t in load.PAIRS for k in load.GOALS}
+    assert {g["verdict"] for g in summary["goals"].values()} == {"inconclusive"}  # one repetition: no interval
+    assert "goal cl_stream vs hf_argmax tok_per_s:" in proc.stdout
+
+
+def load_eval():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_bench_eval", BENCH / "eval" / "run_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -38,6 +38,7 @@ def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
     ev = results["eval_cl_vs_hf"]
     assert abs(ev["corelooper"]["eval_loss"] - ev["hf_trainer"]["eval_loss"]) < 1e-4  # the same eval loss
     assert ev["hf_trainer_compute_metrics"]["eval_loss"] == ev["hf_trainer"]["eval_loss"]
+    assert ev["corelooper_streaming_metric"]["eval_loss"] == ev["corelooper"]["eval_loss"]  # a metric adds no loss work
 
 
 def test_a_step_that_errors_makes_the_run_fail(tmp_path):

@@ -90,6 +90,29 @@ def test_predict_across_2_processes_is_in_dataset_order(trained):
     assert json.loads((base / "preds2.metrics.json").read_text()) == metrics
 
 
+def test_a_streaming_metric_is_summed_over_2_processes(trained):
+    base, cfg, logits, labels = trained
+    streaming = base / "streaming.toml"
+    streaming.write_text(cfg.read_text().replace("predict_task.py\"]", "predict_task.py\", \"{}\"]".format(
+        TESTS / "stream_metric_task.py")))
+    out = base / "preds_stream.safetensors"
+    proc = run(["predict", str(streaming), "--checkpoint", "latest", "--output", str(out)], base, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    preds, _, metrics = read_predictions(out)
+    torch.testing.assert_close(preds, logits, rtol=1e-5, atol=1e-6)  # predict still keeps the outputs
+    assert metrics["test_count"] == 37  # 19 + 18 samples: both processes' states summed
+    assert metrics["test_accuracy"] == pytest.approx((logits.argmax(-1) == labels).float().mean().item())
+
+    os.environ["STREAM_METRIC_NO_SYNC"] = "1"  # run() passes os.environ on
+    try:
+        proc = run(["predict", str(streaming), "--checkpoint", "latest", "--output", str(out)], base, nproc=2)
+    finally:
+        del os.environ["STREAM_METRIC_NO_SYNC"]
+    # torchrun exits 1 when a worker fails; the worker itself exited 2 (bad config), one paragraph
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    assert "has no sync(reduce_sum) method" in proc.stderr  # (the traceback after it is torchrun's own)
+
+
 def test_predict_jsonl_one_process(trained):
     base, cfg, logits, labels = trained
     out = base / "preds.jsonl"

@@ -332,9 +332,10 @@ def cl_trained_head(size: str) -> dict:
 
 
 def eval_compare(size: str) -> dict:
-    """``Loop.evaluate()`` against ``Trainer.evaluate`` (without and with ``compute_metrics``, which
-    makes HF keep every batch's logits) on the same model and eval set: eval tokens/s, peak memory
-    (GPU; peak RSS on a CPU) and eval loss of each, in this order, in one process."""
+    """``Loop.evaluate()`` (loss only, and with a streaming token accuracy) against
+    ``Trainer.evaluate`` (without and with ``compute_metrics``, which makes HF keep every batch's
+    logits) on the same model and eval set: eval tokens/s, peak memory (GPU; peak RSS on a CPU) and
+    eval loss of each, in this order, in one process."""
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -354,14 +355,19 @@ def eval_compare(size: str) -> dict:
         dt = time.perf_counter() - t
         out[name] = {"tokens_per_s": round(tokens / dt, 1), "peak_mem_gib": peak_gib(), "eval_loss": round(loss, 4)}
 
-    def corelooper_eval():
+    def corelooper_eval(metric=None):
         from corelooper import Loop
         from corelooper.config import Config
 
         cfg = Config.from_dict({"train": dict(output_dir=tempfile.mkdtemp(prefix="gpu-eval-"), save_strategy="no",
                                               per_device_eval_batch_size=s["batch"], disable_tqdm=True,
                                               use_cpu=device().type == "cpu", report_to=[])})
-        return Loop(model, cfg, eval_dataset=data).evaluate()["eval_loss"]
+        return Loop(model, cfg, eval_dataset=data, compute_metrics=metric).evaluate()["eval_loss"]
+
+    def corelooper_streaming():  # token accuracy per batch (corelooper_lm.metrics): no logits kept
+        from corelooper_lm.metrics import TokenAccuracy
+
+        return corelooper_eval(TokenAccuracy())
 
     def hf_eval(metrics: bool):
         args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gpu-eval-hf-"), per_device_eval_batch_size=s["batch"],
@@ -378,6 +384,7 @@ def eval_compare(size: str) -> dict:
         return trainer.evaluate()["eval_loss"]
 
     timed("corelooper", corelooper_eval)
+    timed("corelooper_streaming_metric", corelooper_streaming)
     timed("hf_trainer", lambda: hf_eval(False))
     timed("hf_trainer_compute_metrics", lambda: hf_eval(True))
     out["tokens_per_s"] = out["corelooper"]["tokens_per_s"]

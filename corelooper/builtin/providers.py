@@ -138,6 +138,18 @@ def evaluation_loop(loop, dataset, metric_key_prefix, keep_outputs):
 
 
 @hookimpl(trylast=True)
+def eval_metric(loop):
+    fn = loop.compute_metrics_fn
+    if callable(getattr(fn, "update", None)) and callable(getattr(fn, "compute", None)):
+        return fn  # Loop(compute_metrics=a per-batch metric object)
+    if fn is not None and loop.args.batch_eval_metrics:
+        from ..hf.batch_metrics import HFBatchMetrics
+
+        return HFBatchMetrics(fn)
+    return None
+
+
+@hookimpl(trylast=True)
 def compute_metrics(loop, predictions, label_ids):
     if loop.compute_metrics_fn is not None:
         return loop.compute_metrics_fn(predictions, label_ids)

@@ -185,9 +185,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "on_prediction_step plugin (it receives the batch and the outputs).", ([], None)),
     "include_inputs_for_metrics": Unsupported(
         "4.x name of include_for_metrics: collect inputs in an on_prediction_step plugin.", (False,)),
-    "batch_eval_metrics": Unsupported(
-        "accumulate metrics batch by batch in an on_prediction_step plugin (it receives batch and outputs) "
-        "and report them from on_evaluate.", (False,)),
     "save_only_model": Unsupported(
         "not supported: a checkpoint always holds what an exact resume needs (optimizer, scheduler, RNG); "
         "the final model alone is output_dir/model.safetensors.", (False,)),
