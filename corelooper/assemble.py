@@ -4,6 +4,7 @@ training plan (steps, epochs, intervals) from the loader's length."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from contextlib import contextmanager
@@ -165,11 +166,21 @@ def count_step(loop, epoch: int, micro_batches: list, step_loss, batches_per_epo
 
 
 def failure(loop, exc: BaseException, action: str = "Training") -> BaseException:
-    """``on_exception``, then the error naming its plugin and hook (or the model)."""
-    try:
-        loop.events.fire("on_exception", exception=exc)
-    except Exception:  # a broken cleanup hook must not hide the original error
-        pass
+    """``on_exception`` of every plugin, then the error naming its plugin and hook (or the model).
+
+    Each implementation runs on its own: one that raises is named in a warning and the others
+    still run (a broken cleanup hook must neither hide the original error nor skip the reports
+    of the plugins after it, such as an out-of-memory report)."""
+    from .plugins import call_impl
+
+    kwargs = {"loop": loop, "state": loop.state, "control": loop.control, "exception": exc}
+    for impl in reversed(loop.plugins.hook.on_exception.get_hookimpls()):  # pluggy's call order
+        try:
+            call_impl(impl, kwargs)
+        except Exception as e:
+            logging.getLogger("corelooper").warning(
+                "Plugin %r raised in hook 'on_exception' (%s: %s); the error it was reporting follows.",
+                impl.plugin_name, type(e).__name__, e)
     return explain_failure(exc, loop.plugins, loop.state.global_step, loop.args.output_dir, action)
 
 

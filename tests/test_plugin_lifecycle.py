@@ -235,3 +235,31 @@ def test_core_policies_are_plugins_that_can_be_switched_off(train_args, name):
     assert loop.plugins.get(name) is None and name in loop.plugins.skipped
     loop.train()
     assert loop.state.global_step == 2
+
+
+def test_an_on_exception_hook_that_raises_is_named_and_the_others_still_run(train_args, caplog):
+    """A broken cleanup hook neither hides the original error nor skips the other plugins'
+    on_exception (the doctor's out-of-memory report was lost that way)."""
+    import logging
+
+    class Broken:
+        def on_exception(self):
+            raise ValueError("cleanup bug")
+
+    class Reporter:
+        seen = []
+
+        def on_exception(self, exception):
+            self.seen.append(type(exception).__name__)
+
+    class Fails:
+        def on_step_begin(self, state):
+            if state.global_step == 1:
+                raise KeyError("boom")
+
+    reporter = Reporter()
+    loop = Loop(mlp(), train_args(max_steps=3), train_dataset=toys.Blobs(16), plugins=[reporter, Broken(), Fails()])
+    with caplog.at_level(logging.WARNING, logger="corelooper"), pytest.raises(PluginError, match="boom"):
+        loop.train()
+    assert reporter.seen == ["KeyError"]
+    assert "raised in hook 'on_exception' (ValueError: cleanup bug)" in caplog.text

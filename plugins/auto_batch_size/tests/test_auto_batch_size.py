@@ -313,7 +313,9 @@ def test_cli_run_with_probe_from_a_config_file(tmp_path):
 def test_cut_keeps_samples_order_and_structure():
     from collections import namedtuple
 
-    from corelooper_auto_batch_size.batches import cut, is_oom, rows
+    from corelooper_auto_batch_size.batches import cut, is_oom
+
+    from corelooper.data.loader import tensor_rows as rows
 
     Pair = namedtuple("Pair", "x y")
     batch = {

@@ -10,6 +10,6 @@ def tokens_per_sample(state) -> float:
 
 
 def layers(loop) -> int:
-    from corelooper.builtin.throughput import layers_and_width
-
-    return layers_and_width(loop.backend.unwrap_model(loop.model))[0]
+    """Transformer layers of the model, from an HF config (0 when unknown)."""
+    cfg = getattr(loop.backend.unwrap_model(loop.model), "config", None)
+    return int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or 0)
