@@ -166,11 +166,8 @@ def count_step(loop, epoch: int, micro_batches: list, step_loss, batches_per_epo
 
 
 def failure(loop, exc: BaseException, action: str = "Training") -> BaseException:
-    """``on_exception`` of every plugin, then the error naming its plugin and hook (or the model).
-
-    Each implementation runs on its own: one that raises is named in a warning and the others
-    still run (a broken cleanup hook must neither hide the original error nor skip the reports
-    of the plugins after it, such as an out-of-memory report)."""
+    """``on_exception`` of each plugin on its own (one that raises is named, the others still
+    run), then the error naming its plugin and hook (or the model)."""
     from .plugins import call_impl
 
     kwargs = {"loop": loop, "state": loop.state, "control": loop.control, "exception": exc}
@@ -178,9 +175,9 @@ def failure(loop, exc: BaseException, action: str = "Training") -> BaseException
         try:
             call_impl(impl, kwargs)
         except Exception as e:
-            logging.getLogger("corelooper").warning(
-                "Plugin %r raised in hook 'on_exception' (%s: %s); the error it was reporting follows.",
-                impl.plugin_name, type(e).__name__, e)
+            logging.getLogger("corelooper").warning("Plugin %r raised in hook 'on_exception' (%s: %s); the "
+                                                    "error it was reporting follows.", impl.plugin_name,
+                                                    type(e).__name__, e)
     return explain_failure(exc, loop.plugins, loop.state.global_step, loop.args.output_dir, action)
 
 
