@@ -15,6 +15,7 @@ import torch
 from .data.loader import count_loss_items
 from .errors import ConfigError
 from .losses import predictions_of, split_batch
+from .metric import metric_key
 
 
 @torch.no_grad()
@@ -118,7 +119,7 @@ def _metrics(loop, totals, collected, prefix: str, answered, metric=None):
         extra, _ = loop.plugins.call_provider("compute_metrics", loop=loop, predictions=predictions,
                                               label_ids=label_ids)
     for k, v in (extra or {}).items():
-        metrics[k if k.startswith(f"{prefix}_") else f"{prefix}_{k}"] = _scalar(v)
+        metrics[metric_key(k, prefix)] = _scalar(v)
     return metrics, predictions, label_ids
 
 
