@@ -126,9 +126,8 @@ def run(
     (start-up): no checkpoint written by that stop.
     """
     from corelooper.cli.launch import watch_launcher
+    from corelooper.cli.quiet import quiet_third_party
     from corelooper.cli.signals import StartupStop, install_startup_handlers
-
-    from corelooper.builtin.console import quiet_third_party
 
     install_startup_handlers()  # before any work: a signal at start-up exits 75/76, no traceback
     watch_launcher()  # a worker dies with its launcher (kill -9 leaves no orphans)
@@ -331,7 +330,7 @@ def eval_(
 def _on_checkpoint(config: Path, set_, p, traceback_: bool, verbose: bool, action) -> None:
     """What ``predict`` and ``eval`` share: quiet start, config, errors; rank 0 prints
     ``action``'s lines (a dict as one JSON line)."""
-    from corelooper.builtin.console import quiet_third_party
+    from corelooper.cli.quiet import quiet_third_party
 
     quiet_third_party(verbose)
     try:

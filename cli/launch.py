@@ -118,13 +118,13 @@ def quiet_launcher_logs() -> None:
     own on ``torch``, the root's)."""
     import logging
 
-    from corelooper.builtin.console import _LAUNCHER_LOGGERS
+    from corelooper.cli.quiet import LAUNCHER_LOGGERS
 
     def keep(record: logging.LogRecord) -> bool:
-        return not record.name.startswith(_LAUNCHER_LOGGERS)
+        return not record.name.startswith(LAUNCHER_LOGGERS)
 
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith(_LAUNCHER_LOGGERS):
+        if name.startswith(LAUNCHER_LOGGERS):
             logging.getLogger(name).addFilter(keep)
     for logger in (logging.getLogger(), logging.getLogger("torch")):
         for handler in logger.handlers:

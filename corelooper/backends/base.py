@@ -81,8 +81,8 @@ def env_for_one_process() -> None:
 
 
 class TorchDistributedCollectives:
-    """Ranks and collectives straight over ``torch.distributed``, for backends that drive it
-    themselves (the FSDP and DeepSpeed plugins; accelerate's backend uses the gather/broadcast)."""
+    """Ranks and collectives straight over ``torch.distributed``: for the FSDP and DeepSpeed plugins'
+    backends, and accelerate's (whose process group it is; its own reduce is the same all_reduce)."""
 
     num_processes: int
     device: torch.device
@@ -247,21 +247,6 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
         path = os.path.join(directory, "scaler.pt")
         if scaler is not None and os.path.exists(path):
             scaler.load_state_dict(torch.load(path, weights_only=True))
-
-    # -- collectives -----------------------------------------------------------------------
-    def reduce_sum(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        return self.accelerator.reduce(tensor, reduction="sum")
-
-    def reduce_mean(self, tensor):
-        if self.num_processes == 1:
-            return tensor
-        return self.accelerator.reduce(tensor, reduction="mean")
-
-    def wait_for_everyone(self):
-        if self.num_processes > 1:
-            self.accelerator.wait_for_everyone()
 
     def end(self):
         """After the last collective: tear the process group down before the interpreter exits

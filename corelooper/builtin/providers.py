@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 
 # What every train() uses is imported with the module, not inside the timed loop.
-from ..data.loader import BatchLoader
+from ..data.loader import BatchLoader, sample_lengths
 from ..errors import DataError
 from ..hf.optimizers import create_optimizer as _create_optimizer
 from ..hf.schedules import create_scheduler as _create_scheduler
@@ -62,23 +62,27 @@ def create_scheduler(loop, optimizer, num_training_steps):
 # -- data -----------------------------------------------------------------------------------
 
 
+def _loader(loop, dataset, hook: str, batch_size: int, **options) -> BatchLoader:
+    a, backend = loop.args, loop.backend
+    _refuse_stream(dataset, hook)
+    return BatchLoader(dataset, batch_size, collate_fn=loop.data_collator, num_replicas=backend.num_processes,
+                       rank=backend.process_index, num_workers=a.dataloader_num_workers,
+                       pin_memory=a.dataloader_pin_memory and backend.device.type == "cuda", **options)
+
+
 @hookimpl(trylast=True)
 def train_dataloader(loop, dataset):
     a = loop.args
-    _refuse_stream(dataset, "train_dataloader")
-    return BatchLoader(
-        dataset,
-        a.per_device_train_batch_size,
-        collate_fn=loop.data_collator,
-        shuffle=a.train_sampling_strategy != "sequential",
-        seed=a.data_seed if a.data_seed is not None else a.seed,
-        drop_last=a.dataloader_drop_last,
-        num_replicas=loop.backend.num_processes,
-        rank=loop.backend.process_index,
-        num_workers=a.dataloader_num_workers,
-        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
-        lengths=_lengths(loop, dataset) if a.group_by_length else None,
-    )
+    lengths = sample_lengths(dataset, a.length_column_name) if a.group_by_length else None
+    return _loader(loop, dataset, "train_dataloader", a.per_device_train_batch_size,
+                   shuffle=a.train_sampling_strategy != "sequential", drop_last=a.dataloader_drop_last,
+                   seed=a.data_seed if a.data_seed is not None else a.seed, lengths=lengths)
+
+
+@hookimpl(trylast=True)
+def eval_dataloader(loop, dataset):
+    return _loader(loop, dataset, "eval_dataloader", loop.args.per_device_eval_batch_size,
+                   shuffle=False, contiguous=True)
 
 
 def _refuse_stream(dataset, hook: str) -> None:
@@ -92,29 +96,6 @@ def _refuse_stream(dataset, hook: str) -> None:
             "needs a map-style dataset. Install or enable a plugin that loads an IterableDataset "
             "(`corelooper plugins` lists them), or give a map-style dataset."
         )
-
-
-def _lengths(loop, dataset):
-    from ..data.loader import sample_lengths
-
-    return sample_lengths(dataset, loop.args.length_column_name)
-
-
-@hookimpl(trylast=True)
-def eval_dataloader(loop, dataset):
-    a = loop.args
-    _refuse_stream(dataset, "eval_dataloader")
-    return BatchLoader(
-        dataset,
-        a.per_device_eval_batch_size,
-        collate_fn=loop.data_collator,
-        shuffle=False,
-        num_replicas=loop.backend.num_processes,
-        rank=loop.backend.process_index,
-        num_workers=a.dataloader_num_workers,
-        pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
-        contiguous=True,
-    )
 
 
 # -- loss and metrics -------------------------------------------------------------------------
