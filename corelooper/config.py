@@ -1,14 +1,14 @@
 """Typed configuration: TOML in, validated dataclasses out, resolved TOML back to disk.
 
-Sections: ``[model]``, ``[data]``, ``[train]`` (Hugging Face ``TrainingArguments`` names),
-``[plugins]``, and one section per plugin (declared by the plugin's
-``corelooper_config_sections`` hook and validated against it).
+Sections: ``[model]``, ``[data]``, ``[train]`` (Hugging Face ``TrainingArguments`` names), ``[plugins]``,
+and one section per plugin (declared by its ``corelooper_config_sections`` hook and validated against it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.util
 import math
@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
 
+import tomli_w
+
 from .errors import ConfigError
+from .hf.args import OTHER_TOOLS, Translation, hf_hint, hf_names, translate
+from .metric import greater_is_better
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,9 +40,8 @@ class ModelConfig:
     args: dict = field(default_factory=dict)
     """Keyword arguments for the factory (or extra ``from_pretrained`` arguments)."""
     name_or_path: str | None = None
-    """A Hugging Face model folder (relative paths: to the current folder, else the config's),
-    loaded with ``from_pretrained`` of the auto class ``task`` names (by the plugin that answers
-    ``create_model`` for it)."""
+    """A Hugging Face model folder (relative paths: to the current folder, else the config's), loaded with
+    ``from_pretrained`` of the auto class ``task`` names (by the plugin that answers ``create_model``)."""
     task: str = "causal_lm"
     """causal_lm, seq2seq_lm, masked_lm, sequence_classification, token_classification,
     question_answering, image_classification, base, or an auto class name."""
@@ -55,10 +58,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train: str | list | None = None
-    """``module:callable`` returning the training dataset, or data files (read by the plugin that
-    answers ``create_dataset`` for them):
-    a path (.jsonl, .json, .parquet, .csv, .arrow, a ``save_to_disk`` folder), a glob of shards,
-    or a mixture ``[{ path = "a.jsonl", weight = 0.7 }, { path = "b.jsonl", weight = 0.3 }]``."""
+    """``module:callable`` returning the training dataset, or data files (read by the plugin that answers
+    ``create_dataset``): a path (.jsonl, .json, .parquet, .csv, .arrow, a ``save_to_disk`` folder), a glob
+    of shards, or a mixture ``[{ path = "a.jsonl", weight = 0.7 }, { path = "b.jsonl", weight = 0.3 }]``."""
     eval: str | list | None = None
     """Like ``train``; or leave it unset and hold out ``eval_split`` of the training data."""
     eval_split: float = 0.0
@@ -85,16 +87,14 @@ class PluginsConfig:
 class TrainArgs:
     """Training settings; names and meanings follow HF ``TrainingArguments`` (5.x).
 
-    ``TrainArgs(output_dir=..., **kwargs)`` validates like the ``[train]`` table of a config file
-    (same messages: unknown keys get a hint, HF names are mapped or refused, see
-    ``corelooper/hf/args.py``) and is read-only afterwards; ``dataclasses.replace`` makes a
-    changed copy, validated again.
+    ``TrainArgs(output_dir=..., **kwargs)`` validates like the ``[train]`` table of a config file (same
+    messages: unknown keys get a hint, HF names are mapped or refused, see ``corelooper/hf/args.py``) and
+    is read-only afterwards; ``dataclasses.replace`` makes a changed copy, validated again.
     """
 
     output_dir: str = "runs/corelooper"
     overwrite_output_dir: bool = False
-    """Start over in an output_dir that holds checkpoints (deletes them). A Transformers 4.x
-    name, kept: corelooper refuses to train into a used output_dir without it."""
+    """Start over in an output_dir with checkpoints (deletes them); corelooper refuses it otherwise (4.x)."""
     run_name: str | None = None
     seed: int = 42
     data_seed: int | None = None
@@ -131,14 +131,10 @@ class TrainArgs:
     """``{ "regex" = factor }``: LR times factor for parameters whose name matches (first wins)."""
     label_smoothing_factor: float = 0.0
     batch_eval_metrics: bool = False
-    """HF's: ``compute_metrics(eval_pred, compute_result)`` per batch, no outputs kept."""
     eval_accumulation_steps: int | None = None
-    """Move evaluation/prediction outputs to the CPU every N batches (default: at the end)."""
     ignore_data_skip: bool = False
-    """On resume, do not restore/skip the data position: start the data from the beginning."""
     warmup_steps: float = 0
-    """An int number of steps, or a float < 1 read as a ratio of the run (HF 5.x; the 4.x
-    ``warmup_ratio`` is read as this)."""
+    """A float < 1 is a ratio of the run (HF 5.x; the 4.x ``warmup_ratio`` is read as this)."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     """HF's ``bf16 = true`` / ``fp16 = true`` are read as this."""
     loss_type: Literal["auto", "cross_entropy", "causal_lm", "mse"] = "auto"
@@ -146,102 +142,78 @@ class TrainArgs:
     labels, cross-entropy otherwise."""
     logging_strategy: Literal["no", "steps", "epoch"] = "steps"
     logging_steps: int | float = 500
-    """Steps between logs; a float < 1 is a ratio of the run (HF: ceil(ratio * max_steps))."""
     logging_first_step: bool = False
     logging_nan_inf_filter: bool = False
-    """HF's default is true (a non-finite loss is logged as the mean of the window's others);
-    corelooper logs the true loss: true is accepted (an HF script passes it) with a note, and
-    has no effect (``on_nonfinite`` handles non-finite steps)."""
+    """HF's default is true (a non-finite loss is logged as the mean of the window's others); corelooper
+    logs the true loss: true is accepted with a note, and has no effect (``on_nonfinite`` handles those)."""
     include_num_input_tokens_seen: Literal["all", "non_padding", "no"] | bool = "all"
     """What ``state.num_input_tokens_seen`` counts (and logs): ``"all"`` (``input_ids.numel()``),
-    ``"non_padding"`` (``attention_mask.sum()``; without a mask, ids != the collator's
-    ``pad_token_id``), ``"no"``. HF's default is ``"no"``; corelooper counts from tensor shapes
-    with no device sync, so ``"all"`` costs nothing."""
+    ``"non_padding"`` (``attention_mask.sum()``; without a mask, ids != the collator's ``pad_token_id``),
+    ``"no"``. HF's default is ``"no"``; corelooper counts from tensor shapes (no device sync): free."""
     report_to: str | list[str] = "all"
     """Logging plugins to feed: ``"all"`` (every installed one), ``"none"``, or names
     (the ``report_to`` names logging plugins declare); the plugin manager turns the others off."""
     eval_strategy: Literal["no", "steps", "epoch"] = "no"
     eval_steps: int | float | None = None
-    """Defaults to ``logging_steps``; a float < 1 is a ratio of the run."""
     eval_delay: float = 0
-    """No evaluation before this many steps (epochs with ``eval_strategy = "epoch"``)."""
     eval_on_start: bool = False
-    """Evaluate once before the first step (a sanity check of the evaluation code)."""
     save_strategy: Literal["no", "steps", "epoch", "best"] = "steps"
     save_steps: int | float = 500
-    """A float < 1 is a ratio of the run."""
     save_total_limit: int | None = None
     save_max_shard_size: int | str = "5GB"
-    """Weights above this size are split into ``model-0000k-of-0000n.safetensors`` shards plus
-    ``model.safetensors.index.json`` (as HF ``save_pretrained``): bytes, or "5GB", "500MiB"."""
+    """Shard weights above this size, as HF ``save_pretrained``: bytes, or "5GB", "500MiB"."""
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
     dataloader_num_workers: int = 0
     dataloader_drop_last: bool = False
     dataloader_pin_memory: bool = True
-    """Pinned host memory for batches when training on a GPU (ignored on the CPU)."""
     # DDP options of the builtin backend (torch's defaults when unset), as HF.
     ddp_find_unused_parameters: bool | None = None
-    """True when some parameters get no gradient in a step (e.g. a branch not taken)."""
     ddp_bucket_cap_mb: int | None = None
     ddp_broadcast_buffers: bool | None = None
     ddp_static_graph: bool | None = None
     resume_from_checkpoint: str | None = None
-    """A checkpoint folder, "latest" for the newest complete one in output_dir, or "auto": the
-    newest one when there is one, else start fresh (one command for a job and its requeues)."""
+    """A checkpoint folder, "latest" (the newest complete one in output_dir), or "auto": the newest
+    one when there is one, else start fresh (one command for a job and its requeues)."""
     disable_tqdm: bool = False
     use_cpu: bool = False
     ddp_timeout: int = 1800
-    """Seconds a collective may wait before the process group gives up (HF's name and default);
-    passed to ``init_process_group``. A diagnosis plugin's hang timeout may end a hang sooner,
-    with a report."""
+    """Seconds a collective may wait (HF's); a diagnosis plugin's hang timeout may end a hang sooner."""
     # Language-model options (read by the language-model plugins and hf/model_options.py).
     train_sampling_strategy: Literal["random", "sequential", "group_by_length"] = "random"
     """Training order: a seeded permutation per epoch, the dataset's order, or similar lengths
     batched together (seeded, resumable; the 4.x ``group_by_length = true``)."""
     length_column_name: str = "length"
     remove_unused_columns: bool = True
-    """Do not pass batch columns the model's forward does not accept (logged once)."""
     gradient_checkpointing: bool = False
     use_cache: bool = False
-    """``model.config.use_cache`` while training (HF 5.x's default, false: no KV cache is built in a
-    training forward)."""
+    """``model.config.use_cache`` while training (HF 5.x's default, false: no KV cache in training)."""
     torch_compile: bool = False
     torch_compile_backend: str | None = None
-    """``torch.compile`` backend (default "inductor"); setting it implies ``torch_compile``."""
     torch_compile_mode: str | None = None
     tf32: bool | None = None
     peak_flops: float | None = None
-    """Peak FLOP/s of one device (e.g. 989e12 for an H100 in bf16): ``mfu`` is logged when set (by a
-    plugin that counts model FLOPs)."""
+    """Peak FLOP/s of one device (989e12: an H100 in bf16): a plugin that counts FLOPs then logs ``mfu``."""
 
     def __init__(self, output_dir: str | None = None, /, **kwargs: Any) -> None:
         if output_dir is not None:
             kwargs["output_dir"] = output_dir
         # `TrainArgs(**other.__dict__)` copies: what other's HF names became comes along
-        carried_sections, carried_notes = kwargs.pop("_sections", {}), kwargs.pop("_notes", ())
-        carried_plugin_values = kwargs.pop("_plugin_values", {})
-        values, sections, notes, plugin_values = _train_values(kwargs)
-        sections = {**carried_sections, **sections}
-        notes = [*carried_notes, *notes]
+        carried = {k: kwargs.pop(k, {}) for k in ("_sections", "_notes", "_plugin_values")}
+        values, tr = _train_values(kwargs)
         for f in dataclasses.fields(self):
-            if f.name in values:
-                value = values[f.name]
-            else:
-                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            object.__setattr__(self, f.name, value)
-        object.__setattr__(self, "_sections", sections)
-        object.__setattr__(self, "_notes", tuple(notes))
-        object.__setattr__(self, "_plugin_values", {**carried_plugin_values, **plugin_values})
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, values.get(f.name, default))
+        object.__setattr__(self, "_sections", {**carried["_sections"], **tr.sections})
+        object.__setattr__(self, "_notes", (*carried["_notes"], *tr.notes))
+        object.__setattr__(self, "_plugin_values", {**carried["_plugin_values"], **tr.plugin_values})
         for key, value in check_train_args(self).items():  # derived defaults, set before freezing
             object.__setattr__(self, key, value)
 
     @classmethod
     def from_hf(cls, args: Any, **changes: Any) -> TrainArgs:
-        """An HF ``TrainingArguments`` (or its ``to_dict()``) as it is, validated like ``[train]``:
-        the values that mean the same here are taken, HF's defaults of what corelooper does
-        otherwise are accepted, any other value is refused with the corelooper way to do it."""
+        """An HF ``TrainingArguments`` (or its ``to_dict()``) as it is, validated like ``[train]``."""
         values = args.to_dict() if hasattr(args, "to_dict") else dict(args)
         return cls(**{**values, **changes})
 
@@ -273,26 +245,16 @@ class TrainArgs:
     def reports_to(self, name: str) -> bool:
         """Whether the logging plugin ``name`` is wanted by ``report_to``."""
         wanted = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        if "none" in wanted:
-            return False
-        return "all" in wanted or name in wanted
+        return "none" not in wanted and ("all" in wanted or name in wanted)
 
 
-_TRAIN_FIELDS = None
-
-
+@functools.cache
 def _train_fields() -> tuple[dict[str, Any], set[str]]:
-    global _TRAIN_FIELDS
-    if _TRAIN_FIELDS is None:
-        hints = typing.get_type_hints(TrainArgs)
-        _TRAIN_FIELDS = (hints, {f.name for f in dataclasses.fields(TrainArgs)})
-    return _TRAIN_FIELDS
+    return typing.get_type_hints(TrainArgs), {f.name for f in dataclasses.fields(TrainArgs)}
 
 
-def _train_values(raw: dict[str, Any]):
+def _train_values(raw: dict[str, Any]) -> tuple[dict[str, Any], Translation]:
     """HF names translated, unknown keys named with a hint, types checked, ints made floats."""
-    from .hf.args import hf_names, translate
-
     hints, names = _train_fields()
     tr = translate(raw, names)
     values = {}
@@ -302,25 +264,19 @@ def _train_values(raw: dict[str, Any]):
             if "Known keys" in hint:  # no close name: list corelooper's, not every HF one
                 hint = _did_you_mean(key, sorted(names))
             raise ConfigError(f"Unknown key train.{key}.{hint}")
-        tp = hints[key]
         if value is None and key == "max_grad_norm":  # not "unset": never the default's 1.0
-            raise ConfigError(
-                "train.max_grad_norm = None: HF's Trainer fails on it at the first step. Use 0 for no "
-                "clipping (the gradient norm is still computed and logged) or a positive norm such as 1.0."
-            )
-        if value is None and not _matches(None, tp):
-            continue  # HF passes None for "unset": the default
-        if not _matches(value, tp):
-            raise ConfigError(f"train.{key} must be {_describe(tp)}, got {value!r} ({type(value).__name__}).")
-        values[key] = float(value) if tp is float and isinstance(value, int) else value
+            raise ConfigError("train.max_grad_norm = None: HF's Trainer fails on it at the first step. Use "
+                              "0 for no clipping (the gradient norm is still computed and logged) or a "
+                              "positive norm such as 1.0.")
+        if value is not None or _matches(None, hints[key]):  # HF passes None for "unset": the default
+            values[key] = _checked("train", key, value, hints[key])
     if "report_to" in values and not isinstance(values["report_to"], str):
         values["report_to"] = list(values["report_to"])
     if values.get("logging_nan_inf_filter"):  # HF's default: every HF script passes it
-        tr.notes.append(
-            "train.logging_nan_inf_filter = true (HF's default) has no effect: corelooper logs the "
-            "true loss; a non-finite step is handled by train.on_nonfinite (stop, or skip_step)."
-        )
-    return values, tr.sections, tr.notes, tr.plugin_values
+        tr.notes.append("train.logging_nan_inf_filter = true (HF's default) has no effect: corelooper logs "
+                        "the true loss; a non-finite step is handled by train.on_nonfinite (stop, or "
+                        "skip_step).")
+    return values, tr
 
 
 @dataclass(frozen=True)
@@ -345,10 +301,8 @@ class Config:
             given = sections.setdefault(name, {})
             for key, value in values.items():
                 if key in given and given[key] != value:
-                    raise ConfigError(
-                        f"[{name}] {key} = {given[key]!r} contradicts the HF name in [train] that sets "
-                        f"it to {value!r}: set only one."
-                    )
+                    raise ConfigError(f"[{name}] {key} = {given[key]!r} contradicts the HF name in [train] "
+                                      f"that sets it to {value!r}: set only one.")
                 given[key] = value
         object.__setattr__(self, "sections", _read_only(sections))
         object.__setattr__(self, "_defaults", _read_only(self._defaults))
@@ -357,10 +311,6 @@ class Config:
         """A plugin section with its declared defaults filled in (a copy)."""
         return {**self._defaults.get(name, {}), **self.sections.get(name, {})}
 
-    @property
-    def notes(self) -> tuple[str, ...]:
-        return self.train.notes
-
     def replace(self, part: str, **changes: Any) -> Config:
         """A copy with ``part`` ("model", "data", "train", "plugins") changed, validated again."""
         if part not in self.CORE:
@@ -368,35 +318,22 @@ class Config:
         return dataclasses.replace(self, **{part: dataclasses.replace(getattr(self, part), **changes)})
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.CORE:
-            out[name] = dataclasses.asdict(getattr(self, name))
-        for name in sorted(set(self.sections) | set(self._defaults)):
-            if name in self.sections:
-                out[name] = self.section(name)
-        return out
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in self.CORE}
+        return {**out, **{name: self.section(name) for name in sorted(self.sections)}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: Path | None = None) -> Config:
         data = dict(data)
         kwargs: dict[str, Any] = {}
-        for name, klass in (
-            ("model", ModelConfig),
-            ("data", DataConfig),
-            ("train", TrainArgs),
-            ("plugins", PluginsConfig),
-        ):
+        for name, klass in zip(cls.CORE, (ModelConfig, DataConfig, TrainArgs, PluginsConfig), strict=True):
             raw = data.pop(name, {})
             if not isinstance(raw, dict):
                 raise ConfigError(f"[{name}] must be a table of keys, got {raw!r}.")
             kwargs[name] = TrainArgs(**raw) if klass is TrainArgs else build_dataclass(klass, raw, name)
         for name, raw in data.items():
             if not isinstance(raw, dict):
-                hint = _did_you_mean(name, list(cls.CORE))
-                raise ConfigError(
-                    f"Top-level key {name!r} = {raw!r} is not a section. Keys belong in a section "
-                    f"such as [train].{hint}"
-                )
+                raise ConfigError(f"Top-level key {name!r} = {raw!r} is not a section. Keys belong in a "
+                                  f"section such as [train].{_did_you_mean(name, list(cls.CORE))}")
         cfg = cls(**kwargs, sections={k: dict(v) for k, v in data.items()}, source=source)
         check_model_and_data(cfg.model, cfg.data)
         return cfg
@@ -411,7 +348,8 @@ class Config:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"Config file {str(path)!r} is not valid TOML: {e}.") from None
         except OSError as e:
-            raise ConfigError(f"Config file {str(path)!r} cannot be read: {e.strerror} (errno {e.errno}).") from None
+            why = f"{e.strerror} (errno {e.errno})"
+            raise ConfigError(f"Config file {str(path)!r} cannot be read: {why}.") from None
         for item in overrides:
             apply_override(data, item)
         return cls.from_dict(data, source=path.resolve())
@@ -425,14 +363,11 @@ class Config:
                 continue
             for key, value in values.items():
                 if key not in defaults[name]:
-                    hint = _did_you_mean(key, list(defaults[name]))
-                    raise ConfigError(f"Unknown key {name}.{key}.{hint}")
+                    raise ConfigError(f"Unknown key {name}.{key}.{_did_you_mean(key, list(defaults[name]))}")
                 default = defaults[name][key]
                 if default is not None and not _matches(value, type(default)):
-                    raise ConfigError(
-                        f"{name}.{key} must be of type {type(default).__name__} "
-                        f"(like its default {default!r}), got {value!r}."
-                    )
+                    raise ConfigError(f"{name}.{key} must be of type {type(default).__name__} "
+                                      f"(like its default {default!r}), got {value!r}.")
         return dataclasses.replace(self, _defaults=defaults)
 
     def write(self, path: str | Path) -> None:
@@ -447,8 +382,7 @@ class ReadOnlyDict(dict):
         raise TypeError("the config is read-only after validation: use Config.replace(...) or "
                         "dataclasses.replace(...) for a changed copy")
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
-    __ior__ = _refuse
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
 
     def __reduce__(self):
         return (ReadOnlyDict, (dict(self),))
@@ -458,20 +392,12 @@ def _read_only(sections: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Mappin
     return ReadOnlyDict({k: ReadOnlyDict(v) for k, v in sections.items()})
 
 
-# --------------------------------------------------------------------------------------------
-# Validation helpers
-# --------------------------------------------------------------------------------------------
-
-
-_OTHER_TOOLS = ("lr", "batch_size", "epochs")
+# --- Validation helpers ---
 
 
 def _did_you_mean(key: str, options: list[str]) -> str:
-    from .hf.args import hf_hint
-
-    hf = hf_hint(key)
-    if hf is not None and key in _OTHER_TOOLS:
-        return f" Did you mean {hf}?"
+    if key in OTHER_TOOLS:
+        return f" Did you mean {OTHER_TOOLS[key]}?"
     # Long names share many letters by chance (a 9-letter name ~ seed: 0.62): ask for more of them.
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.6 if len(key) <= 6 else 0.75)
     if close:
@@ -517,36 +443,35 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _checked(section: str, key: str, value: Any, tp: Any) -> Any:
+    """``value`` if it is of type ``tp`` (an int made a float for a float field), else a ConfigError."""
+    if not _matches(value, tp):
+        raise ConfigError(f"{section}.{key} must be {_describe(tp)}, got {value!r} ({type(value).__name__}).")
+    return float(value) if tp is float and isinstance(value, int) else value
+
+
 def build_dataclass(klass: type, raw: dict[str, Any], section: str):
-    hints = typing.get_type_hints(klass)
-    names = [f.name for f in dataclasses.fields(klass)]
+    hints = typing.get_type_hints(klass)  # the dataclass's fields
+    values = {}
     for key, value in raw.items():
-        if key not in names:
-            raise ConfigError(f"Unknown key {section}.{key}.{_did_you_mean(key, names)}")
-        if not _matches(value, hints[key]):
-            raise ConfigError(
-                f"{section}.{key} must be {_describe(hints[key])}, got {value!r} "
-                f"({type(value).__name__})."
-            )
-    values = {k: (float(v) if hints[k] is float and isinstance(v, int) else v) for k, v in raw.items()}
+        if key not in hints:
+            raise ConfigError(f"Unknown key {section}.{key}.{_did_you_mean(key, list(hints))}")
+        values[key] = _checked(section, key, value, hints[key])
     return klass(**values)
 
 
 def check_model_and_data(m: ModelConfig, d: DataConfig) -> None:
     """Cross-field checks of [model] and [data], named by key path."""
     if m.factory and m.name_or_path:
-        raise ConfigError(
-            f"Set model.factory ({m.factory!r}) or model.name_or_path ({m.name_or_path!r}), not both."
-        )
+        raise ConfigError(f"Set model.factory ({m.factory!r}) or model.name_or_path ({m.name_or_path!r}), "
+                          "not both.")
     if d.eval_split < 0 or (d.eval_split >= 1 and not float(d.eval_split).is_integer()):
-        raise ConfigError(
-            f"data.eval_split = {d.eval_split!r}: use a share 0 < x < 1 or a whole number of samples."
-        )
+        raise ConfigError(f"data.eval_split = {d.eval_split!r}: use a share 0 < x < 1 or a whole number "
+                          "of samples.")
     if d.eval_split and d.eval:
         raise ConfigError("Set data.eval or data.eval_split, not both.")
     for key in ("train", "eval"):
-        value = getattr(d, key)
-        if isinstance(value, list) and not value:
+        if getattr(d, key) == []:
             raise ConfigError(f"data.{key} is an empty list: name at least one data file.")
 
 
@@ -567,123 +492,91 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int) and size > 0:
         return size
     if not m or float(m.group(1)) <= 0:
-        raise ConfigError(
-            f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int > 0) or a "
-            "string like '5GB', '500MB', '2GiB'."
-        )
+        raise ConfigError(f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int > 0) or a "
+                          "string like '5GB', '500MB', '2GiB'.")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 def resolve_interval(steps: int | float, max_steps: int) -> int:
-    """An interval in steps: HF's rule for ``logging_steps``/``eval_steps``/``save_steps``
-    (a float < 1 is ``ceil(steps * max_steps)``)."""
+    """HF's rule for logging/eval/save_steps: a float < 1 is ``ceil(steps * max_steps)``."""
     return max(1, math.ceil(steps * max_steps)) if steps < 1 else int(steps)
 
 
 def check_train_args(a: TrainArgs) -> dict[str, Any]:
-    """Cross-field checks, named by key path; returns the derived defaults (HF's rules).
-
-    Does not change ``a`` (``TrainArgs`` applies the returned values while it is built).
-    """
+    """Cross-field checks, named by key path; returns the derived defaults (HF's rules), which
+    ``TrainArgs`` sets while it is built (``a`` is not changed)."""
     for key in _FINITE:
         v = getattr(a, key)
         if v is not None and not math.isfinite(v):
-            raise ConfigError(
-                f"train.{key} = {v!r} is not a finite number: training could only produce NaN. "
-                "Give a finite value."
-            )
-
-    def positive(key: str, allow_zero: bool = False) -> None:
-        v = getattr(a, key)
-        if v < 0 or (v == 0 and not allow_zero):
-            raise ConfigError(f"train.{key} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}.")
-
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-        positive(key)
+            raise ConfigError(f"train.{key} = {v!r} is not a finite number: training could only produce NaN. "
+                              "Give a finite value.")
     _check_counts(a)
-    for key in ("gradient_accumulation_steps", "logging_steps", "save_steps", "max_skipped_steps"):
-        positive(key)
-    for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "eval_delay"):
-        positive(key, allow_zero=True)
-    for key in ("adam_beta1", "adam_beta2"):
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "logging_steps", "eval_steps", "save_steps", "max_skipped_steps"):
+        v = getattr(a, key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"train.{key} must be > 0, got {v!r}.")
+    for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon",
+                "eval_delay"):
+        if getattr(a, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(a, key)!r}.")
+    for key in ("adam_beta1", "adam_beta2", "label_smoothing_factor"):
         if not 0.0 <= getattr(a, key) < 1.0:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(a, key)!r}.")
+    for key in ("save_total_limit", "eval_accumulation_steps"):
+        v = getattr(a, key)
+        if v is not None and v < 1:
+            raise ConfigError(f"train.{key} must be >= 1 (or unset), got {v}.")
     if a.max_steps <= 0 and a.num_train_epochs <= 0:
         raise ConfigError("Set train.num_train_epochs > 0 or train.max_steps > 0: nothing to train.")
     for key in ("warmup_steps", "logging_steps", "eval_steps", "save_steps"):
         v = getattr(a, key)
         if v is not None and v >= 1 and not float(v).is_integer():
             raise ConfigError(f"train.{key} = {v!r}: use an int number of steps or a ratio < 1.")
-    if a.eval_steps is not None and a.eval_steps <= 0:
-        raise ConfigError(f"train.eval_steps must be > 0, got {a.eval_steps!r}.")
-    if a.save_total_limit is not None and a.save_total_limit < 1:
-        raise ConfigError(f"train.save_total_limit must be >= 1 (or unset), got {a.save_total_limit}.")
-    _check_best_model(a)
-    if not 0.0 <= a.label_smoothing_factor < 1.0:
-        raise ConfigError(f"train.label_smoothing_factor must be in [0, 1), got {a.label_smoothing_factor!r}.")
-    if a.eval_accumulation_steps is not None and a.eval_accumulation_steps < 1:
-        raise ConfigError(f"train.eval_accumulation_steps must be >= 1 (or unset), got {a.eval_accumulation_steps}.")
-    return _derived(a)
+    return _best_model(a)
 
 
 def _check_counts(a: TrainArgs) -> None:
     """Integers whose wrong values torch or the loop would only report mid-run (or never)."""
     if a.max_steps != -1 and a.max_steps <= 0:
-        raise ConfigError(
-            f"train.max_steps = {a.max_steps}: use a number of optimizer steps > 0, or -1 (HF's "
-            "default) to train for train.num_train_epochs."
-        )
+        raise ConfigError(f"train.max_steps = {a.max_steps}: use a number of optimizer steps > 0, or -1 "
+                          "(HF's default) to train for train.num_train_epochs.")
     for key in ("seed", "data_seed"):
         v = getattr(a, key)
         if v is not None and not 0 <= v < 2**32:
             raise ConfigError(f"train.{key} = {v}: a seed is an int in [0, 2**32 - 1] (numpy's range).")
     if a.dataloader_num_workers < 0:
-        raise ConfigError(
-            f"train.dataloader_num_workers = {a.dataloader_num_workers}: use 0 (load in the training "
-            "process) or the number of worker processes (> 0)."
-        )
+        raise ConfigError(f"train.dataloader_num_workers = {a.dataloader_num_workers}: use 0 (load in the "
+                          "training process) or the number of worker processes (> 0).")
     parse_size(a.save_max_shard_size)
 
 
-def _check_best_model(a: TrainArgs) -> None:
+def _best_model(a: TrainArgs) -> dict[str, Any]:
+    """Checks of what picks the best model; returns HF's defaults of its metric and direction."""
     needs_metric = a.load_best_model_at_end or a.save_strategy == "best"
     if needs_metric and a.eval_strategy == "no":
-        raise ConfigError(
-            "train.load_best_model_at_end / save_strategy = 'best' need evaluations: set "
-            "train.eval_strategy to 'steps' or 'epoch'."
-        )
-    if a.load_best_model_at_end and a.save_strategy not in ("best",):
+        raise ConfigError("train.load_best_model_at_end / save_strategy = 'best' need evaluations: set "
+                          "train.eval_strategy to 'steps' or 'epoch'.")
+    if a.load_best_model_at_end and a.save_strategy != "best":
         if a.save_strategy != a.eval_strategy:
-            raise ConfigError(
-                f"train.load_best_model_at_end needs train.save_strategy ({a.save_strategy!r}) to "
-                f"match train.eval_strategy ({a.eval_strategy!r}), so that every evaluated model "
-                "is saved."
-            )
+            raise ConfigError(f"train.load_best_model_at_end needs train.save_strategy ({a.save_strategy!r}) "
+                              f"to match train.eval_strategy ({a.eval_strategy!r}), so that every evaluated "
+                              "model is saved.")
         eval_steps = a.eval_steps or a.logging_steps
         ratios = a.save_steps < 1 or eval_steps < 1  # checked once max_steps is known
         if a.save_strategy == "steps" and not ratios and a.save_steps % eval_steps:
-            raise ConfigError(
-                f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
-                f"multiple of train.eval_steps ({a.eval_steps or a.logging_steps})."
-            )
-    if a.lr_scheduler_type == "reduce_lr_on_plateau" and a.eval_strategy == "no":
-        raise ConfigError(
-            "train.lr_scheduler_type = 'reduce_lr_on_plateau' is driven by the evaluation metric: "
-            "set train.eval_strategy to 'steps' or 'epoch' (and give eval data)."
-        )
-
-
-def _derived(a: TrainArgs) -> dict[str, Any]:
-    """HF's defaults that depend on other fields: the metric for the best model and its direction."""
+            raise ConfigError(f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
+                              f"multiple of train.eval_steps ({eval_steps}).")
+    if a.lr_scheduler_type == "reduce_lr_on_plateau":
+        if a.eval_strategy == "no":
+            raise ConfigError("train.lr_scheduler_type = 'reduce_lr_on_plateau' is driven by the evaluation "
+                              "metric: set train.eval_strategy to 'steps' or 'epoch' (and give eval data).")
+        needs_metric = True
     out: dict[str, Any] = {}
-    needs_metric = a.load_best_model_at_end or a.save_strategy == "best" or (
-        a.lr_scheduler_type == "reduce_lr_on_plateau")
     metric = a.metric_for_best_model
     if needs_metric and metric is None:
         metric = out["metric_for_best_model"] = "loss"
     if metric is not None and a.greater_is_better is None:
-        from .metric import greater_is_better
-
         out["greater_is_better"] = greater_is_better(metric)
     return out
 
@@ -708,9 +601,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-# --------------------------------------------------------------------------------------------
-# Importing ``module:callable`` references
-# --------------------------------------------------------------------------------------------
+# --- Importing ``module:callable`` references ---
 
 
 def import_object(ref: str, key: str, base: Path | None = None) -> Any:
@@ -718,15 +609,12 @@ def import_object(ref: str, key: str, base: Path | None = None) -> Any:
     if ":" not in ref:
         raise ConfigError(f"{key} = {ref!r}: expected 'module:callable', e.g. 'mypkg.model:build'.")
     module_ref, attr = ref.rsplit(":", 1)
-    module = import_module(module_ref, key, base)
-    obj = module
+    obj = module = import_module(module_ref, key, base)
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = [n for n in dir(module) if not n.startswith("_")]
-            raise ConfigError(
-                f"{key} = {ref!r}: module {module_ref!r} has no attribute {part!r}."
-                f"{_did_you_mean(part, names)}"
-            )
+            raise ConfigError(f"{key} = {ref!r}: module {module_ref!r} has no attribute {part!r}."
+                              f"{_did_you_mean(part, names)}")
         obj = getattr(obj, part)
     return obj
 
@@ -741,38 +629,31 @@ def _package_root(folder: Path) -> Path:
 def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleType:
     # The current folder, the config's folder, and the root of the package the config lives in
     # (so `examples.digits.model:build` resolves wherever the command is run from).
-    roots = [str(Path.cwd())] + ([str(base), str(_package_root(base))] if base else [])
-    for root in roots:
+    for root in [str(Path.cwd())] + ([str(base), str(_package_root(base))] if base else []):
         if root not in sys.path:
             sys.path.insert(0, root)
     try:
         if ref.endswith(".py") or "/" in ref:
-            path = Path(ref)
-            if not path.is_absolute() and base is not None and (base / path).exists():
-                path = base / path
+            path = base / ref if base is not None and (base / ref).exists() else Path(ref)
             if not path.exists():
                 raise ConfigError(f"{key}: file {ref!r} does not exist.")
             name = "corelooper_local_" + path.stem
             spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module
         return importlib.import_module(ref)
     except ConfigError:
         raise
     except ModuleNotFoundError as e:
-        raise ConfigError(
-            f"{key}: cannot import {ref!r} ({e}). Check the spelling, and that the module is "
-            "installed or lies under the current folder."
-        ) from None
+        raise ConfigError(f"{key}: cannot import {ref!r} ({e}). Check the spelling, and that the module is "
+                          "installed or lies under the current folder.") from None
     except Exception as e:  # the module itself raised while importing
         raise ConfigError(f"{key}: importing {ref!r} failed: {type(e).__name__}: {e}") from e
 
 
 def _plain(v: Any) -> Any:
-    """A value tomli_w can write: no None (TOML has no null: unset keys are left out), paths as
-    strings, tuples as lists."""
+    """A value tomli_w can write: None left out (TOML has no null), paths as strings, tuples as lists."""
     if isinstance(v, Mapping):
         return {str(k): _plain(x) for k, x in v.items() if x is not None}
     if isinstance(v, (list, tuple)):
@@ -781,8 +662,6 @@ def _plain(v: Any) -> Any:
 
 
 def dumps_toml(data: Mapping[str, Mapping[str, Any]]) -> str:
-    import tomli_w
-
     return tomli_w.dumps(_plain(data))
 
 

@@ -12,10 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from .data.columns import call_model, model_inputs
 from .data.loader import count_loss_items
 from .errors import ConfigError
 from .losses import predictions_of, split_batch
 from .metric import metric_key
+from .outputs import OutputAccumulator
 
 
 @torch.no_grad()
@@ -23,8 +25,6 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
                    batch_transform: Callable | None = None):
     """``(metrics, predictions, label_ids)`` over ``dataset``; ``batch_transform`` may cut each
     batch into pieces (a list of batches with the same samples in the same order)."""
-    from .outputs import OutputAccumulator
-
     loop.prepare_for_evaluation()
     backend, model = loop.backend, loop.model
     metric = _batch_metric(loop)  # per batch: no outputs are kept for it
@@ -73,10 +73,8 @@ def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
     outputs = None
     if has_labels:
         n = count_loss_items(batch, loss_type)
-        result, answered = loop.plugins.call_provider(
-            "compute_loss", loop=loop, model=loop.model, batch=batch, num_items_in_batch=n,
-            return_outputs=True,
-        )
+        result, answered = loop.plugins.call_provider("compute_loss", loop=loop, model=loop.model,
+                                                      batch=batch, num_items_in_batch=n, return_outputs=True)
         # a provider may ignore return_outputs and give the loss alone
         loss, outputs = result if isinstance(result, tuple) else (result, None)
         totals[0] += loss.detach().double() * n
@@ -89,8 +87,6 @@ def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
 
 def forward(loop, batch):
     """The model's outputs for ``batch``, with only the columns its ``forward`` accepts."""
-    from .data.columns import call_model, model_inputs
-
     args, kwargs, _ = split_batch(batch)
     if kwargs:
         kwargs = model_inputs(loop, kwargs)
@@ -107,9 +103,8 @@ def _metrics(loop, totals, collected, prefix: str, answered, metric=None):
         # takes num_items_in_batch), not for e.g. a per-pair DPO loss.
         if loop.loss_type == "causal_lm" and answered is not None and "num_items_in_batch" in answered.argnames:
             metrics[f"{prefix}_perplexity"] = round(math.exp(min(metrics[f"{prefix}_loss"], 700)), 4)
-    predictions = label_ids = None
-    if collected:
-        predictions, label_ids = collected.gather(loop.backend)  # dataset order, padded with -100
+    # dataset order, padded with -100
+    predictions, label_ids = collected.gather(loop.backend) if collected else (None, None)
     extra = None
     if metric is not None:
         if callable(getattr(metric, "sync", None)):

@@ -50,8 +50,7 @@ def is_better(value: float, best: float | None, greater: bool, threshold: float 
         return False
     if best is None:
         return True
-    delta = value - best if greater else best - value
-    return delta > threshold
+    return (value - best if greater else best - value) > threshold
 
 
 def metric_value(metrics: dict[str, Any], name: str, setting: str, prefix: str = "eval") -> float:
@@ -64,8 +63,7 @@ def metric_value(metrics: dict[str, Any], name: str, setting: str, prefix: str =
     if key not in metrics:
         from .errors import ConfigError
 
-        raise ConfigError(
-            f"{setting} = {name!r} watches {key!r}, but the evaluation returned only {sorted(metrics)}. "
-            f"Set {setting} to one of those names (with or without the {prefix}_ prefix)."
-        )
+        raise ConfigError(f"{setting} = {name!r} watches {key!r}, but the evaluation returned only "
+                          f"{sorted(metrics)}. Set {setting} to one of those names (with or without the "
+                          f"{prefix}_ prefix).")
     return float(metrics[key])

@@ -1,5 +1,5 @@
-"""Model outputs: collect them (``eval_accumulation_steps``), gather them across processes in
-dataset order, write them to ``.safetensors`` or ``.jsonl`` and read them back.
+"""Model outputs: collect them (``eval_accumulation_steps``) and gather them across processes in
+dataset order (their files: ``cli/predictions.py``).
 
 Order: the evaluation loader gives each process a contiguous block of the dataset (rank 0 the
 first), so concatenating the gathered blocks in rank order restores dataset order with no
@@ -43,26 +43,23 @@ class OutputAccumulator:
         self._labels: list[torch.Tensor] = []
         self._cpu_preds: list[torch.Tensor] = []
         self._cpu_labels: list[torch.Tensor] = []
+        self._parts: list[OutputAccumulator] | None = None  # one per output when a batch gives several
 
     def __bool__(self) -> bool:
-        return bool(self._preds or self._cpu_preds or getattr(self, "_parts", None))
+        return bool(self._preds or self._cpu_preds or self._parts)
 
     def add(self, predictions, labels: torch.Tensor | None) -> None:
         """``predictions``: a tensor, or a tuple of them (several model outputs, as HF keeps them)."""
         if isinstance(predictions, (tuple, list)):
-            if not hasattr(self, "_parts"):
+            if self._parts is None:
                 self._parts = [OutputAccumulator(self.steps) for _ in predictions]
             for part, p in zip(self._parts, predictions, strict=True):
                 part.add(p, None)
-            if labels is not None:
-                self._labels.append(labels.detach())
-                if self.steps and len(self._labels) >= self.steps:
-                    self._offload()
-            return
-        self._preds.append(predictions.detach().float())
+        else:
+            self._preds.append(predictions.detach().float())
         if labels is not None:
             self._labels.append(labels.detach())
-        if self.steps and len(self._preds) >= self.steps:
+        if self.steps and max(len(self._preds), len(self._labels)) >= self.steps:
             self._offload()
 
     def _offload(self) -> None:
@@ -81,7 +78,7 @@ class OutputAccumulator:
     def gather(self, backend) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every process's outputs, in rank order (= dataset order), on the CPU of every process."""
         preds, labels = self.local()
-        if getattr(self, "_parts", None):
+        if self._parts:
             preds = tuple(part.gather(backend)[0] for part in self._parts)
             return preds, _gather(labels, backend)
         return _gather(preds, backend), _gather(labels, backend)
@@ -97,7 +94,4 @@ def _gather(t: torch.Tensor | None, backend) -> torch.Tensor | None:
         dist.all_reduce(shape, op=dist.ReduceOp.MAX)
         t = _pad_to(t, tuple(int(s) for s in shape.tolist()))
     return backend.gather(t.to(backend.device)).cpu()
-
-
-# -- files --------------------------------------------------------------------------------------
 

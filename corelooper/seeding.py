@@ -7,6 +7,11 @@ from typing import Any
 
 import torch
 
+try:
+    import numpy as np
+except ImportError:  # numpy is optional at run time
+    np = None
+
 
 def set_seed(seed: int) -> None:
     random.seed(seed)
@@ -14,12 +19,8 @@ def set_seed(seed: int) -> None:
         torch.manual_seed(seed)  # also seeds every CUDA (MPS, XPU) device
     else:  # the same CPU seed; torch.manual_seed would also queue a CUDA seed call, formatting a stack trace
         torch.default_generator.manual_seed(seed)
-    try:
-        import numpy as np
-
+    if np is not None:
         np.random.seed(seed % 2**32)
-    except ImportError:  # numpy is optional at run time
-        pass
 
 
 def _has_accelerator() -> bool:
@@ -30,14 +31,10 @@ def _has_accelerator() -> bool:
 
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
+    if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         # as a tensor, not an ndarray: checkpoints load with torch.load(weights_only=True)
         state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
-    except ImportError:
-        pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -47,8 +44,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
-
         kind, keys, *rest = state["numpy"]
         keys = keys.numpy() if torch.is_tensor(keys) else np.asarray(keys)
         np.random.set_state((kind, keys.astype("uint32"), *rest))

@@ -44,49 +44,43 @@ def as_step_result(result, fetched: int) -> StepResult:
 def default_training_step(loop, micro_batches: list) -> StepResult:
     """One optimizer step over ``micro_batches``: the loss is the mean over the step's items,
     the same as one big batch."""
-    backend, optimizer = loop.backend, loop.optimizer
+    backend, optimizer, model = loop.backend, loop.optimizer, loop.model
     micro_batches = [backend.to_device(b) for b in micro_batches]
     num_items = num_items_in_batch(loop, micro_batches)
-    losses = [
-        forward_backward(loop, batch, num_items, len(micro_batches), last=i == len(micro_batches) - 1)
-        for i, batch in enumerate(micro_batches)
-    ]
+    losses = []
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with nullcontext() if last else backend.no_sync(model):
+            loss = micro_batch_loss(loop, batch, num_items, len(micro_batches))
+            loop.events.fire("on_before_backward", loss=loss)
+            backend.backward(loss)
+            loop.events.fire("on_after_backward", loss=loss)
+        if not last:
+            loop.events.fire("on_substep_end")
+        losses.append(loss.detach())
     step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-    grad_norm = clip_gradients(loop)  # logged with or without clipping, as HF 5.x
+    # The norm before clipping, logged as HF 5.x; max_grad_norm = 0: computed, nothing scaled.
+    max_norm = loop.args.max_grad_norm
+    grad_norm = backend.clip_grad_norm(model, max_norm if max_norm > 0 else float("inf"))
     if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
-        zero_grad(optimizer, loop.model)  # skip_step: no update, no scheduler step
+        zero_grad(optimizer, model)  # skip_step: no update, no scheduler step
         return StepResult(step_loss, grad_norm, None, len(micro_batches))
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
     backend.optimizer_step(optimizer)
     loop.events.fire("on_optimizer_step", optimizer=optimizer)
     learning_rate = loop.scheduler.get_last_lr()[0]  # the rate this step used: logged (HF 5.x)
     loop.scheduler.step()
-    zero_grad(optimizer, loop.model)
+    zero_grad(optimizer, model)
     # Each rank's step_loss is world * (its items' loss sum) / (global items): the mean over
     # ranks (reduce_mean when logging) is the global loss, as in one process.
     return StepResult(step_loss, grad_norm, learning_rate, len(micro_batches))
 
 
-def forward_backward(loop, batch, num_items, num_micro_batches: int, last: bool) -> torch.Tensor:
-    """``compute_loss`` and backward of one micro-batch; returns its detached loss."""
-    backend, model = loop.backend, loop.model
-    with nullcontext() if last else backend.no_sync(model):
-        loss = micro_batch_loss(loop, batch, num_items, num_micro_batches)
-        loop.events.fire("on_before_backward", loss=loss)
-        backend.backward(loss)
-        loop.events.fire("on_after_backward", loss=loss)
-    if not last:
-        loop.events.fire("on_substep_end")
-    return loss.detach()
-
-
 def micro_batch_loss(loop, batch, num_items, num_micro_batches: int) -> torch.Tensor:
     """The ``compute_loss`` provider's loss of one micro-batch, as its share of the step's
     gradient (the sum/mean rule; auto batch size's probe applies it too)."""
-    loss, answered = loop.plugins.call_provider(
-        "compute_loss", loop=loop, model=loop.model, batch=batch, num_items_in_batch=num_items,
-        return_outputs=False,
-    )
+    loss, answered = loop.plugins.call_provider("compute_loss", loop=loop, model=loop.model, batch=batch,
+                                                num_items_in_batch=num_items, return_outputs=False)
     if "num_items_in_batch" not in answered.argnames:
         return loss / num_micro_batches  # the provider that answered returns a mean
     if loop.backend.num_processes > 1:
@@ -102,17 +96,7 @@ def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor | None:
     if loop.plugins.only_builtin("compute_loss") and not reads_num_items(loop, micro_batches[0], whole_step):
         return None
     counts = [count_loss_items(b, loss_type) for b in micro_batches]
-    total = counts[0] if len(counts) == 1 else sum(counts[1:], counts[0])
-    if not torch.is_tensor(total):
-        total = torch.tensor(total)
-    total = loop.backend.reduce_sum(total.to(loop.backend.device))
+    total = loop.backend.reduce_sum(torch.as_tensor(sum(counts[1:], counts[0])).to(loop.backend.device))
     if total.device.type == "cpu" and total.numel() == 1 and int(total) >= 1:
         return total  # on the CPU reading it is free: no clamp kernel when it is not needed
     return total.clamp(min=1)  # a step with no loss tokens has loss 0, not NaN
-
-
-def clip_gradients(loop) -> torch.Tensor:
-    """Clip to ``max_grad_norm`` and return the norm before clipping. Without clipping
-    (``max_grad_norm = 0``) the norm is still computed, nothing scaled: HF 5.x logs it too."""
-    max_norm = loop.args.max_grad_norm
-    return loop.backend.clip_grad_norm(loop.model, max_norm if max_norm > 0 else float("inf"))

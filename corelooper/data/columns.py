@@ -76,15 +76,10 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
         plans[keys] = plan
         if plan is not None:
             dropped = [k for k in keys if k not in plan]
-            logger.warning(
-                "The batch columns %s are not arguments of %s.forward and are not passed to it "
-                "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
-                "sees every column).",
-                dropped, type(model).__name__,
-            )
-    if plan is None:
-        return batch
-    return {k: batch[k] for k in plan}
+            logger.warning("The batch columns %s are not arguments of %s.forward and are not passed to it "
+                           "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
+                           "sees every column).", dropped, type(model).__name__)
+    return batch if plan is None else {k: batch[k] for k in plan}
 
 
 # -- a batch the model cannot take -----------------------------------------------------------------

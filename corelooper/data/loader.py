@@ -7,6 +7,7 @@ resume skips the seen part of an epoch by index (nothing is loaded or collated f
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,9 +20,7 @@ from ..errors import DataError
 def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     if not shuffle:
         return list(range(n))
-    g = torch.Generator()
-    g.manual_seed(seed + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 class BatchLoader:
@@ -39,21 +38,10 @@ class BatchLoader:
     padding, so gathering in rank order restores dataset order without duplicates.
     """
 
-    def __init__(
-        self,
-        dataset,
-        batch_size: int,
-        collate_fn: Callable[[list], Any] | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        num_replicas: int = 1,
-        rank: int = 0,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        contiguous: bool = False,
-        lengths: Sequence[int] | None = None,
-    ):
+    def __init__(self, dataset, batch_size: int, collate_fn: Callable[[list], Any] | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, num_replicas: int = 1,
+                 rank: int = 0, num_workers: int = 0, pin_memory: bool = False, contiguous: bool = False,
+                 lengths: Sequence[int] | None = None):
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate_fn = collate_fn or default_collate
@@ -70,11 +58,8 @@ class BatchLoader:
         of similar length (``collators.length_grouped_order``; still seeded per epoch)."""
         self.epoch = 0
         self._skip_samples = 0
-        self._fast_tensors = (
-            collate_fn is None and isinstance(dataset, torch.utils.data.TensorDataset)
-        )
+        self._fast_tensors = collate_fn is None and isinstance(dataset, torch.utils.data.TensorDataset)
 
-    # -- indices ---------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -103,25 +88,21 @@ class BatchLoader:
             return [mine[i : i + B] for i in range(start, len(mine), B)]
         batches = []
         for first in range(start, n, B * W):
-            chunk = order[first : first + B * W]
+            chunk, per = order[first : first + B * W], B
             if len(chunk) < B * W:
                 if self.drop_last:
                     break
-                if W > 1:
-                    per = math.ceil(len(chunk) / W)
-                    chunk = chunk + [order[i % n] for i in range(per * W - len(chunk))]
-                    batches.append(chunk[r * per : (r + 1) * per])
-                    continue
-            batches.append(chunk[r * B : (r + 1) * B])
+                per = math.ceil(len(chunk) / W)
+                chunk += [order[i % n] for i in range(per * W - len(chunk))]
+            batches.append(chunk[r * per : (r + 1) * per])
         return batches
 
     def __len__(self) -> int:
-        n, B, W = len(self.dataset), self.batch_size, self.num_replicas
         if self.contiguous:
             return len(self.batch_indices())
-        return n // (B * W) if self.drop_last else math.ceil(n / (B * W))
+        n, global_batch = len(self.dataset), self.batch_size * self.num_replicas
+        return n // global_batch if self.drop_last else math.ceil(n / global_batch)
 
-    # -- loading ---------------------------------------------------------------------------
     def fetch(self, indices: Sequence[int]):
         """Load and collate one batch. ``TensorDataset`` is sliced in one go (same result as
         collating sample by sample); datasets with ``__getitems__`` are asked once per batch."""
@@ -138,25 +119,18 @@ class BatchLoader:
         self._skip_samples = 0
         if self.num_workers == 0:
             return map(self.fetch, batches)
-        loader = torch.utils.data.DataLoader(
-            self.dataset,
-            batch_sampler=batches,
-            collate_fn=self.collate_fn,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=False,
-            # Its own generator: workers' seeds would otherwise be drawn from the global RNG,
-            # which a resume restores *after* this point in the epoch (dropout would diverge).
-            generator=torch.Generator().manual_seed(self.seed + self.epoch),
-        )
-        return iter(loader)
+        # Its own generator: workers' seeds would otherwise be drawn from the global RNG,
+        # which a resume restores *after* this point in the epoch (dropout would diverge).
+        return iter(torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=batches, collate_fn=self.collate_fn, num_workers=self.num_workers,
+            pin_memory=self.pin_memory, persistent_workers=False,
+            generator=torch.Generator().manual_seed(self.seed + self.epoch)))
 
 
 def count_loss_items(batch, loss_type: str) -> torch.Tensor | int:
     """Loss-bearing items in a batch: labels != -100 (after the causal shift), else rows."""
-    labels = batch.get("labels") if isinstance(batch, dict) else (
-        batch[-1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
-    )
+    last = batch[-1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
+    labels = batch.get("labels") if isinstance(batch, dict) else last
     if labels is None or not torch.is_tensor(labels):
         return batch_rows(batch)
     if loss_type == "mse" or labels.is_floating_point():
@@ -171,8 +145,7 @@ def count_loss_items(batch, loss_type: str) -> torch.Tensor | int:
 def resolve_loss_type(batch) -> str:
     """``auto`` rule: causal-LM when labels have the shape of input_ids, MSE for float labels."""
     if isinstance(batch, dict):
-        labels = batch.get("labels")
-        ids = batch.get("input_ids")
+        labels, ids = batch.get("labels"), batch.get("input_ids")
         if labels is not None and labels.is_floating_point():
             return "mse"
         if ids is not None and labels is not None and labels.shape == ids.shape and ids.dim() == 2:
@@ -188,22 +161,18 @@ def batch_rows(batch) -> int:
     return tensor_rows(batch) if packed is None else packed
 
 
-def tensor_rows(batch) -> int:
+def tensor_rows(batch, default: int | None = 1) -> int | None:
     """Rows of a batch: dim 0 of its first tensor, searched depth-first through mappings, lists
-    and tuples (1 when it holds none). What a batch is cut along (auto batch size)."""
-    n = _first_rows(batch)
-    return 1 if n is None else n
-
-
-def _first_rows(obj) -> int | None:
-    if torch.is_tensor(obj):
-        return int(obj.shape[0]) if obj.dim() else None
-    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
-    for v in values:
-        n = _first_rows(v)
+    and tuples (``default`` when it holds none). What a batch is cut along (auto batch size)."""
+    if torch.is_tensor(batch):
+        return int(batch.shape[0]) if batch.dim() else default
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    for v in batch if isinstance(batch, (list, tuple)) else ():
+        n = tensor_rows(v, None)
         if n is not None:
             return n
-    return None
+    return default
 
 
 def packed_samples(batch: dict) -> int | None:
@@ -224,18 +193,15 @@ def packed_samples(batch: dict) -> int | None:
 
 
 def count_input_tokens(batch) -> int:
-    """Tokens fed to the model (``input_ids`` numel; 0 without input_ids). No device sync.
-
-    What tokens per second count: padding is computed too. ``state.num_input_tokens_seen``
-    follows ``include_num_input_tokens_seen`` instead (``count_tokens_seen``)."""
+    """Tokens fed to the model (``input_ids`` numel; 0 without input_ids; no device sync): what tokens
+    per second count, padding too (``state.num_input_tokens_seen`` follows ``count_tokens_seen``)."""
     if isinstance(batch, dict) and torch.is_tensor(batch.get("input_ids")):
         return batch["input_ids"].numel()
     return 0
 
 
-def length_grouped_order(
-    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, mega_batch_mult: int | None = None
-) -> list[int]:
+def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
+                         mega_batch_mult: int | None = None) -> list[int]:
     """HF's ``get_length_grouped_indices``: a seeded random permutation cut into mega-batches of
     ``mega_batch_mult * batch_size`` samples (default, as HF: ``min(n // (4 * batch_size), 50)``,
     at least 1), each sorted by length (longest first), with the longest batch moved to the front
@@ -248,13 +214,9 @@ def length_grouped_order(
         mega_batch_mult = min(len(lengths) // (4 * max(1, batch_size)), 50)
     perm = epoch_permutation(len(lengths), seed, epoch, True)
     mega = max(1, mega_batch_mult) * batch_size
-    megabatches = [
-        sorted(perm[i : i + mega], key=lambda j: -lengths[j]) for i in range(0, len(perm), mega)
-    ]
-    # Longest sample's mega-batch head to the very front.
-    heads = [lengths[m[0]] for m in megabatches]
-    k = max(range(len(heads)), key=heads.__getitem__) if heads else 0
-    if megabatches:
+    megabatches = [sorted(perm[i : i + mega], key=lambda j: -lengths[j]) for i in range(0, len(perm), mega)]
+    if megabatches:  # the longest sample (a mega-batch's head) to the very front
+        k = max(range(len(megabatches)), key=lambda m: lengths[megabatches[m][0]])
         megabatches[0][0], megabatches[k][0] = megabatches[k][0], megabatches[0][0]
     return [i for m in megabatches for i in m]
 
@@ -265,8 +227,6 @@ _warned: set[str] = set()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        import warnings
-
         warnings.warn(message, stacklevel=3)
 
 
@@ -286,9 +246,8 @@ def count_tokens_seen(micro_batches, mode: str, backend=None, pad_token_id: int 
 
     ``"all"``: ``input_ids.numel()``; ``"non_padding"``: ``attention_mask.sum()``, else ids !=
     ``pad_token_id``, else (with a warning, as HF) every token; ``"no"``: 0. Batches without
-    ``main_input`` are not counted (HF warns; here only in "non_padding", asked for explicitly). Shapes only (no sync) for "all" in
-    one process; counting padding or summing over processes reads the count once per step.
-    """
+    ``main_input`` are not counted (HF warns; here only in "non_padding", asked for explicitly).
+    Shapes only (no sync) for "all" in one process; else the count is read once per step."""
     if mode == "no":
         return 0
     counts = []
@@ -310,8 +269,7 @@ def count_tokens_seen(micro_batches, mode: str, backend=None, pad_token_id: int 
                        "pad_token_id, counting all tokens (as HF).")
             counts.append(ids.numel())
     total = sum(counts)
-    world = getattr(backend, "num_processes", 1)
-    if world > 1:  # exact, as HF's gather: ranks' batches may be padded to different lengths
+    if getattr(backend, "num_processes", 1) > 1:  # exact, as HF's gather: ranks may pad to other lengths
         total = backend.reduce_sum(torch.as_tensor(total, dtype=torch.int64, device=backend.device))
     return int(total)
 
@@ -334,8 +292,7 @@ def sample_lengths(dataset, length_column_name: str = "length") -> list[int]:
             ids = sample["input_ids"]
             out.append(int(ids.shape[-1]) if torch.is_tensor(ids) else len(ids))
         else:
-            raise DataError(
-                f"train.group_by_length: sample {i} has no {length_column_name!r} and no 'input_ids' "
-                "to measure. Give the dataset a `lengths` attribute or a length column."
-            )
+            raise DataError(f"train.group_by_length: sample {i} has no {length_column_name!r} and no "
+                            "'input_ids' to measure. Give the dataset a `lengths` attribute or a length "
+                            "column.")
     return out

@@ -17,6 +17,7 @@ This module imports nothing heavy: ``corelooper --help`` loads it.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,25 +48,18 @@ Mapper = Callable[[Any, Translation], None]
 
 def _set(tr: Translation, key: str, value: Any, hf_name: str) -> None:
     if key in tr.train and tr.train[key] != value:
-        raise ConfigError(
-            f"train.{hf_name} = {value!r} contradicts train.{key} = {tr.train[key]!r}: set only one."
-        )
+        raise ConfigError(f"train.{hf_name} = {value!r} contradicts train.{key} = {tr.train[key]!r}: "
+                          "set only one.")
     tr.train[key] = value
 
 
-def _section(tr: Translation, section: str, key: str, value: Any) -> None:
-    tr.sections.setdefault(section, {})[key] = value
-
-
-def _renamed(new: str, note: str = "") -> Mapper:
-    """A 4.x (or other tools') name for a corelooper field."""
+def _renamed(new: str) -> Mapper:
+    """Another name of a corelooper field (``None``: HF's unset, ignored)."""
 
     def mapper(value: Any, tr: Translation, old: str = "") -> None:
         if value is not None:  # HF's "unset"
             _set(tr, new, value, old)
 
-    mapper.new_name = new  # type: ignore[attr-defined]
-    mapper.note = note  # type: ignore[attr-defined]
     return mapper
 
 
@@ -88,8 +82,18 @@ def _accept(value: Any, tr: Translation, old: str = "") -> None:
     """Accepted as a no-op: HF's Trainer does not read it either, or it is always on here."""
 
 
+# Transformers 4.x names (removed or renamed in 5.x): name -> (mapper, what it becomes), with a FutureWarning
+FOUR_X: dict[str, tuple[Mapper, str]] = {
+    "evaluation_strategy": (_renamed("eval_strategy"), "eval_strategy"),
+    "warmup_ratio": (_renamed("warmup_steps"), "warmup_steps (a float < 1 is a ratio)"),
+    "group_by_length": (_sampling_from_group_by_length, 'train_sampling_strategy = "group_by_length"'),
+    "no_cuda": (_renamed("use_cpu"), "use_cpu"),
+    "per_gpu_train_batch_size": (_renamed("per_device_train_batch_size"), "per_device_train_batch_size"),
+    "per_gpu_eval_batch_size": (_renamed("per_device_eval_batch_size"), "per_device_eval_batch_size"),
+    "include_tokens_per_second": (_accept, "nothing: tokens_per_second is always logged for token batches"),
+    "torchdynamo": (_renamed("torch_compile_backend"), "torch_compile_backend"),
+}
 MAPPED: dict[str, tuple[Mapper, str]] = {
-    # name: (mapper, what it becomes; 4.x names say so and get a FutureWarning)
     "bf16": (_precision("bf16"), 'mixed_precision = "bf16"'),
     "fp16": (_precision("fp16"), 'mixed_precision = "fp16"'),
     "activation_checkpointing": (_renamed("gradient_checkpointing"), "gradient_checkpointing"),
@@ -100,26 +104,11 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
         _accept, "nothing: plugin state registered for checkpointing is always restored"),
     "enable_jit_checkpoint": (_accept, "nothing: a SIGTERM/SIGINT always writes a checkpoint (exit 143/130)"),
     "log_on_each_node": (_accept, "nothing: only global rank 0 logs"),
-    # Transformers 4.x names (removed or renamed in 5.x)
-    "evaluation_strategy": (_renamed("eval_strategy"), "eval_strategy"),
-    "warmup_ratio": (_renamed("warmup_steps"), "warmup_steps (a float < 1 is a ratio)"),
-    "group_by_length": (_sampling_from_group_by_length, 'train_sampling_strategy = "group_by_length"'),
-    "no_cuda": (_renamed("use_cpu"), "use_cpu"),
-    "per_gpu_train_batch_size": (_renamed("per_device_train_batch_size"), "per_device_train_batch_size"),
-    "per_gpu_eval_batch_size": (_renamed("per_device_eval_batch_size"), "per_device_eval_batch_size"),
-    "include_tokens_per_second": (_accept, "nothing: tokens_per_second is always logged for token batches"),
-    "torchdynamo": (_renamed("torch_compile_backend"), "torch_compile_backend"),
-    # other tools' names
-    "lr": (_renamed("learning_rate"), "learning_rate"),
-    "batch_size": (_renamed("per_device_train_batch_size"), "per_device_train_batch_size"),
-    "epochs": (_renamed("num_train_epochs"), "num_train_epochs"),
+    **FOUR_X,
 }
-FOUR_X = frozenset({
-    "evaluation_strategy", "warmup_ratio", "group_by_length", "no_cuda", "per_gpu_train_batch_size",
-    "per_gpu_eval_batch_size", "include_tokens_per_second", "torchdynamo",
-})
-# Names from other tools: refused with the corelooper name (a user of them must learn the HF name).
-OTHER_TOOLS = frozenset({"lr", "batch_size", "epochs"})
+# Names from other tools: refused with the HF name (a user of them must learn it).
+OTHER_TOOLS = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size",
+               "epochs": "num_train_epochs"}
 
 
 @dataclass(frozen=True)
@@ -135,6 +124,7 @@ _HUB = Unsupported(
     "on_save plugin.", (False, None, "every_save", "huggingface"))
 _TRACKIO = Unsupported("trackio has no corelooper plugin; `corelooper plugins` lists the installed loggers "
                        "(train.report_to).", (None,))
+_FULL_EVAL = Unsupported("evaluation runs in train.mixed_precision; the model is not cast for it.", (False,))
 _DL = "the loader is rebuilt each epoch from seeded indices, so a resume is exact"
 
 # HF's AcceleratorConfig() as TrainingArguments.to_dict() writes it: what corelooper's Accelerator does.
@@ -152,10 +142,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "average_tokens_across_devices": Unsupported(
         "corelooper always normalises the loss by the token count summed over all processes, so results do "
         "not depend on the number of processes.", (True,)),
-    "bf16_full_eval": Unsupported("evaluation runs in train.mixed_precision; the model is not cast for it.",
-                                  (False,)),
-    "fp16_full_eval": Unsupported("evaluation runs in train.mixed_precision; the model is not cast for it.",
-                                  (False,)),
+    "bf16_full_eval": _FULL_EVAL,
+    "fp16_full_eval": _FULL_EVAL,
     "activation_checkpointing_kwargs": Unsupported(
         "gradient_checkpointing_kwargs are not supported: corelooper enables it with use_reentrant=False; "
         "call model.gradient_checkpointing_enable(...) in model.factory for other options.", (None, {})),
@@ -167,7 +155,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", (None,)),
     "log_level": Unsupported("corelooper's console is quiet by design; set Python logging levels yourself "
                              "(logging.getLogger('transformers')).", ("passive",)),
-    "log_level_replica": Unsupported("only rank 0 speaks; other ranks print nothing.", ("warning", "passive")),
+    "log_level_replica": Unsupported("only rank 0 speaks; other ranks print nothing.",
+                                     ("warning", "passive")),
     "project": Unsupported("trackio has no corelooper plugin; a logging plugin takes its project in its own "
                            "section (`corelooper plugins` lists them).", ("huggingface",)),
     "trackio_space_id": _TRACKIO,
@@ -205,9 +194,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "accelerator_config": Unsupported(
         "corelooper builds its own Accelerator; to change it, return your own backend from a "
         "create_backend plugin.", (None, {}, _HF_ACCELERATOR_DEFAULTS)),
-    "parallelism_config": Unsupported(
-        "use --nproc N (data parallel), or the section of a sharding plugin (`corelooper plugins`).",
-        (None,)),
+    "parallelism_config": Unsupported("use --nproc N (data parallel), or the section of a sharding plugin "
+                                      "(`corelooper plugins`).", (None,)),
     "dataloader_persistent_workers": Unsupported(f"not supported: {_DL}.", (False,)),
     "dataloader_prefetch_factor": Unsupported(f"not supported: {_DL}; torch's default (2) is used.", (None,)),
     "dataloader_multiprocessing_context": Unsupported(
@@ -216,15 +204,14 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "label_names": Unsupported(
         "labels are batch['labels'] (or the last element of a tuple sample): rename the column in the "
         "dataset or the collator, or implement compute_loss.", (None, ["labels"])),
-    "ddp_backend": Unsupported(
-        "the process group uses gloo on CPU and nccl on GPU; another backend needs a create_backend plugin.",
-        (None,)),
+    "ddp_backend": Unsupported("the process group uses gloo on CPU and nccl on GPU; another backend needs a "
+                               "create_backend plugin.", (None,)),
     "debug": Unsupported("HF's debug options (underflow_overflow, tpu_metrics_debug) are not supported.",
                          ("", [], None)),
     "skip_memory_metrics": Unsupported("memory metrics are not logged.", (True,)),
     "local_rank": Unsupported("set by the launcher (torchrun / `corelooper run --nproc N`).", (-1,)),
     "half_precision_backend": Unsupported("4.x: mixed precision is train.mixed_precision.", ("auto",)),
-    "fp16_opt_level": Unsupported("4.x apex option: not supported (use mixed_precision = \"fp16\").", ("O1",)),
+    "fp16_opt_level": Unsupported('4.x apex option: not supported (use mixed_precision = "fp16").', ("O1",)),
     "fp16_backend": Unsupported("4.x: mixed precision is train.mixed_precision.", ("auto",)),
     "use_mps_device": Unsupported("4.x: the device is chosen by accelerate (use_cpu to force the CPU).",
                                   (False,)),
@@ -248,21 +235,18 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
         if key in known:
             continue
         if key in UNSUPPORTED:
-            spec = UNSUPPORTED[key]
-            if any(_same(value, ok) for ok in spec.accepts):
-                continue
-            raise ConfigError(f"train.{key} = {value!r}: {spec.why}")
-        if key in MAPPED:
+            if not any(_same(value, ok) for ok in UNSUPPORTED[key].accepts):
+                raise ConfigError(f"train.{key} = {value!r}: {UNSUPPORTED[key].why}")
+        elif key in OTHER_TOOLS:
+            raise ConfigError(f"Unknown key train.{key}. Did you mean {OTHER_TOOLS[key]}? (the HF name)")
+        elif key in MAPPED:
             mapper, what = MAPPED[key]
-            if key in OTHER_TOOLS:
-                raise ConfigError(f"Unknown key train.{key}. Did you mean {what}? (the HF name)")
             mapper(value, tr, old=key)
             if key in FOUR_X and value is not None:  # None: HF's "unset" (a 5.x to_dict() has them)
                 note = f"train.{key} is a Transformers 4.x name, read as {what}."
                 tr.notes.append(note)
                 warnings.warn(note, HFNameNote, stacklevel=4)
-            continue
-        if not _plugin_field(key, value, raw, tr):
+        elif not _plugin_field(key, value, raw, tr):
             tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
     return tr
 
@@ -273,12 +257,13 @@ def _json_dict(key: str, value: Any) -> Any:
         return value
     if key not in _JSON_DICT_FIELDS and key not in declared_train_fields():
         return value
-    import json
-
     try:
         return json.loads(value)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"train.{key} = {value!r} is not valid JSON ({e}): write a table instead.") from None
+        raise ConfigError(f"train.{key} = {value!r} is not valid JSON ({e}): "
+                          "write a table instead.") from None
+
+
 def _plugin_field(key: str, value: Any, raw: dict[str, Any], tr: Translation) -> bool:
     """Translate a name an installed plugin answers to into its section; False if none does."""
     declared = declared_train_fields().get(key)
@@ -324,13 +309,15 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
 
 def hf_names() -> list[str]:
     """Every HF name this module and the installed plugins know (candidates for "did you mean")."""
-    return [*MAPPED, *UNSUPPORTED, *declared_train_fields()]
+    return [*MAPPED, *OTHER_TOOLS, *UNSUPPORTED, *declared_train_fields()]
 
 
 def hf_hint(key: str) -> str | None:
     """What an HF name becomes here, for error messages (None: not an HF name)."""
     if key in MAPPED:
         return MAPPED[key][1]
+    if key in OTHER_TOOLS:
+        return OTHER_TOOLS[key]
     if key in UNSUPPORTED:
         return UNSUPPORTED[key].why
     declared = declared_train_fields().get(key)

@@ -2,10 +2,10 @@
 the optimizer is built.
 
 Gradient checkpointing: HF models use their own ``activation_checkpointing_enable`` (transformers
-5) or ``gradient_checkpointing_enable`` (non-reentrant checkpoints, as HF recommends). A plain module is checkpointed block by block: every child of
-every ``nn.ModuleList`` (the usual container of transformer/residual blocks) recomputes its
-forward during backward instead of keeping activations. A model without a ``ModuleList`` can
-define ``gradient_checkpointing_enable()`` itself.
+5) or ``gradient_checkpointing_enable`` (non-reentrant checkpoints, as HF recommends). A plain
+module is checkpointed block by block: every child of every ``nn.ModuleList`` (the usual container
+of transformer/residual blocks) recomputes its forward during backward instead of keeping
+activations. A model without a ``ModuleList`` can define ``gradient_checkpointing_enable()`` itself.
 """
 
 from __future__ import annotations
@@ -34,16 +34,14 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     model's own ``gradient_checkpointing_enable`` did it)."""
     newer = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
     enable = getattr(model, "gradient_checkpointing_enable", None)
-    if callable(newer):
-        newer(activation_checkpointing_kwargs={"use_reentrant": False})
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            model.config.use_cache = False
-        return -1
-    if callable(enable):
-        try:
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        except TypeError:  # a model's own method without HF's keyword
-            enable()
+    if callable(newer) or callable(enable):
+        if callable(newer):
+            newer(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            try:
+                enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            except TypeError:  # a model's own method without HF's keyword
+                enable()
         if getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False  # caching is pointless while training, and clashes
         return -1
@@ -51,10 +49,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
     if not blocks:
         raise ConfigError(
             f"train.gradient_checkpointing = true, but {type(model).__name__} has no "
-            "gradient_checkpointing_enable() method and no nn.ModuleList of blocks to checkpoint. "
-            "Keep its blocks in an nn.ModuleList, add a gradient_checkpointing_enable() method, or "
-            "set train.gradient_checkpointing = false."
-        )
+            "gradient_checkpointing_enable() method and no nn.ModuleList of blocks to checkpoint. Keep its "
+            "blocks in an nn.ModuleList, add a gradient_checkpointing_enable() method, or set "
+            "train.gradient_checkpointing = false.")
     for block in blocks:
         if not getattr(block, "_corelooper_checkpointed", False):
             block.forward = _checkpointed(block, block.forward)

@@ -27,22 +27,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
 
-# HF's rule (``Trainer.get_decay_parameter_names``, 5.x): no decay for a parameter whose
-# lower-case name matches one of these, or that lies inside an ``nn.LayerNorm``.
 _NO_DECAY_NAME = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
 def no_decay_parameter_names(model: torch.nn.Module) -> set[str]:
-    """Parameters without weight decay, by HF's rule: names with ``bias``, ``layernorm``,
-    ``rmsnorm``, a ``norm`` component or a ``_norm`` suffix, and parameters of ``nn.LayerNorm``
-    submodules (decay would pull them to 0 for no benefit). Other norm layers are told by
-    their names only, as in HF (an ``nn.RMSNorm`` named ``ln`` is decayed there too)."""
+    """Parameters without weight decay, by HF's rule (``Trainer.get_decay_parameter_names``, 5.x):
+    lower-case names with ``bias``, ``layernorm``, ``rmsnorm``, a ``norm`` component or a ``_norm``
+    suffix, and parameters of ``nn.LayerNorm`` submodules (decay would pull them to 0 for no
+    benefit). Other norm layers are told by their names only, as in HF (an ``nn.RMSNorm`` named
+    ``ln`` is decayed there too)."""
     names = set()
     for full, _ in model.named_parameters():
         path = full.split(".")[:-1]
@@ -53,10 +53,8 @@ def no_decay_parameter_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def parameter_groups(
-    model: torch.nn.Module, weight_decay: float, lr: float | None = None,
-    lr_multipliers: dict[str, float] | None = None,
-) -> list[dict]:
+def parameter_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None,
+                     lr_multipliers: dict[str, float] | None = None) -> list[dict]:
     """Groups by (weight decay, LR multiplier). A group with a multiplier carries its own ``lr``."""
     skip = no_decay_parameter_names(model)
     patterns = []
@@ -89,10 +87,8 @@ def parameter_groups(
     unused = [raw for _, _, raw in patterns if raw not in used]
     if unused:
         names = [n for n, _ in model.named_parameters()][:8]
-        raise ConfigError(
-            f"train.lr_multipliers: pattern(s) {unused} match no parameter name. Parameter names look "
-            f"like {names}; a pattern is a regular expression searched in them."
-        )
+        raise ConfigError(f"train.lr_multipliers: pattern(s) {unused} match no parameter name. Parameter "
+                          f"names look like {names}; a pattern is a regular expression searched in them.")
     # Decayed, no-multiplier group first: the order users expect from HF (decay, no decay).
     return sorted(groups.values(), key=lambda g: ("lr_multiplier" in g, g["weight_decay"] == 0.0))
 
@@ -137,12 +133,9 @@ def optim_kwargs(args) -> dict[str, Any]:
     return out
 
 
-def _adam_defaults(a) -> dict:
-    return {"lr": a.learning_rate, "betas": (a.adam_beta1, a.adam_beta2), "eps": a.adam_epsilon}
-
-
-def _adamw(a, groups, extra):
-    return torch.optim.AdamW(groups, **{**_adam_defaults(a), "fused": False, **extra})
+def _adamw(a, groups, extra, fused: bool = False):
+    adam = {"lr": a.learning_rate, "betas": (a.adam_beta1, a.adam_beta2), "eps": a.adam_epsilon}
+    return torch.optim.AdamW(groups, **{**adam, "fused": fused, **extra})
 
 
 def _adamw_fused(a, groups, extra):
@@ -151,21 +144,13 @@ def _adamw_fused(a, groups, extra):
     # HF's default (one kernel for all parameters: the cheapest step on CPU and GPU); where the
     # device has no fused kernel (or parameters are not floating point), the plain AdamW.
     supported = _get_fused_kernels_supported_devices()
-    params = [p for g in groups for p in g["params"]]
-    fused = all(p.device.type in supported and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(groups, **{**_adam_defaults(a), "fused": fused, **extra})
+    fused = all(p.device.type in supported and p.is_floating_point() for g in groups for p in g["params"])
+    return _adamw(a, groups, extra, fused)
 
 
-def _sgd(a, groups, extra):
-    return torch.optim.SGD(groups, **{"lr": a.learning_rate, **extra})
-
-
-def _rmsprop(a, groups, extra):
-    return torch.optim.RMSprop(groups, **{"lr": a.learning_rate, **extra})
-
-
-def _adagrad(a, groups, extra):
-    return torch.optim.Adagrad(groups, **{"lr": a.learning_rate, **extra})
+def _lr_only(cls, a, groups, extra):
+    """A torch optimizer that takes only the learning rate from ``[train]`` (the rest: ``optim_args``)."""
+    return cls(groups, **{"lr": a.learning_rate, **extra})
 
 
 def _adafactor(a, groups, extra):
@@ -179,10 +164,10 @@ def _adafactor(a, groups, extra):
 OPTIMIZERS: dict[str, Callable[[Any, list, dict], torch.optim.Optimizer]] = {
     "adamw_torch": _adamw,
     "adamw_torch_fused": _adamw_fused,
-    "sgd": _sgd,
+    "sgd": partial(_lr_only, torch.optim.SGD),
     "adafactor": _adafactor,
-    "rmsprop": _rmsprop,
-    "adagrad": _adagrad,
+    "rmsprop": partial(_lr_only, torch.optim.RMSprop),
+    "adagrad": partial(_lr_only, torch.optim.Adagrad),
 }
 
 
@@ -195,16 +180,14 @@ def create_optimizer(loop, model: torch.nn.Module) -> torch.optim.Optimizer:
 
         close = difflib.get_close_matches(name, list(OPTIMIZERS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(
-            f"train.optim = {name!r} is not a known optimizer.{hint} Built in: {', '.join(OPTIMIZERS)}. "
-            "Another optimizer comes from a plugin implementing the create_optimizer hook for that "
-            "name: is it installed and enabled (`corelooper plugins`)?"
-        )
+        raise ConfigError(f"train.optim = {name!r} is not a known optimizer.{hint} Built in: "
+                          f"{', '.join(OPTIMIZERS)}. Another optimizer comes from a plugin implementing the "
+                          "create_optimizer hook for that name: is it installed and enabled "
+                          "(`corelooper plugins`)?")
     extra = optim_kwargs(a)
     groups = parameter_groups_for(loop, model)
     try:
         return OPTIMIZERS[name](a, groups, extra)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ConfigError(
-            f"train.optim = {name!r} with train.optim_args = {extra!r} failed: {type(e).__name__}: {e}."
-        ) from None
+        raise ConfigError(f"train.optim = {name!r} with train.optim_args = {extra!r} failed: "
+                          f"{type(e).__name__}: {e}.") from None

@@ -29,103 +29,88 @@ def warmup_steps_for(warmup: float, num_training_steps: int) -> int:
     return math.ceil(warmup * num_training_steps) if 0 < warmup < 1 else int(warmup)
 
 
-def _warm(step: int, warmup: int) -> float:
-    return step / max(1, warmup)
+def _after_warmup(warmup: int, after: LambdaFn) -> LambdaFn:
+    """A linear warmup from 0 over ``warmup`` steps, then ``after(step)`` (every HF schedule but WSD)."""
+    def f(step: int) -> float:
+        return step / max(1, warmup) if step < warmup else after(step)
+    return f
+
+
+def _progress(step: int, warmup: int, total: int) -> float:
+    return (step - warmup) / max(1, total - warmup)
 
 
 def linear(warmup: int, total: int) -> LambdaFn:
-    def f(step: int) -> float:
-        if step < warmup:
-            return _warm(step, warmup)
+    def after(step: int) -> float:
         return max(0.0, (total - step) / max(1, total - warmup))
-    return f
+    return _after_warmup(warmup, after)
 
 
 def cosine(warmup: int, total: int, num_cycles: float = 0.5) -> LambdaFn:
-    def f(step: int) -> float:
-        if step < warmup:
-            return _warm(step, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
-    return f
+    def after(step: int) -> float:
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * _progress(step, warmup, total))))
+    return _after_warmup(warmup, after)
 
 
 def cosine_with_restarts(warmup: int, total: int, num_cycles: int = 1) -> LambdaFn:
     """``num_cycles`` hard restarts: the cosine falls to 0 and jumps back to the full LR."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return _warm(step, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
+    def after(step: int) -> float:
+        progress = _progress(step, warmup, total)
         if progress >= 1.0:
             return 0.0
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((num_cycles * progress) % 1.0))))
-    return f
+    return _after_warmup(warmup, after)
 
 
 def polynomial(warmup: int, total: int, lr_init: float, lr_end: float = 1e-7, power: float = 1.0) -> LambdaFn:
     """From ``lr_init`` to ``lr_end`` as ``(1 - progress) ** power``; ``lr_end`` is absolute."""
     if not lr_init > lr_end:
-        raise ConfigError(
-            f"train.lr_scheduler_kwargs.lr_end ({lr_end}) must be smaller than train.learning_rate "
-            f"({lr_init}) for the polynomial schedule."
-        )
+        raise ConfigError(f"train.lr_scheduler_kwargs.lr_end ({lr_end}) must be smaller than "
+                          f"train.learning_rate ({lr_init}) for the polynomial schedule.")
 
-    def f(step: int) -> float:
-        if step < warmup:
-            return _warm(step, warmup)
+    def after(step: int) -> float:
         if step > total:
             return lr_end / lr_init
-        pct_remaining = 1 - (step - warmup) / max(1, total - warmup)
-        return ((lr_init - lr_end) * pct_remaining**power + lr_end) / lr_init
-    return f
+        return ((lr_init - lr_end) * (1 - _progress(step, warmup, total)) ** power + lr_end) / lr_init
+    return _after_warmup(warmup, after)
 
 
 def inverse_sqrt(warmup: int, total: int, timescale: int | None = None) -> LambdaFn:
     """``1 / sqrt((step + shift) / timescale)`` after warmup (``timescale`` defaults to warmup)."""
     timescale = timescale or warmup or 10_000
 
-    def f(step: int) -> float:
-        if step < warmup:
-            return _warm(step, warmup)
+    def after(step: int) -> float:
         return 1.0 / math.sqrt((step + timescale - warmup) / timescale)
-    return f
+    return _after_warmup(warmup, after)
 
 
-def cosine_with_min_lr(
-    warmup: int, total: int, lr_init: float, num_cycles: float = 0.5,
-    min_lr: float | None = None, min_lr_rate: float | None = None,
-) -> LambdaFn:
+def cosine_with_min_lr(warmup: int, total: int, lr_init: float, num_cycles: float = 0.5,
+                       min_lr: float | None = None, min_lr_rate: float | None = None) -> LambdaFn:
     """Cosine that ends at ``min_lr`` (absolute) or ``min_lr_rate`` (times the initial LR)."""
     if (min_lr is None) == (min_lr_rate is None):
-        raise ConfigError(
-            "lr_scheduler_type = 'cosine_with_min_lr' needs exactly one of min_lr or min_lr_rate in "
-            "train.lr_scheduler_kwargs, e.g. lr_scheduler_kwargs = { min_lr_rate = 0.1 }."
-        )
+        raise ConfigError("lr_scheduler_type = 'cosine_with_min_lr' needs exactly one of min_lr or "
+                          "min_lr_rate in train.lr_scheduler_kwargs, e.g. lr_scheduler_kwargs = "
+                          "{ min_lr_rate = 0.1 }.")
     rate = min_lr / lr_init if min_lr is not None else min_lr_rate
 
-    def f(step: int) -> float:
-        if step < warmup:
-            return _warm(step, warmup)
-        progress = (step - warmup) / max(1, total - warmup)
-        factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+    def after(step: int) -> float:
+        factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * _progress(step, warmup, total)))
         return max(0.0, factor * (1 - rate) + rate)
-    return f
+    return _after_warmup(warmup, after)
 
 
 _SHAPES = ("linear", "cosine", "1-sqrt")
 
 
-def warmup_stable_decay(
-    warmup: int, total: int, num_decay_steps: int | None = None, num_stable_steps: int | None = None,
-    warmup_type: str = "linear", decay_type: str = "cosine", min_lr_ratio: float = 0.0,
-    num_cycles: float = 0.5,
-) -> LambdaFn:
+def warmup_stable_decay(warmup: int, total: int, num_decay_steps: int | None = None,
+                        num_stable_steps: int | None = None, warmup_type: str = "linear",
+                        decay_type: str = "cosine", min_lr_ratio: float = 0.0,
+                        num_cycles: float = 0.5) -> LambdaFn:
     """Warmup, a flat stretch, then a decay over ``num_decay_steps`` (WSD)."""
     if num_decay_steps is None:
-        raise ConfigError(
-            "lr_scheduler_type = 'warmup_stable_decay' needs train.lr_scheduler_kwargs.num_decay_steps, "
-            "e.g. lr_scheduler_kwargs = { num_decay_steps = 100 }."
-        )
+        raise ConfigError("lr_scheduler_type = 'warmup_stable_decay' needs "
+                          "train.lr_scheduler_kwargs.num_decay_steps, e.g. lr_scheduler_kwargs = "
+                          "{ num_decay_steps = 100 }.")
     for key, value in (("warmup_type", warmup_type), ("decay_type", decay_type)):
         if value not in _SHAPES:
             raise ConfigError(f"train.lr_scheduler_kwargs.{key} = {value!r}: use one of {', '.join(_SHAPES)}.")
@@ -153,20 +138,12 @@ def constant(warmup: int, total: int) -> LambdaFn:
 
 
 def constant_with_warmup(warmup: int, total: int) -> LambdaFn:
-    return lambda step: _warm(step, warmup) if step < warmup else 1.0
+    return _after_warmup(warmup, constant(warmup, total))
 
 
-SCHEDULES: dict[str, Callable[..., LambdaFn]] = {
-    "linear": linear,
-    "cosine": cosine,
-    "cosine_with_restarts": cosine_with_restarts,
-    "polynomial": polynomial,
-    "constant": constant,
-    "constant_with_warmup": constant_with_warmup,
-    "inverse_sqrt": inverse_sqrt,
-    "cosine_with_min_lr": cosine_with_min_lr,
-    "warmup_stable_decay": warmup_stable_decay,
-}
+SCHEDULES: dict[str, Callable[..., LambdaFn]] = {f.__name__: f for f in (
+    linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup, inverse_sqrt,
+    cosine_with_min_lr, warmup_stable_decay)}
 _NEEDS_LR = ("polynomial", "cosine_with_min_lr")
 NAMES = (*SCHEDULES, "reduce_lr_on_plateau")
 
@@ -191,11 +168,8 @@ def lr_lambda(kind: str, warmup: int, total: int, lr_init: float | None = None, 
 
 
 class PlateauScheduler:
-    """``ReduceLROnPlateau`` stepped by the evaluation metric, not by the optimizer step.
-
-    ``step()`` (called by the loop after every optimizer step) does nothing;
-    ``step_on_metrics(metrics)`` is called after each evaluation during training.
-    """
+    """``ReduceLROnPlateau`` stepped by ``step_on_metrics(metrics)`` after each evaluation during
+    training; ``step()``, called after every optimizer step, does nothing."""
 
     def __init__(self, optimizer, metric: str, greater_is_better: bool, **kwargs: Any):
         kwargs.setdefault("mode", "max" if greater_is_better else "min")
@@ -233,6 +207,5 @@ def create_scheduler(args, optimizer, num_training_steps: int):
         metric = args.metric_for_best_model or "loss"
         return PlateauScheduler(optimizer, metric, greater_for(metric, args), **kwargs)
     warmup = warmup_steps_for(args.warmup_steps, num_training_steps)
-    fn = lr_lambda(args.lr_scheduler_type, warmup, num_training_steps,
-                   lr_init=optimizer.defaults["lr"], **kwargs)
+    fn = lr_lambda(args.lr_scheduler_type, warmup, num_training_steps, optimizer.defaults["lr"], **kwargs)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
