@@ -30,6 +30,10 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
     metric = _batch_metric(loop)  # per batch: no outputs are kept for it
     want_outputs = keep_outputs or metric is None and (
         loop.plugins.implemented_by_others("compute_metrics") or loop.compute_metrics_fn is not None)
+    # Without a use for the outputs, compute_loss is asked for the loss alone: an LM loss may then
+    # skip the logits of positions that do not count (corelooper-lm's head over trained positions).
+    need_outputs = want_outputs or metric is not None or any(
+        "outputs" in impl.argnames for impl in loop.hook.on_prediction_step.get_hookimpls())
     loader = loop.plugins.call_provider("eval_dataloader", loop=loop, dataset=dataset)[0]
     was_training = model.training
     model.eval()
@@ -40,7 +44,7 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
         for batch in loader:
             for piece in batch_transform(batch) if batch_transform else (batch,):
                 piece = backend.to_device(piece)
-                outputs, answered = _eval_batch(loop, piece, totals, want_outputs or metric is not None, answered)
+                outputs, answered = _eval_batch(loop, piece, totals, need_outputs, answered)
                 kept, labels = predictions_of(outputs) if outputs is not None else None, split_batch(piece)[2]
                 if metric is not None and kept is not None and labels is not None:
                     metric.update(kept, labels)
@@ -66,20 +70,21 @@ def _batch_metric(loop):
     return metric
 
 
-def _eval_batch(loop, batch, totals, want_outputs: bool, answered):
+def _eval_batch(loop, batch, totals, need_outputs: bool, answered):
     """Loss (weighted by the batch's items) into ``totals``; the outputs when wanted."""
     loss_type = loop.resolve_loss_type(batch)
     has_labels = split_batch(batch)[2] is not None
     outputs = None
     if has_labels:
         n = count_loss_items(batch, loss_type)
-        result, answered = loop.plugins.call_provider("compute_loss", loop=loop, model=loop.model,
-                                                      batch=batch, num_items_in_batch=n, return_outputs=True)
+        result, answered = loop.plugins.call_provider(
+            "compute_loss", loop=loop, model=loop.model, batch=batch, num_items_in_batch=n,
+            return_outputs=need_outputs)
         # a provider may ignore return_outputs and give the loss alone
         loss, outputs = result if isinstance(result, tuple) else (result, None)
         totals[0] += loss.detach().double() * n
         totals[1] += n
-    if outputs is None and (want_outputs or not has_labels):
+    if outputs is None and (need_outputs or not has_labels):
         outputs = forward(loop, batch)
     loop.events.fire("on_prediction_step", batch=batch, outputs=outputs)
     return outputs, answered

@@ -293,7 +293,9 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     """Return the loss of one micro-batch (a scalar tensor), or ``(loss, outputs)`` when
     ``return_outputs`` is true.
 
-    Called for every training micro-batch and every evaluation batch.
+    Called for every training micro-batch and every evaluation batch. ``return_outputs`` is
+    true when the evaluation needs the outputs (metrics, predictions, an ``on_prediction_step``
+    that takes them); a loss-only evaluation asks for the loss alone, as training does.
     ``num_items_in_batch`` is the number of loss-bearing items (tokens with ``label != -100``,
     after the causal shift) in the **whole optimizer step**, summed over its micro-batches and
     over processes. Return ``sum_of_item_losses / num_items_in_batch`` so that the micro-batch
@@ -480,7 +482,9 @@ def on_evaluate(loop, state, control, metrics: dict) -> None:
 
 @hookspec
 def on_prediction_step(loop, state, control, batch, outputs) -> None:
-    """After each batch of ``evaluate()``/``predict()``; ``outputs`` are the model outputs."""
+    """After each batch of ``evaluate()``/``predict()``; ``outputs`` are the model outputs. An
+    implementation that takes ``outputs`` makes the evaluation compute them; otherwise a loss-only
+    evaluation passes ``None`` (``compute_loss`` was asked for the loss alone)."""
 
 
 @hookspec

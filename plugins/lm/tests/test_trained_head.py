@@ -20,6 +20,7 @@ from corelooper_lm.trained_head import trained_positions_loss, why_not_exact
 
 from corelooper.config import Config, TrainArgs
 from corelooper.errors import ConfigError
+from corelooper.hookspecs import hookimpl
 from corelooper.loop import Loop
 
 
@@ -197,3 +198,44 @@ def test_asked_for_together_with_liger_fused_loss_is_refused(tmp_path):
     pytest.importorskip("corelooper_liger", reason="corelooper-liger (plugins/liger) declares the [liger] section")
     with pytest.raises(ConfigError, match=r"lm.head = 'trained' and Liger's fused linear cross-entropy"):
         train(toys.tiny_llama(), tmp_path, "liger", {"head": "trained"}, use_liger_kernel=True)
+
+
+def evaluate(model, tmp_path, name, lm, **loop_kwargs):
+    """``Loop.evaluate()`` of ``model`` on prompt-masked rows; the metrics and the head's row counts."""
+    config = Config(train=_args(tmp_path, name, per_device_eval_batch_size=4), sections={"lm": lm})
+    model = copy.deepcopy(model)
+    rows = head_rows(model)
+    loop = Loop(model, config, eval_dataset=prompt_masked(10, seed=3), blocked_plugins=["console"], **loop_kwargs)
+    return loop.evaluate(), rows
+
+
+def test_loss_only_evaluation_uses_the_trained_head_and_equals_the_full_head(tmp_path):
+    model = toys.tiny_llama(seed=2)
+    ref, ref_rows = evaluate(model, tmp_path, "all", {"head": "all"})
+    got, rows = evaluate(model, tmp_path, "trained", {"head": "trained"})
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6 and ref["eval_loss"] > 1.0
+    assert got["eval_perplexity"] == pytest.approx(ref["eval_perplexity"], rel=1e-5)
+    assert len(rows) == len(ref_rows) == 3  # one forward per batch: no second forward for outputs
+    assert sum(rows) < 0.6 * sum(ref_rows)  # no logits for the prompt or the padding
+
+
+class _SeesOutputs:
+    def __init__(self):
+        self.shapes = []
+
+    @hookimpl
+    def on_prediction_step(self, outputs):
+        self.shapes.append(tuple(outputs.logits.shape))
+
+
+def test_evaluation_that_needs_the_logits_gets_every_position(tmp_path):
+    from corelooper_lm.metrics import TokenAccuracy
+
+    model = toys.tiny_llama(seed=2)
+    ref, ref_rows = evaluate(model, tmp_path, "all", {"head": "all"}, compute_metrics=TokenAccuracy())
+    got, rows = evaluate(model, tmp_path, "trained", {"head": "trained"}, compute_metrics=TokenAccuracy())
+    assert rows == ref_rows and got == ref  # a metric reads every position's logits: the full head
+    sees = _SeesOutputs()  # a plugin's on_prediction_step that takes the outputs gets them, whole
+    got, rows = evaluate(model, tmp_path, "hooked", {"head": "trained"}, plugins=[sees])
+    assert rows == ref_rows and len(sees.shapes) == 3 and all(s[-1] == model.config.vocab_size for s in sees.shapes)
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6
