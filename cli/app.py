@@ -366,9 +366,11 @@ def verify(
             from corelooper.errors import CheckpointError
 
             raise CheckpointError(f"{str(path)!r} is not a run folder or a checkpoint folder.")
-        good, bad = output_dir.complete_checkpoints(path)
-        for ckpt in output_dir.list_checkpoints(path):
-            typer.echo(f"{ckpt.name}: {'ok' if ckpt in good else 'FAILED: ' + bad[ckpt]}")
+        found = output_dir.list_checkpoints(path)
+        bad = {ckpt: why for ckpt in found if (why := manifest.problem(ckpt)) is not None}
+        good = [ckpt for ckpt in found if ckpt not in bad]
+        for ckpt in found:
+            typer.echo(f"{ckpt.name}: {'FAILED: ' + bad[ckpt] if ckpt in bad else 'ok'}")
         typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
         if bad or not good:
             raise typer.Exit(5)

@@ -2,45 +2,15 @@
 
 The functions take what they need as arguments and return what they did; they fire no events
 and read no loop internals. The loop fires ``on_save`` / ``on_load_checkpoint`` itself and applies
-what ``load_checkpoint`` returns. API::
+what ``load_checkpoint`` returns.
 
-    save_checkpoint(output_dir, *, model, backend, optimizer, scheduler, config, state,
-                    plugin_states, extra_process_state=None, data_state=None) -> Path
-        Write output_dir/checkpoint-{state.global_step}; rotate (save_total_limit). Refuses
-        (NonFiniteWeights, exit 6) when a weight is NaN/inf; an OS failure is an IOFailure
-        (exit 5) naming errno, path and the checkpoint still intact. Sets
-        state.best_model_checkpoint when this step is the best one. Every rank calls it.
-    load_checkpoint(directory, *, model, backend, optimizer, scheduler, config, state) -> Restored
-        Verify, then load weights, optimizer, scheduler and RNG in place; return the rest:
-        Restored.apply(state) copies the saved LoopState fields, .plugin_states (name -> state),
-        .extra_process_state (this rank's dict given at save, e.g. the log window),
-        .changes (settings that differ).
-    save_model(directory, *, model, backend, max_shard_size)      the final / best model
-    load_weights(directory, *, model, backend)                    weights only (eval, best model)
-    collect_plugin_states(named_objects) / apply_plugin_states(named_objects, states, directory)
-    loader_state(loader, what) -> dict | None                     a JSON-checked loader position
-
-Run-folder functions (``resolve``, ``list_checkpoints``, ``last_finite_checkpoint``,
-``prepare_output_dir``, rotation) are in ``output_dir.py``; the lock in ``lock.py``; the
-manifest in ``manifest.py``.
+Run-folder functions (``resolve``, ``list_checkpoints``, rotation, ...) are in ``run_dir.py``;
+the lock in ``lock.py``; the manifest in ``manifest.py``.
 
 A checkpoint is written to ``output_dir/.tmp-checkpoint-N``; every file is fsynced, then
 ``manifest.json`` (size and checksum of every file) is written last and the folder renamed to
 ``checkpoint-N``. It counts as complete only when its manifest verifies; a temp folder is never
-promoted. Contents of ``checkpoint-N/``::
-
-    model.safetensors                  weights (or model-0000k-of-0000n.safetensors + index;
-                                       HF PreTrainedModels via save_pretrained, + config.json)
-    optimizer.pt  scheduler.pt  [scaler.pt]    torch.save'd state dicts (no zip CRC32: the manifest has
-                                               their checksums), loaded weights_only
-    rng_state_{rank}.pth               python / numpy / torch CPU / CUDA RNG states, per process
-    process_state_{rank}.json          the loop's extra per-process state (log window)
-    loop_state.json                    LoopState; best_model_checkpoint stored as a folder name
-    plugins.json                       the registered plugin states
-    data_state_{rank}.json             the training loader's state_dict(), when it has one
-    config.toml                        the resolved config (text, never a pickled object)
-    manifest.json                      file -> size, checksum; written last
-
+promoted. The files of ``checkpoint-N/`` are listed in docs/checkpoints.md.
 Nothing is ever unpickled from a checkpoint: JSON, safetensors, ``torch.load(weights_only=True)``.
 """
 
@@ -57,40 +27,20 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, PluginError, TrainingError
+from ..errors import CheckpointError, DataError, PluginError, TrainingError
 from ..seeding import rng_state, set_rng_state
 from ..state import LoopState
-from . import manifest, resume_settings
+from . import manifest, resume_settings, run_dir, weights
 from .ioerrors import errno_of, io_error
 from .manifest import MANIFEST
-from .run_dir import (
-    PREFIX,
-    from_run,
-    intact_note,
-    last_finite_checkpoint,
-    list_checkpoints,
-    prepare_output_dir,
-    relative_to_run,
-    resolve,
-    rotate_checkpoints,
-)
-from .weights import (
-    WEIGHTS,
-    WEIGHTS_INDEX,
-    all_finite,
-    check_shapes,
-    parse_size,
-    read_weights,
-    save_weights,
-    torch_save,
-    weight_shapes,
-)
+from .run_dir import PREFIX, last_finite_checkpoint, list_checkpoints, prepare_output_dir, resolve
+from .weights import WEIGHTS, WEIGHTS_INDEX, parse_size, read_weights, save_weights
 
 __all__ = [
     "MANIFEST", "PREFIX", "WEIGHTS", "WEIGHTS_INDEX", "NonFiniteWeights", "Restored", "apply_plugin_states",
     "collect_plugin_states", "last_finite_checkpoint", "list_checkpoints", "load_checkpoint",
     "load_weights", "loader_state", "parse_size", "prepare_output_dir", "read_weights", "resolve",
-    "rotate_checkpoints", "save_checkpoint", "save_model", "verify",
+    "save_checkpoint", "save_model", "save_weights", "verify",
 ]
 
 RESTORED_FIELDS = ("global_step", "epoch", "step_in_epoch", "micro_batches_in_epoch", "log_history",
@@ -122,11 +72,6 @@ class Restored:
 # -- writing ------------------------------------------------------------------------------------
 
 
-def _is_weight_shard(name: str) -> bool:
-    """``model-00001-of-00003.safetensors``"""
-    return name.startswith("model-") and "-of-" in name and name.endswith(".safetensors")
-
-
 def _fsync_dir(path: Path) -> None:
     if sys.platform == "win32":  # directories cannot be opened for fsync there
         return
@@ -138,22 +83,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _fsync_files(path: Path) -> None:
-    for root, dirs, files in os.walk(path):
-        dirs.sort()
-        for name in sorted(files):
-            with open(os.path.join(root, name), "rb") as f:
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
                 os.fsync(f.fileno())
-
-
-def _fsync_tree(path: Path) -> None:
-    """Every file and the folder itself (a folder renamed into place as a whole)."""
-    _fsync_files(path)
-    _fsync_dir(path)
 
 
 def check_finite(state_dict: dict[str, torch.Tensor], backend, what: str, output_dir: Path) -> None:
     """Refuse to write non-finite weights. Every rank calls it and all agree (one reduce)."""
-    finite = all_finite(state_dict)
+    finite = weights.all_finite(state_dict)
     if backend.num_processes > 1:
         finite = bool(backend.reduce_sum(torch.tensor(float(not finite), device=backend.device)) == 0)
     if not finite:
@@ -169,7 +107,10 @@ def check_finite(state_dict: dict[str, torch.Tensor], backend, what: str, output
 def save_checkpoint(output_dir: Path, *, model, backend, optimizer, scheduler, config, state: LoopState,
                     plugin_states: dict[str, Any], extra_process_state: dict[str, Any] | None = None,
                     data_state: dict[str, Any] | None = None) -> Path:
-    """Write ``output_dir/checkpoint-{global_step}`` atomically and rotate; returns its path."""
+    """Write ``output_dir/checkpoint-{global_step}`` atomically and rotate (save_total_limit); returns
+    its path. Every rank calls it. Refuses (NonFiniteWeights, exit 6) when a weight is NaN/inf; an
+    OS failure is an IOFailure (exit 5) naming errno, path and the checkpoint still intact. Sets
+    state.best_model_checkpoint when this step is the best one."""
     output_dir = Path(output_dir)
     final = output_dir / f"{PREFIX}{state.global_step}"
     tmp = output_dir / f".tmp-{PREFIX}{state.global_step}"
@@ -188,16 +129,16 @@ def save_checkpoint(output_dir: Path, *, model, backend, optimizer, scheduler, c
                      extra=extra_process_state or {}, data_state=data_state)
         backend.wait_for_everyone()
         if backend.is_main_process:
-            manifest.write_manifest(tmp, while_hashing=_fsync_tree)  # fsync and hash overlap
-            _fsync_dir(tmp)
+            manifest.write_manifest(tmp, while_hashing=_fsync_files)  # fsync and hash overlap
+            _fsync_dir(tmp)  # the folder is renamed into place as a whole
             _put_in_place(tmp, final)
-            rotate_checkpoints(output_dir, config.train.save_total_limit, keep=final,
-                               best=state.best_model_checkpoint)
+            run_dir.rotate_checkpoints(output_dir, config.train.save_total_limit, keep=final,
+                                       best=state.best_model_checkpoint)
     except BaseException as exc:
         if backend.is_main_process:  # never leave half a checkpoint behind (it is never listed anyway)
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, Exception) and errno_of(exc, output_dir) is not None:
-            raise io_error(exc, f"writing {final.name}", output_dir, intact_note(output_dir)) from exc
+            raise io_error(exc, f"writing {final.name}", output_dir, run_dir.intact_note(output_dir)) from exc
         raise
     backend.wait_for_everyone()
     return final
@@ -208,17 +149,17 @@ def _write_files(tmp: Path, state_dict, *, model, backend, optimizer, scheduler,
     rank = backend.process_index
     if backend.is_main_process:
         save_weights(state_dict, tmp, config.train.save_max_shard_size, backend.unwrap_model(model))
-        torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+        weights.torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
         config.write(tmp / "config.toml")
     backend.save_training_state(optimizer, tmp)
-    torch_save(rng_state(), tmp / f"rng_state_{rank}.pth")
+    weights.torch_save(rng_state(), tmp / f"rng_state_{rank}.pth")
     (tmp / f"process_state_{rank}.json").write_text(json.dumps(extra))
     if data_state is not None:
         (tmp / f"data_state_{rank}.json").write_text(json.dumps(data_state))
     if backend.is_main_process:
         (tmp / "plugins.json").write_text(json.dumps(plugin_states, indent=1))
         saved = state.to_dict()
-        saved["best_model_checkpoint"] = relative_to_run(state.best_model_checkpoint)  # relocatable
+        saved["best_model_checkpoint"] = run_dir.relative_to_run(state.best_model_checkpoint)  # relocatable
         (tmp / "loop_state.json").write_text(json.dumps(saved, indent=1))
 
 
@@ -250,20 +191,18 @@ def save_model(directory: Path, *, model, backend, max_shard_size: int | str = "
             save_weights(state_dict, tmp, max_shard_size, backend.unwrap_model(model))
             _fsync_files(tmp)  # its files move out of it: the folder that must be durable is `directory`
             for name in os.listdir(directory):  # an earlier save's layout would shadow this one
-                if name in (WEIGHTS, WEIGHTS_INDEX) or _is_weight_shard(name):
+                shard = name.startswith("model-") and "-of-" in name and name.endswith(".safetensors")
+                if name in (WEIGHTS, WEIGHTS_INDEX) or shard:
                     (directory / name).unlink(missing_ok=True)
             for p in sorted(tmp.iterdir()):
                 os.replace(p, directory / p.name)
             tmp.rmdir()
             _fsync_dir(directory)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise io_error(e, "writing the final model", directory, intact_note(directory)) from e
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if errno_of(e, directory) is None:
+            if not isinstance(e, OSError) and errno_of(e, directory) is None:
                 raise
-            raise io_error(e, "writing the final model", directory, intact_note(directory)) from e
+            raise io_error(e, "writing the final model", directory, run_dir.intact_note(directory)) from e
     backend.wait_for_everyone()
 
 
@@ -288,8 +227,6 @@ def loader_state(loader, what: str = "training dataset") -> dict[str, Any] | Non
     """A loader's position for ``data_state`` (its ``state_dict()``), or None when it has none."""
     if loader is None or not callable(getattr(loader, "state_dict", None)):
         return None
-    from ..errors import DataError
-
     state = loader.state_dict()
     try:
         json.dumps(state)
@@ -341,17 +278,15 @@ def load_weights(directory: Path, *, model, backend) -> None:
         # A PEFT model saves only its adapter; it loads it in place, as HF Trainer does.
         module.load_adapter(str(directory), getattr(module, "active_adapter", "default"), is_trainable=True)
         return
-    from .weights import _aliases
-
     loaded = read_weights(directory)
-    if not all_finite(loaded):  # the manifest's "finite" is not trusted: the files may have changed
+    if not weights.all_finite(loaded):  # the manifest's "finite" is not trusted: the files may have changed
         raise CheckpointError(
             f"Checkpoint {str(directory)!r} holds NaN or inf weights, although its manifest says they "
             "were finite when saved: it was changed afterwards. Load another checkpoint."
         )
-    fill = check_shapes(module, {k: tuple(v.shape) for k, v in loaded.items()}, str(directory),
-                        _full_shapes(module, backend))
-    aliases = _aliases(module.state_dict())
+    shapes = {k: tuple(v.shape) for k, v in loaded.items()}
+    fill = weights.check_shapes(module, shapes, str(directory), _full_shapes(module, backend))
+    aliases = weights.tied_keys(module.state_dict())
     for k in fill:  # tied weights: the saved twin holds the values
         loaded[k] = loaded[next(a for a in aliases[k] if a in loaded)]
     backend.load_model_state_dict(model, loaded)
@@ -369,13 +304,16 @@ def verify(directory: Path, *, model=None, backend=None, config=None) -> dict[st
     if model is not None:
         module = backend.unwrap_model(model) if backend is not None else model
         if not _is_adapter_checkpoint(module, directory):  # the adapter library checks its shapes
-            check_shapes(module, weight_shapes(directory), str(directory), _full_shapes(module, backend))
+            found = weights.weight_shapes(directory)
+            weights.check_shapes(module, found, str(directory), _full_shapes(module, backend))
     return state
 
 
 def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, config,
                     state: LoopState) -> Restored:
-    """Verify ``directory``, load model/optimizer/scheduler/RNG in place, return the rest."""
+    """Verify ``directory``, load model/optimizer/scheduler/RNG in place, return the rest:
+    ``Restored.apply(state)`` copies the saved LoopState fields; ``.plugin_states`` (name -> state),
+    ``.extra_process_state`` (this rank's dict given at save, e.g. the log window), ``.changes``."""
     directory = Path(directory)
     saved = verify(directory, model=model, backend=backend, config=config)
     changes = resume_settings.compare(config, directory, saved, state)  # refused ones raise here
@@ -399,12 +337,12 @@ def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, co
     if extra_path.is_file():
         extra.update(_read(extra_path, "process state"))
     restored = LoopState.from_dict(saved)
-    restored.best_model_checkpoint = from_run(saved.get("best_model_checkpoint"), directory)
+    restored.best_model_checkpoint = run_dir.from_run(saved.get("best_model_checkpoint"), directory)
     return Restored(directory=directory, loop_state=restored, plugin_states=plugins, extra_process_state=extra,
                     changes=changes)
 
 
-def _load_optimizer(directory: Path, backend, optimizer, config=None) -> None:
+def _load_optimizer(directory: Path, backend, optimizer, config) -> None:
     try:
         backend.load_training_state(optimizer, directory)
     except FileNotFoundError as e:
@@ -428,8 +366,6 @@ def _sections_dropped(directory: Path, config) -> str:
     """Why an optimizer file can be missing from a sound checkpoint: it was saved by a backend a
     plugin section chose (a sharding engine's own state format), and this run's
     config no longer has that section ("" when nothing was dropped)."""
-    if config is None:
-        return ""
     try:
         saved = resume_settings.saved_sections(directory)
     except CheckpointError:

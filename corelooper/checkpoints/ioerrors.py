@@ -4,7 +4,6 @@
 safetensors raise for one (``RuntimeError: [enforce fail at inline_container.cc] unexpected
 pos``, ``SafetensorError: ... Os { code: 28 }``) — into one paragraph with the errno, the path
 and what is still intact, as an ``IOFailure`` (a CheckpointError: exit code 5).
-``errno_of(exc, path)`` says whether an exception is an I/O failure at all.
 """
 
 from __future__ import annotations
@@ -16,16 +15,20 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 
-_WHAT = {
-    errno_mod.ENOSPC: "disk full",
-    errno_mod.EDQUOT: "disk quota exceeded",
-    errno_mod.EACCES: "permission denied",
-    errno_mod.EPERM: "operation not permitted",
-    errno_mod.EROFS: "read-only file system",
-    errno_mod.ENOTDIR: "a file is where a folder should be",
-    errno_mod.EEXIST: "a file is in the way",
-    errno_mod.EISDIR: "a folder is where a file should be",
-    errno_mod.EIO: "input/output error (failing disk?)",
+_CHECK = "check the disk and the folder"
+_WRITABLE = "make the folder writable for this user, or choose another train.output_dir"
+_IN_THE_WAY = "remove or rename that file, or choose another train.output_dir"
+_WHAT = {  # errno -> what it is, the fix
+    errno_mod.ENOSPC: ("disk full", "free space on that disk (or lower train.save_total_limit)"),
+    errno_mod.EDQUOT: ("disk quota exceeded",
+                       "free space within your quota (or lower train.save_total_limit)"),
+    errno_mod.EACCES: ("permission denied", _WRITABLE),
+    errno_mod.EPERM: ("operation not permitted", _WRITABLE),
+    errno_mod.EROFS: ("read-only file system", "choose a train.output_dir on a writable file system"),
+    errno_mod.ENOTDIR: ("a file is where a folder should be", _IN_THE_WAY),
+    errno_mod.EEXIST: ("a file is in the way", _IN_THE_WAY),
+    errno_mod.EISDIR: ("a folder is where a file should be", _CHECK),
+    errno_mod.EIO: ("input/output error (failing disk?)", _CHECK),
 }
 _RUST_CODE = re.compile(r"(?:code: |os error )(\d+)")
 
@@ -77,17 +80,8 @@ def io_error(exc: BaseException, doing: str, path: Path, intact: str | None = No
     """One paragraph: ``disk full (ENOSPC) while writing checkpoint-20 in /runs/a: ...``."""
     code = errno_of(exc, path) or errno_mod.EIO
     name = errno_mod.errorcode.get(code, str(code))
-    what = _WHAT.get(code, os.strerror(code).lower())
+    what, hint = _WHAT.get(code, (os.strerror(code).lower(), _CHECK))
     where = getattr(exc, "filename", None) or path
-    hint = {
-        errno_mod.ENOSPC: "free space on that disk (or lower train.save_total_limit)",
-        errno_mod.EDQUOT: "free space within your quota (or lower train.save_total_limit)",
-        errno_mod.EACCES: "make the folder writable for this user, or choose another train.output_dir",
-        errno_mod.EPERM: "make the folder writable for this user, or choose another train.output_dir",
-        errno_mod.EROFS: "choose a train.output_dir on a writable file system",
-        errno_mod.ENOTDIR: "remove or rename that file, or choose another train.output_dir",
-        errno_mod.EEXIST: "remove or rename that file, or choose another train.output_dir",
-    }.get(code, "check the disk and the folder")
     kept = f" {intact}." if intact else ""
     return IOFailure(
         f"{what} ({name}, errno {code}) while {doing} in {str(path)!r} (at {str(where)!r}).{kept} "

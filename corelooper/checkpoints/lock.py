@@ -1,15 +1,10 @@
 """One run per ``output_dir``: an advisory ``fcntl.flock`` on ``output_dir/.corelooper.lock``.
 
-Rank 0 takes the lock before it reads a checkpoint or changes anything in ``output_dir`` and
-holds it for the run's life. The kernel releases it when the process dies (even by
-``kill -9``), so a lock file left by a dead run is simply taken over; the file itself records
-the holder's PID, host and start time, for the message a second run gets::
-
-    lock = RunLock.acquire(output_dir)   # CheckpointError naming PID and host when held
-    ...
-    lock.release()                       # also on exit: closing the file drops the lock
-
-On platforms without ``fcntl`` (Windows) no lock is taken.
+Rank 0 takes the lock (``RunLock.acquire``: a CheckpointError naming PID and host when it is held)
+before it reads a checkpoint or changes anything in ``output_dir`` and holds it for the run's life
+(``release()``, or process exit). The kernel releases it when the process dies (even by ``kill -9``),
+so a lock file left by a dead run is simply taken over; the file itself records the holder's PID,
+host and start time, for the message a second run gets. Without ``fcntl`` (Windows) no lock is taken.
 """
 
 from __future__ import annotations
@@ -35,12 +30,12 @@ class RunLock:
 
     @classmethod
     def acquire(cls, output_dir: Path) -> RunLock:
+        output_dir = Path(output_dir)
+        path = output_dir / LOCK_FILE
         try:
             import fcntl
         except ImportError:  # Windows: no advisory locks; one run per folder is up to the user
-            return cls(Path(output_dir) / LOCK_FILE, None)
-        output_dir = Path(output_dir)
-        path = output_dir / LOCK_FILE
+            return cls(path, None)
         check_is_folder(output_dir)
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -79,10 +74,6 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
 
 def _read_holder(fd: int) -> str:

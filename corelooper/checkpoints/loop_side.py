@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from ..errors import CheckpointError
-from . import checkpoint
+from . import checkpoint, run_dir
 
 logger = logging.getLogger("corelooper.checkpoints")
 
@@ -96,6 +96,4 @@ def finish(loop) -> None:
     checkpoint.save_model(Path(a.output_dir), model=loop.model, backend=loop.backend,
                           max_shard_size=a.save_max_shard_size)
     if a.save_total_limit == 1 and s.best_model_checkpoint and loop.backend.is_main_process:
-        from .run_dir import keep_only_best
-
-        keep_only_best(Path(a.output_dir), s.best_model_checkpoint)  # HF 5.x, once training is over
+        run_dir.keep_only_best(Path(a.output_dir), s.best_model_checkpoint)  # HF 5.x, once training is over

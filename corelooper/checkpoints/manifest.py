@@ -6,12 +6,6 @@ BLAKE2b-128 from the standard library; the manifest names the algorithm it used)
 ``"finite": true`` (a checkpoint with a NaN/inf weight is never written). A folder is a
 complete checkpoint only when its manifest parses and every listed file is present with its
 size and checksum. ``benchmarks/checkpoint_bench.py`` measures the hashing against the save.
-
-API::
-
-    write_manifest(directory) -> dict     # hash every file, write manifest.json, fsync it
-    verify(directory) -> dict             # the manifest, or CheckpointError naming the bad file
-    problem(directory) -> str | None      # the same check as one short reason, for listings
 """
 
 from __future__ import annotations
@@ -59,11 +53,7 @@ def checksum(path: Path, algorithm: str) -> str:
 
 def _hash_files(directory: Path, algorithm: str) -> dict[str, dict[str, Any]]:
     return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "checksum": checksum(p, algorithm)}
-            for p in _files(directory)}
-
-
-def _files(directory: Path) -> list[Path]:
-    return [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST]
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
 def write_manifest(directory: Path, while_hashing=None) -> dict[str, Any]:
@@ -145,9 +135,7 @@ def problem(directory: Path) -> str | None:
         manifest = verify(directory)
     except CheckpointError as e:
         return _short(str(e), directory)
-    if manifest.get("finite") is False:
-        return "non-finite weights"
-    return None
+    return "non-finite weights" if manifest.get("finite") is False else None
 
 
 def _short(message: str, directory: Path) -> str:

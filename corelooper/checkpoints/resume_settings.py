@@ -1,19 +1,11 @@
 """Settings that differ between a checkpoint and the run resuming it: applied, warned or refused.
 
-A resume restores the optimizer and the scheduler, which carry the learning rate, weight
-decay and epsilon they were built with. So a ``--set train.learning_rate=...`` would be
-silently undone (as in HF Trainer). Instead, every ``[train]`` key that differs from the
-checkpoint's ``config.toml`` is, in one line each:
-
-- **applied** — ``learning_rate`` (every group's LR and the scheduler's base LRs scaled by
-  new/old, so ``lr_multipliers`` and the schedule's position are kept), ``weight_decay`` and
-  ``adam_epsilon`` (written into the restored param groups), and every key read afresh each step
-  (logging/eval/save cadence, ``max_steps``, ``max_grad_norm``, ...): logged as
-  ``resume: train.KEY OLD -> NEW (applied)``;
-- **warned** — the batch geometry (the run continues, but cannot repeat the same batches);
-- **refused** — what the restored state fixes and cannot follow: the optimizer and its
-  arguments, the scheduler type, its arguments and warm-up, ``lr_multipliers``, ``seed``
-  (the RNG state is restored) and ``mixed_precision``: a ConfigError naming the key.
+A resume restores the optimizer and the scheduler, which carry the learning rate, weight decay and
+epsilon they were built with, so a ``--set train.learning_rate=...`` would be silently undone (as
+in HF Trainer). Instead every ``[train]`` key that differs from the checkpoint's ``config.toml``
+is, in one line each: applied (learning rate, weight decay and epsilon by ``apply``; every key
+read afresh each step), warned (``GEOMETRY``: not the same batches) or refused (``REFUSED``: what
+the restored state fixes; a ConfigError naming the key). docs/checkpoints.md lists them.
 """
 
 from __future__ import annotations
@@ -31,13 +23,16 @@ logger = logging.getLogger("corelooper")
 REFUSED = ("optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
            "lr_multipliers", "seed", "mixed_precision")
 GEOMETRY = ("per_device_train_batch_size", "gradient_accumulation_steps")
-IN_STATE = ("learning_rate", "weight_decay", "adam_epsilon")  # restored with the optimizer: re-applied
 IGNORED = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint", "disable_tqdm", "run_name")
 
 
-def _toml(path: Path) -> dict[str, Any]:
+def _saved_config(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint's ``config.toml``, or None when it has none."""
     from ..config import tomllib  # tomli on Python 3.10
 
+    path = Path(directory) / "config.toml"
+    if not path.is_file():
+        return None
     try:
         return tomllib.loads(path.read_bytes().decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -48,24 +43,20 @@ def _toml(path: Path) -> dict[str, Any]:
 
 
 def saved_train(directory: Path) -> dict[str, Any]:
-    path = Path(directory) / "config.toml"
-    return _toml(path).get("train", {}) if path.is_file() else {}
+    return (_saved_config(directory) or {}).get("train", {})
 
 
 def saved_sections(directory: Path) -> set[str]:
     """The top-level sections of the checkpoint's ``config.toml`` (empty when it has none)."""
-    path = Path(directory) / "config.toml"
-    return set(_toml(path)) if path.is_file() else set()
+    return set(_saved_config(directory) or ())
 
 
 def check_same_model(config, directory: Path) -> None:
     """An output_dir of another run: its [model] section differs from this config's."""
-    path = Path(directory) / "config.toml"
-    if not path.is_file():
+    saved = _saved_config(directory)
+    if saved is None or not config.model.factory:
         return
-    saved = _toml(path).get("model", {})
-    if not config.model.factory:
-        return
+    saved = saved.get("model", {})
     mine = {"factory": config.model.factory, "args": config.model.args}
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
              for k, v in mine.items() if saved.get(k, {} if k == "args" else None) != v]
@@ -117,7 +108,9 @@ def compare(config, directory: Path, saved_state: dict[str, Any], state) -> list
 
 
 def apply(config, saved_train: dict[str, Any], optimizer, scheduler) -> None:
-    """Write the run's learning rate, weight decay and epsilon over the restored optimizer's."""
+    """Write the run's learning rate, weight decay and epsilon over the restored optimizer's (the LR
+    scaled by new/old in every group and the scheduler's base LRs: lr_multipliers and the schedule's
+    position are kept)."""
     new = config.train
     old_lr = saved_train.get("learning_rate")
     if old_lr and _differs(old_lr, new.learning_rate):
@@ -130,8 +123,7 @@ def apply(config, saved_train: dict[str, Any], optimizer, scheduler) -> None:
             if isinstance(getattr(scheduler, attr, None), list):
                 setattr(scheduler, attr, [v * ratio for v in getattr(scheduler, attr)])
     for key, group_key in (("weight_decay", "weight_decay"), ("adam_epsilon", "eps")):
-        old = saved_train.get(key)
-        value = getattr(new, key)
+        old, value = saved_train.get(key), getattr(new, key)
         if old is None or not _differs(old, value):
             continue
         for group in optimizer.param_groups:

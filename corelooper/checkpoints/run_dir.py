@@ -4,15 +4,6 @@ A ``checkpoint-N`` folder counts only when its ``manifest.json`` verifies (``man
 Nothing here ever promotes a temporary folder: a ``.tmp-checkpoint-N`` is a save that did not
 finish and is deleted at start-up, as are ``.deleting-checkpoint-N`` (a rotation cut short)
 and stray ``.tmp*`` files (a final-model write killed before its rename).
-
-API::
-
-    prepare_output_dir(output_dir, config, resuming=..., overwrite=...)  # rank 0, under the RunLock
-    list_checkpoints(output_dir) -> [Path]          # checkpoint-N folders by step (not verified)
-    resolve(resume, output_dir) -> Path             # "latest": newest that verifies; a path: verified
-    last_finite_checkpoint(output_dir) -> Path|None # for error messages ("checkpoint-15 is intact")
-    rotate_checkpoints(output_dir, limit, keep=..., best=...) -> [deleted]
-    relative_to_run(path, output_dir) / from_run(name, directory)   # relocatable stored paths
 """
 
 from __future__ import annotations
@@ -23,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ..config import parse_size
 from ..errors import CheckpointError
 from . import manifest
 from .ioerrors import check_is_folder, io_error
@@ -39,9 +31,8 @@ _DEBRIS_RE = re.compile(r"^\.(tmp|deleting)-checkpoint-\d+$|^\.tmp")
 
 def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: bool) -> None:
     """Create ``output_dir``, clear the debris of killed saves, write the resolved config;
-    refuse to start a second run over a finished or started one (unless ``overwrite``)."""
-    from .weights import parse_size
-
+    refuse to start a second run over a finished or started one (unless ``overwrite``).
+    Rank 0 calls it, under the RunLock."""
     parse_size(config.train.save_max_shard_size)  # a bad value fails now, not at the first save
     output_dir = Path(output_dir)
     try:
@@ -63,8 +54,8 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
                 _remove_dir(path)
             for path in final_model:
                 path.unlink()
-        if not resuming and (output_dir / "metrics.jsonl").exists():
-            (output_dir / "metrics.jsonl").unlink()
+        if not resuming:
+            (output_dir / "metrics.jsonl").unlink(missing_ok=True)
         config.write(output_dir / "config.toml")
     except OSError as e:
         raise io_error(e, "preparing the output folder", output_dir) from None
@@ -110,25 +101,10 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def complete_checkpoints(output_dir: Path) -> tuple[list[Path], dict[Path, str]]:
-    """Checkpoints that verify (oldest first), and why each of the others does not."""
-    good, bad = [], {}
-    for path in list_checkpoints(output_dir):
-        why = manifest.problem(path)
-        if why is None:
-            good.append(path)
-        else:
-            bad[path] = why
-    return good, bad
-
-
 def last_finite_checkpoint(output_dir: Path) -> Path | None:
     """The newest checkpoint that verifies (every one written is finite): for messages like
     "the last finite checkpoint is checkpoint-15"."""
-    for path in reversed(list_checkpoints(output_dir)):
-        if manifest.problem(path) is None:
-            return path
-    return None
+    return next((p for p in reversed(list_checkpoints(output_dir)) if manifest.problem(p) is None), None)
 
 
 def intact_note(output_dir: Path) -> str:
@@ -196,27 +172,19 @@ def rotate_checkpoints(output_dir: Path, limit: int | None, keep: Path | None = 
     if not limit:
         return []
     found = list_checkpoints(output_dir)
-    protected = {found[-1].name} if found else set()
-    if keep is not None:
-        protected.add(Path(keep).name)
-    if best:
-        protected.add(Path(best).name)
-    removable = [p for p in found if p.name not in protected]
-    excess = len(found) - max(limit, len(found) - len(removable))
-    deleted = removable[: max(0, excess)]
+    protected = {Path(p).name for p in (*found[-1:], keep, best) if p}
+    deleted = [p for p in found if p.name not in protected][: max(0, len(found) - limit)]
     for path in deleted:
         _remove_dir(path)
     return deleted
 
 
-def keep_only_best(output_dir: Path, best: str | Path) -> list[Path]:
+def keep_only_best(output_dir: Path, best: str | Path) -> None:
     """End of training with ``save_total_limit = 1`` and a best checkpoint (HF 5.x
-    ``_finalize_training``): every other checkpoint is deleted, the best one stays. Returns
-    the deleted folders."""
-    deleted = [p for p in list_checkpoints(output_dir) if p.name != Path(best).name]
-    for path in deleted:
-        _remove_dir(path)
-    return deleted
+    ``_finalize_training``): every other checkpoint is deleted, the best one stays."""
+    for path in list_checkpoints(output_dir):
+        if path.name != Path(best).name:
+            _remove_dir(path)
 
 
 def relative_to_run(path: str | Path | None) -> str | None:
@@ -227,6 +195,4 @@ def relative_to_run(path: str | Path | None) -> str | None:
 
 def from_run(stored: str | None, checkpoint_dir: Path) -> str | None:
     """The stored name (or an absolute path of an older version) -> a path in this run folder."""
-    if not stored:
-        return None
-    return str(Path(checkpoint_dir).parent / Path(stored).name)
+    return str(Path(checkpoint_dir).parent / Path(stored).name) if stored else None

@@ -1,9 +1,5 @@
-"""Model weights on disk: safetensors (sharded above ``save_max_shard_size``), shape checks.
-
-``save_weights(state_dict, directory, max_shard_size, model)``, ``read_weights(directory)``,
-``weight_shapes(directory)`` (headers only), ``check_shapes(model, found, where, backend)``,
-``all_finite(state_dict)`` (fused reductions), ``parse_size("5GB")``.
-"""
+"""Model weights on disk: safetensors (sharded above ``save_max_shard_size``), shape checks, the
+finite-weights check."""
 
 from __future__ import annotations
 
@@ -19,25 +15,21 @@ try:
 except ImportError:  # numpy is optional for torch
     pass
 
-from ..config import parse_size  # noqa: F401  (re-exported: a config value)
+from ..config import parse_size
 from ..errors import CheckpointError
-
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
+from .run_dir import WEIGHTS, WEIGHTS_INDEX
 
 
 def torch_save(obj, path) -> None:
     """``torch.save`` without the zip records' CRC32: computing it costs more than writing the
     bytes (0.7 s vs 2-3 s for 512 MiB here), and every checkpoint file already has a checksum in
     ``manifest.json``. ``torch.load`` reads such files as usual."""
-    from torch import serialization
-
-    previous = serialization.get_crc32_options()
-    serialization.set_crc32_options(False)
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
     try:
         torch.save(obj, path)
     finally:
-        serialization.set_crc32_options(previous)
+        torch.serialization.set_crc32_options(previous)
 
 
 def all_finite(state_dict: dict[str, torch.Tensor]) -> bool:
@@ -65,17 +57,13 @@ def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tensors = {}
     for k, v in state_dict.items():
         v = v.detach()
-        ptr = v.untyped_storage().data_ptr() if v.numel() else None
-        if ptr is not None and ptr in seen:
-            v = v.clone()
-        if ptr is not None:
+        if v.numel():
+            ptr = v.untyped_storage().data_ptr()
+            if ptr in seen:
+                v = v.clone()
             seen.add(ptr)
         tensors[k] = v.contiguous().cpu()
     return tensors
-
-
-def _is_hf_model(model) -> bool:
-    return callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config")
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB",
@@ -84,7 +72,7 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard
     ``max_shard_size``. A Hugging Face ``PreTrainedModel`` is written by its own
     ``save_pretrained`` (same file names, plus config.json) so ``from_pretrained`` loads it."""
     limit = parse_size(max_shard_size)
-    if model is not None and _is_hf_model(model):
+    if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
         model.save_pretrained(directory, state_dict=state_dict, max_shard_size=limit)
         return
     tensors = _untie(state_dict)
@@ -110,63 +98,58 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard
     (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 
-def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}.")
+
+
+def _weight_files(directory: Path) -> list[Path]:
     index = directory / WEIGHTS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
+    if not index.is_file():
+        if not (directory / WEIGHTS).is_file():
             raise CheckpointError(
-                f"Checkpoint file {str(index)!r} is unreadable (truncated or corrupt?): {e}."
-            ) from None
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(
-                    f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing."
-                )
-        return files, weight_map
-    path = directory / WEIGHTS
-    if not path.is_file():
-        raise CheckpointError(
-            f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX})."
-        )
-    return [path], None
+                f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX})."
+            )
+        return [directory / WEIGHTS]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise _unreadable(index, e) from None
+    files = [directory / name for name in sorted(set(weight_map.values()))]
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(
+                f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing."
+            )
+    return files
+
+
+def _read_each(directory: Path, read) -> dict:
+    """``read(file)`` of every weight file, merged; a file it cannot read is named."""
+    out = {}
+    for path in _weight_files(directory):
+        try:
+            out.update(read(str(path)))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise _unreadable(path, e) from None
+    return out
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a (possibly sharded) safetensors model in ``directory``."""
+    return _read_each(directory, load_file)
 
-    files, _ = _weight_files(directory)
-    loaded: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            loaded.update(load_file(str(path)))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(
-                f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}."
-            ) from None
-    return loaded
+
+def _header_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    with safe_open(path, framework="pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
 def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes from the safetensors headers only (no tensor data is read)."""
-
-    files, _ = _weight_files(directory)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for k in f.keys():
-                    shapes[k] = tuple(f.get_slice(k).get_shape())
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(
-                f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}."
-            ) from None
-    return shapes
+    return _read_each(directory, _header_shapes)
 
 
-def _aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+def tied_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """Key -> other keys sharing its storage (tied weights, which save_pretrained drops)."""
     by_ptr: dict[tuple[int, int], list[str]] = {}
     for k, v in state_dict.items():
@@ -182,17 +165,15 @@ def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], wher
     ``full_shapes``: a backend's real shapes where the module holds placeholders (a backend's
     optional ``full_parameter_shapes(model)``, e.g. DeepSpeed ZeRO-3's partitioned parameters)."""
     expected = model.state_dict()
+    aliases = tied_keys(expected)
     shapes = {k: tuple(v.shape) for k, v in expected.items()}
     shapes.update(full_shapes or {})
     expected.update({k: None for k in shapes if k not in expected})
-    aliases = _aliases({k: v for k, v in expected.items() if v is not None})
     fill = [k for k in expected if k not in found and any(a in found for a in aliases.get(k, ()))]
     missing = sorted(set(expected) - set(found) - set(fill))
     unexpected = sorted(set(found) - set(expected))
-    wrong = [
-        f"{k}: checkpoint {tuple(found[k])} vs model {shapes[k]}"
-        for k in expected if k in found and tuple(found[k]) != shapes[k]
-    ]
+    wrong = [f"{k}: checkpoint {tuple(found[k])} vs model {shapes[k]}"
+             for k in expected if k in found and tuple(found[k]) != shapes[k]]
     if missing or unexpected or wrong:
         parts = []
         if wrong:
