@@ -1,15 +1,13 @@
 """Dispatching event hooks for one ``Loop``.
 
 An event that no plugin implements is not dispatched at all (a pluggy call costs ~1 µs even
-then, and some events fire per micro-batch). The "who implements it" answer is cached, and the
-cache is dropped whenever a plugin is registered or unregistered, so a plugin registered at
-any time is called from the next event on.
+then, and some events fire per micro-batch). The "who implements it" cache is dropped at every
+(un)registration: a plugin registered at any time is called from the next event on.
 
-The implementations are called in pluggy's order (``tryfirst`` first, then the last registered),
-each with the arguments it names, as pluggy's executor does, but without its per-call
-bookkeeping (~1 µs per implementation: 20 plugins on a 1 ms step would cost 7%). Through
-pluggy itself: an event with a hook wrapper, and every event while a hook-call monitor is
-installed (``corelooper_testing``'s recorder, a diagnosis plugin's hook timer).
+The implementations are called in pluggy's order, each with the arguments it names, as pluggy's
+executor does but without its bookkeeping (~1 µs per implementation: 20 plugins on a 1 ms step
+would cost 7%). Through pluggy itself: an event with a hook wrapper, and every event while a
+hook-call monitor is installed (``corelooper_testing``'s recorder, a diagnosis plugin's timer).
 """
 
 from __future__ import annotations
@@ -33,20 +31,16 @@ class Events:
         if self._version != self.plugins.version:
             self._callers.clear()
             self._version = self.plugins.version
-        try:
-            return self._callers[name]
-        except KeyError:
+        if name not in self._callers:
             caller = getattr(self.plugins.hook, name)
             impls = caller.get_hookimpls()
             if not impls:
-                found = (None, None)
+                self._callers[name] = (None, None)
             elif any(i.hookwrapper or i.wrapper for i in impls):
-                found = (caller, None)
-            else:
-                # pluggy calls the list from its end
-                found = (caller, [(i.function, tuple(i.argnames)) for i in reversed(impls)])
-            self._callers[name] = found
-            return found
+                self._callers[name] = (caller, None)
+            else:  # pluggy calls the list from its end
+                self._callers[name] = (caller, [(i.function, tuple(i.argnames)) for i in reversed(impls)])
+        return self._callers[name]
 
     def fire(self, name: str, **kwargs: Any) -> None:
         caller, impls = self._lookup(name)

@@ -9,10 +9,12 @@ on an implementation override this. ``corelooper plugins`` prints the outcome.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.metadata
 import inspect
 import os
+import traceback
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -20,8 +22,8 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from .config import Config, import_module
+from . import __version__, hookspecs
+from .config import Config, PluginsConfig, import_module
 from .dispatch import CHECKS, refuse_wrappers, wrong_result
 from .errors import ConfigError, CorelooperError, PluginError
 from .hf.args import settings_of
@@ -42,11 +44,11 @@ class PluginInfo:
 
 
 def installed_entry_points() -> list[importlib.metadata.EntryPoint]:
-    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    return sorted(eps, key=lambda ep: ep.name)
+    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
 
 
-KNOWN_HOOKS = frozenset((*hookspecs.EVENTS, *hookspecs.PROVIDERS, *hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS))
+HOOK_ORDER = (*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS)
+KNOWN_HOOKS = frozenset(HOOK_ORDER)
 
 
 def call_impl(impl, kwargs: dict[str, Any]) -> Any:
@@ -93,7 +95,7 @@ class Plugins:
         self.unloaded: dict[str, Any] = {}  # installed, not loaded for this run: name -> entry point
         self.hook = self.pm.hook
         self.version = 0  # bumped by every (un)registration: the loop's event cache checks it
-        self._provider_cache: dict[str, tuple[int, Any, list]] = {}
+        self._provider_cache: dict[str, tuple[int, list]] = {}
         self.config = None  # the run's validated config, set by load_plugins
         self._configuring = False
         self._configured = False  # corelooper_configure ran: later plugins are configured at once
@@ -121,15 +123,14 @@ class Plugins:
             ) from None
         except ValueError as e:
             raise PluginError(f"Plugin {name!r} could not be registered: {e}") from None
-        self._check_names(plugin, name)
         try:
+            self._check_names(plugin, name)
             refuse_wrappers(name, self._impls(plugin))
         except PluginError:
             self.pm.unregister(plugin)
             raise
-        hooks = sorted(
-            {hook for hook, _ in self._impls(plugin)}, key=_hook_order
-        )
+        implemented = {hook for hook, _ in self._impls(plugin)}
+        hooks = [hook for hook in HOOK_ORDER if hook in implemented] + sorted(implemented - KNOWN_HOOKS)
         self.info[name] = PluginInfo(name, plugin, kind, dist, version, hooks)
         self.version += 1
         if self._configured:  # historic, as pytest_configure: a late plugin is configured now
@@ -147,7 +148,7 @@ class Plugins:
                 "it as an entry point, so that its sections are checked and their defaults filled in."
             )
         if "corelooper_configure" in impls:
-            _configure_one(self, name, impls["corelooper_configure"], self.config)
+            _configure_one(self, impls["corelooper_configure"], self.config)
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
@@ -188,11 +189,10 @@ class Plugins:
         self._unconfigured = True
         errors = []
         for impl in reversed(self.hook.corelooper_unconfigure.get_hookimpls()):
-            name = self.pm.get_name(impl.plugin)
             try:  # every plugin gets to close its things, even after another one failed
                 call_impl(impl, {"config": self.config, "plugins": self})
             except Exception as e:
-                errors.append(f"{name!r}: {type(e).__name__}: {e}")
+                errors.append(f"{impl.plugin_name!r}: {type(e).__name__}: {e}")
         if errors:
             raise PluginError(f"corelooper_unconfigure failed in plugin {'; '.join(errors)}.")
 
@@ -206,48 +206,29 @@ class Plugins:
     def _check_names(self, plugin: Any, name: str) -> None:
         """A misspelt hook name would otherwise be silently ignored."""
         for attr in dir(plugin):
-            if attr in KNOWN_HOOKS or attr.startswith("_"):
-                continue
-            obj = getattr(plugin, attr, None)
-            if not callable(obj):
+            if attr in KNOWN_HOOKS or attr.startswith("_") or not callable(getattr(plugin, attr, None)):
                 continue
             marked = self.pm.parse_hookimpl_opts(plugin, attr) is not None
             close = difflib.get_close_matches(attr, sorted(KNOWN_HOOKS), n=1, cutoff=0.85)
             if marked or close:
                 hint = f" Did you mean {close[0]!r}?" if close else ""
-                self.pm.unregister(plugin)
                 raise PluginError(
                     f"Plugin {name!r} implements {attr!r}, which is not a corelooper hook."
                     f"{hint} See `corelooper hooks`."
                 )
 
-    def block(self, names: Iterable[str]) -> None:
-        for n in names:
-            self.pm.set_blocked(n)
-
     # -- queries -------------------------------------------------------------------------------
-    def implemented(self, hook_name: str) -> bool:
-        return bool(getattr(self.hook, hook_name).get_hookimpls())
-
-    def implemented_by_others(self, hook_name: str) -> bool:
-        """Whether a plugin other than the builtin implements ``hook_name``."""
-        builtin = self.pm.get_plugin(BUILTIN)
-        return any(i.plugin is not builtin for i in getattr(self.hook, hook_name).get_hookimpls())
-
     def provider_order(self, hook_name: str) -> list[str]:
         """Plugins providing ``hook_name``, in the order they are asked (first answer wins)."""
-        impls = getattr(self.hook, hook_name).get_hookimpls()
-        names = {id(p): n for n, p in self.pm.list_name_plugin()}
-        return [names[id(i.plugin)] for i in reversed(impls) if not (i.hookwrapper or i.wrapper)]
+        return [impl.plugin_name for impl in self._providers(hook_name)]
 
-    def provider_impl(self, hook_name: str):
-        impls = [i for i in getattr(self.hook, hook_name).get_hookimpls() if not (i.hookwrapper or i.wrapper)]
-        return impls[-1] if impls else None
+    def implemented_by_others(self, hook_name: str) -> bool:
+        """Whether a plugin other than the builtin provides ``hook_name``."""
+        return any(name != BUILTIN for name in self.provider_order(hook_name))
 
     def only_builtin(self, hook_name: str) -> bool:
-        """Whether the builtin plugin is the only provider of ``hook_name`` (cached)."""
-        impls = self._providers(hook_name)[1]
-        return len(impls) == 1 and impls[0].plugin is self.pm.get_plugin(BUILTIN)
+        """Whether the builtin plugin is the only provider of ``hook_name``."""
+        return self.provider_order(hook_name) == [BUILTIN]
 
     def call_provider(self, hook_name: str, /, **kwargs) -> tuple[Any, Any]:
         """The one way to call a provider (the loop, the builtin, plugins): as pluggy's
@@ -259,18 +240,17 @@ class Plugins:
     def call_next(self, hook_name: str, after: Any, /, **kwargs) -> tuple[Any, Any]:
         """As ``call_provider``, asking only the providers after plugin object ``after`` (a
         provider that wraps the next one: auto batch size retries the next ``training_step``)."""
-        caller, impls = self._providers(hook_name)
-        mine = [i for i, impl in enumerate(impls) if impl.plugin is after]
-        if not mine:
+        impls = self._providers(hook_name)
+        mine = next((n for n, impl in enumerate(impls) if impl.plugin is after), None)
+        if mine is None:
             raise PluginError(f"call_next({hook_name!r}, {after!r}): that object provides no {hook_name!r}.")
-        return self._dispatch(hook_name, (caller, impls[mine[0] + 1:]), kwargs)
+        return self._dispatch(hook_name, impls[mine + 1:], kwargs)
 
-    def _dispatch(self, hook_name: str, providers: tuple[Any, list], kwargs: dict) -> tuple[Any, Any]:
-        caller, impls = providers
-        monitored, check = self.pm.monitors, CHECKS.get(hook_name)
+    def _dispatch(self, hook_name: str, impls: list, kwargs: dict) -> tuple[Any, Any]:
+        check = CHECKS.get(hook_name)
         for impl in impls:
-            if monitored:  # through pluggy's executor, so the monitor (a recorder, a timer) sees it
-                result = caller._hookexec(caller.name, [impl], kwargs, True)
+            if self.pm.monitors:  # through pluggy's executor, so the monitor (a recorder, a timer) sees it
+                result = self.pm._hookexec(hook_name, [impl], kwargs, True)
             else:  # what pluggy's executor does for one implementation, without its bookkeeping
                 result = call_impl(impl, kwargs)
             if result is not None:
@@ -279,30 +259,26 @@ class Plugins:
                 return result, impl
         return None, None
 
-    def _providers(self, hook_name: str) -> tuple[Any, list]:
-        """The caller and implementations of a provider in the order asked (cached until the next
+    def _providers(self, hook_name: str) -> list:
+        """The implementations of a provider in the order asked (cached until the next
         (un)registration: some providers are called per micro-batch)."""
-        cached = self._provider_cache.get(hook_name)
-        if cached is not None and cached[0] == self.version:
-            return cached[1], cached[2]
-        caller = getattr(self.hook, hook_name)
-        impls = list(reversed(caller.get_hookimpls()))  # pluggy's order: tryfirst, last registered
+        version, impls = self._provider_cache.get(hook_name, (None, None))
+        if version == self.version:
+            return impls
+        impls = list(reversed(getattr(self.hook, hook_name).get_hookimpls()))  # tryfirst, last registered
         if any(i.hookwrapper or i.wrapper for i in impls):  # only past register(): pm.register
             raise PluginError(f"Hook wrappers are not supported on the provider {hook_name!r}.")
-        self._provider_cache[hook_name] = (self.version, caller, impls)
-        return caller, impls
+        self._provider_cache[hook_name] = (self.version, impls)
+        return impls
 
     def declared_sections(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for impl in self.hook.corelooper_config_sections.get_hookimpls():
-            name = self.pm.get_name(impl.plugin)
+            name = impl.plugin_name
             try:
                 sections = impl.function() or {}
             except Exception as e:
-                raise PluginError(
-                    f"Plugin {name!r} raised in hook 'corelooper_config_sections': "
-                    f"{type(e).__name__}: {e}"
-                ) from e
+                raise _raised(name, "corelooper_config_sections", e) from e
             if name in self.info:
                 self.info[name].sections = sections
             for section, defaults in sections.items():
@@ -320,25 +296,14 @@ class Plugins:
                 if code is not None:
                     codes[code] = (name, hook)
         found = None
-        tb = exc.__traceback__
-        while tb is not None:
-            found = codes.get(tb.tb_frame.f_code, found)
-            tb = tb.tb_next
+        for frame, _ in traceback.walk_tb(exc.__traceback__):
+            found = codes.get(frame.f_code, found)
         return found
 
 
-def _hook_order(name: str) -> int:
-    order = [*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
-    return order.index(name) if name in order else len(order)
-
-
-def load_plugins(
-    config: Config | None = None,
-    objects: Iterable[Any] = (),
-    blocked: Iterable[str] = (),
-    autoload: bool | None = None,
-    settle: Callable[[Config, Plugins], Config] | None = None,
-) -> Plugins:
+def load_plugins(config: Config | None = None, objects: Iterable[Any] = (), blocked: Iterable[str] = (),
+                 autoload: bool | None = None,
+                 settle: Callable[[Config, Plugins], Config] | None = None) -> Plugins:
     """Build the plugin manager for one run (or for ``corelooper plugins``). ``settle(config,
     plugins)``: the Loop makes the validated config final (a resume's batch geometry) before
     any plugin is configured."""
@@ -349,35 +314,33 @@ def load_plugins(
     from .builtin.preemption import PreemptionPlugin
 
     plugins = Plugins()
-    cfg = config.plugins if config is not None else None
+    cfg = config.plugins if config is not None else PluginsConfig()
     objects = list(objects)
     # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
     # stateful ones are new objects for every run.
-    policies = (("console", Console()), ("jsonl", MetricsLog()), ("preemption", PreemptionPlugin()),
-                ("best_metric", best_metric))
-    blocked = set(blocked) | set(cfg.disable if cfg else ())
+    policies = {"console": Console(), "jsonl": MetricsLog(), "preemption": PreemptionPlugin(),
+                "best_metric": best_metric}
+    blocked = set(blocked) | set(cfg.disable)
     if BUILTIN in blocked:
         raise ConfigError("The builtin plugin cannot be disabled; override its hooks instead.")
-    known = [n for n, _ in policies] + [ep.name for ep in installed_entry_points()]
-    check_blocked(blocked, known + list(cfg.local if cfg else ()) + [_object_name(o) for o in objects])
-    plugins.block(blocked)
-    version = _version("corelooper")
-    plugins.register(builtin, BUILTIN, "builtin", "corelooper", version)
-    for name, obj in policies:
-        plugins.register(obj, name, "builtin", "corelooper", version)
+    known = [*policies, *(ep.name for ep in installed_entry_points())]
+    check_blocked(blocked, known + list(cfg.local) + [_object_name(o) for o in objects])
+    for name in blocked:
+        plugins.pm.set_blocked(name)
+    for name, obj in {BUILTIN: builtin, **policies}.items():
+        plugins.register(obj, name, "builtin", "corelooper", __version__)
 
     if autoload is None:
         autoload = not os.environ.get(AUTOLOAD_ENV)
     _register_installed(plugins, cfg, blocked, autoload, config)
     base = config.source.parent if config is not None and config.source else None
-    for ref in cfg.local if cfg else ():
-        module = import_module(ref, "plugins.local", base)
-        plugins.register(module, ref, "local")
+    for ref in cfg.local:
+        plugins.register(import_module(ref, "plugins.local", base), ref, "local")
     for obj in objects:
         plugins.register(obj, _object_name(obj), "object")
 
     if config is not None:
-        check_settings(config, plugins, dict(policies))
+        check_settings(config, plugins, policies)
         declared = plugins.declared_sections()
         check_sections(config, declared, plugins)
         config = config.with_defaults(declared) or config
@@ -407,20 +370,20 @@ def check_blocked(blocked: Iterable[str], known: list[str]) -> None:
         )
 
 
-def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool, config: Config | None) -> None:
-    """Installed plugins (entry points), minus the disabled ones and the logging plugins that
-    ``train.report_to`` leaves out; the first name is asked first."""
-    enable = set(cfg.enable) if cfg and cfg.enable is not None else None
+def _register_installed(plugins: Plugins, cfg: PluginsConfig, blocked: set[str], autoload: bool,
+                        config: Config | None) -> None:
+    """Installed plugins (entry points), minus the disabled ones and the logging plugins (they
+    declare ``report_to`` names, HF's report_to integrations) that ``train.report_to`` leaves
+    out; the first name is asked first."""
     installed = installed_entry_points()
-    if enable is not None:
-        unknown = enable - {ep.name for ep in installed}
-        if unknown:
-            names = [ep.name for ep in installed]
-            raise ConfigError(
-                f"plugins.enable names {sorted(unknown)}, which are not installed plugins. "
-                f"Installed: {names or 'none'}. Install the plugin's package (first-party ones "
-                f"are named like corelooper-{sorted(unknown)[0].replace('_', '-')})."
-            )
+    enable = None if cfg.enable is None else set(cfg.enable)
+    unknown = sorted(enable - {ep.name for ep in installed}) if enable is not None else []
+    if unknown:
+        raise ConfigError(
+            f"plugins.enable names {unknown}, which are not installed plugins. "
+            f"Installed: {[ep.name for ep in installed] or 'none'}. Install the plugin's package "
+            f"(first-party ones are named like corelooper-{unknown[0].replace('_', '-')})."
+        )
     reporters: list[str] = []
     for ep in reversed(installed):  # first name registered last -> asked first
         if not autoload:
@@ -430,37 +393,28 @@ def _register_installed(plugins: Plugins, cfg, blocked: set[str], autoload: bool
         elif enable is not None and ep.name not in enable:
             plugins.skipped[ep.name] = "not in plugins.enable"
         else:
-            dist = ep.dist.metadata["Name"] if ep.dist else None
-            version = ep.dist.version if ep.dist else None
+            dist, version = (ep.dist.metadata["Name"], ep.dist.version) if ep.dist else (None, None)
             obj = _load_entry_point(ep, dist, version)
-            if not _unwanted_reporter(obj, ep.name, config, plugins, reporters):
+            names = list(_settings(obj, ep.name).get("report_to", ()))
+            reporters.extend(names)
+            if config is None or not names or any(config.train.reports_to(n) for n in names):
                 plugins.register(obj, ep.name, "installed", dist, version)
                 continue
+            plugins.skipped[ep.name] = "not in train.report_to"
         plugins.unloaded[ep.name] = ep
     if config is not None and autoload:
         check_report_to(config, [*reporters, *plugins.skipped])
 
 
-def _unwanted_reporter(obj, name: str, config: Config | None, plugins: Plugins, reporters: list[str]) -> bool:
-    """A logging plugin (it declares ``report_to`` names, HF's report_to integrations) that
-    train.report_to leaves out."""
-    names = list(_settings(obj, name).get("report_to", ()))
-    if not names:
-        return False
-    reporters.extend(names)
-    if config is not None and not any(config.train.reports_to(n) for n in names):
-        plugins.skipped[name] = "not in train.report_to"
-        return True
-    return False
+def _raised(name: str, hook: str, e: Exception, advice: str = "") -> PluginError:
+    return PluginError(f"Plugin {name!r} raised in hook {hook!r}: {type(e).__name__}: {e}.{advice}")
 
 
 def _settings(obj: Any, name: str) -> dict[str, Any]:
     try:
         return settings_of(obj)
     except Exception as e:
-        raise PluginError(
-            f"Plugin {name!r} raised in hook 'corelooper_settings': {type(e).__name__}: {e}."
-        ) from e
+        raise _raised(name, "corelooper_settings", e) from e
 
 
 def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -> None:
@@ -471,10 +425,8 @@ def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -
              **{f: getattr(config.train, f) for f in config.train.__dataclass_fields__}}
     unloaded = {n: obj for n, obj in policies.items() if n not in plugins.info}
     for name, ep in plugins.unloaded.items():
-        try:
+        with contextlib.suppress(Exception):  # not loaded for this run anyway: its import error shows then
             unloaded[name] = ep.load()
-        except Exception:  # not loaded for this run anyway; its import error shows when it is
-            continue
     for name, obj in sorted(unloaded.items()):
         for key, translate in _settings(obj, name).get("train", {}).items():
             if key in answered or key not in train or translate(train[key], train) is None:
@@ -523,44 +475,31 @@ def configure(plugins: Plugins, config: Config) -> None:
     they register are configured too, and so is any plugin registered later (pytest's historic
     ``pytest_configure``)."""
     done: set[int] = set()
-    while True:
-        todo = [
-            (name, impl) for name, impl in _configure_impls(plugins) if id(impl) not in done
-        ]
-        if not todo:
-            plugins._configured = True
-            return
-        for name, impl in todo:
+    impls = plugins.hook.corelooper_configure.get_hookimpls
+    while todo := [impl for impl in reversed(impls()) if id(impl) not in done]:
+        for impl in todo:
             done.add(id(impl))
-            _configure_one(plugins, name, impl, config)
+            _configure_one(plugins, impl, config)
+    plugins._configured = True
 
 
-def _configure_one(plugins: Plugins, name: str, impl, config: Config) -> None:
+def _configure_one(plugins: Plugins, impl, config: Config) -> None:
     configuring, plugins._configuring = plugins._configuring, True
     try:
-        impl.function(*({"config": config, "plugins": plugins}[a] for a in impl.argnames))
+        call_impl(impl, {"config": config, "plugins": plugins})
     except CorelooperError:  # said already (a config error; a missing data file: DataError, exit 4)
         raise
     except Exception as e:
-        raise PluginError(
-            f"Plugin {name!r} raised in hook 'corelooper_configure': {type(e).__name__}: "
-            f"{e}. Fix the plugin, or disable it with `-p no:{name}`."
-        ) from e
+        advice = f" Fix the plugin, or disable it with `-p no:{impl.plugin_name}`."
+        raise _raised(impl.plugin_name, "corelooper_configure", e, advice) from e
     finally:
         plugins._configuring = configuring
 
 
-def _configure_impls(plugins: Plugins):
-    for impl in reversed(plugins.hook.corelooper_configure.get_hookimpls()):
-        yield plugins.pm.get_name(impl.plugin), impl
-
-
 def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) -> None:
     for section in config.sections:
-        if section in declared:
+        if section in declared or section in plugins.skipped:  # skipped: installed, disabled for this run
             continue
-        if section in plugins.skipped:
-            continue  # installed, but disabled for this run: its section is ignored
         close = difflib.get_close_matches(section, list(declared) + list(Config.CORE), n=1)
         hint = (f" Did you mean [{close[0]}]?" if close else
                 f" If a plugin package provides it, install it (`pip install "
@@ -569,10 +508,3 @@ def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) 
             f"Unknown config section [{section}]: no loaded plugin declares it.{hint} "
             "Run `corelooper plugins` to see the sections each plugin declares."
         )
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None

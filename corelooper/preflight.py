@@ -1,15 +1,8 @@
-"""Config problems that can be known before the first step, reported before it.
-
-``check_run(args, has_eval_data, has_compute_metrics)`` raises a ConfigError for:
-
-- ``eval_strategy`` "steps"/"epoch" (or ``load_best_model_at_end``, or a ``metric_for_best_model``)
-  with no evaluation data: today that fails only at the first evaluation, possibly hours in;
-- a ``metric_for_best_model`` that no evaluation can produce: the loop itself produces
-  ``loss`` (and ``perplexity`` for a causal-LM loss); any other name must come from
-  ``compute_metrics``, so with no compute_metrics (no function, no plugin) it is an error now.
-  With one, its names are known only after it first runs: the first evaluation checks them
-  (and names the ones it returned).
-"""
+"""Config problems that can be known before the first step, reported before it (not at the first
+evaluation, possibly hours in): evaluating with no evaluation data; a ``metric_for_best_model``
+that no evaluation can produce. The loop produces ``loss`` (and ``perplexity`` for a causal-LM
+loss); any other name must come from ``compute_metrics``, whose names are known only after it
+first runs (the first evaluation checks them)."""
 
 from __future__ import annotations
 
@@ -28,8 +21,7 @@ def check_run(args, *, has_eval_data: bool, has_compute_metrics: bool) -> None:
     name = args.metric_for_best_model
     if name is None or not evaluates:
         return
-    bare = name[len("eval_"):] if name.startswith("eval_") else name
-    if bare not in LOOP_METRICS and not has_compute_metrics:
+    if name.removeprefix("eval_") not in LOOP_METRICS and not has_compute_metrics:
         raise ConfigError(
             f"train.metric_for_best_model = {name!r}: an evaluation here produces only "
             f"{', '.join('eval_' + m for m in LOOP_METRICS)} (no compute_metrics is set). Use "
