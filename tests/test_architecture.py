@@ -17,10 +17,10 @@ CORE = REPO / "corelooper"
 MAX_FUNCTION_LINES = 60
 MAX_LOOP_LINES = 350
 MAX_TOP_MODULES = 25
-# A ratchet, not the goal: issue 25 asks for at most 7,500 lines and is open for it (streaming data,
-# the elastic resume, the pytest kit, run.json and FLOPs/MFU are packages of their own now). The
-# core may not grow past this; lower it with every cut.
-MAX_CORE_LINES = 8015
+# Issue 25's bound: all of corelooper/ at most 7,500 lines (7,421 when it was met: streaming data,
+# the elastic resume, the pytest kit, run.json and FLOPs/MFU became packages of their own, CLI-only
+# code moved to cli/, dead code and duplicates went). A feature that needs more goes in a plugin.
+MAX_CORE_LINES = 7500
 
 
 def modules() -> dict[str, Path]:

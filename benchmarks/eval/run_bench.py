@@ -9,7 +9,9 @@ Eval set: ``--samples`` samples of the SFT benchmark's long-tailed chat data (be
 the repetition), batches of ``--batch`` in dataset order, padded per batch by one collator shared
 by all rows. Rows (ROWS), each in its own fresh process, in a rotated order per repetition:
 
-* ``cl_loss``: ``Loop.evaluate()``, loss only;
+* ``cl_loss``: ``Loop.evaluate()``, loss only (with ``[lm] head = "trained"``, as an ``[sft]`` run's
+  default: logits for the trained positions only; every corelooper row sets it, and the rows with a
+  metric get every position's logits);
 * ``cl_stream``: with a streaming metric (``corelooper_lm.metrics.TokenAccuracy``: per-batch counts);
 * ``cl_batch_hf``: ``train.batch_eval_metrics = true`` with HF-style ``compute_metrics(eval_pred,
   compute_result)`` (the same function as ``hf_batch``: HF users' code, unchanged);
@@ -133,7 +135,7 @@ def padding_free_collator(model):
 
 
 def _corelooper(row, model, data, batch, out_dir, layout="padding_free"):
-    from corelooper import Loop, TrainArgs
+    from corelooper import Config, Loop, TrainArgs
 
     metric = None
     if row == "cl_stream":
@@ -145,7 +147,10 @@ def _corelooper(row, model, data, batch, out_dir, layout="padding_free"):
     args = TrainArgs(output_dir=out_dir, per_device_eval_batch_size=batch, disable_tqdm=True, use_cpu=True,
                      report_to=[], batch_eval_metrics=row == "cl_batch_hf", dataloader_num_workers=0)
     collator = padding_free_collator(model) if layout == "padding_free" else collate
-    loop = Loop(model, args, eval_dataset=data, data_collator=collator, compute_metrics=metric,
+    # [lm] head = "trained", what an [sft] run's "auto" picks for this model: a loss-only evaluation
+    # computes logits for the trained positions only; a metric gets every position's logits
+    config = Config(train=args, sections={"lm": {"head": "trained"}})
+    loop = Loop(model, config, eval_dataset=data, data_collator=collator, compute_metrics=metric,
                 blocked_plugins=["console"])
     return loop.evaluate
 
