@@ -31,7 +31,7 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
     want_outputs = keep_outputs or metric is None and (
         loop.plugins.implemented_by_others("compute_metrics") or loop.compute_metrics_fn is not None)
     # Without a use for the outputs, compute_loss is asked for the loss alone: an LM loss may then
-    # skip the logits of positions that do not count (corelooper-lm's head over trained positions).
+    # skip the logits of positions that do not count (a language-model head over trained positions only).
     need_outputs = want_outputs or metric is not None or any(
         "outputs" in impl.argnames for impl in loop.hook.on_prediction_step.get_hookimpls())
     loader = loop.plugins.call_provider("eval_dataloader", loop=loop, dataset=dataset)[0]

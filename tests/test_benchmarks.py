@@ -136,3 +136,14 @@ def load_eval():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_warm_growth_measures_each_call_in_a_fresh_process():
+    proc = subprocess.run([sys.executable, str(BENCH / "eval" / "warm_growth.py"), "--rows", "cl_loss,hf_loss",
+                           "--calls", "2", "--samples", "24"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["row"] for r in rows] == ["cl_loss", "hf_loss"]
+    for r in rows:  # a growth per call, never below what the call kept
+        assert len(r["peak_growth_mib"]) == len(r["kept_mib"]) == 2 and r["samples"] == 24
+        assert all(g >= k for g, k in zip(r["peak_growth_mib"], r["kept_mib"], strict=True))
