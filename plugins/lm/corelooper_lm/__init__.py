@@ -80,6 +80,9 @@ class LMLoss:
     def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
         if return_outputs:  # evaluation and prediction need the logits themselves
             return None
+        # It replaces the model's own loss, never another plugin's (a user's weighted loss).
+        if any(name not in ("builtin", f"{SECTION}.run") for name in loop.plugins.provider_order("compute_loss")):
+            return None
         from corelooper.data.columns import model_inputs
 
         trained = self.head != "all" and self._exact(loop, model)
