@@ -5,6 +5,7 @@ tutorial package of docs/plugins.md is installed and tested in the same pip and 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 
@@ -26,28 +27,27 @@ def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(t
     tutorial = tmp_path / "lossguard"
     write_tutorial(tutorial)
 
+    # installed (not editable: a .pth file is read only in site folders) into a folder of this test,
+    # never into the venv the other tests (and, under pytest-xdist, the other workers) load plugins from
+    site = tmp_path / "site"
     install = subprocess.run(
-        [*PIP, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(dest), "-e", str(tutorial)],
+        [*PIP, "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(dest), str(tutorial)],
         capture_output=True, text=True, timeout=300,
     )
-    try:
-        assert install.returncode == 0, install.stderr
-        eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="corelooper")}
-        assert eps.get("grad_stats") == "corelooper_grad_stats"
-        assert eps.get("lossguard") == "corelooper_lossguard"
-        tests = subprocess.run(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
-             str(dest / "tests"), str(tutorial / "tests")],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        )
-        assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
-        assert tests.stdout.count("test_grad_stats.py::") == 4 and tests.stdout.count("test_lossguard.py::") == 2
-        assert "6 passed" in tests.stdout
-    finally:  # never leave them installed: every other test would load them
-        subprocess.run([*PIP, "uninstall", "-y", "-q", "corelooper-grad-stats", "corelooper-lossguard"],
-                       capture_output=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    eps = {ep.name: ep.value for dist in importlib.metadata.distributions(path=[str(site)])
+           for ep in dist.entry_points if ep.group == "corelooper"}
+    assert eps == {"grad_stats": "corelooper_grad_stats", "lossguard": "corelooper_lossguard"}
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", str(dest / "tests"), str(tutorial / "tests")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))},
+    )
+    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
+    assert tests.stdout.count("test_grad_stats.py::") == 4 and tests.stdout.count("test_lossguard.py::") == 2
+    assert "6 passed" in tests.stdout
     names = {ep.name for ep in importlib.metadata.entry_points(group="corelooper")}
-    assert "grad_stats" not in names and "lossguard" not in names
+    assert "grad_stats" not in names and "lossguard" not in names  # nothing leaked into this venv
 
 
 def test_new_plugin_refuses_bad_names_and_non_empty_folders(tmp_path):

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -92,6 +93,11 @@ def _wait(what: str, check, survivor: subprocess.Popen, log: Path, timeout: floa
         time.sleep(0.2)
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _text(*paths: Path) -> str:
     return "".join(p.read_text() for p in paths if p.exists())
 
@@ -107,8 +113,10 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
              "--resume-from-checkpoint", "auto", "-p", str(tmp_path / "slow.py"), *ELASTIC]
     logs = [tmp_path / "survivor.log", tmp_path / "lost.log", tmp_path / "back.log"]
     survivor = _agent(tmp_path, agent, "survivor.log")
-    time.sleep(1)  # the survivor hosts the rendezvous store (the node that dies must not); both
-    # join the first round within its last call (10 s), so the job starts on 2 nodes
+    # the survivor hosts the rendezvous store (the node that dies must not): the second agent starts
+    # only once the store listens (a fixed 1 s sleep lost that race on a loaded machine: both agents
+    # bind 127.0.0.1, the first one up hosts); both join the first round within its last call (10 s)
+    _wait("the survivor's rendezvous store did not listen", lambda: _listening(port), survivor, logs[0])
     nodes = [survivor, _agent(tmp_path, agent, "lost.log", start_new_session=True)]
     try:
         metrics = tmp_path / "job" / "metrics.jsonl"

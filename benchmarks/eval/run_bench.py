@@ -27,8 +27,10 @@ by all rows. Rows (ROWS), each in its own fresh process, in a rotated order per 
   can only favour HF.
 
 Measured in the child, around the ``evaluate()`` call only (construction of the Loop/Trainer
-reported apart): eval tokens/s (real tokens of the set, padding not counted, over the call's
-wall time), peak RSS growth (the kernel's high-water mark reset through /proc/self/clear_refs
+reported apart), after one no-grad forward of the model over the first batch, the same call for
+every row (``--process warm``, the default: torch's one-time set-up, ~40 MiB kept, is then not
+counted as the evaluation's; ``--process fresh``: the call is the process's first use of torch):
+eval tokens/s (real tokens of the set, padding not counted, over the call's wall time), peak RSS growth (the kernel's high-water mark reset through /proc/self/clear_refs
 just before the call, minus the RSS then), the eval loss and the token accuracy. corelooper's
 loss is token-weighted over the set; HF's is the mean of per-batch losses weighted by batch
 size: the two are reported, and corelooper's loss is also recomputed the HF way (``loss_hf_way``)
@@ -178,7 +180,18 @@ def loss_hf_way(model, samples, batch) -> float:
     return total / len(samples)
 
 
-def child(row: str, seed: int, n: int, batch: int, layout: str) -> dict:
+def warm_up(model, samples, batch) -> None:
+    """One no-grad forward over the set's first batch, padded, the same call for every row: the state
+    of a process that has run the model already (a training run that evaluates every ``eval_steps``),
+    so torch's one-time set-up (its thread pool, kernel workspaces: ~40 MiB kept on this machine) is
+    not counted as the evaluation's growth."""
+    import torch
+
+    with torch.no_grad():
+        model(**C.pad_batch(samples[:batch]))
+
+
+def child(row: str, seed: int, n: int, batch: int, layout: str, process: str = "warm") -> dict:
     import torch
 
     t0 = time.perf_counter()
@@ -190,6 +203,8 @@ def child(row: str, seed: int, n: int, batch: int, layout: str) -> dict:
         evaluate = (_corelooper(row, model, data, batch, tmp, layout) if row.startswith("cl_")
                     else _hf(row, model, data, batch, tmp))
         constructed = time.perf_counter() - t0
+        if process == "warm":
+            warm_up(model, samples, batch)
         before = rss_mib()
         reset = True
         try:
@@ -202,7 +217,7 @@ def child(row: str, seed: int, n: int, batch: int, layout: str) -> dict:
         peak = rss_mib("VmHWM")
     tokens = sum(len(s.input_ids) for s in samples)
     rec = dict(row=row, seed=seed, samples=n, tokens=tokens, batch=batch, threads=torch.get_num_threads(),
-               layout=layout if row.startswith("cl_") else "padded",
+               layout=layout if row.startswith("cl_") else "padded", process=process,
                construct_s=round(constructed, 3), eval_s=round(wall, 3), tok_per_s=round(tokens / wall, 1),
                rss_before_mib=round(before, 1), rss_growth_mib=round(peak - before, 1), peak_reset=reset,
                eval_loss=metrics.get("eval_loss"), accuracy=metrics.get("eval_accuracy"))
@@ -219,7 +234,7 @@ def child(row: str, seed: int, n: int, batch: int, layout: str) -> dict:
 def run(row: str, seed: int, a) -> dict:
     n = min(a.samples, a.naive_samples) if row == "hf_naive" else a.samples
     argv = [sys.executable, str(Path(__file__).resolve()), "--one", row, "--seed", str(seed), "--samples", str(n),
-            "--batch", str(a.batch), "--cl-layout", a.cl_layout]
+            "--batch", str(a.batch), "--cl-layout", a.cl_layout, "--process", a.process]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
     rec = json.loads(line) if line and proc.returncode == 0 else {"row": row, "seed": seed,
@@ -285,13 +300,17 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--cl-layout", default="padding_free", choices=["padding_free", "padded"],
                     help="corelooper rows' batches: leak-free padding-free (corelooper-lm, as [sft] runs) or padded")
+    ap.add_argument("--process", default="warm", choices=["warm", "fresh"],
+                    help="warm (default): every row's process runs the model once (one no-grad forward of the "
+                         "first batch) before the measured call, as a training run that evaluates has; fresh: "
+                         "the call is the process's first use of torch (its one-time set-up counted)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/eval.json (--smoke: none)")
     ap.add_argument("--smoke", action="store_true", help="24 samples, every row once in this process, no file")
     ap.add_argument("--one", choices=ROWS, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(child(a.one, a.seed, a.samples, a.batch, a.cl_layout)), flush=True)
+        print(json.dumps(child(a.one, a.seed, a.samples, a.batch, a.cl_layout, a.process)), flush=True)
         return
     if a.smoke:  # every row once, in this process (seconds; its RSS figures mean nothing)
         a.reps, a.samples, a.naive_samples, a.batch = 1, 24, 24, 8
@@ -302,7 +321,7 @@ def main() -> None:
     for rep in range(a.reps):
         k = rep % len(rows)
         for row in rows[k:] + rows[:k]:
-            rec = dict(child(row, rep, a.samples, a.batch, a.cl_layout), loadavg=0) if a.smoke else run(row, rep, a)
+            rec = dict(child(row, rep, a.samples, a.batch, a.cl_layout, a.process), loadavg=0) if a.smoke else run(row, rep, a)
             runs[row].append(rec)
             print(f"rep {rep} {row:12s} tok/s={rec.get('tok_per_s')} growth={rec.get('rss_growth_mib')} MiB "
                   f"loss={rec.get('eval_loss')} load={rec['loadavg']} {(rec.get('failed') or '')[-300:]}",
@@ -310,6 +329,7 @@ def main() -> None:
     table = summarize(runs)
     judged = goals(runs)
     summary = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, samples=a.samples, cl_layout=a.cl_layout,
+                   process=a.process,
                    naive_samples=a.naive_samples, batch=a.batch, cpus=os.cpu_count(),
                    loadavg_start=[round(x, 2) for x in load0], loadavg_end=[round(x, 2) for x in os.getloadavg()],
                    command=" ".join(sys.argv), goals=judged, table=table, runs=runs)
