@@ -11,8 +11,9 @@
 * ``corelooper_lm.trained_head``: the LM head and the loss only over the positions that train
   (``labels != -100``): no logits for prompt tokens.
 
-The plugin registers, for a run that asks for something, a ``compute_loss`` provider (training
-only: evaluation keeps the model's own logits):
+The plugin registers, for a run that asks for something, a ``compute_loss`` provider (an
+evaluation that needs the logits, for a metric, gets the model's own logits and the loss computed
+from them a slice of rows at a time, not a second float32 log-softmax as large as the logits):
 
 * ``[lm] loss = "chunked"``: the chunked cross-entropy;
 * ``[lm] head = "trained"``: the head over trained positions only (refused, with the reason, where
@@ -78,11 +79,11 @@ class LMLoss:
 
     @hookimpl
     def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
-        if return_outputs:  # evaluation and prediction need the logits themselves
-            return None
         # It replaces the model's own loss, never another plugin's (a user's weighted loss).
         if any(name not in ("builtin", f"{SECTION}.run") for name in loop.plugins.provider_order("compute_loss")):
             return None
+        if return_outputs:  # evaluation with a metric: every position's logits, the loss from them in slices
+            return self._loss_and_outputs(loop, model, batch, num_items_in_batch)
         from corelooper.data.columns import model_inputs
 
         trained = self.head != "all" and self._exact(loop, model)
@@ -96,6 +97,22 @@ class LMLoss:
 
             return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing, trained_only=trained)
         return self._trained_loss(model, batch, num_items_in_batch, smoothing)
+
+    def _loss_and_outputs(self, loop, model, batch, num_items_in_batch):
+        """In evaluation, ``(loss, outputs)`` from one forward without labels: the model's own loss
+        would add a float32 log-softmax as large as the logits; this one takes a slice of rows at a time."""
+        from corelooper.data.columns import model_inputs
+
+        from .trained_head import causal_targets, loss_from_logits
+
+        if model.training or self.head == "all" or not isinstance(batch, Mapping) or not self._exact(loop, model):
+            return None
+        batch = model_inputs(loop, batch)
+        if "labels" not in batch and "shift_labels" not in batch:
+            return None
+        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
+        smoothing = loop.args.label_smoothing_factor if loop.loss_type != "mse" else 0.0
+        return loss_from_logits(outputs.logits, causal_targets(batch), num_items_in_batch, smoothing), outputs
 
     def _exact(self, loop, model) -> bool:
         """Whether the trained-positions head gives this run's loss (checked once per run)."""

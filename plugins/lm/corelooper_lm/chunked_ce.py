@@ -14,6 +14,8 @@ Pure torch (the idea of Liger's fused linear cross-entropy, without its kernels)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 CHUNK_BYTES = 256 * 2**20  # one chunk's float32 logits: ~523 tokens of a 128k vocabulary
@@ -182,31 +184,32 @@ def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothi
             f"lm.loss = 'chunked' is a causal-LM loss, but this run's loss is "
             f"{loop.loss_type!r} (train.loss_type). Use lm.loss = 'default'."
         )
+    from .trained_head import causal_targets
+    from .trained_layer import trimmed_last_layer
+
     head = output_head(model)
+    labels = causal_targets(batch)  # position t predicts token t + 1; the last predicts nothing
+    keep = labels != -100
     captured: list[torch.Tensor] = []
 
     def take_hidden(_module, args):
         captured.append(args[0])
         return (args[0][..., :0, :],)
 
-    handle = head.register_forward_pre_hook(take_hidden)
-    try:
-        model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
-    finally:
-        handle.remove()
+    with trimmed_last_layer(model, keep) if trained_only else contextlib.nullcontext([]) as trimmed:
+        handle = head.register_forward_pre_hook(take_hidden)
+        try:
+            model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
+        finally:
+            handle.remove()
     if len(captured) != 1:
         raise ConfigError(
             f"lm.loss = 'chunked': the model called its output layer {len(captured)} times in one "
             "forward (expected once, with the final hidden states). Use lm.loss = 'default'."
         )
-    if "shift_labels" in batch:
-        labels = batch["shift_labels"]
-    else:  # position t predicts token t + 1; the last position predicts nothing
-        labels = torch.nn.functional.pad(batch["labels"][..., 1:], (0, 1), value=-100)
     hidden = captured[0]
-    if trained_only:
-        keep = labels != -100
-        hidden, labels = hidden[keep], labels[keep]
+    if trained_only:  # the kept rows only (the last layer may have computed nothing else)
+        hidden, labels = (hidden[0] if trimmed else hidden[keep]), labels[keep]
     total = chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias,
                                   label_smoothing=label_smoothing)
     if num_items_in_batch is None:

@@ -72,26 +72,30 @@ def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: fl
     ``LabelSmoother`` on the logits). Raises ``HeadCallError`` when the model's forward does not
     call its output layer once with hidden states shaped like the labels.
     """
+    from .trained_layer import trimmed_last_layer
+
     targets = causal_targets(batch)
     keep = targets != -100
     head = unwrapped(model).get_output_embeddings()
     calls: list[tuple] = []
+    with trimmed_last_layer(model, keep) as trimmed:
 
-    def gather(_module, args):
-        calls.append(tuple(args[0].shape))
-        if len(calls) > 1 or args[0].shape[:-1] != keep.shape:
-            return None  # not the one call we understand: raised below, after the forward
-        return (args[0][keep].unsqueeze(0), *args[1:])
+        def gather(_module, args):
+            calls.append(tuple(args[0].shape))
+            if trimmed or len(calls) > 1 or args[0].shape[:-1] != keep.shape:
+                return None  # the kept rows already, or not the one call we understand (raised below)
+            return (args[0][keep].unsqueeze(0), *args[1:])
 
-    handle = head.register_forward_pre_hook(gather)
-    try:
-        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
-    finally:
-        handle.remove()
+        handle = head.register_forward_pre_hook(gather)
+        try:
+            outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
+        finally:
+            handle.remove()
     kept = int(keep.sum()) if keep.device.type == "cpu" else None
-    if len(calls) != 1 or calls[0][:-1] != tuple(keep.shape):
+    expected = (1, kept) if trimmed else tuple(keep.shape)
+    if len(calls) != 1 or (calls[0][:-1] != expected and not (trimmed and kept is None)):
         raise HeadCallError(f"the output layer was called {len(calls)} time(s) with input shapes {calls}, "
-                            f"expected once with {tuple(keep.shape)} + (hidden,)")
+                            f"expected once with {expected} + (hidden,)")
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
     if logits.dim() != 3 or (kept is not None and logits.shape[1] != kept):
         raise HeadCallError(f"the model returned logits of shape {tuple(logits.shape)} from {kept} kept positions")
@@ -100,3 +104,22 @@ def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: fl
     if num_items_in_batch is None:
         num_items_in_batch = keep.sum()
     return total / num_items_in_batch
+
+
+
+EVAL_CHUNK_BYTES = 4 * 2**20  # one chunk's float32 log-softmax in an evaluation with a metric
+
+
+def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None,
+                     label_smoothing: float = 0.0) -> torch.Tensor:
+    """HF's causal-LM loss from a forward's ``logits`` (``[..., positions, vocab]``) and
+    ``causal_targets``, over slices of rows (views: no copy of float32 logits): the log-softmax of
+    one slice at a time, never a second array as large as the logits, which an evaluation with a
+    metric keeps."""
+    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long()
+    rows = max(64, EVAL_CHUNK_BYTES // (4 * logits.shape[-1]))
+    total = torch.zeros((), device=logits.device, dtype=torch.float32)
+    for start in range(0, flat.shape[0], rows):
+        total = total + F.cross_entropy(flat[start:start + rows].float(), flat_targets[start:start + rows],
+                                        ignore_index=-100, reduction="sum", label_smoothing=label_smoothing)
+    return total / ((flat_targets != -100).sum() if num_items_in_batch is None else num_items_in_batch)

@@ -38,16 +38,18 @@ def alone(model, seg):
         return model(input_ids=torch.tensor([seg.input_ids])).logits[0]
 
 
-def padded(segs):
+def padded(segs, left=False):
+    """The segments as a padded batch (right-padded, or left-padded with ``left``)."""
     longest = max(len(s.input_ids) for s in segs)
     batch = {"input_ids": torch.zeros((len(segs), longest), dtype=torch.long),
              "labels": torch.full((len(segs), longest), -100),
              "attention_mask": torch.zeros((len(segs), longest), dtype=torch.long)}
     for r, s in enumerate(segs):
         k = len(s.input_ids)
-        batch["input_ids"][r, :k] = torch.tensor(s.input_ids)
-        batch["labels"][r, :k] = torch.tensor(s.labels)
-        batch["attention_mask"][r, :k] = 1
+        where = slice(longest - k, longest) if left else slice(0, k)
+        batch["input_ids"][r, where] = torch.tensor(s.input_ids)
+        batch["labels"][r, where] = torch.tensor(s.labels)
+        batch["attention_mask"][r, where] = 1
     return batch
 
 

@@ -239,3 +239,33 @@ def test_evaluation_that_needs_the_logits_gets_every_position(tmp_path):
     got, rows = evaluate(model, tmp_path, "hooked", {"head": "trained"}, plugins=[sees])
     assert rows == ref_rows and len(sees.shapes) == 3 and all(s[-1] == model.config.vocab_size for s in sees.shapes)
     assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_loss_from_kept_logits_is_hfs_a_chunk_at_a_time(monkeypatch, smoothing):
+    """An evaluation with a metric keeps every position's logits; its loss comes from them a
+    slice of rows at a time (no second float32 array as large as the logits). The oracle:
+    HF's ForCausalLMLoss on the same logits (and F.cross_entropy's label smoothing, HF's
+    LabelSmoother on shifted labels)."""
+    from corelooper_lm import trained_head
+    from corelooper_lm.trained_head import causal_targets, loss_from_logits
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 40, 500) * 3, torch.randint(0, 500, (3, 40))
+    labels[:, :15] = -100
+    widths: list[int] = []
+    real_ce = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy",
+                        lambda x, *a, **k: widths.append(x.shape[0]) or real_ce(x, *a, **k))
+    monkeypatch.setattr(trained_head, "EVAL_CHUNK_BYTES", 4 * 500 * 100)  # 100 rows per slice
+    got = loss_from_logits(logits, causal_targets({"labels": labels}), torch.tensor(70), smoothing)
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", real_ce)
+    if smoothing:
+        flat = causal_targets({"labels": labels}).reshape(-1)
+        ref = real_ce(logits.reshape(-1, 500), flat, reduction="sum", label_smoothing=smoothing) / 70
+    else:
+        ref = ForCausalLMLoss(logits, labels, vocab_size=500, num_items_in_batch=torch.tensor(70))
+    assert abs(got.item() - ref.item()) <= 1e-6 and ref.item() > 1.0
+    assert widths == [100, 20]  # 120 positions, 100 at a time
+
