@@ -32,10 +32,13 @@ def make(family="llama", kv_heads=4, attn="sdpa", seed=0, **extra):
         config = transformers.Qwen3Config(**SIZES, num_key_value_heads=kv_heads, head_dim=8, **extra)
     elif family == "qwen2":  # biased q/k/v projections
         config = transformers.Qwen2Config(**SIZES, num_key_value_heads=kv_heads, **extra)
+    elif family == "mistral":  # without a sliding window (with one: not trimmed, below)
+        config = transformers.MistralConfig(**SIZES, num_key_value_heads=kv_heads, sliding_window=None, **extra)
     else:
         config = transformers.LlamaConfig(**SIZES, num_key_value_heads=kv_heads, **extra)
     config._attn_implementation = attn
-    return getattr(transformers, {"qwen3": "Qwen3", "qwen2": "Qwen2"}.get(family, "Llama") + "ForCausalLM")(config)
+    name = {"qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral"}.get(family, "Llama")
+    return getattr(transformers, name + "ForCausalLM")(config)
 
 
 def segments(n=6, seed=0, turns=1):
@@ -98,7 +101,7 @@ LAYOUTS = ["right_padded", "left_padded", "full_rows", "segments", "positions_on
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-@pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("llama", 2), ("qwen3", 2), ("qwen2", 4)])
+@pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("llama", 2), ("qwen3", 2), ("qwen2", 4), ("mistral", 2)])
 def test_trimmed_layer_equals_the_models_own_loss_and_gradients(family, kv_heads, name):
     model = make(family, kv_heads)
     assert why_not_trimmable(model) is None
