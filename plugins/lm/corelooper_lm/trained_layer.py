@@ -173,14 +173,15 @@ def trimmed_forward(layer, hidden_states, kept: Kept, attention_mask, position_i
     """A Llama-family layer's output at the kept positions: ``[1, n, hidden]``."""
     attn = layer.self_attn
     rows, length, _ = hidden_states.shape
+    # the submodules in the layer's own order (ZeRO-3 prefetches parameters by the recorded order)
     normed = layer.input_layernorm(hidden_states)
-    key = attn.k_proj(normed).view(rows, length, -1, attn.head_dim)
-    value = attn.v_proj(normed).view(rows, length, -1, attn.head_dim).transpose(1, 2)
     query = attn.q_proj(kept.take(normed))  # [n, hidden]: the kept rows in row-major order
     query = query.view(query.shape[0], -1, attn.head_dim)
-    if hasattr(attn, "q_norm"):  # Qwen3: a norm per head before the rotary embedding
-        query, key = attn.q_norm(query), attn.k_norm(key)
-    key = key.transpose(1, 2)
+    per_head_norms = hasattr(attn, "q_norm")  # Qwen3: a norm per head before the rotary embedding
+    query = attn.q_norm(query) if per_head_norms else query
+    key = attn.k_proj(normed).view(rows, length, -1, attn.head_dim)
+    key = (attn.k_norm(key) if per_head_norms else key).transpose(1, 2)
+    value = attn.v_proj(normed).view(rows, length, -1, attn.head_dim).transpose(1, 2)
     rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own
     cos, sin = (t.expand(rows, *t.shape[1:]) for t in position_embeddings)
     key = rope(key, key, cos, sin)[0]
