@@ -102,7 +102,7 @@ def launch(nproc: int, argv: list[str]) -> None:
         if code:
             raise Stopped(code) from None
         error = LaunchError(describe_failure(e, nproc))
-        first = e.get_first_failure()[1].exitcode
+        first = root_failure(e)[1].exitcode
         if 2 <= first <= 6:  # a reported corelooper error (bad config, data, checkpoint, ...)
             error.exit_code = first
         raise error from None
@@ -145,13 +145,28 @@ def stop_code(error) -> int:
     return 128 + signal.SIGINT if 128 + signal.SIGINT in stopped else 128 + signal.SIGTERM
 
 
+def _message(failure) -> str:
+    return failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+
+
+def root_failure(error):
+    """``(rank, failure)`` that caused the others. torchrun's first failure is the earliest by
+    timestamp (whole seconds): a rank whose collective failed because another rank raised
+    (``PeerLostError``) can be first within the same second, so a failure that is not such a
+    consequence comes before one that is; the earliest among equals."""
+    def key(item):
+        return "PeerLostError" in _message(item[1]), item[1].timestamp
+
+    return min(error.failures.items(), key=key)
+
+
 def describe_failure(error, nproc: int) -> str:
-    rank, failure = error.get_first_failure()
+    rank, failure = root_failure(error)
     if failure.exitcode < 0:
         how = f"was killed by signal {failure.signal_name()}"
     else:
         how = f"exited with code {failure.exitcode}"
-    message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+    message = _message(failure)
     if message.startswith("To enable traceback"):
         message = "see its output above"
     others = [r for r in error.failures if r != rank]

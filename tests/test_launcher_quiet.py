@@ -71,3 +71,28 @@ def test_a_failing_rank_shows_no_launcher_line(tmp_path):
     assert code == 3, err[-3000:]
     assert err.count("rank one breaks on purpose") == 1, err[-3000:]
     assert_quiet(err)
+
+
+def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after(tmp_path):
+    """torchrun's first failure is the earliest by whole-second timestamps: the rank whose collective
+    failed because the other rank raised can tie with it (the flaky case of the test above, seen
+    under a loaded machine). Real torch ProcessFailure objects, read from real error files."""
+    import json
+
+    from corelooper.cli.launch import describe_failure, root_failure
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failure(rank, exitcode, message=None, timestamp=1_000):
+        path = tmp_path / f"error-{rank}.json"
+        if message is not None:
+            path.write_text(json.dumps({"message": message, "timestamp": timestamp}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+    peer_lost = "PeerLostError: Training stopped at global_step 2: a collective between the processes failed"
+    raised = ChildFailedError("run", {0: failure(0, -6, peer_lost), 1: failure(1, 3, "RuntimeError: rank one breaks")})
+    assert root_failure(raised)[0] == 1
+    assert describe_failure(raised, 2).startswith("rank 1 of 2 (local rank 1, pid 101) exited with code 3 (ranks [0]")
+    killed = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=1), 1: failure(1, -9)})  # no error file
+    assert root_failure(killed)[0] == 1 and "SIGKILL" in describe_failure(killed, 2)
+    earliest = ChildFailedError("run", {0: failure(0, 3, "ValueError: a", 5), 1: failure(1, 3, "ValueError: b", 4)})
+    assert root_failure(earliest)[0] == 1
