@@ -23,6 +23,7 @@ stops for that layer and ``TrimState.reason`` says why.
 
 from __future__ import annotations
 
+import logging
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -165,6 +166,10 @@ def _matches(state: TrimState, out: torch.Tensor, whole, keep) -> bool:
         return True
     diff = (got.float() - own.float()).abs().max().item() if got.shape == own.shape else got.shape
     state.reason = f"its trimmed output differs from its own (max difference {diff})"
+    logging.getLogger("corelooper.lm").warning(
+        "corelooper-lm: the model's last decoder layer runs over every position from now on: %s. The loss "
+        "is unchanged (the layer's own forward); this layer is not the Llama-family one it looks like.",
+        state.reason)
     return False
 
 

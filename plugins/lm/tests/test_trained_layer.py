@@ -175,7 +175,7 @@ def test_what_it_does_not_understand_is_named():
     assert why_not_trimmable(full) is None
 
 
-def test_a_layer_that_computes_something_else_is_caught_by_the_first_check():
+def test_a_layer_that_computes_something_else_is_caught_by_the_first_check(caplog):
     """Same parts as a Llama layer, another forward (here: a scaled residual). The first trimmed
     forward is compared with the layer's own; they differ, so the layer runs whole from then on."""
     model = make()
@@ -190,8 +190,12 @@ def test_a_layer_that_computes_something_else_is_caught_by_the_first_check():
     rows, trained, sizes = compare(model, "right_padded", segments(6, seed=9))
     assert rows == sizes and rows != trained  # the first forward checked and ran whole, then whole
     batch = padded(segments(4, seed=2))
-    trained_positions_loss(model, batch, torch.tensor(1.0))
+    caplog.clear()
+    for _ in range(2):  # said once per layer, not per forward
+        trained_positions_loss(model, batch, torch.tensor(1.0))
     assert "differs from its own (max difference" in getattr(layer, STATE).reason
+    said = [r.getMessage() for r in caplog.records if r.name == "corelooper.lm"]
+    assert len(said) == 1 and "runs over every position from now on" in said[0]
 
 
 def test_under_bf16_autocast_the_check_allows_bf16_rounding_and_trims():
