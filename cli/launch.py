@@ -152,10 +152,12 @@ def _message(failure) -> str:
 def root_failure(error):
     """``(rank, failure)`` that caused the others. torchrun's first failure is the earliest by
     timestamp (whole seconds): a rank whose collective failed because another rank raised
-    (``PeerLostError``) can be first within the same second, so a failure that is not such a
-    consequence comes before one that is; the earliest among equals."""
+    (``PeerLostError``) can be first within the same second, so a rank that raised its own error
+    comes before the others (collective failures, deaths by signal); the earliest among equals."""
     def key(item):
-        return "PeerLostError" in _message(item[1]), item[1].timestamp
+        message = _message(item[1])
+        raised = item[1].exitcode > 0 and not message.startswith("To enable traceback") and "PeerLostError" not in message
+        return not raised, item[1].timestamp
 
     return min(error.failures.items(), key=key)
 

@@ -92,7 +92,11 @@ def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after
     raised = ChildFailedError("run", {0: failure(0, -6, peer_lost), 1: failure(1, 3, "RuntimeError: rank one breaks")})
     assert root_failure(raised)[0] == 1
     assert describe_failure(raised, 2).startswith("rank 1 of 2 (local rank 1, pid 101) exited with code 3 (ranks [0]")
-    killed = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=1), 1: failure(1, -9)})  # no error file
+    # no error file (killed): torchrun's order between it and a collective failure, whichever came first
+    later = int(time.time()) + 60
+    killed = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=later), 1: failure(1, -9)})
     assert root_failure(killed)[0] == 1 and "SIGKILL" in describe_failure(killed, 2)
+    timed_out = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=1), 1: failure(1, -9)})
+    assert root_failure(timed_out)[0] == 0  # a collective timed out, then the hung rank was killed
     earliest = ChildFailedError("run", {0: failure(0, 3, "ValueError: a", 5), 1: failure(1, 3, "ValueError: b", 4)})
     assert root_failure(earliest)[0] == 1

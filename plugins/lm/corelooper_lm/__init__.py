@@ -112,7 +112,8 @@ class LMLoss:
             return None
         outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
         smoothing = loop.args.label_smoothing_factor if loop.loss_type != "mse" else 0.0
-        return loss_from_logits(outputs.logits, causal_targets(batch), num_items_in_batch, smoothing), outputs
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]  # return_dict=False: a tuple
+        return loss_from_logits(logits, causal_targets(batch), num_items_in_batch, smoothing), outputs
 
     def _exact(self, loop, model) -> bool:
         """Whether the trained-positions head gives this run's loss (checked once per run)."""
