@@ -93,8 +93,8 @@ def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after
     assert root_failure(raised)[0] == 1
     assert describe_failure(raised, 2).startswith("rank 1 of 2 (local rank 1, pid 101) exited with code 3 (ranks [0]")
     # no error file (killed): torchrun's order between it and a collective failure, whichever came first
-    later = int(time.time()) + 60
-    killed = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=later), 1: failure(1, -9)})
+    far_future = 2**40  # after the file-less failure's own timestamp (torch stamps it with the present)
+    killed = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=far_future), 1: failure(1, -9)})
     assert root_failure(killed)[0] == 1 and "SIGKILL" in describe_failure(killed, 2)
     timed_out = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=1), 1: failure(1, -9)})
     assert root_failure(timed_out)[0] == 0  # a collective timed out, then the hung rank was killed
