@@ -93,7 +93,7 @@ def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after
     assert root_failure(raised)[0] == 1
     assert describe_failure(raised, 2).startswith("rank 1 of 2 (local rank 1, pid 101) exited with code 3 (ranks [0]")
     # no error file (killed): torchrun's order between it and a collective failure, whichever came first
-    far_future = 2**40  # after the file-less failure's own timestamp (torch stamps it with the present)
+    far_future = 4_000_000_000  # 2096: after the file-less failure's own timestamp (torch stamps it with the present)
     killed = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=far_future), 1: failure(1, -9)})
     assert root_failure(killed)[0] == 1 and "SIGKILL" in describe_failure(killed, 2)
     timed_out = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=1), 1: failure(1, -9)})
