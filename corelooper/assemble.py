@@ -106,12 +106,17 @@ def plan_steps(args, state, loader) -> int:
     return batches_per_epoch
 
 
-def batch_error(exc: Exception, global_step: int, config: Config) -> DataError:
-    return DataError(
-        f"Loading a training batch failed at global_step {global_step}: "
-        f"{type(exc).__name__}: {exc}. Check the dataset ({config.data.train or 'train_dataset'}) "
-        f"and the collator ({config.data.collator or 'default'})."
-    )
+def batch_error(exc: Exception, global_step: int, config: Config, collator=None) -> DataError:
+    """The error of a training batch that could not be loaded, naming the collator's line when
+    the collator raised it (a ``Loop(data_collator=fn)`` or a config's ``data.collator``)."""
+    from .errors import user_frame
+
+    data, raised = config.data.train or "train_dataset", user_frame(exc, {"collator": collator})
+    name = config.data.collator or getattr(collator, "__qualname__", type(collator).__name__)
+    fix = (f"the collator {name} ({raised[1]}) raised {type(exc).__name__}: {exc}. Check it against the "
+           f"dataset's rows ({data})" if raised else f"{type(exc).__name__}: {exc}. Check the dataset ({data}) "
+           f"and the collator ({config.data.collator or 'default'})")
+    return DataError(f"Loading a training batch failed at global_step {global_step}: {fix}.")
 
 
 def resume_directory(loop, asked, settled: Path | None) -> Path | None:
@@ -178,7 +183,8 @@ def failure(loop, exc: BaseException, action: str = "Training") -> BaseException
             logging.getLogger("corelooper").warning("Plugin %r raised in hook 'on_exception' (%s: %s); the "
                                                     "error it was reporting follows.", impl.plugin_name,
                                                     type(e).__name__, e)
-    return explain_failure(exc, loop.plugins, loop.state.global_step, loop.args.output_dir, action)
+    return explain_failure(exc, loop.plugins, loop.state.global_step, loop.args.output_dir, action,
+                           user_code={"compute_metrics": loop.compute_metrics_fn})
 
 
 @contextmanager

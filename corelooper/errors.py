@@ -62,10 +62,26 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
+def user_frame(exc: BaseException, user_code: dict) -> tuple[str, str] | None:
+    """``(what, "file:line")`` of the innermost traceback frame running a callable the user gave
+    (``{what: a function, or an object whose update/compute/... methods count}``)."""
+    codes = {}
+    for what, given in user_code.items():
+        for f in (given, *(getattr(type(given), n, None) for n in ("__call__", "update", "compute", "sync"))):
+            codes[getattr(getattr(f, "__func__", f), "__code__", None)] = what
+    hit, tb = None, exc.__traceback__
+    while tb is not None:
+        if codes.get(tb.tb_frame.f_code) is not None:
+            hit = (codes[tb.tb_frame.f_code], f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}")
+        tb = tb.tb_next
+    return hit
+
+
 def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
-                    action: str = "Training") -> BaseException:
+                    action: str = "Training", user_code: dict | None = None) -> BaseException:
     """An exception from training turned into one that names where it came from: the plugin and
-    hook whose code raised (``plugins.blame``), else the model or its loss."""
+    hook whose code raised (``plugins.blame``), a callable the user gave the Loop (``user_code``:
+    ``{"compute_metrics": fn}``), else the model or its loss."""
     if isinstance(exc, CorelooperError) or not isinstance(exc, Exception):
         return exc
     if peer_lost(exc):  # whoever waited on the collective (a plugin, DDP's backward) is not to blame
@@ -86,7 +102,10 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
             f"Plugin {plugin!r} raised in hook {hook!r} at global_step {global_step}: "
             f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`."
         )
+    user = user_frame(exc, user_code or {})
+    where = f"the run's {user[0]} ({user[1]}) raised " if user else ""
+    blame = "Fix it there" if user else "The error came from the model or its loss"
     return TrainingError(
-        f"{action} failed at global_step {global_step}: {type(exc).__name__}: {exc}. The error came "
-        f"from the model or its loss; the last complete checkpoint in {str(output_dir)!r} is untouched."
+        f"{action} failed at global_step {global_step}: {where}{type(exc).__name__}: {exc}. {blame}; "
+        f"the last complete checkpoint in {str(output_dir)!r} is untouched."
     )

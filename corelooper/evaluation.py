@@ -17,7 +17,7 @@ from .data.loader import count_loss_items
 from .errors import ConfigError
 from .losses import predictions_of, split_batch
 from .metric import metric_key
-from .outputs import OutputAccumulator
+from .outputs import LogitsWanted, OutputAccumulator, Preprocessed
 
 
 @torch.no_grad()
@@ -32,8 +32,11 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
         loop.plugins.implemented_by_others("compute_metrics") or loop.compute_metrics_fn is not None)
     # Without a use for the outputs, compute_loss is asked for the loss alone: an LM loss may then
     # skip the logits of positions that do not count (a language-model head over trained positions only).
-    need_outputs = want_outputs or metric is not None or any(
-        "outputs" in impl.argnames for impl in loop.hook.on_prediction_step.get_hookimpls())
+    others_read = any("outputs" in impl.argnames for impl in loop.hook.on_prediction_step.get_hookimpls())
+    need_outputs = want_outputs or metric is not None or others_read
+    preprocess = getattr(metric, "preprocess_logits", None)
+    if callable(preprocess) and not (want_outputs or others_read):  # only the metric reads them
+        need_outputs = LogitsWanted(preprocess, bool(getattr(metric, "counted_only", False)))
     loader = loop.plugins.call_provider("eval_dataloader", loop=loop, dataset=dataset)[0]
     was_training = model.training
     model.eval()
@@ -45,15 +48,27 @@ def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs:
             for piece in batch_transform(batch) if batch_transform else (batch,):
                 piece = backend.to_device(piece)
                 outputs, answered = _eval_batch(loop, piece, totals, need_outputs, answered)
-                kept, labels = predictions_of(outputs) if outputs is not None else None, split_batch(piece)[2]
-                if metric is not None and kept is not None and labels is not None:
-                    metric.update(kept, labels)
+                kept, for_metric = _predictions(outputs, preprocess)
+                labels = split_batch(piece)[2]
+                if metric is not None and for_metric is not None and labels is not None:
+                    metric.update(for_metric, labels)
                 if want_outputs and kept is not None:
                     collected.add(kept, labels)
-                del outputs, kept  # this batch's logits go before the next batch's are made
+                del outputs, kept, for_metric  # this batch's logits go before the next batch's are made
     finally:
         model.train(was_training)
     return _metrics(loop, totals, collected if want_outputs else None, metric_key_prefix, answered, metric)
+
+
+def _predictions(outputs, preprocess):
+    """``(kept, for the metric)``: the kept logits (the first kept tensor) through the metric's
+    ``preprocess_logits``, as HF's ``preprocess_logits_for_metrics``; a ``Preprocessed`` answer as is."""
+    if isinstance(outputs, Preprocessed):
+        return None, outputs.predictions
+    kept = predictions_of(outputs) if outputs is not None else None
+    if kept is None or not callable(preprocess):
+        return kept, kept
+    return kept, preprocess(kept[0] if isinstance(kept, tuple) else kept)
 
 
 def _batch_metric(loop):

@@ -295,7 +295,9 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
 
     Called for every training micro-batch and every evaluation batch. ``return_outputs`` is
     true when the evaluation needs the outputs (metrics, predictions, an ``on_prediction_step``
-    that takes them); a loss-only evaluation asks for the loss alone, as training does.
+    that takes them); a loss-only evaluation asks for the loss alone, as training does. When only
+    a metric with ``preprocess_logits`` reads them, it is a ``corelooper.outputs.LogitsWanted``
+    (truthy): the provider may answer ``(loss, Preprocessed(predictions))`` (see there).
     ``num_items_in_batch`` is the number of loss-bearing items (tokens with ``label != -100``,
     after the causal shift) in the **whole optimizer step**, summed over its micro-batches and
     over processes. Return ``sum_of_item_losses / num_items_in_batch`` so that the micro-batch
@@ -364,6 +366,13 @@ def eval_metric(loop):
     over processes). The builtin answers with ``Loop(compute_metrics=obj)`` when ``obj`` has
     ``update`` and ``compute``, and with HF's ``compute_metrics(eval_pred, compute_result)``
     when ``train.batch_eval_metrics`` is true. Replaces ``compute_metrics`` when it answers.
+
+    Optional: ``preprocess_logits(logits) -> tensor``, applied to the logits (the first kept
+    output) before ``update``, as HF's ``preprocess_logits_for_metrics``, but it must treat each
+    position alone (``argmax(-1)``, top-k, an entropy) so a loss provider may apply it to a slice of
+    positions at a time and never hold the whole ``[positions, vocab]`` array (``compute_loss``
+    then gets ``return_outputs=corelooper.outputs.LogitsWanted``). ``counted_only = True``:
+    ``update`` reads the predictions only where the causal target counts (see ``LogitsWanted``).
     """
 
 

@@ -265,7 +265,7 @@ class Loop:
         except CorelooperError:
             raise
         except Exception as e:
-            raise batch_error(e, self.state.global_step, self.config) from e
+            raise batch_error(e, self.state.global_step, self.config, self.data_collator) from e
 
     # -- logging, evaluation, saving -----------------------------------------------------------------
     def _log_evaluate_save(self) -> None:

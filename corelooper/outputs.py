@@ -9,9 +9,31 @@ different lengths) are padded with -100, as HF does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 PAD = -100
+
+
+@dataclass(frozen=True)
+class LogitsWanted:
+    """``compute_loss``'s ``return_outputs`` when only a metric with ``preprocess_logits`` reads the
+    outputs. Truthy: a provider that ignores it returns the outputs (the evaluation preprocesses
+    them); one that knows it may return ``(loss, Preprocessed(preprocess(logits)))``, computed a
+    slice of positions at a time. ``counted_only``: only positions whose causal target counts
+    (``labels[t + 1]`` or ``shift_labels[t]`` not -100) are read; others may hold PAD (or NaN)."""
+
+    preprocess: Callable[[torch.Tensor], torch.Tensor] | None  # None: the loss alone (a provider's own use)
+    counted_only: bool = False
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    """A loss provider's answer to ``LogitsWanted``: the metric's predictions, already preprocessed."""
+
+    predictions: torch.Tensor
 
 
 def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

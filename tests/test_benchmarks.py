@@ -121,7 +121,9 @@ def test_eval_benchmark_smoke_runs_every_row_on_the_same_model_and_batches(tmp_p
     hf_loss = table["hf_loss"]["eval_loss"]
     for row in ("cl_loss", "cl_stream", "cl_batch_hf"):
         assert table[row]["loss_hf_way"] == pytest.approx(hf_loss, abs=1e-5)  # the same model, the same batches
-        assert table[row]["eval_loss"] == table["cl_loss"]["eval_loss"]  # a metric does not change the loss
+        # a metric does not change the loss (to float rounding: the rows compute the output layer
+        # over other slices of rows; eval_loss is rounded to 6 decimals)
+        assert abs(table[row]["eval_loss"] - table["cl_loss"]["eval_loss"]) <= 1e-6 + 1e-9
     accuracies = {r: table[r]["accuracy"] for r in ("cl_stream", "cl_batch_hf", "hf_argmax", "hf_batch", "hf_naive")}
     assert len({round(a, 9) for a in accuracies.values()}) == 1, accuracies
     assert set(summary["goals"]) == {f"{o}_vs_{t}_{k}" for o, t in load.PAIRS for k in load.GOALS}

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import toys
 
 from corelooper import hookimpl, hookspecs
-from corelooper.errors import PluginError, TrainingError
+from corelooper.errors import DataError, PluginError, TrainingError
 from corelooper.loop import Loop
 from corelooper.plugins import load_plugins
 
@@ -201,3 +201,40 @@ def test_a_model_error_in_predict_alone_is_blamed_on_the_model_and_on_exception_
                        "The error came from the model or its loss"):
         loop.predict(toys.Blobs(8))
     assert [str(x) for x in plugin.exceptions] == ["bad weights"]
+
+
+def _bad_accuracy(predictions, label_ids):
+    return {"accuracy": (predictions.argmax(-1) == label_ids).mean()}  # bool mean: a RuntimeError
+
+
+class _BadStreamingMetric:
+    def update(self, predictions, label_ids):
+        raise ValueError("labels and predictions disagree")
+
+    def compute(self):
+        return {}
+
+
+@pytest.mark.parametrize("metric", [_bad_accuracy, _BadStreamingMetric()], ids=["function", "streaming"])
+def test_an_error_in_the_users_compute_metrics_names_it_not_the_model(train_args, metric):
+    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8, eval_strategy="steps",
+                                       eval_steps=1), train_dataset=toys.Blobs(16), eval_dataset=toys.Blobs(8),
+                compute_metrics=metric)
+    with pytest.raises(TrainingError) as info:
+        loop.train()
+    message = str(info.value)
+    # evaluation inside train(): the action is training's
+    assert message.startswith("Training failed at global_step 1: the run's compute_metrics (")
+    assert f"{__file__}:" in message and "Fix it there" in message and "the model or its loss" not in message
+
+
+def test_an_error_in_the_users_data_collator_names_it(train_args):
+    def collate(rows):
+        raise KeyError("input_ids")
+
+    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8), train_dataset=toys.Blobs(16),
+                data_collator=collate)
+    with pytest.raises(DataError, match=r"Loading a training batch failed at global_step 0: the collator "
+                                        r"test_an_error_in_the_users_data_collator_names_it.<locals>.collate "
+                                        r"\(.*test_dispatch.py:\d+\) raised KeyError: 'input_ids'. Check it against"):
+        loop.train()

@@ -686,3 +686,45 @@ def test_a_streaming_metric_sees_each_batch_once_and_no_earlier_logits_survive(t
                    per_device_eval_batch_size=4)
     metrics = loop.evaluate()
     assert metrics["eval_batches"] == 3 and metric.alive == [0, 0, 0]
+
+
+class ArgmaxRecorder:
+    """A streaming metric that reads each position's argmax (``preprocess_logits``)."""
+
+    def __init__(self):
+        self.seen = []
+
+    @staticmethod
+    def preprocess_logits(logits):
+        return logits.argmax(-1)
+
+    def update(self, predictions, label_ids):
+        self.seen.append(predictions)
+
+    def compute(self):
+        return {"batches": len(self.seen)}
+
+
+def test_preprocess_logits_is_hfs_preprocess_logits_for_metrics_per_batch(tmp_path):
+    """Without a loss provider that slices the head, the evaluation preprocesses each batch's
+    logits itself: the metric sees what HF's ``preprocess_logits_for_metrics`` hands to
+    ``compute_metrics``; ``predict`` still returns the logits."""
+    model, data = toys.tiny_llama(), toys.lm_samples(10, seed=3)
+    seen = {}
+
+    def hf_metrics(eval_pred):
+        seen["hf"] = torch.as_tensor(eval_pred.predictions)
+        return {}
+
+    hf = Trainer(model=copy.deepcopy(model), args=TrainingArguments(
+        output_dir=str(tmp_path / "hf"), **COMMON, **HF_ONLY, per_device_eval_batch_size=4), eval_dataset=data,
+        compute_metrics=hf_metrics, preprocess_logits_for_metrics=lambda logits, _labels: logits.argmax(-1))
+    hf.evaluate()
+    metric = ArgmaxRecorder()
+    loop = cl_loop(copy.deepcopy(model), tmp_path / "cl", [], data, compute_metrics=metric,
+                   per_device_eval_batch_size=4)
+    assert loop.evaluate()["eval_batches"] == 3
+    assert torch.equal(torch.cat(metric.seen), seen["hf"]) and seen["hf"].dtype == torch.int64
+    predictions, _, _ = loop.predict(data)
+    assert predictions.shape == (10, toys.SEQ_LEN, model.config.vocab_size)  # the logits, not the argmax
+    assert torch.equal(torch.as_tensor(predictions).argmax(-1), seen["hf"])

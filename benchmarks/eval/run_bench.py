@@ -10,9 +10,11 @@ the repetition), batches of ``--batch`` in dataset order, padded per batch by on
 by all rows. Rows (ROWS), each in its own fresh process, in a rotated order per repetition:
 
 * ``cl_loss``: ``Loop.evaluate()``, loss only (with ``[lm] head = "trained"``, as an ``[sft]`` run's
-  default: logits for the trained positions only; every corelooper row sets it, and the rows with a
-  metric get every position's logits);
-* ``cl_stream``: with a streaming metric (``corelooper_lm.metrics.TokenAccuracy``: per-batch counts);
+  default: the output layer over the trained positions only, a slice of rows at a time; every
+  corelooper row sets it);
+* ``cl_stream``: with a streaming metric (``corelooper_lm.metrics.TokenAccuracy``: per-batch counts;
+  it reads the argmax of the trained positions only, so the output layer runs over those, a slice
+  at a time, and hands it the argmax: ``corelooper_lm.sliced_head``);
 * ``cl_batch_hf``: ``train.batch_eval_metrics = true`` with HF-style ``compute_metrics(eval_pred,
   compute_result)`` (the same function as ``hf_batch``: HF users' code, unchanged);
 * ``hf_loss``: ``Trainer.evaluate`` without ``compute_metrics``;
@@ -150,8 +152,8 @@ def _corelooper(row, model, data, batch, out_dir, layout="padding_free"):
     args = TrainArgs(output_dir=out_dir, per_device_eval_batch_size=batch, disable_tqdm=True, use_cpu=True,
                      report_to=[], batch_eval_metrics=row == "cl_batch_hf", dataloader_num_workers=0)
     collator = padding_free_collator(model) if layout == "padding_free" else collate
-    # [lm] head = "trained", what an [sft] run's "auto" picks for this model: a loss-only evaluation
-    # computes logits for the trained positions only; a metric gets every position's logits
+    # [lm] head = "trained", what an [sft] run's "auto" picks for this model: the output layer over
+    # the trained positions only, a slice at a time (loss only, or TokenAccuracy's argmax)
     config = Config(train=args, sections={"lm": {"head": "trained"}})
     loop = Loop(model, config, eval_dataset=data, data_collator=collator, compute_metrics=metric,
                 blocked_plugins=["console"])

@@ -361,7 +361,10 @@ def eval_compare(size: str) -> dict:
 
         cfg = Config.from_dict({"train": dict(output_dir=tempfile.mkdtemp(prefix="gpu-eval-"), save_strategy="no",
                                               per_device_eval_batch_size=s["batch"], disable_tqdm=True,
-                                              use_cpu=device().type == "cpu", report_to=[])})
+                                              use_cpu=device().type == "cpu", report_to=[]),
+                                 # what an [sft] run's "auto" picks: the output layer over the trained
+                                 # positions, a slice at a time with a metric (corelooper_lm.sliced_head)
+                                 "lm": {"head": "trained"}})
         return Loop(model, cfg, eval_dataset=data, compute_metrics=metric).evaluate()["eval_loss"]
 
     def corelooper_streaming():  # token accuracy per batch (corelooper_lm.metrics): no logits kept

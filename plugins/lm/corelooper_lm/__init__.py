@@ -21,10 +21,14 @@ from them a slice of rows at a time, not a second float32 log-softmax as large a
   ``"trained"`` in runs with an ``[sft]`` section (prompt-masked chat data) where it is exact,
   ``"all"`` elsewhere (and where Liger's fused linear cross-entropy is on). Both together: the
   chunked loss over the trained positions.
+
+And an evaluation metric: ``[lm] token_accuracy`` (unset or ``"auto"``: in ``[sft]`` runs) gives every
+evaluation ``eval_token_accuracy`` (``metrics.TokenAccuracy``) unless the run has its own metric.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from corelooper import hookimpl
@@ -38,7 +42,8 @@ HEADS = ("auto", "trained", "all")
 
 @hookimpl
 def corelooper_config_sections():
-    return {SECTION: {"loss": "default", "head": "auto"}}
+    # token_accuracy unset ("auto"): on in [sft] runs
+    return {SECTION: {"loss": "default", "head": "auto", "token_accuracy": None}}
 
 
 @hookimpl
@@ -58,12 +63,34 @@ def corelooper_configure(config, plugins):
             "loss: with both, Liger's kernel would never run. Use lm.head = 'auto' (Liger's kernel), or set "
             "[liger] fused_linear_cross_entropy = false."
         )
+    accuracy = cfg.get("token_accuracy")
+    if accuracy not in (None, "auto", True, False):
+        raise ConfigError(f"lm.token_accuracy = {accuracy!r}: use true, false or \"auto\" (unset: on in [sft] runs).")
+    if accuracy is True or (accuracy in (None, "auto") and "sft" in config.sections):
+        plugins.register(EvalTokenAccuracy(), f"{SECTION}.token_accuracy")
     if head == "auto":  # "trained?": only where exact; Liger's fused loss already skips the full logits
         head = "trained?" if "sft" in config.sections and not liger_flce else "all"
     if loss == "default" and head == "all":
         plugins.set_inactive(SECTION, "lm.loss is 'default' and the head covers every position (HF's own loss)")
         return
     plugins.register(LMLoss(chunked=loss == "chunked", head=head), f"{SECTION}.run")
+
+
+class EvalTokenAccuracy:
+    """``eval_token_accuracy`` in every evaluation (``[lm] token_accuracy``), as TRL's SFT trainer
+    reports ``mean_token_accuracy``, but token-weighted over the whole set (TRL averages per-batch
+    values); it gives way to the run's own metric (``Loop(compute_metrics=...)``, another plugin's)."""
+
+    @hookimpl(trylast=True)
+    def eval_metric(self, loop):
+        theirs = loop.plugins.call_next("eval_metric", self, loop=loop)[0]
+        if theirs is not None or loop.compute_metrics_fn is not None:
+            return theirs
+        if loop.plugins.implemented_by_others("compute_metrics"):
+            return None
+        from .metrics import TokenAccuracy
+
+        return TokenAccuracy(name="token_accuracy")
 
 
 class LMLoss:
@@ -76,15 +103,17 @@ class LMLoss:
     def __init__(self, chunked: bool, head: str):
         self.chunked, self.head = chunked, head
         self.checked: str | None = None  # "" once the model passed why_not_exact; else the reason
+        self.sliced: str | None = None  # why an evaluation's output layer cannot run in slices
 
     @hookimpl
     def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
         # It replaces the model's own loss, never another plugin's (a user's weighted loss).
         if any(name not in ("builtin", f"{SECTION}.run") for name in loop.plugins.provider_order("compute_loss")):
             return None
-        if return_outputs:  # evaluation with a metric: every position's logits, the loss from them in slices
-            return self._loss_and_outputs(loop, model, batch, num_items_in_batch)
+        if return_outputs:  # evaluation with a metric: the loss from the logits in slices
+            return self._loss_and_outputs(loop, model, batch, num_items_in_batch, return_outputs)
         from corelooper.data.columns import model_inputs
+        from corelooper.outputs import LogitsWanted
 
         trained = self.head != "all" and self._exact(loop, model)
         if not (trained or self.chunked):
@@ -92,16 +121,24 @@ class LMLoss:
         if isinstance(batch, Mapping):
             batch = model_inputs(loop, batch)
         smoothing = loop.args.label_smoothing_factor if loop.loss_type != "mse" else 0.0
+        if trained and not model.training and self.sliced is None and isinstance(batch, Mapping):
+            # a loss-only evaluation: the output layer a slice of rows at a time
+            loss = self._sliced(model, batch, num_items_in_batch, smoothing, LogitsWanted(None, True))[0]
+            if loss is not None:
+                return loss
         if self.chunked:
             from .chunked_ce import chunked_causal_lm_loss
 
             return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing, trained_only=trained)
         return self._trained_loss(model, batch, num_items_in_batch, smoothing)
 
-    def _loss_and_outputs(self, loop, model, batch, num_items_in_batch):
+    def _loss_and_outputs(self, loop, model, batch, num_items_in_batch, wanted):
         """In evaluation, ``(loss, outputs)`` from one forward without labels: the model's own loss
-        would add a float32 log-softmax as large as the logits; this one takes a slice of rows at a time."""
+        would add a float32 log-softmax as large as the logits; this one takes a slice of rows at a
+        time. A metric that preprocesses each position alone (``LogitsWanted``) gets its
+        predictions from the output layer run over a slice of rows at a time (``sliced_head``)."""
         from corelooper.data.columns import model_inputs
+        from corelooper.outputs import LogitsWanted
 
         from .trained_head import causal_targets, loss_from_logits
 
@@ -110,10 +147,26 @@ class LMLoss:
         batch = model_inputs(loop, batch)
         if "labels" not in batch and "shift_labels" not in batch:
             return None
-        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
         smoothing = loop.args.label_smoothing_factor if loop.loss_type != "mse" else 0.0
+        if isinstance(wanted, LogitsWanted) and self.sliced is None:
+            loss, answer = self._sliced(model, batch, num_items_in_batch, smoothing, wanted)
+            if loss is not None:
+                return loss, answer
+        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]  # return_dict=False: a tuple
         return loss_from_logits(logits, causal_targets(batch), num_items_in_batch, smoothing), outputs
+
+    def _sliced(self, model, batch, num_items_in_batch, smoothing, wanted):
+        """``sliced_head.preprocessed_loss``; where the model changes its logits after the output
+        layer, the reason is said once and kept (whole logits from then on): ``(None, reason)``."""
+        from .sliced_head import preprocessed_loss
+
+        loss, answer = preprocessed_loss(model, batch, num_items_in_batch, smoothing, wanted)
+        if loss is None:
+            self.sliced = answer
+            logging.getLogger("corelooper.lm").warning(
+                "corelooper-lm: evaluating with the output layer's logits in one piece, not a slice at a time: %s.", answer)
+        return loss, answer
 
     def _exact(self, loop, model) -> bool:
         """Whether the trained-positions head gives this run's loss (checked once per run)."""

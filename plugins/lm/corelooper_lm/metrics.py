@@ -27,7 +27,15 @@ class TokenAccuracy:
 
     def __init__(self, shift: bool = True, name: str = "accuracy"):
         self.shift, self.name = shift, name
+        # causal: only positions whose next label counts are read (the loss provider may then
+        # compute the output layer for those alone, a slice at a time)
+        self.counted_only = shift
         self.reset()
+
+    @staticmethod
+    def preprocess_logits(logits: torch.Tensor) -> torch.Tensor:
+        """Each position's argmax: all ``update`` reads of the logits."""
+        return logits.argmax(-1)
 
     def reset(self) -> None:
         self.state = torch.zeros(2, dtype=torch.float64)

@@ -110,6 +110,11 @@ def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: fl
 EVAL_CHUNK_BYTES = 4 * 2**20  # one chunk's float32 log-softmax in an evaluation with a metric
 
 
+def slice_rows(vocab: int) -> int:
+    """Rows per slice of an evaluation's logits: ``EVAL_CHUNK_BYTES`` of float32, at least 64."""
+    return max(64, EVAL_CHUNK_BYTES // (4 * vocab))
+
+
 def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None,
                      label_smoothing: float = 0.0) -> torch.Tensor:
     """HF's causal-LM loss from a forward's ``logits`` (``[..., positions, vocab]``) and
@@ -117,7 +122,7 @@ def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor, num_items_in_b
     one slice at a time, never a second array as large as the logits, which an evaluation with a
     metric keeps."""
     flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long()
-    rows = max(64, EVAL_CHUNK_BYTES // (4 * logits.shape[-1]))
+    rows = slice_rows(logits.shape[-1])
     total = torch.zeros((), device=logits.device, dtype=torch.float32)
     for start in range(0, flat.shape[0], rows):
         total = total + F.cross_entropy(flat[start:start + rows].float(), flat_targets[start:start + rows],

@@ -87,3 +87,26 @@ def test_token_accuracy_state_is_summed_by_sync():
     for m in (a, b):
         m.sync(lambda t: total.clone())
     assert a.compute() == b.compute() == {"accuracy": 0.5}
+
+
+def test_the_token_accuracy_setting_reports_it_unless_the_run_has_its_own_metric(tmp_path):
+    from corelooper import Config
+    from corelooper.errors import ConfigError
+
+    model, data = llama(), padded(sequences())
+
+    def loop(name, lm, **kwargs):
+        args = TrainArgs(output_dir=str(tmp_path / name), per_device_eval_batch_size=4, **COMMON)
+        return Loop(copy.deepcopy(model), Config(train=args, sections={"lm": lm}), eval_dataset=data,
+                    blocked_plugins=["console"], **kwargs)
+
+    given = loop("given", {}, compute_metrics=TokenAccuracy()).evaluate()
+    on = loop("on", {"token_accuracy": True, "head": "trained"}).evaluate()
+    assert on["eval_token_accuracy"] == given["eval_accuracy"] > 0
+    assert abs(on["eval_loss"] - given["eval_loss"]) <= 1e-6 + 1e-9
+    own = loop("own", {"token_accuracy": True},
+               compute_metrics=lambda p, ids: hf_token_accuracy((p.numpy(), ids.numpy()))).evaluate()
+    assert "eval_token_accuracy" not in own and own["eval_accuracy"] == pytest.approx(given["eval_accuracy"])
+    assert "eval_token_accuracy" not in loop("auto", {}).evaluate()  # "auto" outside [sft] runs: off
+    with pytest.raises(ConfigError, match=r"lm.token_accuracy = 'yes': use true, false"):
+        loop("bad", {"token_accuracy": "yes"})

@@ -228,13 +228,25 @@ class _SeesOutputs:
         self.shapes.append(tuple(outputs.logits.shape))
 
 
-def test_evaluation_that_needs_the_logits_gets_every_position(tmp_path):
-    from corelooper_lm.metrics import TokenAccuracy
+class _ReadsLogits:
+    """A streaming metric without ``preprocess_logits``: it reads the logits themselves."""
 
+    def reset(self):
+        self.top = []
+
+    def update(self, predictions, label_ids):
+        self.top.append(predictions.max().item())
+
+    def compute(self):
+        return {"top": max(self.top)}
+
+
+def test_evaluation_that_needs_the_logits_gets_every_position(tmp_path):
     model = toys.tiny_llama(seed=2)
-    ref, ref_rows = evaluate(model, tmp_path, "all", {"head": "all"}, compute_metrics=TokenAccuracy())
-    got, rows = evaluate(model, tmp_path, "trained", {"head": "trained"}, compute_metrics=TokenAccuracy())
-    assert rows == ref_rows and got == ref  # a metric reads every position's logits: the full head
+    ref, ref_rows = evaluate(model, tmp_path, "all", {"head": "all"}, compute_metrics=_ReadsLogits())
+    got, rows = evaluate(model, tmp_path, "trained", {"head": "trained"}, compute_metrics=_ReadsLogits())
+    assert rows == ref_rows and got["eval_top"] == ref["eval_top"]  # every position's logits: the full head
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6 + 1e-9  # its loss from them, a slice at a time
     sees = _SeesOutputs()  # a plugin's on_prediction_step that takes the outputs gets them, whole
     got, rows = evaluate(model, tmp_path, "hooked", {"head": "trained"}, plugins=[sees])
     assert rows == ref_rows and len(sees.shapes) == 3 and all(s[-1] == model.config.vocab_size for s in sees.shapes)

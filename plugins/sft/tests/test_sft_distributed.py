@@ -60,3 +60,45 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(tmp_path, model_dir):
     assert moved > 1e-3
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst <= 1e-5, worst
+
+
+def eval_records(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "eval_token_accuracy" in r or "eval_loss" in r]
+
+
+def test_evaluation_with_token_accuracy_on_two_ranks_equals_one_process(tmp_path, model_dir):
+    """An [sft] run evaluates with eval_token_accuracy (on by default, the output layer a slice of
+    rows at a time over the trained positions): two real processes give one process's loss and
+    accuracy (the counts summed across ranks)."""
+    rows = [json.loads(json.dumps(CHATS[i % 3])) for i in range(12)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    cfg = tmp_path / "e.toml"
+    cfg.write_text(f"""
+[model]
+name_or_path = "{model_dir}"
+attn_implementation = "sdpa"
+[data]
+train = "chats.jsonl"
+eval = "chats.jsonl"
+[sft]
+assistant_only_loss = true
+max_length = 128
+[train]
+max_steps = 2
+learning_rate = 1e-2
+per_device_eval_batch_size = 3
+eval_strategy = "steps"
+eval_steps = 2
+save_strategy = "no"
+use_cpu = true
+""")
+    results = {}
+    for nproc, batch in ((1, 4), (2, 2)):
+        out = tmp_path / f"run{nproc}"
+        run(cfg, out, nproc, batch, tmp_path)
+        results[nproc] = eval_records(out)
+    one, two = results[1], results[2]
+    assert len(one) == len(two) == 1 and 0 < one[0]["eval_token_accuracy"] < 1
+    assert two[0]["eval_token_accuracy"] == one[0]["eval_token_accuracy"]
+    assert abs(two[0]["eval_loss"] - one[0]["eval_loss"]) <= 1e-5

@@ -1,0 +1,122 @@
+"""Evaluation with a per-position metric: the output layer a slice of rows at a time.
+
+A metric with ``preprocess_logits`` (``TokenAccuracy``: the argmax) reads each position's logits
+alone, and a loss-only evaluation reads none, so an evaluation needs neither the whole ``[positions, vocab]`` logits nor a log-softmax as
+large for the loss (the largest arrays of an evaluation; HF's Trainer holds both per batch). For
+one forward, the output layer's ``forward`` is swapped for one that runs the layer's own forward
+on one slice of rows at a time (``EVAL_CHUNK_BYTES`` of float32 logits), adds the slice's
+cross-entropy to the loss and keeps the metric's preprocessing of it. It runs inside the layer's
+call, where ZeRO-3 and FSDP have gathered its weights. With ``counted_only`` the rows are the
+positions whose causal target counts, and the last decoder layer runs over those only
+(``trained_layer``).
+
+The model's own forward gets the layer's output for one position back as its logits. Whatever it
+does to them afterwards (Gemma 2's soft-capping, Cohere's ``logit_scale``) the slices did not do:
+a model that returned another tensor than that one (other than the same values upcast) is
+evaluated the plain way, and the reason is given.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from corelooper.outputs import PAD, LogitsWanted, Preprocessed
+
+from .trained_head import causal_targets, slice_rows, unwrapped
+from .trained_layer import trimmed_last_layer
+
+
+@dataclass
+class _Slices:
+    """What the swapped output layer computed during one forward."""
+
+    total: torch.Tensor | None = None  # summed cross-entropy of the rows
+    predictions: list[torch.Tensor] = field(default_factory=list)
+    probe: torch.Tensor | None = None  # what the layer returned to the model
+    calls: int = 0
+
+
+def preprocessed_loss(model, batch, num_items_in_batch, smoothing: float, wanted: LogitsWanted):
+    """``(loss, Preprocessed(predictions))`` of ``model`` on ``batch`` in evaluation (``(loss,
+    None)`` when ``wanted.preprocess`` is None: a loss-only evaluation), or
+    ``(None, reason)`` when the model does something to its logits after the output layer (or
+    calls it otherwise than once with the final hidden states): the caller evaluates it whole."""
+    targets = causal_targets(batch)
+    keep = targets != -100
+    head = unwrapped(model).get_output_embeddings()
+    record = _Slices()
+    trim = trimmed_last_layer(model, keep) if wanted.counted_only else nullcontext([])
+    with trim as trimmed, _swapped(head, record, targets, keep, wanted, trimmed, smoothing):
+        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    reason = _why_not_own(record, logits)
+    if reason:
+        return None, reason
+    items = keep.sum() if num_items_in_batch is None else num_items_in_batch
+    if wanted.preprocess is None:  # a loss-only evaluation
+        return record.total / items, None
+    rows = torch.cat(record.predictions)
+    if wanted.counted_only:
+        fill = float("nan") if rows.is_floating_point() else (False if rows.dtype == torch.bool else PAD)
+        predictions = rows.new_full((*keep.shape, *rows.shape[1:]), fill)
+        predictions[keep] = rows
+    else:
+        predictions = rows.reshape(*keep.shape, *rows.shape[1:])
+    return record.total / items, Preprocessed(predictions)
+
+
+def _why_not_own(record: _Slices, logits) -> str | None:
+    if record.calls != 1:
+        return f"the model called its output layer {record.calls} time(s) in one forward, not once"
+    if record.probe is None:
+        return "the model's output layer got other positions than the batch's (logits_to_keep?)"
+    if logits is record.probe:
+        return None
+    if torch.is_tensor(logits) and logits.dtype != record.probe.dtype and torch.equal(
+            logits, record.probe.to(logits.dtype)):
+        return None  # only upcast: the loss upcasts each slice too
+    return "the model changes the output layer's logits before returning them (soft-capping, a logit scale)"
+
+
+@contextmanager
+def _swapped(head: torch.nn.Module, record: _Slices, targets, keep, wanted: LogitsWanted, trimmed, smoothing):
+    own_forward = head.forward
+
+    def forward(hidden, *args, **kwargs):
+        record.calls += 1
+        if trimmed:  # the last decoder layer returned the kept positions only: [1, n, hidden]
+            rows, row_targets = hidden.reshape(-1, hidden.shape[-1]), targets[keep]
+        elif hidden.shape[:-1] == keep.shape:
+            rows = hidden[keep] if wanted.counted_only else hidden.reshape(-1, hidden.shape[-1])
+            row_targets = targets[keep] if wanted.counted_only else targets.reshape(-1)
+        else:  # not the call we understand (record.probe stays None: evaluated whole)
+            return own_forward(hidden, *args, **kwargs)
+        record.probe = own_forward(hidden.reshape(-1, hidden.shape[-1])[-1:].unsqueeze(0), *args, **kwargs)
+        _slices(lambda x: own_forward(x, *args, **kwargs), rows, row_targets.long(), wanted.preprocess,
+                smoothing, record)
+        return record.probe
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
+
+
+def _slices(layer, rows: torch.Tensor, row_targets: torch.Tensor, preprocess, smoothing: float,
+            record: _Slices) -> None:
+    """The loss and the metric's predictions of ``rows``, the layer over one slice at a time."""
+    step = slice_rows(record.probe.shape[-1])
+    total = torch.zeros((), device=rows.device, dtype=torch.float32)
+    for start in range(0, max(len(rows), 1), step):
+        logits = layer(rows[start:start + step])
+        total = total + F.cross_entropy(logits.float(), row_targets[start:start + step], ignore_index=-100,
+                                        reduction="sum", label_smoothing=smoothing)
+        if preprocess is not None:
+            record.predictions.append(preprocess(logits))
+        del logits  # before the next slice's
+    record.total = total

@@ -1,0 +1,228 @@
+"""Evaluation with a per-position metric: the output layer a slice of rows at a time.
+
+Oracles: the real HF model's own forward on the same batch (its ``loss``, with labels, and its
+full ``logits`` through the metric's preprocessing), and ``transformers.Trainer.evaluate`` with
+``preprocess_logits_for_metrics`` argmax for the whole ``Loop.evaluate()``. Tolerances as
+``test_trained_head.py`` (1e-6, float32).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from corelooper_lm import trained_head
+from corelooper_lm.metrics import TokenAccuracy
+from corelooper_lm.sliced_head import preprocessed_loss
+from test_trained_layer import LAYOUTS, VOCAB, layout, make, segments
+
+from corelooper import Config, Loop, TrainArgs
+from corelooper.outputs import PAD, LogitsWanted, Preprocessed
+
+transformers = pytest.importorskip("transformers")
+ROWS = 64  # rows per slice in these tests (the fewest the slicing takes)
+
+
+def top2(logits):
+    return logits.topk(2, dim=-1).indices
+
+
+def head_inputs(monkeypatch, head):
+    """The number of rows of each call of ``head``'s own forward (slices included)."""
+    rows: list[int] = []
+    own = type(head).forward
+
+    def forward(self, x, *args, **kwargs):
+        if self is head:
+            rows.append(x.shape[:-1].numel())
+        return own(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(type(head), "forward", forward)
+    return rows
+
+
+@pytest.mark.parametrize("counted_only", [True, False], ids=["counted", "every"])
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_sliced_loss_and_predictions_equal_the_models_own(monkeypatch, family, name, counted_only):
+    monkeypatch.setattr(trained_head, "EVAL_CHUNK_BYTES", 4 * VOCAB * ROWS)
+    model = make(family, 2)
+    batch = layout(model, name, segments(160, seed=3, turns=3))[0]
+    model.eval()
+    with torch.no_grad():
+        own = model(**batch)
+        rows = head_inputs(monkeypatch, model.get_output_embeddings())
+        loss, answer = preprocessed_loss(model, batch, None, 0.0, LogitsWanted(top2, counted_only))
+    counted = trained_head.causal_targets(batch) != -100
+    assert abs(loss.item() - own.loss.item()) <= 1e-6 and own.loss.item() > 1.0
+    assert isinstance(answer, Preprocessed) and answer.predictions.shape == (*counted.shape, 2)
+    expected = top2(own.logits)
+    if counted_only:
+        assert torch.equal(answer.predictions[counted], expected[counted])
+        assert (answer.predictions[~counted] == PAD).all()
+    else:
+        assert torch.equal(answer.predictions, expected)
+    wanted_rows = int(counted.sum()) if counted_only else counted.numel()
+    assert wanted_rows > ROWS  # more than one slice
+    assert rows[0] == 1 and max(rows[1:]) == ROWS and sum(rows[1:]) == wanted_rows  # the probe, then slices
+
+
+def test_label_smoothing_and_the_steps_item_count():
+    model = make("llama", 4).eval()
+    batch = layout(model, "right_padded", segments(8, seed=5))[0]
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        loss, _ = preprocessed_loss(model, batch, torch.tensor(77), 0.1, LogitsWanted(top2, True))
+    targets = trained_head.causal_targets(batch).reshape(-1)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets, reduction="sum",
+                                            label_smoothing=0.1) / 77
+    assert abs(loss.item() - ref.item()) <= 1e-6
+
+
+def test_a_model_that_changes_its_logits_after_the_head_is_named():
+    """Gemma 2 soft-caps the logits after the output layer: the slices would lack it."""
+    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       final_logit_softcapping=5.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    batch = layout(model, "right_padded", segments(6))[0]
+    with torch.no_grad():
+        loss, reason = preprocessed_loss(model, batch, None, 0.0, LogitsWanted(top2, True))
+    assert loss is None and "changes the output layer's logits" in reason
+
+
+def half_right(model, data):
+    """``data`` with every other counted label set to the model's own prediction, so that the
+    accuracy is far from 0 (a random model over a vocabulary of 96 predicts almost nothing)."""
+    from test_trained_head import stack
+
+    with torch.no_grad():
+        predicted = model.eval()(**stack(data)).logits.argmax(-1)
+    out = []
+    for row, sample in zip(predicted, data, strict=True):
+        labels = sample["labels"].clone()
+        counted = (labels[1:] != -100).nonzero().flatten()[::2]
+        labels[counted + 1] = row[counted]
+        out.append({**sample, "labels": labels})
+    return out
+
+
+def hf_accuracy(eval_pred):
+    preds, labels = eval_pred
+    preds, labels = preds[:, :-1], labels[:, 1:]
+    mask = labels != -100
+    return {"accuracy": float((preds[mask] == labels[mask]).mean())}
+
+
+def evaluate_both(tmp_path, model, data, lm, batch=4):
+    """HF's Trainer.evaluate (argmax preprocessing, its documented way) and corelooper's."""
+    common = dict(per_device_eval_batch_size=batch, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
+                  report_to="none")
+    hf = transformers.Trainer(model=copy.deepcopy(model), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), **common), eval_dataset=data, compute_metrics=hf_accuracy,
+        preprocess_logits_for_metrics=lambda logits, _labels: logits.argmax(-1)).evaluate()
+    loop = Loop(copy.deepcopy(model), Config(train=TrainArgs(output_dir=str(tmp_path / "cl"), **common),
+                                             sections={"lm": lm}),
+                eval_dataset=data, compute_metrics=TokenAccuracy(), blocked_plugins=["console"])
+    return hf, loop
+
+
+def model_of(family):
+    if family == "llama":
+        return make("llama", 2)
+    torch.manual_seed(0)  # Gemma 2 soft-caps its logits after the output layer
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, final_logit_softcapping=5.0, attn_implementation="eager"))
+
+
+def fallback_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "not a slice at a time" in r.getMessage()]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_loss_only_evaluation_runs_the_head_in_slices(tmp_path, caplog, family):
+    from test_trained_head import prompt_masked, stack
+
+    model, data = model_of(family), prompt_masked(10, seed=3)
+    loop = Loop(copy.deepcopy(model), Config(train=TrainArgs(
+        output_dir=str(tmp_path), per_device_eval_batch_size=4, disable_tqdm=True, use_cpu=True, report_to=[]),
+        sections={"lm": {"head": "trained"}}), eval_dataset=data, blocked_plugins=["console"])
+    calls = head_rows_of(loop.model.get_output_embeddings())
+    with caplog.at_level(logging.WARNING, logger="corelooper.lm"):
+        got = loop.evaluate()
+    with torch.no_grad():
+        own = model.eval()(**stack(data)).loss.item()
+    assert abs(got["eval_loss"] - own) <= 1e-6 + 1e-9 and own > 1.0
+    if family == "gemma2":  # once named, then the trained positions' logits in one piece
+        assert len(fallback_warnings(caplog)) == 1 and len(calls) == 4 and min(calls[1:]) > 1
+    else:
+        assert not fallback_warnings(caplog) and calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_evaluate_with_token_accuracy_equals_hf_trainer(tmp_path, caplog, family):
+    """Loop.evaluate with TokenAccuracy, lm.head = "trained": the sliced head (Llama), or, for a
+    model that soft-caps its logits (Gemma 2), the whole logits after one warning."""
+    from test_trained_head import prompt_masked, stack
+
+    model = model_of(family)
+    data = half_right(model, prompt_masked(10, seed=3))
+    hf, loop = evaluate_both(tmp_path, model, data, {"head": "trained"})
+    head = loop.model.get_output_embeddings()
+    with caplog.at_level(logging.WARNING, logger="corelooper.lm"):
+        calls = head_rows_of(head)
+        got = loop.evaluate()
+    assert got["eval_accuracy"] == pytest.approx(hf["eval_accuracy"], abs=1e-12) and got["eval_accuracy"] > 0.4
+    # HF's eval_loss is the mean of per-batch means; corelooper's is token-weighted over the set,
+    # which is the model's own loss over all samples in one batch
+    with torch.no_grad():
+        own = model.eval()(**stack(data)).loss.item()
+    assert abs(got["eval_loss"] - own) <= 1e-6
+    warned = fallback_warnings(caplog)
+    if family == "gemma2":
+        assert len(warned) == 1 and "soft-capping" in warned[0]
+        assert all(n > 1 for n in calls[1:])  # after the first batch: one call per batch, every position
+    else:
+        assert not warned and calls == [1, 1, 1]  # the probe: the model never held a batch's logits
+
+
+def head_rows_of(head):
+    rows: list[int] = []
+    head.register_forward_hook(lambda _m, _a, out: rows.append(out.shape[:-1].numel()))
+    return rows
+
+
+def test_metric_sees_the_same_predictions_with_and_without_the_sliced_head(tmp_path):
+    """A metric that records its predictions: the lm plugin's slices give exactly what the core's
+    per-batch preprocessing of the whole logits gives (lm.head = "all": the plugin is not there)."""
+
+    class Recorder(TokenAccuracy):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def update(self, predictions, label_ids):
+            self.seen.append(predictions.clone())
+            super().update(predictions, label_ids)
+
+    from test_trained_head import prompt_masked
+
+    model, data, results = make("qwen3", 2), prompt_masked(9, seed=4), {}
+    data = half_right(model, data)
+    for head in ("all", "trained"):
+        metric = Recorder()
+        loop = Loop(copy.deepcopy(model), Config(train=TrainArgs(
+            output_dir=str(tmp_path / head), per_device_eval_batch_size=4, disable_tqdm=True, use_cpu=True,
+            report_to=[]), sections={"lm": {"head": head}}), eval_dataset=data, compute_metrics=metric,
+            blocked_plugins=["console"])
+        results[head] = (loop.evaluate(), metric.seen)
+    (ref, ref_seen), (got, seen) = results["all"], results["trained"]
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6 + 1e-9 and got["eval_accuracy"] == ref["eval_accuracy"] > 0.4
+    for whole, sliced, sample in zip(ref_seen, seen, range(0, 9, 4), strict=True):
+        labels = torch.stack([d["labels"] for d in data[sample:sample + 4]])
+        counted = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1))
+        assert torch.equal(sliced[counted], whole[counted]) and (sliced[~counted] == PAD).all()
