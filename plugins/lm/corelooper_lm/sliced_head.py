@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from corelooper.outputs import PAD, LogitsWanted, Preprocessed
 
-from .trained_head import causal_targets, slice_rows, unwrapped
+from .trained_head import causal_targets, slice_rows, swapped_forward, unwrapped
 from .trained_layer import trimmed_last_layer
 
 
@@ -100,11 +100,8 @@ def _swapped(head: torch.nn.Module, record: _Slices, targets, keep, wanted: Logi
                 smoothing, record)
         return record.probe
 
-    head.forward = forward
-    try:
+    with swapped_forward(head, forward):
         yield
-    finally:
-        del head.forward  # the class's forward again
 
 
 def _slices(layer, rows: torch.Tensor, row_targets: torch.Tensor, preprocess, smoothing: float,

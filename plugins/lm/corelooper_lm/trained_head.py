@@ -18,6 +18,8 @@ one that calls it other than once per forward.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,21 @@ def unwrapped(model):
     """The HF model inside DDP / DeepSpeed (``.module``) and PEFT (``get_base_model``) wrappers."""
     inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+@contextmanager
+def swapped_forward(module: torch.nn.Module, forward):
+    """``module.forward`` is ``forward`` within the block; then what it was: the class's (and
+    ``deepcopy`` never sees the closure), or an instance's own (accelerate's device-map hooks)."""
+    own = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def why_not_exact(model) -> str | None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .segment_attention import SEGMENT_SDPA, segment_bounds
-from .trained_head import unwrapped
+from .trained_head import swapped_forward, unwrapped
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -145,11 +145,8 @@ def trimmed_last_layer(model, keep: torch.Tensor):
         trimmed.append(True)
         return out
 
-    layer.forward = forward
-    try:
+    with swapped_forward(layer, forward):
         yield trimmed
-    finally:
-        del layer.forward  # the class's forward again (and deepcopy never sees this closure)
 
 
 def _matches(state: TrimState, out: torch.Tensor, whole, keep) -> bool:

@@ -226,3 +226,37 @@ def test_metric_sees_the_same_predictions_with_and_without_the_sliced_head(tmp_p
         labels = torch.stack([d["labels"] for d in data[sample:sample + 4]])
         counted = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1))
         assert torch.equal(sliced[counted], whole[counted]) and (sliced[~counted] == PAD).all()
+
+
+def test_under_bf16_autocast_the_slices_are_the_models_own_logits():
+    """Mixed precision (what GPU users evaluate with): the slices' logits are bf16 as the model's
+    are, and the model gets the output layer's own tensor back, so nothing falls back."""
+    model = make("llama", 2).eval()
+    batch = layout(model, "right_padded", segments(24, seed=6, turns=2))[0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        own = model(**batch)
+        loss, answer = preprocessed_loss(model, batch, None, 0.0, LogitsWanted(top2, True))
+    assert isinstance(answer, Preprocessed) and own.logits.dtype == torch.bfloat16
+    assert abs(loss.item() - own.loss.item()) <= 2e-2 * own.loss.item()
+    counted = trained_head.causal_targets(batch) != -100
+    agree = (answer.predictions[counted][:, 0] == own.logits.argmax(-1)[counted]).float().mean().item()
+    assert agree >= 0.9  # bf16 rounding of other row blocks may flip near-ties, not more
+
+
+def test_a_forward_set_on_the_instance_is_put_back():
+    """accelerate's hooks (a device map) set ``module.forward`` on the instance: the sliced head and
+    the trimmed layer swap it for one forward and put that one back, not the class's."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+    from corelooper_lm.trained_layer import last_decoder_layer
+
+    model = make("llama", 2).eval()
+    head, layer = model.get_output_embeddings(), last_decoder_layer(model)
+    for module in (head, layer):
+        add_hook_to_module(module, ModelHook())
+    hooked = (vars(head)["forward"], vars(layer)["forward"])
+    batch = layout(model, "segments", segments(8, seed=2))[0]
+    with torch.no_grad():
+        own = model(**batch)
+        loss, answer = preprocessed_loss(model, batch, None, 0.0, LogitsWanted(top2, True))
+    assert (vars(head)["forward"], vars(layer)["forward"]) == hooked
+    assert isinstance(answer, Preprocessed) and abs(loss.item() - own.loss.item()) <= 1e-6
