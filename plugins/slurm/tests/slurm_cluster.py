@@ -36,8 +36,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _first_job_id() -> int:
+    """A first job id whose default rendezvous port (20000 + id % 20000, the plugin's rule) is free
+    now: two test clusters running at once (pytest-xdist) would otherwise both number their jobs
+    from 1 and rendezvous on the same ports (EADDRINUSE)."""
+    for _ in range(200):
+        port = _free_port()
+        if 20000 <= port < 40000:
+            return port - 20000
+    return 1 + int.from_bytes(os.urandom(2), "big") % 19000
+
+
 CONF = """\
 ClusterName=corelooper-test
+FirstJobId={first_job_id}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
@@ -150,7 +162,8 @@ def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost"
     cpus = os.cpu_count() or 1
     node_lines = "\n".join(NODE.format(name=n, port=_free_port(), cpus=cpus) for n in nodes)
     conf.write_text(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port(),
-                                node_lines=node_lines, node_names=",".join(nodes), slurmd_timeout=slurmd_timeout))
+                                node_lines=node_lines, node_names=",".join(nodes), slurmd_timeout=slurmd_timeout,
+                                first_job_id=_first_job_id()))
     cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf)})
     commands = [
         ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={root}/munge.socket",
