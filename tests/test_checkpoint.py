@@ -178,6 +178,24 @@ def test_hf_model_saved_with_save_pretrained(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_save_pretrained_bar_only_when_verbose(tmp_path, capfd, monkeypatch, verbose):
+    """transformers' "Writing model shards" bar is not printed at each save (on a pipe as on a
+    terminal) unless the run is verbose; the library's own setting is put back after the save."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    monkeypatch.delenv("CORELOOPER_VERBOSE", raising=False)
+    if verbose:
+        monkeypatch.setenv("CORELOOPER_VERBOSE", "1")
+    args = TrainArgs(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                     save_steps=1, disable_tqdm=True)
+    Loop(_tiny_tied_llama(), args, train_dataset=toys.lm_samples(8), blocked_plugins=["console"]).train()
+    printed = capfd.readouterr()
+    assert ("Writing model shards" in printed.err + printed.out) is verbose
+    assert hf_logging.is_progress_bar_enabled()
+
+
 # -- strategies, rotation, best model -------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ finite-weights check."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -73,7 +75,16 @@ def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard
     ``save_pretrained`` (same file names, plus config.json) so ``from_pretrained`` loads it."""
     limit = parse_size(max_shard_size)
     if callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config"):
-        model.save_pretrained(directory, state_dict=state_dict, max_shard_size=limit)
+        # transformers' "Writing model shards" bar at every save, on a pipe too: shown when verbose
+        bars = sys.modules.get("transformers.utils.logging")
+        hide = getattr(bars, "is_progress_bar_enabled", bool)() and not os.environ.get("CORELOOPER_VERBOSE")
+        if hide:
+            bars.disable_progress_bar()
+        try:
+            model.save_pretrained(directory, state_dict=state_dict, max_shard_size=limit)
+        finally:
+            if hide:
+                bars.enable_progress_bar()
         return
     tensors = _untie(state_dict)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -106,9 +117,7 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / WEIGHTS_INDEX
     if not index.is_file():
         if not (directory / WEIGHTS).is_file():
-            raise CheckpointError(
-                f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX})."
-            )
+            raise CheckpointError(f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX}).")
         return [directory / WEIGHTS]
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -117,9 +126,7 @@ def _weight_files(directory: Path) -> list[Path]:
     files = [directory / name for name in sorted(set(weight_map.values()))]
     for f in files:
         if not f.is_file():
-            raise CheckpointError(
-                f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing."
-            )
+            raise CheckpointError(f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing.")
     return files
 
 
