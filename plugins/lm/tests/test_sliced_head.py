@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from corelooper_lm import trained_head
+from corelooper_lm import sliced_head, trained_head
 from corelooper_lm.metrics import TokenAccuracy
 from corelooper_lm.sliced_head import preprocessed_loss
 from test_trained_layer import LAYOUTS, VOCAB, layout, make, segments
@@ -48,6 +48,7 @@ def head_inputs(monkeypatch, head):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_sliced_loss_and_predictions_equal_the_models_own(monkeypatch, family, name, counted_only):
     monkeypatch.setattr(trained_head, "EVAL_CHUNK_BYTES", 4 * VOCAB * ROWS)
+    monkeypatch.setattr(sliced_head, "PIECE_POSITIONS", 10**9)  # one forward per batch (pieces: below)
     model = make(family, 2)
     batch = layout(model, name, segments(160, seed=3, turns=3))[0]
     model.eval()
@@ -67,6 +68,59 @@ def test_sliced_loss_and_predictions_equal_the_models_own(monkeypatch, family, n
     wanted_rows = int(counted.sum()) if counted_only else counted.numel()
     assert wanted_rows > ROWS  # more than one slice
     assert rows[0] == 1 and max(rows[1:]) == ROWS and sum(rows[1:]) == wanted_rows  # the probe, then slices
+
+
+def forward_lengths(model) -> list[int]:
+    """The positions of each forward of ``model``'s decoder."""
+    lengths: list[int] = []
+    model.get_decoder().register_forward_pre_hook(lambda m, args, kw: lengths.append(kw["input_ids"].shape[1]),
+                                                  with_kwargs=True)
+    return lengths
+
+
+@pytest.mark.parametrize("wanted", [LogitsWanted(top2, True), LogitsWanted(top2, False), LogitsWanted(None, True)],
+                         ids=["counted", "every", "loss_only"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_padding_free_row_is_evaluated_in_pieces_of_whole_samples(monkeypatch, family, wanted):
+    """Pieces of at most PIECE_POSITIONS positions (a longer sample alone), each a forward of its
+    own: the same loss and predictions as one forward over the row, and as the model's own."""
+    model = make(family, 2).eval()
+    batch = layout(model, "segments", segments(24, seed=11, turns=3))[0]
+    length = batch["input_ids"].shape[1]
+    sizes = (batch["cu_seq_lens_q"][1:] - batch["cu_seq_lens_q"][:-1]).tolist()
+    limit = 32
+    assert max(sizes) > limit and length > 3 * limit  # one sample longer than a piece, several pieces
+    lengths = forward_lengths(model)
+    with torch.no_grad():
+        own = model(**batch)
+        monkeypatch.setattr(sliced_head, "PIECE_POSITIONS", 10**9)
+        whole, whole_answer = preprocessed_loss(model, batch, None, 0.0, wanted)
+        monkeypatch.setattr(sliced_head, "PIECE_POSITIONS", limit)
+        del lengths[:]
+        loss, answer = preprocessed_loss(model, batch, None, 0.0, wanted)
+    assert sum(lengths) == length and len(lengths) > 3
+    assert all(n <= limit or n in sizes for n in lengths)  # a longer piece is one sample alone
+    assert abs(loss.item() - whole.item()) <= 1e-6 and abs(loss.item() - own.loss.item()) <= 1e-6
+    if wanted.preprocess is None:
+        assert answer is None and whole_answer is None
+    else:
+        assert torch.equal(answer.predictions, whole_answer.predictions)
+
+
+def test_a_row_is_one_forward_with_gradients_or_a_mask(monkeypatch):
+    """Pieces only without autograd (in training the activations are kept anyway), and only for
+    a padding-free row: a padded batch's mask is not cut."""
+    monkeypatch.setattr(sliced_head, "PIECE_POSITIONS", 16)
+    model = make("llama", 2)
+    lengths = forward_lengths(model)
+    row = layout(model, "segments", segments(12, seed=2))[0]
+    loss, _ = preprocessed_loss(model, row, None, 0.0, LogitsWanted(None, True))
+    assert loss.requires_grad and lengths == [row["input_ids"].shape[1]]
+    padded = layout(model, "right_padded", segments(12, seed=2))[0]
+    with torch.no_grad():
+        del lengths[:]
+        preprocessed_loss(model, padded, None, 0.0, LogitsWanted(None, True))
+    assert lengths == [padded["input_ids"].shape[1]]
 
 
 def test_label_smoothing_and_the_steps_item_count():
