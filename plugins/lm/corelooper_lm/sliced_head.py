@@ -89,12 +89,13 @@ def row_pieces(batch, targets) -> list[tuple[dict, torch.Tensor]]:
     of whole samples of at most ``PIECE_POSITIONS`` positions (a longer sample alone), for a no-grad
     forward each: the forward's own arrays (the MLP's ``[positions, intermediate]``) are then a
     piece's, not the whole row's. Each sample attends to itself only, so every position gets the
-    numbers it gets in the row. Any other batch is one piece, itself."""
+    numbers it gets in the row. Any other batch is one piece, itself, as is every batch when
+    several processes evaluate."""
     whole = [(batch, targets)]
     cu = batch.get("cu_seq_lens_q")
     ids = batch.get("input_ids")
     if (torch.is_grad_enabled() or cu is None or not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[0] != 1
-            or ids.shape[1] <= PIECE_POSITIONS):
+            or ids.shape[1] <= PIECE_POSITIONS or _several_processes()):
         return whole
     length = ids.shape[1]
     per_position = {k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:2] == (1, length)}
@@ -118,6 +119,14 @@ def row_pieces(batch, targets) -> list[tuple[dict, torch.Tensor]]:
         piece.update(cu_seq_lens_q=local, cu_seq_lens_k=local, max_length_q=longest, max_length_k=longest)
         pieces.append((piece, targets[:, a:b]))
     return pieces
+
+
+def _several_processes() -> bool:
+    """Whether other processes take part: a sharded model (FSDP, ZeRO-3) gathers its weights in
+    every forward, so each process must run as many forwards as the others, whatever its batch."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _why_not_own(record: _Slices, logits) -> str | None:

@@ -123,6 +123,45 @@ def test_a_row_is_one_forward_with_gradients_or_a_mask(monkeypatch):
     assert lengths == [padded["input_ids"].shape[1]]
 
 
+TWO_RANKS = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from corelooper_lm import sliced_head
+from corelooper.outputs import LogitsWanted
+from test_sliced_head import forward_lengths
+from test_trained_layer import layout, make, segments
+
+def rank(r):
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=r, world_size=2)
+    sliced_head.PIECE_POSITIONS = 16
+    model = make("llama", 2).eval()
+    lengths = forward_lengths(model)
+    batch = layout(model, "segments", segments(8 + 4 * r, seed=r))[0]  # other lengths on each rank
+    with torch.no_grad():
+        sliced_head.preprocessed_loss(model, batch, None, 0.0, LogitsWanted(None, True))
+    assert lengths == [batch["input_ids"].shape[1]] and lengths[0] > 16, lengths
+    dist.destroy_process_group()
+
+torch.multiprocessing.start_processes(rank, nprocs=2, start_method="fork")
+"""
+
+
+def test_several_processes_evaluate_a_row_in_one_forward(tmp_path):
+    """Two real processes (gloo): each runs one forward per batch, however long its row, since a
+    sharded model gathers its weights in every forward and the processes' batches differ."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", TWO_RANKS, str(Path(__file__).parent), str(port)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_label_smoothing_and_the_steps_item_count():
     model = make("llama", 4).eval()
     batch = layout(model, "right_padded", segments(8, seed=5))[0]
