@@ -84,6 +84,7 @@ def forward_lengths(model) -> list[int]:
 def test_a_padding_free_row_is_evaluated_in_pieces_of_whole_samples(monkeypatch, family, wanted):
     """Pieces of at most PIECE_POSITIONS positions (a longer sample alone), each a forward of its
     own: the same loss and predictions as one forward over the row, and as the model's own."""
+    assert sliced_head.PIECE_POSITIONS == 1024  # what docs/trainer-options.md and the plugin's README say
     model = make(family, 2).eval()
     batch = layout(model, "segments", segments(24, seed=11, turns=3))[0]
     length = batch["input_ids"].shape[1]
