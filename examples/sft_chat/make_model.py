@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -55,6 +57,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "tiny-llama")
     ap.add_argument("--data", type=Path, default=HERE / "data" / "chat.jsonl")
     args = ap.parse_args()
+    # A script's output is its result: no "Writing model shards" bar, and not DeepSpeed's
+    # "Setting accelerator to CPU" (transformers imports DeepSpeed where it is installed).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
     tok = make_tokenizer(args.data)
     make_model(tok).save_pretrained(args.out)
     tok.save_pretrained(args.out)

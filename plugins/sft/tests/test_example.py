@@ -25,7 +25,9 @@ def sh(args, cwd, env):
 def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
     model = tmp_path / "tiny-llama"
-    sh([str(BIN / "python"), str(EXAMPLE / "make_model.py"), "--out", str(model)], ROOT, env)
+    made = sh([str(BIN / "python"), str(EXAMPLE / "make_model.py"), "--out", str(model)], ROOT, env)
+    # the script says what it wrote and nothing else (no shard bar, no DeepSpeed accelerator notice)
+    assert (made.stdout + made.stderr).strip() == f"wrote {model}/ (tokenizer: 512 tokens, chat template: ChatML)"
     common = ["--set", f'model.name_or_path="{model}"']
     preview = sh([str(BIN / "corelooper"), "data", "preview", str(EXAMPLE / "config.toml"), "-n", "1", *common],
                  ROOT, env)
