@@ -1,8 +1,9 @@
 """The prepared data set on disk, so a second start on the same data and settings reads it back.
 
-An entry is the tokenized, masked, truncated rows (Arrow, ``Dataset.save_to_disk``) plus
-``meta.json`` (the statistics, the packing plan, and the size and SHA-256 of every file of the
-entry). Its key hashes everything the rows depend on:
+An entry is the tokenized, masked, truncated rows (one Arrow file, ``data/rows.arrow``, which the
+tokenizing ``datasets.map`` writes in place: the rows are written once, not once per step and again
+for the cache) plus ``meta.json`` (the statistics, the packing plan, and the size and SHA-256 of
+every file of the entry). Its key hashes everything the rows depend on:
 
 * the data: every byte of the input rows (the Arrow buffers of the table the data set reads, so
   a change anywhere in the file counts, not only its size or head), and the paths of the
@@ -15,7 +16,8 @@ entry). Its key hashes everything the rows depend on:
   transformers, tokenizers and datasets.
 
 An entry is written to a temporary folder and renamed into place, so a reader never sees half of
-one; on reading, a file whose size or hash differs, or a ``meta.json`` that does not parse, makes
+one (a run whose cache folder cannot be written still runs: its rows go where ``datasets`` puts
+them); on reading, a file whose size or hash differs, or a ``meta.json`` that does not parse, makes
 the entry ignored (a warning), deleted and rebuilt. Nothing is unpickled: Arrow and JSON only.
 
 ``CORELOOPER_SFT_CACHE`` names the folder (default: the ``datasets`` cache folder's
@@ -36,7 +38,8 @@ from typing import Any
 
 logger = logging.getLogger("corelooper.sft")
 
-FORMAT = 1  # bump when what an entry holds (or how rows are made) changes
+FORMAT = 2  # bump when what an entry holds (or how rows are made) changes
+ROWS = Path("data") / "rows.arrow"
 TOKENIZER_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab"}
 TOKENIZER_SKIP = {"config.json", "generation_config.json", "model.safetensors.index.json"}
 
@@ -128,9 +131,7 @@ def load(name: str, where: str):
             f = folder / rel
             if f.stat().st_size != size or _file_hash(f) != digest:
                 raise ValueError(f"{rel} differs from what was written")
-        import datasets
-
-        ds = datasets.load_from_disk(str(folder / "data"))
+        ds = _read(folder)
         if len(ds) != meta["rows"]:
             raise ValueError(f"{len(ds)} rows, {meta['rows']} written")
     except Exception as e:  # corrupt, partial or foreign: never trusted, rebuilt
@@ -141,24 +142,51 @@ def load(name: str, where: str):
     return ds, meta
 
 
-def store(name: str, ds, meta: dict[str, Any], where: str):
-    """Write the entry (temporary folder, then rename); the data set read back from it (memory-mapped)."""
-    base = root()
-    if base is None:
-        return ds
-    tmp = base / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    try:
-        ds.save_to_disk(str(tmp / "data"))
-        files = {str(f.relative_to(tmp)): [f.stat().st_size, _file_hash(f)]
-                 for f in sorted((tmp / "data").rglob("*")) if f.is_file()}
-        (tmp / "meta.json").write_text(json.dumps({**meta, "key": name, "rows": len(ds), "files": files}),
-                                       encoding="utf-8")
-        shutil.rmtree(base / name, ignore_errors=True)
-        os.replace(tmp, base / name)
-    except OSError as e:  # a full or read-only disk costs the cache, not the run
-        logger.warning("sft: %s: could not cache the prepared data in %s (%s).", where, base, e)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return ds
+def _read(folder: Path):
     import datasets
 
-    return datasets.load_from_disk(str(base / name / "data"))
+    return datasets.Dataset.from_file(str(folder / ROWS))  # memory-mapped Arrow, nothing unpickled
+
+
+def begin(name: str, where: str) -> Path | None:
+    """Where the tokenizing map writes a new entry's rows: a file in a temporary folder (``store``
+    renames the folder into place). None when the cache folder cannot be written (said once)."""
+    base = root()
+    if base is None:
+        return None
+    rows = base / f".tmp-{name}-{uuid.uuid4().hex[:8]}" / ROWS
+    try:
+        rows.parent.mkdir(parents=True)
+    except OSError as e:
+        give_up(rows, where, e)
+        return None
+    return rows
+
+
+def give_up(rows: Path, where: str, error: OSError, in_use: bool = False) -> None:
+    """The cache is not written (a full or read-only disk costs the cache, not the run); rows that
+    the run reads (``in_use``) stay where they are, as an unfinished entry's temporary folder."""
+    logger.warning("sft: %s: could not cache the prepared data in %s (%s).", where, root(), error)
+    if not in_use:
+        discard(rows)
+
+
+def discard(rows: Path) -> None:
+    """Remove the temporary folder of an entry that ``begin`` started."""
+    shutil.rmtree(rows.parent.parent, ignore_errors=True)
+
+
+def store(name: str, rows: Path, meta: dict[str, Any], where: str):
+    """Complete the entry whose rows the map wrote to ``rows`` (``begin``): ``meta.json``, then the
+    rename into place; the data set read back from it (memory-mapped). None if it failed (said)."""
+    base, tmp = root(), rows.parent.parent
+    try:
+        files = {str(f.relative_to(tmp)): [f.stat().st_size, _file_hash(f)]
+                 for f in sorted((tmp / "data").rglob("*")) if f.is_file()}
+        (tmp / "meta.json").write_text(json.dumps({**meta, "key": name, "files": files}), encoding="utf-8")
+        shutil.rmtree(base / name, ignore_errors=True)
+        os.replace(tmp, base / name)
+    except OSError as e:
+        give_up(rows, where, e, in_use=True)
+        return None
+    return _read(base / name)

@@ -61,18 +61,22 @@ BATCH = 1000  # rows per batched tokenizer call: the Rust encoder's batch, and d
 
 
 def tokenize_dataset(dataset, tokenizer, cfg: Mapping[str, Any], where: str, chat_template: str | None,
-                     fingerprint: str | None = None):
+                     fingerprint: str | None = None, limit: Limit | None = None, rows_file: str | None = None):
+    """The rows tokenized and masked, and ``limit`` (max_length) applied, in one ``datasets.map``:
+    the rows are written once, to ``rows_file`` when given (a cache entry), else where ``datasets``
+    puts a map's output."""
     import datasets
 
     datasets.disable_progress_bars()
     ds = as_hf_dataset(dataset, where)
     if len(ds) == 0:
         raise DataError(f"{where}: the data set is empty.")
-    fn = BatchTokenizer(RowTokenizer(tokenizer, cfg, where, chat_template))
+    fn = BatchTokenizer(RowTokenizer(tokenizer, cfg, where, chat_template), limit)
     # With a cache key, datasets neither hashes the tokenizer (slow) nor reuses its own cache file:
     # a rebuild is a rebuild.
     kw = {"new_fingerprint": fingerprint, "load_from_cache_file": False} if fingerprint else {}
-    return ds.map(fn, with_indices=True, batched=True, batch_size=BATCH, remove_columns=ds.column_names, **kw)
+    return ds.map(fn, with_indices=True, batched=True, batch_size=BATCH, remove_columns=ds.column_names,
+                  cache_file_name=rows_file, **kw)
 
 
 class BatchTokenizer:
@@ -81,10 +85,11 @@ class BatchTokenizer:
     assistant mask, without its per-token loops), the labels masked on arrays; any other row is
     tokenized on its own.
     Same ids and labels as ``RowTokenizer`` row by row (tests/test_preprocess_scale.py), plus a
-    ``trained`` column (labels != -100 after the causal shift) so no later step reads the labels."""
+    ``trained`` column (labels != -100 after the causal shift) so no later step reads the labels.
+    With a ``Limit``, each batch leaves as an Arrow table with max_length applied."""
 
-    def __init__(self, rows: RowTokenizer):
-        self.rows = rows
+    def __init__(self, rows: RowTokenizer, limit: Limit | None = None):
+        self.rows, self.limit = rows, limit
 
     def _fast(self, row: Mapping) -> bool:
         r = self.rows
@@ -93,6 +98,10 @@ class BatchTokenizer:
         return (not r.assistant_only or r.markers) and formats.is_conversation(row["messages"])
 
     def __call__(self, batch: Mapping[str, list], indices: list[int]):
+        out = self._tokenized(batch, indices)
+        return out if self.limit is None else self.limit(out)
+
+    def _tokenized(self, batch: Mapping[str, list], indices: list[int]):
         names = list(batch)
         rows = [dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         fast = [k for k, row in enumerate(rows) if self._fast(row)]
@@ -176,27 +185,53 @@ def _trained(labels: Sequence[int]) -> int:
     return sum(x != IGNORE for x in labels[1:])
 
 
-def apply_max_length(ds, cfg: Mapping[str, Any], packing: bool, stats: Stats):
-    """Truncate or drop over-long rows (counted); ``bfd_split``/``wrapped`` packing splits them."""
-    max_length = int(cfg["max_length"] or 0)
-    lengths = column(ds, "length")
-    stats.samples = len(lengths)
-    if max_length <= 0 or (packing and cfg["packing_strategy"] != "bfd"):
-        return ds  # no limit, or the packing plan splits over-long samples into pieces
-    stats.overlong = sum(n > max_length for n in lengths)
-    if not stats.overlong:
-        return ds
-    if cfg["overlong"] == "drop":
-        stats.dropped = stats.overlong
-        return ds.filter(lambda n: [x <= max_length for x in n], input_columns="length", batched=True,
-                         load_from_cache_file=False)
-    cut = _Truncate(max_length, cfg["truncation_mode"] == "keep_end")
-    ds = ds.with_format("arrow").map(cut, batched=True, batch_size=BATCH, load_from_cache_file=False).with_format(None)
-    stats.truncated = stats.overlong
-    before = len(ds)
-    ds = ds.filter(lambda t: [x > 0 for x in t], input_columns="trained", batched=True, load_from_cache_file=False)
-    stats.fully_masked_dropped = before - len(ds)
-    return ds
+class Limit:
+    """``[sft] max_length`` and ``overlong`` on each tokenized batch (inside the tokenizing map, so
+    the rows are written once): over-long rows truncated (``_Truncate``; rows then left with no
+    trained token dropped) or dropped, counted in ``stats``. ``bfd_split``/``wrapped`` packing and
+    ``max_length = 0`` leave rows whole (the packing plan splits over-long samples into pieces)."""
+
+    def __init__(self, cfg: Mapping[str, Any], packing: bool, stats: Stats):
+        self.max_length = int(cfg["max_length"] or 0)
+        self.drop = cfg["overlong"] == "drop"
+        self.cut = _Truncate(self.max_length, cfg["truncation_mode"] == "keep_end")
+        self.stats = stats
+
+    @staticmethod
+    def needed(cfg: Mapping[str, Any], packing: bool) -> bool:
+        return int(cfg["max_length"] or 0) > 0 and not (packing and cfg["packing_strategy"] != "bfd")
+
+    def __call__(self, out):
+        import numpy as np
+        import pyarrow as pa
+
+        table = _as_table(out)
+        over = table.column("length").to_numpy() > self.max_length
+        self.stats.overlong += int(over.sum())
+        if self.drop:
+            self.stats.dropped += int(over.sum())
+            return table.filter(pa.array(~over)) if over.any() else table
+        table = self.cut(table)  # every batch, so every batch has the same columns
+        self.stats.truncated += int(over.sum())
+        keep = table.column("trained").to_numpy() > 0
+        self.stats.fully_masked_dropped += int(np.count_nonzero(~keep))
+        return table if keep.all() else table.filter(pa.array(keep))
+
+
+FIRST_COLUMNS = ("input_ids", "labels", "length", "trained")
+
+
+def _as_table(out):
+    """``BatchTokenizer``'s batch (an Arrow table, or columns of Python values) as an Arrow table
+    with ``_table``'s schema: int64 token lists and counts, float64 extras, in one column order."""
+    import pyarrow as pa
+
+    if isinstance(out, pa.Table):
+        return out
+    types = {"input_ids": pa.list_(pa.int64()), "labels": pa.list_(pa.int64()), "length": pa.int64(),
+             "trained": pa.int64()}
+    names = [*FIRST_COLUMNS, *(k for k in out if k not in FIRST_COLUMNS)]
+    return pa.table({k: pa.array(out[k], type=types.get(k, pa.float64())) for k in names})
 
 
 class _Truncate:
@@ -311,11 +346,7 @@ def prepare(dataset, tokenizer, cfg: Mapping[str, Any], where: str, chat_templat
         plan = [[tuple(p) for p in row] for row in meta["plan"]] if meta.get("plan") is not None else None
         logger.info("sft: %s: prepared data read from the cache (%s).", where, name)
     else:
-        ds, stats = _prepare(source, tokenizer, cfg, where, chat_template, packing, name)
-        plan = _plan(stats.lengths, cfg) if packing else None
-        if name:
-            meta = {"stats": {k: v for k, v in vars(stats).items() if k not in ("where", "lengths")}, "plan": plan}
-            ds = cache.store(name, ds, meta, where)
+        ds, stats, plan = _prepare(source, tokenizer, cfg, where, chat_template, packing, name)
     sentence = stats.sentence(int(cfg["max_length"] or 0), cfg["overlong"])
     if sentence:
         logger.warning(sentence)
@@ -330,10 +361,37 @@ def _plan(lengths: list[int], cfg: Mapping[str, Any]) -> list[list[tuple[int, in
 
 
 def _prepare(source, tokenizer, cfg, where: str, chat_template, packing: bool, name: str | None):
-    """Tokenize, mask, apply max_length: the rows and their statistics (the cache's miss path)."""
-    stats = Stats(where)
-    ds = tokenize_dataset(source, tokenizer, cfg, where, chat_template, name)
-    ds = apply_max_length(ds, cfg, packing, stats)
+    """The cache's miss path: the rows (tokenized, masked, max_length applied), their statistics
+    and packing plan; with a cache key the rows are written into a new cache entry."""
+    from . import cache
+
+    rows_file = cache.begin(name, where) if name else None
+    try:
+        ds, stats = _tokenized(source, tokenizer, cfg, where, chat_template, packing, name, rows_file)
+    except OSError as e:  # the cache's disk, full or read-only: the rows where datasets puts them
+        if rows_file is None:
+            raise
+        cache.give_up(rows_file, where, e)
+        rows_file = None
+        ds, stats = _tokenized(source, tokenizer, cfg, where, chat_template, packing, name, None)
+    except BaseException:
+        if rows_file is not None:
+            cache.discard(rows_file)
+        raise
+    plan = _plan(stats.lengths, cfg) if packing else None
+    if rows_file is not None:
+        meta = {"stats": {k: v for k, v in vars(stats).items() if k not in ("where", "lengths")}, "plan": plan,
+                "rows": len(ds)}
+        stored = cache.store(name, rows_file, meta, where)  # renamed into place: read back from there
+        ds = ds if stored is None else stored
+    return ds, stats, plan
+
+
+def _tokenized(source, tokenizer, cfg, where: str, chat_template, packing: bool, name: str | None, rows_file):
+    stats = Stats(where, samples=len(source))
+    limit = Limit(cfg, packing, stats) if Limit.needed(cfg, packing) else None
+    ds = tokenize_dataset(source, tokenizer, cfg, where, chat_template, name, limit,
+                          str(rows_file) if rows_file else None)
     if len(ds) == 0:
         raise DataError(f"{where}: no sample is left after [sft] overlong = {cfg['overlong']!r}.")
     stats.lengths = column(ds, "length")

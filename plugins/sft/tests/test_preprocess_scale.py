@@ -174,6 +174,45 @@ def test_the_cache_can_be_turned_off(tmp_path, caplog, monkeypatch):
     assert not run(load(data), tok, caplog)[1] and not (tmp_path / "sft_cache").exists()
 
 
+def test_the_rows_are_written_once_into_the_cache_entry(tmp_path, caplog):
+    # the tokenizing map (max_length applied in it) writes the entry's one Arrow file: nothing in
+    # datasets' cache folder, no copy made for the cache
+    tok, data = make_tokenizer(), write(tmp_path / "chats.jsonl", CHATS * 4)
+    dataset = load(data)
+    before = set((tmp_path / "hf_cache").rglob("*.arrow"))
+    prepared = run(dataset, tok, caplog, max_length=40)[0]
+    assert set((tmp_path / "hf_cache").rglob("*.arrow")) == before
+    entry = _entry(tmp_path)
+    assert sorted(str(p.relative_to(entry)) for p in entry.rglob("*") if p.is_file()) == ["data/rows.arrow",
+                                                                                          "meta.json"]
+    assert [f["filename"] for f in prepared.ds.cache_files] == [str(entry / "data" / "rows.arrow")]
+    assert prepared.stats.truncated > 0 and not list((tmp_path / "sft_cache").glob(".tmp-*"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 KiB tmpfs (mounting needs root, as the core's disk-full tests)."""
+    d = tmp_path / "small"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.fail(f"mount tmpfs failed (the test needs root): {r.stderr}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_full_cache_disk_costs_the_cache_not_the_run(tmp_path, caplog, monkeypatch, small_disk):
+    monkeypatch.setenv("CORELOOPER_SFT_CACHE", str(small_disk / "sft_cache"))
+    tok, data = make_tokenizer(), write(tmp_path / "chats.jsonl", CHATS * 100)
+    prepared, hit = run(load(data), tok, caplog, max_length=40)
+    assert not hit and "could not cache the prepared data in" in caplog.text, caplog.text
+    assert "No space left on device" in caplog.text, caplog.text
+    assert not list((small_disk / "sft_cache").iterdir())  # no half-written entry left behind
+    monkeypatch.setenv("CORELOOPER_SFT_CACHE", "off")
+    uncached = run(load(data), tok, caplog, max_length=40)[0]
+    assert rows_of(prepared) == rows_of(uncached) and vars(prepared.stats) == vars(uncached.stats)
+
+
 def preview(tmp_path, model_dir, args, extra=""):
     (tmp_path / "c.toml").write_text(f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "chats.jsonl"\n'
                                      f"[sft]\nassistant_only_loss = true\nmax_length = 64\n{extra}")
