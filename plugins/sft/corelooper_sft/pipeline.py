@@ -191,7 +191,7 @@ class Limit:
     trained token dropped) or dropped, counted in ``stats``. ``bfd_split``/``wrapped`` packing and
     ``max_length = 0`` leave rows whole (the packing plan splits over-long samples into pieces)."""
 
-    def __init__(self, cfg: Mapping[str, Any], packing: bool, stats: Stats):
+    def __init__(self, cfg: Mapping[str, Any], stats: Stats):
         self.max_length = int(cfg["max_length"] or 0)
         self.drop = cfg["overlong"] == "drop"
         self.cut = _Truncate(self.max_length, cfg["truncation_mode"] == "keep_end")
@@ -211,7 +211,9 @@ class Limit:
         if self.drop:
             self.stats.dropped += int(over.sum())
             return table.filter(pa.array(~over)) if over.any() else table
-        table = self.cut(table)  # every batch, so every batch has the same columns
+        if not over.any():  # the columns a cut batch has: every batch must have the same
+            return table.append_column("untruncated_length", table.column("length"))
+        table = self.cut(table)
         self.stats.truncated += int(over.sum())
         keep = table.column("trained").to_numpy() > 0
         self.stats.fully_masked_dropped += int(np.count_nonzero(~keep))
@@ -389,7 +391,7 @@ def _prepare(source, tokenizer, cfg, where: str, chat_template, packing: bool, n
 
 def _tokenized(source, tokenizer, cfg, where: str, chat_template, packing: bool, name: str | None, rows_file):
     stats = Stats(where, samples=len(source))
-    limit = Limit(cfg, packing, stats) if Limit.needed(cfg, packing) else None
+    limit = Limit(cfg, stats) if Limit.needed(cfg, packing) else None
     ds = tokenize_dataset(source, tokenizer, cfg, where, chat_template, name, limit,
                           str(rows_file) if rows_file else None)
     if len(ds) == 0:
