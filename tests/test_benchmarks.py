@@ -149,3 +149,20 @@ def test_warm_growth_measures_each_call_in_a_fresh_process():
     for r in rows:  # a growth per call, never below what the call kept
         assert len(r["peak_growth_mib"]) == len(r["kept_mib"]) == 2 and r["samples"] == 24
         assert all(g >= k for g, k in zip(r["peak_growth_mib"], r["kept_mib"], strict=True))
+
+
+def test_preprocessing_benchmark_smoke_times_both_and_the_cached_second_start(tmp_path):
+    out = tmp_path / "preprocess.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "preprocess.py"), "--sizes", "300", "--reps", "1",
+                           "--work", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = {r["method"]: r for r in result["runs"]}
+    assert set(runs) == {"cl", "cl (second start)", "trl"}
+    # the second start reads the cache: its preparation is a small share of the first's
+    assert runs["cl (second start)"]["prepare_cpu_s"] < runs["cl"]["prepare_cpu_s"]
+    assert all(r["to_first_step_s"] > r["prepare_s"] > 0 for r in runs.values())
+    (summary,) = result["summary"]
+    assert summary["to_first_step_s"]["verdict"] == "inconclusive"  # one repetition: no interval
+    assert "goal (300 conversations, TRL / corelooper, to_first_step_s)" in proc.stdout

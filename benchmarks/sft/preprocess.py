@@ -220,10 +220,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cl-preprocess")
     ap.add_argument("--only", choices=["cl", "trl"], default=None)
+    ap.add_argument("--out", type=Path, default=HERE.parent / "results" / "preprocess.json")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     rows = bench(a.sizes, a.reps, a.work, a.only)
-    res = HERE.parent / "results" / "preprocess.json"
+    res = a.out
     res.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                    command=" ".join(sys.argv), uname=os.uname().nodename,
                                    runs=rows, summary=summarize(rows)), indent=1))
