@@ -26,6 +26,7 @@ the entry ignored (a warning), deleted and rebuilt. Nothing is unpickled: Arrow 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -40,6 +41,8 @@ logger = logging.getLogger("corelooper.sft")
 
 FORMAT = 2  # bump when what an entry holds (or how rows are made) changes
 ROWS = Path("data") / "rows.arrow"
+# a write to the cache folder failed for want of room or rights: the run goes on without the cache
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 TOKENIZER_SUFFIXES = {".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab"}
 TOKENIZER_SKIP = {"config.json", "generation_config.json", "model.safetensors.index.json"}
 
@@ -158,17 +161,14 @@ def begin(name: str, where: str) -> Path | None:
     try:
         rows.parent.mkdir(parents=True)
     except OSError as e:
-        give_up(rows, where, e)
+        not_cached(where, e)
         return None
     return rows
 
 
-def give_up(rows: Path, where: str, error: OSError, in_use: bool = False) -> None:
-    """The cache is not written (a full or read-only disk costs the cache, not the run); rows that
-    the run reads (``in_use``) stay where they are, as an unfinished entry's temporary folder."""
+def not_cached(where: str, error: OSError) -> None:
+    """Say that the cache is not written (a full or read-only disk costs the cache, not the run)."""
     logger.warning("sft: %s: could not cache the prepared data in %s (%s).", where, root(), error)
-    if not in_use:
-        discard(rows)
 
 
 def discard(rows: Path) -> None:
@@ -186,7 +186,7 @@ def store(name: str, rows: Path, meta: dict[str, Any], where: str):
         (tmp / "meta.json").write_text(json.dumps({**meta, "key": name, "files": files}), encoding="utf-8")
         shutil.rmtree(base / name, ignore_errors=True)
         os.replace(tmp, base / name)
-    except OSError as e:
-        give_up(rows, where, e, in_use=True)
+    except OSError as e:  # the rows stay where the map wrote them: the run reads them
+        not_cached(where, e)
         return None
     return _read(base / name)

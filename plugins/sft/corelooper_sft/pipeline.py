@@ -370,16 +370,15 @@ def _prepare(source, tokenizer, cfg, where: str, chat_template, packing: bool, n
     rows_file = cache.begin(name, where) if name else None
     try:
         ds, stats = _tokenized(source, tokenizer, cfg, where, chat_template, packing, name, rows_file)
-    except OSError as e:  # the cache's disk, full or read-only: the rows where datasets puts them
+    except BaseException as e:
         if rows_file is None:
             raise
-        cache.give_up(rows_file, where, e)
+        cache.discard(rows_file)
+        if not (isinstance(e, OSError) and e.errno in cache.DISK_ERRNOS):
+            raise
+        cache.not_cached(where, e)  # the cache's disk, full or read-only: the rows where datasets puts them
         rows_file = None
         ds, stats = _tokenized(source, tokenizer, cfg, where, chat_template, packing, name, None)
-    except BaseException:
-        if rows_file is not None:
-            cache.discard(rows_file)
-        raise
     plan = _plan(stats.lengths, cfg) if packing else None
     if rows_file is not None:
         meta = {"stats": {k: v for k, v in vars(stats).items() if k not in ("where", "lengths")}, "plan": plan,

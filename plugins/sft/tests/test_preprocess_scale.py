@@ -77,6 +77,16 @@ def test_a_row_with_no_trained_token_is_named_in_the_batched_path():
         prepare(CHATS + [bad], make_tokenizer(), cfg(), "data.train", use_cache=False)
 
 
+def test_a_failed_preparation_leaves_no_half_written_cache_entry(tmp_path, caplog):
+    from corelooper.errors import DataError
+
+    bad = {"messages": [{"role": "user", "content": "only a question"}]}
+    with pytest.raises(DataError, match="sample 3: no token is trained"):
+        prepare(CHATS + [bad], make_tokenizer(), cfg(), "data.train")
+    assert (tmp_path / "sft_cache").is_dir() and not list((tmp_path / "sft_cache").iterdir())
+    assert "could not cache" not in caplog.text  # a bad row is the row's fault, not the cache disk's
+
+
 def test_second_start_reads_the_cache_and_gives_the_same_rows(tmp_path, caplog):
     tok, data = make_tokenizer(), write(tmp_path / "chats.jsonl", CHATS * 4)
     first, hit1 = run(load(data), tok, caplog, packing=True, max_length=40)
