@@ -39,7 +39,7 @@ from typing import Any
 
 logger = logging.getLogger("corelooper.sft")
 
-FORMAT = 2  # bump when what an entry holds (or how rows are made) changes
+FORMAT = 3  # bump when what an entry holds (or how rows are made) changes
 ROWS = Path("data") / "rows.arrow"
 # a write to the cache folder failed for want of room or rights: the run goes on without the cache
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}

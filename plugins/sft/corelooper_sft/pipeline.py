@@ -86,7 +86,8 @@ class BatchTokenizer:
     tokenized on its own.
     Same ids and labels as ``RowTokenizer`` row by row (tests/test_preprocess_scale.py), plus a
     ``trained`` column (labels != -100 after the causal shift) so no later step reads the labels.
-    With a ``Limit``, each batch leaves as an Arrow table with max_length applied."""
+    Each batch leaves as an Arrow table (int32 token lists: half the bytes of int64, and a
+    vocabulary never needs more), with ``Limit``'s max_length applied."""
 
     def __init__(self, rows: RowTokenizer, limit: Limit | None = None):
         self.rows, self.limit = rows, limit
@@ -98,7 +99,7 @@ class BatchTokenizer:
         return (not r.assistant_only or r.markers) and formats.is_conversation(row["messages"])
 
     def __call__(self, batch: Mapping[str, list], indices: list[int]):
-        out = self._tokenized(batch, indices)
+        out = _as_table(self._tokenized(batch, indices))  # every batch: one schema
         return out if self.limit is None else self.limit(out)
 
     def _tokenized(self, batch: Mapping[str, list], indices: list[int]):
@@ -157,14 +158,14 @@ def _items(chats: dict) -> list[dict]:
 
 def _table(chats: dict, extras: list[dict]):
     """The batch as an Arrow table (``datasets.map`` writes it as-is): list columns from the flat
-    arrays and their offsets, the same schema as the Python lists give (int64 lists and counts)."""
+    arrays and their offsets, the schema ``_as_table`` gives the Python lists."""
     import numpy as np
     import pyarrow as pa
 
     enc = chats["enc"]
     offsets = pa.array(np.concatenate([[0], np.cumsum(enc.lengths)]).astype(np.int32))
-    cols = {"input_ids": pa.ListArray.from_arrays(offsets, pa.array(enc.ids)),
-            "labels": pa.ListArray.from_arrays(offsets, pa.array(chats["labels"])),
+    cols = {"input_ids": pa.ListArray.from_arrays(offsets, pa.array(enc.ids, type=pa.int32())),
+            "labels": pa.ListArray.from_arrays(offsets, pa.array(chats["labels"], type=pa.int32())),
             "length": pa.array(enc.lengths), "trained": pa.array(chats["trained"])}
     for key in dict.fromkeys(k for e in extras for k in e):  # a row without an extra: None
         cols[key] = pa.array([e.get(key) for e in extras], type=pa.float64())
@@ -225,12 +226,12 @@ FIRST_COLUMNS = ("input_ids", "labels", "length", "trained")
 
 def _as_table(out):
     """``BatchTokenizer``'s batch (an Arrow table, or columns of Python values) as an Arrow table
-    with ``_table``'s schema: int64 token lists and counts, float64 extras, in one column order."""
+    with ``_table``'s schema: int32 token lists, int64 counts, float64 extras, in one column order."""
     import pyarrow as pa
 
     if isinstance(out, pa.Table):
         return out
-    types = {"input_ids": pa.list_(pa.int64()), "labels": pa.list_(pa.int64()), "length": pa.int64(),
+    types = {"input_ids": pa.list_(pa.int32()), "labels": pa.list_(pa.int32()), "length": pa.int64(),
              "trained": pa.int64()}
     names = [*FIRST_COLUMNS, *(k for k in out if k not in FIRST_COLUMNS)]
     return pa.table({k: pa.array(out[k], type=types.get(k, pa.float64())) for k in names})
