@@ -49,7 +49,11 @@ def check_messages(messages, where: str, key: str = "messages") -> None:
         )
 
 
+# corelooper-sft's own per-sample columns: a data column of the same name does not travel
+RESERVED = ("length", "trained", "untruncated_length")
+
+
 def extras(row: Mapping) -> dict[str, float]:
     """Numeric per-sample columns (``difficulty_score``) that travel to the batch."""
     return {k: float(v) for k, v in row.items()
-            if k not in CONSUMED and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if k not in CONSUMED and k not in RESERVED and isinstance(v, (int, float)) and not isinstance(v, bool)}

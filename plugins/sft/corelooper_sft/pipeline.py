@@ -91,6 +91,7 @@ class BatchTokenizer:
 
     def __init__(self, rows: RowTokenizer, limit: Limit | None = None):
         self.rows, self.limit = rows, limit
+        self.said_reserved = False
 
     def _fast(self, row: Mapping) -> bool:
         r = self.rows
@@ -104,6 +105,12 @@ class BatchTokenizer:
 
     def _tokenized(self, batch: Mapping[str, list], indices: list[int]):
         names = list(batch)
+        reserved = [n for n in names if n in formats.RESERVED]
+        if reserved and not self.said_reserved:
+            self.said_reserved = True
+            logger.warning("sft: %s: the data's column(s) %s are not used: corelooper-sft computes its own "
+                           "per-sample %s. Rename them to pass them to the batch.", self.rows.where,
+                           reserved, ", ".join(formats.RESERVED))
         rows = [dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         fast = [k for k, row in enumerate(rows) if self._fast(row)]
         try:

@@ -268,3 +268,17 @@ def test_lengths_of_a_filtered_data_set_are_those_of_its_rows(overlong):
     assert prepared.stats.dropped + prepared.stats.fully_masked_dropped > 0
     assert prepared.stats.trained_tokens == sum(sum(x != -100 for x in prepared[i]["labels"][1:])
                                                 for i in range(len(prepared)))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_data_column_named_like_a_pipeline_column_is_named_and_not_used(caplog, packing):
+    # a numeric "length" in the data once overwrote the real lengths (and broke the packing plan)
+    rows = [{**c, "length": 3, "trained": 0.5} for c in CHATS] * 2
+    with caplog.at_level(logging.WARNING, logger="corelooper.sft"):
+        prepared = prepare(rows, make_tokenizer(), cfg(packing=packing), "data.train", use_cache=False)
+    tokenized = prepared.rows if packing else prepared
+    assert tokenized.lengths == [len(tokenized[i]["input_ids"]) for i in range(len(tokenized))] != [3] * len(rows)
+    assert "length" not in tokenized[0] and "trained" not in tokenized[0]
+    assert caplog.text.count("the data's column(s) ['length', 'trained'] are not used") == 1
+    plain = prepare([dict(c) for c in CHATS] * 2, make_tokenizer(), cfg(packing=packing), "data.train", use_cache=False)
+    assert prepared.stats.trained_tokens == plain.stats.trained_tokens
