@@ -209,20 +209,20 @@ class Limit:
     def needed(cfg: Mapping[str, Any], packing: bool) -> bool:
         return int(cfg["max_length"] or 0) > 0 and not (packing and cfg["packing_strategy"] != "bfd")
 
-    def __call__(self, out):
+    def __call__(self, table):
         import numpy as np
         import pyarrow as pa
 
-        table = _as_table(out)
         over = table.column("length").to_numpy() > self.max_length
-        self.stats.overlong += int(over.sum())
+        n = int(over.sum())
+        self.stats.overlong += n
         if self.drop:
-            self.stats.dropped += int(over.sum())
-            return table.filter(pa.array(~over)) if over.any() else table
-        if not over.any():  # the columns a cut batch has: every batch must have the same
+            self.stats.dropped += n
+            return table.filter(pa.array(~over)) if n else table
+        if not n:  # the columns a cut batch has: every batch must have the same
             return table.append_column("untruncated_length", table.column("length"))
         table = self.cut(table)
-        self.stats.truncated += int(over.sum())
+        self.stats.truncated += n
         keep = table.column("trained").to_numpy() > 0
         self.stats.fully_masked_dropped += int(np.count_nonzero(~keep))
         return table if keep.all() else table.filter(pa.array(keep))
