@@ -40,7 +40,8 @@ def corelooper_add_commands(app) -> None:
             "--grace", help="Seconds between that signal and the end (default: 120, or 60 + 2 x the last "
             "checkpoint's measured save time when that is more).")] = None,
         port: Annotated[int | None, typer.Option(
-            "--port", help="Rendezvous port on the first node (default: 20000 + job id % 20000).")] = None,
+            "--port", help="Rendezvous port on the first node (default: the first free one from 15000 + job id "
+            "% 10000).")] = None,
         max_requeues: Annotated[int, typer.Option(
             "--max-requeues", help="Requeue at most this many times (each only after a newer checkpoint).")] = 20,
         min_nodes: Annotated[int | None, typer.Option(

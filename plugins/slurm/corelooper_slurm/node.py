@@ -6,6 +6,13 @@
     A ``checkpoint-N`` folder appears only by the rename that ends a complete save (a save cut
     short stays ``.tmp-checkpoint-N``), so listing names is enough and reads no weights.
 
+``port FIRST``
+    The first TCP port from FIRST (FIRST to FIRST + 99, in steps of 1) that nothing on this node
+    holds, for the rendezvous store: the batch shell, which runs on the job's first node, asks
+    before it starts the nodes. A port is free when a socket binds to it without SO_REUSEADDR,
+    so one that another program listens on, or uses as the local end of a connection, is
+    skipped. FIRST when none is free (the node's line then names the port that failed).
+
 ``torchrun STATE_DIR -- TORCHRUN_ARGS...``
     One per node (the ``srun`` task): torchrun's elastic agent run in this process, so that a
     warning signal, a finished run and a failed rank each end in one line per node with every
@@ -34,6 +41,17 @@ def latest_step(output_dir: Path) -> int:
         return 0
     steps = [int(m.group(1)) for p in output_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()]
     return max(steps, default=0)
+
+
+def free_port(first: int, tries: int = 100) -> int:
+    for port in range(first, min(first + tries, 65536)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    return first
 
 
 def _stop_signals() -> set[int]:
@@ -133,6 +151,7 @@ def _run_torchrun(argv: list[str]) -> tuple[str, dict[int, int | None], str]:
     """Run torchrun in this process; returns (verdict, {rank: exit status}, what happened)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args, run
 
     codes: dict[int, int | None] = {}
@@ -147,6 +166,24 @@ def _run_torchrun(argv: list[str]) -> tuple[str, dict[int, int | None], str]:
         for rank, failure in e.failures.items():
             codes[rank] = failure.exitcode
         return verdict(codes), codes, "a rank exited"
+    except RendezvousError as e:
+        return "failed", codes, rendezvous_failure(_endpoint(argv), e)
+
+
+def _endpoint(argv: list[str]) -> str:
+    return next((v for k, v in zip(argv, argv[1:], strict=False) if k == "--rdzv_endpoint"), "?")
+
+
+def rendezvous_failure(endpoint: str, error: BaseException) -> str:
+    """What went wrong at the rendezvous, in one clause (torch's own message is a traceback)."""
+    cause = error.__cause__ or error
+    text = str(cause)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        port = endpoint.rpartition(":")[2]
+        return (f"the rendezvous port {port} on {endpoint.rpartition(':')[0]} is held by another program "
+                f"(EADDRINUSE): give `corelooper slurm --port` a free one, or leave it out to have one picked")
+    first = text.strip().splitlines()[0] if text.strip() else type(cause).__name__
+    return f"the rendezvous at {endpoint} failed: {first}"
 
 
 def _rendezvous_host(args: list[str]) -> list[str]:
@@ -170,6 +207,9 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "latest":
         print(latest_step(Path(argv[1])))
         return 0
+    if len(argv) == 2 and argv[0] == "port" and argv[1].isdigit():
+        print(free_port(int(argv[1])))
+        return 0
     if len(argv) >= 3 and argv[0] == "torchrun" and argv[2] == "--":
         node = os.environ.get("SLURM_NODEID") or socket.gethostname()
         _hold_early_signals()
@@ -178,7 +218,7 @@ def main(argv: list[str]) -> int:
         print(node_line(state, codes, what), file=sys.stderr, flush=True)
         _write(Path(argv[1]) / f"node-{node}", state + "\n")
         return 0 if state in ("finished", "stopped") else 1
-    print("usage: python -m corelooper_slurm.node latest OUTPUT_DIR | torchrun STATE_DIR -- ARGS...",
+    print("usage: python -m corelooper_slurm.node latest OUTPUT_DIR | port FIRST | torchrun STATE_DIR -- ARGS...",
           file=sys.stderr)
     return 2
 

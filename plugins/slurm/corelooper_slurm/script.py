@@ -47,7 +47,7 @@ class JobSpec:
     output: str | None = None
     signal: str = "USR1"
     grace: int = 120  # seconds between the warning signal and the end of the allocation
-    port: int | None = None  # default: 20000 + job id % 20000, on the job's first node
+    port: int | None = None  # default: the first free from 15000 + job id % 10000, on the job's first node
     max_requeues: int = 20
     min_nodes: int | None = None  # default: nodes (a lost node ends the job); fewer: elastic
     max_restarts: int | None = None  # torchrun's restarts: default 3 when elastic, else 0
@@ -116,7 +116,7 @@ def check(spec: JobSpec) -> None:
         raise ConfigError(f"--max-requeues {spec.max_requeues}: give 0 (never requeue) or more.")
     if spec.port is not None and not 1024 <= spec.port <= 65535:
         raise ConfigError(f"--port {spec.port}: give a free TCP port from 1024 to 65535, or leave it out "
-                          "(then each job uses 20000 + its job id % 20000).")
+                          "(then each job uses the first free port from 15000 + its job id % 10000).")
     if spec.grace < 1:
         raise ConfigError(f"--grace {spec.grace}: give the seconds the job needs to save (e.g. 120).")
 
@@ -166,7 +166,9 @@ def render(spec: JobSpec) -> str:
         python=shlex.quote(spec.python),
         output_dir=shlex.quote(str(output_dir)),
         state_dir=shlex.quote(str(output_dir.parent / f".{output_dir.name}.slurm")),
-        port=spec.port if spec.port is not None else "$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        # below Linux's ephemeral ports (32768 up), which any connection may hold for a while
+        port=spec.port if spec.port is not None
+        else '$("$python" -m corelooper_slurm.node port $(( 15000 + SLURM_JOB_ID % 10000 )))',
         srun_cpus=f"--cpus-per-task={spec.cpus_per_task} " if spec.cpus_per_task
         else '--cpus-per-task="$SLURM_CPUS_ON_NODE" ',
         max_requeues=spec.max_requeues,

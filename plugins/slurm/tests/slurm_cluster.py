@@ -16,6 +16,7 @@ client commands (sbatch, scontrol, scancel) and the jobs at it. Nothing is faked
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -37,14 +38,9 @@ def _free_port() -> int:
 
 
 def _first_job_id() -> int:
-    """A first job id whose default rendezvous port (20000 + id % 20000, the plugin's rule) is free
-    now: two test clusters running at once (pytest-xdist) would otherwise both number their jobs
-    from 1 and rendezvous on the same ports (EADDRINUSE)."""
-    for _ in range(200):
-        port = _free_port()
-        if 20000 <= port < 40000:
-            return port - 20000
-    return 1 + int.from_bytes(os.urandom(2), "big") % 19000
+    """A random first job id: two test clusters running at once (pytest-xdist) would otherwise
+    both number their jobs from 1, and start probing for a rendezvous port at the same one."""
+    return 1 + int.from_bytes(os.urandom(2), "big") % 9000
 
 
 CONF = """\
@@ -186,3 +182,12 @@ def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost"
         cluster.stop()
         raise
     return cluster
+
+
+def rendezvous_ports(log: str, job_id: str) -> list[int]:
+    """The rendezvous port of each start of the job, as its log names them; each is the plugin's
+    default (the first free one from 15000 + job id % 10000)."""
+    ports = [int(p) for p in re.findall(rf"corelooper-slurm: job {job_id} \(restart \d+\) on .*; rendezvous \S+:(\d+)", log)]
+    first = 15000 + int(job_id) % 10000
+    assert ports and all(first <= p < first + 100 for p in ports), (first, ports, log[-3000:])
+    return ports

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -90,11 +91,11 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     stopped_at = int(checkpoints[0].name.split("-")[1])
     assert 4 <= stopped_at < STEPS, checkpoints  # save_steps=1000: only the signal saved it
     assert log.count(f"corelooper: stopped at step {stopped_at}") == 1  # rank 0 speaks, both ranks stop
-    port = 20000 + int(job_id) % 20000
+    port, port_again = slurm_cluster.rendezvous_ports(log, job_id)
     first, second = log.split(f"corelooper-slurm: job {job_id} (restart 1)")
     assert f"corelooper-slurm: job {job_id} (restart 0) on localhost: starting fresh (no checkpoint yet); " \
            f"rendezvous localhost:{port}" in first
-    assert second.startswith(f" on localhost: resumed from checkpoint-{stopped_at}; rendezvous localhost:{port}")
+    assert second.startswith(f" on localhost: resumed from checkpoint-{stopped_at}; rendezvous localhost:{port_again}")
     assert "SIGUSR1: every rank finishes its step and saves a checkpoint" in first
     assert (f"corelooper-slurm: node localhost ({cpus} CPUs): stopped; torchrun got SIGUSR1; "
             "rank 0: 138 (stopped on SIGUSR1, saved), rank 1: 138 (stopped on SIGUSR1, saved)") in first
@@ -182,7 +183,8 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --time=2-00:00:00", "#SBATCH --partition=gpu", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR2@300", "export CORELOOPER_STOP_SIGNALS=SIGUSR2", "trap on_signal USR2",
-                 '--rdzv_endpoint "$head_node:$port"', "port=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+                 '--rdzv_endpoint "$head_node:$port"',
+                 'port=$("$python" -m corelooper_slurm.node port $(( 15000 + SLURM_JOB_ID % 10000 )))',
                  "#SBATCH --exclusive", 'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE"',
                  f"#   python:     {sys.executable}", f"#   workdir:    {REPO}", f"#   config:     {config}",
                  f"#   output_dir: {tmp_path / 'out'}", "--nproc_per_node 8", "--rdzv_backend c10d",
@@ -257,3 +259,45 @@ def test_bad_options_are_one_paragraph_errors(tmp_path):
     no_slurm = corelooper("slurm", str(config), env={**base_env(tmp_path), "PATH": str(tmp_path)}, timeout=60)
     assert no_slurm.returncode == 2 and "sbatch was not found on PATH" in no_slurm.stderr
     assert "--dry-run" in no_slurm.stderr and "Traceback" not in no_slurm.stderr
+
+
+def test_the_default_rendezvous_port_skips_one_another_program_holds():
+    """The job-id port is a guess: here another program listens on it, and a second holds the next
+    as the local end of a connection (what an ephemeral port is). The script's probe skips both."""
+    from corelooper_slurm.node import free_port
+
+    with socket.socket() as listener, socket.socket() as client:
+        listener.bind(("", 0))
+        listener.listen()
+        held = listener.getsockname()[1]
+        client.connect(("127.0.0.1", held))  # the client's local end is another held port
+        local = client.getsockname()[1]
+        assert free_port(held) not in (held, local)
+        assert free_port(local) != local
+        picked = free_port(held)
+    with socket.socket() as s:  # what it picked was free: it binds
+        s.bind(("", picked))
+
+
+def test_a_held_rendezvous_port_is_one_line_not_a_traceback(tmp_path):
+    """`--port P` is used as given. When another program holds it, torchrun raised a
+    RendezvousConnectionError traceback and the node died without a status ("lost"); now the
+    node's line names the port and the fix, and the node reports "failed"."""
+    (tmp_path / "never.py").write_text("raise SystemExit('the ranks never start')\n")
+    env = {**base_env(tmp_path), "CORELOOPER_SLURM_HEAD_NODE": "n1", "SLURMD_NODENAME": "n1",
+           "SLURM_NODEID": "0", "SLURM_CPUS_ON_NODE": "2"}
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "corelooper_slurm.node", "torchrun", str(tmp_path / "state"), "--",
+             "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+             f"localhost:{port}", "--rdzv_id", "1", str(tmp_path / "never.py")],
+            env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert (f"corelooper-slurm: node n1 (2 CPUs): failed; the rendezvous port {port} on localhost is held by "
+            "another program (EADDRINUSE): give `corelooper slurm --port` a free one, or leave it out to have "
+            "one picked; no rank exit status") in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "the ranks never start" not in out.stderr, out.stderr
+    assert (tmp_path / "state" / "node-0").read_text() == "failed\n"

@@ -78,7 +78,7 @@ def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
     slurm2.wait_for("the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 240)
     job, log = slurm2.job(job_id), (tmp_path / f"job-{job_id}.out").read_text()
     assert (job["JobState"], job["NumNodes"], job["NodeList"]) == ("COMPLETED", "2", f"{HEAD},{SECOND}"), (job, log)
-    port = 20000 + int(job_id) % 20000
+    [port] = slurm_cluster.rendezvous_ports(log, job_id)
     assert (f"corelooper-slurm: job {job_id} (restart 0) on {HEAD},{SECOND}: starting fresh (no checkpoint yet); "
             f"rendezvous {HEAD}:{port}") in log, log
     for node in NODES:  # one line per node: each ran its task, and its rank finished
