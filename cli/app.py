@@ -153,10 +153,15 @@ def run(
         fail(e, traceback_)
     if preempted_exit:
         raise typer.Exit(preempted_exit)
+    _exit_if_distributed()
+
+
+def _exit_if_distributed() -> None:
+    """A rank of a finished multi-process command: everything is written and the process group is
+    down. Skip interpreter teardown: when rank 0 hosts the rendezvous store (accelerate launch,
+    torchrun), destroying its server thread at exit can abort ("terminate called without an
+    active exception") a finished run."""
     if os.environ.get("WORLD_SIZE", "1") != "1":
-        # Everything is written and the process group is down. Skip interpreter teardown: when
-        # rank 0 hosts the rendezvous store (accelerate launch), destroying its server thread at
-        # exit can abort ("terminate called without an active exception") a finished run.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -341,8 +346,10 @@ def _on_checkpoint(config: Path, set_, p, traceback_: bool, verbose: bool, actio
 
             for line in lines:
                 typer.echo(json.dumps(line) if isinstance(line, dict) else line)
+        loop.backend.end()  # the process group down before the interpreter exits
     except Exception as e:
         fail(e, traceback_)
+    _exit_if_distributed()
 
 
 @app.command()

@@ -239,8 +239,9 @@ def _loop(model, dataset, h, collator, **train):
                      max_grad_norm=1.0, logging_steps=10, save_strategy="no", eval_strategy="no",
                      disable_tqdm=True, use_cpu=h.cpu, seed=h.seed,
                      mixed_precision="bf16" if h.bf16 else "no", **train)
-    # [lm] head: "trained" is what an [sft] run does by default (corelooper_lm.trained_head)
-    config = Config(train=args, sections={"lm": {"head": train_head(h)}})
+    # [lm] head "trained" and the training token_accuracy: what an [sft] run does by default
+    # (corelooper_lm.trained_head, corelooper_lm.accuracy; TRL's rows count mean_token_accuracy too)
+    config = Config(train=args, sections={"lm": {"head": train_head(h), "token_accuracy": True}})
     loop = Loop(model, config, train_dataset=dataset, data_collator=collator)
     loop.train()
     shutil.rmtree(out, ignore_errors=True)

@@ -23,7 +23,9 @@ from them a slice of rows at a time, not a second float32 log-softmax as large a
   chunked loss over the trained positions.
 
 And an evaluation metric: ``[lm] token_accuracy`` (unset or ``"auto"``: in ``[sft]`` runs) gives every
-evaluation ``eval_token_accuracy`` (``metrics.TokenAccuracy``) unless the run has its own metric.
+evaluation ``eval_token_accuracy`` (``metrics.TokenAccuracy``) unless the run has its own metric, and
+every training log ``token_accuracy`` (``accuracy.TrainTokenAccuracy``: the logging window's trained
+tokens, counted from the logits of the loss that runs).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ __version__ = "0.2.0"
 SECTION = "lm"
 LOSSES = ("default", "chunked")
 HEADS = ("auto", "trained", "all")
+ACCURACY = f"{SECTION}.train_token_accuracy"  # the run's TrainTokenAccuracy among its plugins
+OURS = ("builtin", f"{SECTION}.run", ACCURACY)  # compute_loss providers whose loss LMLoss counts
 
 
 @hookimpl
@@ -66,14 +70,20 @@ def corelooper_configure(config, plugins):
     accuracy = cfg.get("token_accuracy")
     if accuracy not in (None, "auto", True, False):
         raise ConfigError(f"lm.token_accuracy = {accuracy!r}: use true, false or \"auto\" (unset: on in [sft] runs).")
+    counter = None
     if accuracy is True or (accuracy in (None, "auto") and "sft" in config.sections):
+        from .accuracy import TrainTokenAccuracy
+
         plugins.register(EvalTokenAccuracy(), f"{SECTION}.token_accuracy")
+        counter = TrainTokenAccuracy()  # token_accuracy in the training logs
+        plugins.register(counter, ACCURACY)
+        plugins.register_for_checkpointing(f"{SECTION}.token_accuracy", counter)
     if head == "auto":  # "trained?": only where exact; Liger's fused loss already skips the full logits
         head = "trained?" if "sft" in config.sections and not liger_flce else "all"
-    if loss == "default" and head == "all":
+    if loss == "default" and head == "all" and counter is None:
         plugins.set_inactive(SECTION, "lm.loss is 'default' and the head covers every position (HF's own loss)")
         return
-    plugins.register(LMLoss(chunked=loss == "chunked", head=head), f"{SECTION}.run")
+    plugins.register(LMLoss(chunked=loss == "chunked", head=head, accuracy=counter), f"{SECTION}.run")
 
 
 class EvalTokenAccuracy:
@@ -100,15 +110,16 @@ class LMLoss:
     SFT runs: used where exact, else the model's own loss) or ``"all"``.
     """
 
-    def __init__(self, chunked: bool, head: str):
+    def __init__(self, chunked: bool, head: str, accuracy=None):
         self.chunked, self.head = chunked, head
+        self.accuracy = accuracy  # a TrainTokenAccuracy: each training micro-batch's logits are counted
         self.checked: str | None = None  # "" once the model passed why_not_exact; else the reason
         self.sliced: str | None = None  # why an evaluation's output layer cannot run in slices
 
     @hookimpl
     def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
         # It replaces the model's own loss, never another plugin's (a user's weighted loss).
-        if any(name not in ("builtin", f"{SECTION}.run") for name in loop.plugins.provider_order("compute_loss")):
+        if any(name not in OURS for name in loop.plugins.provider_order("compute_loss")):
             return None
         if return_outputs:  # evaluation with a metric: the loss from the logits in slices
             return self._loss_and_outputs(loop, model, batch, num_items_in_batch, return_outputs)
@@ -116,8 +127,9 @@ class LMLoss:
         from corelooper.outputs import LogitsWanted
 
         trained = self.head != "all" and self._exact(loop, model)
-        if not (trained or self.chunked):
-            return None  # the model's own loss (the builtin provider)
+        counter = self.accuracy if model.training else None
+        if not (trained or self.chunked):  # the model's own loss (the next provider: the builtin)
+            return None if counter is None else self._counted_own_loss(loop, model, batch, num_items_in_batch)
         if isinstance(batch, Mapping):
             batch = model_inputs(loop, batch)
         smoothing = loop.args.label_smoothing_factor if loop.loss_type != "mse" else 0.0
@@ -129,8 +141,16 @@ class LMLoss:
         if self.chunked:
             from .chunked_ce import chunked_causal_lm_loss
 
-            return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing, trained_only=trained)
-        return self._trained_loss(model, batch, num_items_in_batch, smoothing)
+            return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing, trained_only=trained,
+                                          accuracy=counter)
+        return self._trained_loss(model, batch, num_items_in_batch, smoothing, counter)
+
+    def _counted_own_loss(self, loop, model, batch, num_items_in_batch):
+        """The next provider's loss (the builtin: the model's own), asked for the outputs too, so
+        that its logits are counted for ``token_accuracy``."""
+        answer = loop.plugins.call_next("compute_loss", self, loop=loop, model=model, batch=batch,
+                                        num_items_in_batch=num_items_in_batch, return_outputs=True)[0]
+        return self.accuracy.counted(answer, batch)
 
     def _loss_and_outputs(self, loop, model, batch, num_items_in_batch, wanted):
         """In evaluation, ``(loss, outputs)`` from one forward without labels: the model's own loss
@@ -187,13 +207,13 @@ class LMLoss:
         return not self.checked
 
     @staticmethod
-    def _trained_loss(model, batch, num_items_in_batch, smoothing):
+    def _trained_loss(model, batch, num_items_in_batch, smoothing, accuracy=None):
         from corelooper.errors import ConfigError
 
         from .trained_head import HeadCallError, trained_positions_loss
 
         try:
-            return trained_positions_loss(model, batch, num_items_in_batch, smoothing)
+            return trained_positions_loss(model, batch, num_items_in_batch, smoothing, accuracy)
         except HeadCallError as e:
             raise ConfigError(
                 f"lm.head = 'trained' (the default in [sft] runs) needs the model to call its output layer "

@@ -36,14 +36,16 @@ def chunk_tokens_for(vocab: int) -> int:
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk, ignore_index, smoothing):
+    def forward(ctx, hidden, weight, bias, labels, chunk, ignore_index, smoothing, count_hits):
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for a float64 model
         total = torch.zeros((), dtype=dtype, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             sl = slice(start, start + chunk)
-            lse[sl], loss = _chunk_forward(_chunk_logits(hidden[sl], weight, bias), labels[sl],
-                                           ignore_index, smoothing)
+            logits = _chunk_logits(hidden[sl], weight, bias)
+            if count_hits is not None:  # before _chunk_forward turns the logits into its scratch
+                count_hits(logits, labels[sl])
+            lse[sl], loss = _chunk_forward(logits, labels[sl], ignore_index, smoothing)
             total += loss
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk, ctx.ignore_index, ctx.smoothing = chunk, ignore_index, smoothing
@@ -72,7 +74,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             del g
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _chunk_forward(logits, labels, ignore_index: int, smoothing: float):
@@ -115,6 +117,7 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     chunk_tokens: int | None = None,
+    count_hits=None,
 ) -> torch.Tensor:
     """``F.cross_entropy((hidden @ weight.T + bias).float(), labels, reduction="sum")``, chunked.
 
@@ -122,7 +125,8 @@ def chunked_cross_entropy(
     output-embedding weight); ``labels``: ``hidden.shape[:-1]``, already aligned with ``hidden``
     (shift them first for a causal LM). ``chunk_tokens``: tokens per chunk (default: ~256 MiB of
     float32 logits per chunk). Returns a float32 scalar: the summed loss over the tokens whose
-    label is not ``ignore_index``.
+    label is not ``ignore_index``. ``count_hits(logits, labels)``, when given, sees each chunk's
+    float32 logits and labels in forward (``token_accuracy`` counts their argmax there).
     """
     chunk_tokens = chunk_tokens_for(weight.shape[0]) if chunk_tokens is None else chunk_tokens
     if chunk_tokens < 1:
@@ -131,7 +135,8 @@ def chunked_cross_entropy(
     y = labels.reshape(-1).to(h.device, torch.long)
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape)}")
-    return _ChunkedCrossEntropy.apply(h, weight, bias, y, chunk_tokens, ignore_index, float(label_smoothing))
+    return _ChunkedCrossEntropy.apply(h, weight, bias, y, chunk_tokens, ignore_index, float(label_smoothing),
+                                      count_hits)
 
 
 # Configurations whose logits are not ``hidden @ weight.T``: the chunked loss would train on
@@ -166,7 +171,7 @@ def output_head(model) -> torch.nn.Linear:
 
 
 def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothing: float = 0.0,
-                           trained_only: bool = False):
+                           trained_only: bool = False, accuracy=None):
     """The training loss of an HF causal LM with the chunked cross-entropy, GA-exact.
 
     The model runs through its own ``forward`` (so DDP and PEFT wrappers see the call), without
@@ -176,6 +181,7 @@ def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothi
     from ``shift_labels`` when the batch has them); the summed loss is divided by the step's
     ``num_items_in_batch``. ``trained_only``: only the hidden states of counted positions go
     through the chunks (``[lm] head = "trained"``), the others have no logits at all.
+    ``accuracy`` (a ``TrainTokenAccuracy``) counts each chunk's argmax hits.
     """
     from corelooper.errors import ConfigError
 
@@ -210,8 +216,8 @@ def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothi
     hidden = captured[0]
     if trained_only:  # the kept rows only (the last layer may have computed nothing else)
         hidden, labels = (hidden[0] if trimmed else hidden[keep]), labels[keep]
-    total = chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias,
-                                  label_smoothing=label_smoothing)
+    total = chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias, label_smoothing=label_smoothing,
+                                  count_hits=accuracy.add if accuracy is not None else None)
     if num_items_in_batch is None:
         num_items_in_batch = (labels != -100).sum()
     return total / num_items_in_batch

@@ -81,12 +81,14 @@ class HeadCallError(RuntimeError):
     """The model did not call its output layer exactly once with ``[..., positions, hidden]``."""
 
 
-def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: float = 0.0) -> torch.Tensor:
+def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: float = 0.0,
+                           accuracy=None) -> torch.Tensor:
     """The causal-LM loss of ``model`` on ``batch``, with logits only where a label is counted.
 
     Equals the model's own loss (``model(**batch, num_items_in_batch=n).loss``) to float rounding,
     gradients too; ``label_smoothing`` as ``F.cross_entropy(..., label_smoothing=eps)`` (HF's
-    ``LabelSmoother`` on the logits). Raises ``HeadCallError`` when the model's forward does not
+    ``LabelSmoother`` on the logits); ``accuracy`` (a ``TrainTokenAccuracy``) counts the logits'
+    argmax hits. Raises ``HeadCallError`` when the model's forward does not
     call its output layer once with hidden states shaped like the labels.
     """
     from .trained_layer import trimmed_last_layer
@@ -116,7 +118,10 @@ def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: fl
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
     if logits.dim() != 3 or (kept is not None and logits.shape[1] != kept):
         raise HeadCallError(f"the model returned logits of shape {tuple(logits.shape)} from {kept} kept positions")
-    total = F.cross_entropy(logits[0].float(), targets[keep].long(), ignore_index=-100, reduction="sum",
+    kept_targets = targets[keep].long()
+    if accuracy is not None:
+        accuracy.add(logits[0], kept_targets)
+    total = F.cross_entropy(logits[0].float(), kept_targets, ignore_index=-100, reduction="sum",
                             label_smoothing=label_smoothing)
     if num_items_in_batch is None:
         num_items_in_batch = keep.sum()

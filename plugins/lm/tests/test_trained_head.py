@@ -180,7 +180,8 @@ def test_auto_is_on_in_sft_runs_and_off_elsewhere(tmp_path):
             "sft": {"assistant_only_loss": True, "max_length": 64, "padding_free": True},
             "lm": {"head": head},
         }), blocked_plugins=["console"])
-        assert (loop.plugins.pm.get_plugin("lm.run") is None) == (head == "all")
+        # registered either way in an [sft] run (it counts the training token_accuracy); "all": the model's loss
+        assert loop.plugins.pm.get_plugin("lm.run").head == ("trained?" if head == "auto" else "all")
         rows = head_rows(loop.model)
         loop.train()
         losses[head] = [h["loss"] for h in loop.state.log_history if "loss" in h]
@@ -188,6 +189,12 @@ def test_auto_is_on_in_sft_runs_and_off_elsewhere(tmp_path):
     assert len(losses["auto"]) == 2
     assert max(abs(a - b) for a, b in zip(losses["auto"], losses["all"], strict=True)) <= 1e-6 + 1e-9  # rounded
     assert 0 < tokens["auto"] < tokens["all"] / 1.5  # the full head computed the prompt's logits too
+    off = Loop(config=Config.from_dict({  # head "all" and no token_accuracy: nothing left for it to do
+        "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data)},
+        "train": {"output_dir": str(tmp_path / "off"), "max_steps": 1},
+        "sft": {"max_length": 64}, "lm": {"head": "all", "token_accuracy": False},
+    }), blocked_plugins=["console"])
+    assert off.plugins.pm.get_plugin("lm.run") is None and off.plugins.pm.get_plugin("lm.train_token_accuracy") is None
     # outside SFT runs "auto" leaves the model's own loss alone: nothing registered
     loop = Loop(toys.tiny_llama(), Config(train=_args(tmp_path, "plain")), train_dataset=prompt_masked(6),
                 blocked_plugins=["console"])

@@ -60,6 +60,16 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(tmp_path, model_dir):
     assert moved > 1e-3
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst <= 1e-5, worst
+    # token_accuracy (on in [sft] runs, counted from the weighting plugin's logits): the counts of
+    # both ranks are summed, so the two-rank log is the one-process log
+    one_log, two_log = (train_records(tmp_path / d) for d in ("one", "two"))
+    assert len(one_log) == len(two_log) == 1 and 0 < one_log[0]["token_accuracy"] < 1, one_log
+    assert two_log[0]["token_accuracy"] == one_log[0]["token_accuracy"]
+
+
+def train_records(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r and "learning_rate" in r]
 
 
 def eval_records(out: Path) -> list[dict]:

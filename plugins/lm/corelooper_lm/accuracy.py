@@ -1,0 +1,124 @@
+"""``token_accuracy`` in the training logs: the share of trained tokens whose argmax prediction is
+their label, over the logging window (TRL's SFT trainer logs ``mean_token_accuracy``).
+
+The loss provider (``LMLoss``, or ``compute_loss`` here around another plugin's loss) hands each
+training micro-batch's logits and targets to ``add``, which counts on the device: no host sync per
+step. At a step that logs or saves, and when training stops (the loop then logs what is left of
+the window), every process sums its counts into the run's: one collective, on every process
+(``on_step_end``, ``on_epoch_end`` and ``on_evaluate`` fire on each). The main process puts the
+window's value into the training log.
+
+Token-weighted over the window and over processes: TRL appends one value per micro-batch
+(correct over counted, gathered over processes) and logs their mean, which equals this with one
+micro-batch per logged step, and weighs short micro-batches up otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from corelooper import hookimpl
+
+from . import OURS
+
+KEY = "token_accuracy"
+
+
+class TrainTokenAccuracy:
+    """Counts of the current window; checkpointed (``register_for_checkpointing``) so that the first
+    log after a resume covers the same steps as an uninterrupted run's."""
+
+    def __init__(self) -> None:
+        self.local: torch.Tensor | None = None  # [correct, counted] on the device, this process only
+        self.carried = [0, 0]  # summed over processes already: the same on every process
+        self.pending: float | None = None  # for the next training log (main process)
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """``logits``: ``[..., vocab]``; ``targets``: the label each position predicts (-100: not
+        counted), shaped like ``logits[..., 0]``."""
+        with torch.no_grad():
+            targets = targets.to(logits.device)
+            counted = targets != -100
+            hits = (logits.argmax(-1) == targets) & counted
+            counts = torch.stack([hits.sum(), counted.sum()])
+            self.local = counts if self.local is None else self.local + counts
+
+    def counted(self, answer, batch):
+        """The loss of a provider's ``(loss, outputs)`` answer, once the outputs' logits are counted
+        against the batch's causal targets (nothing is counted where the outputs hold no logits, as
+        with Liger's fused loss, or logits the labels do not line up with)."""
+        from .trained_head import causal_targets
+
+        if not isinstance(answer, tuple):
+            return answer
+        loss, outputs = answer
+        logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
+        if isinstance(batch, Mapping) and ("labels" in batch or "shift_labels" in batch) and logits is not None:
+            targets = causal_targets(batch)
+            if tuple(targets.shape) == tuple(logits.shape[:-1]):
+                self.add(logits, targets)
+        return loss
+
+    @hookimpl(tryfirst=True)
+    def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
+        """Another plugin's training loss (a per-sample weighted loss): asked for its outputs too,
+        whose logits are counted. corelooper-lm's own loss and the builtin one count in ``LMLoss``."""
+        if return_outputs or not model.training or not torch.is_grad_enabled():
+            return None
+        if all(name in OURS for name in loop.plugins.provider_order("compute_loss")):
+            return None
+        answer = loop.plugins.call_next("compute_loss", self, loop=loop, model=model, batch=batch,
+                                        num_items_in_batch=num_items_in_batch, return_outputs=True)[0]
+        return self.counted(answer, batch)
+
+    @hookimpl(trylast=True)  # after the flow and other plugins have decided should_log / should_save
+    def on_step_end(self, loop, control) -> None:
+        self._at_boundary(loop, control)
+
+    @hookimpl(trylast=True)
+    def on_epoch_end(self, loop, control) -> None:
+        self._at_boundary(loop, control)
+
+    @hookimpl(trylast=True)
+    def on_evaluate(self, loop, control) -> None:
+        if control.should_training_stop:  # stopped by an evaluation (early stopping): the last window is logged
+            self._fold(loop, publish=True)
+
+    def _at_boundary(self, loop, control) -> None:
+        # should_training_stop: the loop logs what is left of the window when training ends
+        publish = control.should_log or control.should_training_stop
+        if publish or control.should_save:
+            self._fold(loop, publish)
+
+    def _fold(self, loop, publish: bool) -> None:
+        """Sum this window's counts over processes (a collective: every process calls it at the same
+        step); ``publish``: they are the next training log's value."""
+        backend = loop.backend
+        local = self.local if self.local is not None else torch.zeros(2, dtype=torch.int64)
+        correct, counted = backend.reduce_sum(local.to(backend.device)).tolist()
+        self.local = None
+        self.carried = [self.carried[0] + int(correct), self.carried[1] + int(counted)]
+        if publish and self.carried[1]:  # (an empty fold, as at the epoch end after a stop, keeps the value)
+            correct, counted = self.carried
+            self.pending = correct / counted
+            self.carried = [0, 0]
+
+    @hookimpl
+    def on_train_begin(self) -> None:
+        self.local, self.pending = None, None  # a second train() on the same Loop starts clean
+
+    @hookimpl(tryfirst=True)  # before the loggers read the log
+    def on_log(self, logs: dict) -> None:
+        if "learning_rate" in logs and "loss" in logs:  # a training window's log, not an evaluation's
+            if self.pending is not None:
+                logs[KEY] = self.pending
+            self.pending = None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"correct": self.carried[0], "counted": self.carried[1]}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.local, self.pending = None, None
+        self.carried = [int(state.get("correct", 0)), int(state.get("counted", 0))]
