@@ -26,6 +26,23 @@ from . import OURS
 KEY = "token_accuracy"
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, the same indices (the first maximum, as TRL's ``is_top1``). On the
+    CPU, where ``argmax`` over the last dimension runs ~20x slower than ``amax`` (746 vs 31 µs for
+    450 x 2,048 floats), in two levels: the first block of ``width`` logits holding the row's
+    maximum, then the first maximum inside it (186 µs)."""
+    vocab = logits.shape[-1]
+    width = 1 << max(0, (vocab.bit_length() - 1) // 2)  # a power of two near sqrt(vocab)
+    while width >= 16 and vocab % width:
+        width //= 2
+    if logits.device.type != "cpu" or width < 16 or logits.dim() < 1 or logits.numel() == 0:
+        return logits.argmax(-1)
+    flat = logits.reshape(-1, vocab // width, width)
+    block = flat.amax(-1).argmax(-1)
+    inner = flat[torch.arange(flat.shape[0]), block].argmax(-1)
+    return (block * width + inner).reshape(logits.shape[:-1])
+
+
 class TrainTokenAccuracy:
     """Counts of the current window; checkpointed (``register_for_checkpointing``) so that the first
     log after a resume covers the same steps as an uninterrupted run's."""
@@ -41,7 +58,7 @@ class TrainTokenAccuracy:
         with torch.no_grad():
             targets = targets.to(logits.device)
             counted = targets != -100
-            hits = (logits.argmax(-1) == targets) & counted
+            hits = (argmax(logits) == targets) & counted
             counts = torch.stack([hits.sum(), counted.sum()])
             self.local = counts if self.local is None else self.local + counts
 
