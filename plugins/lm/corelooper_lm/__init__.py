@@ -86,6 +86,12 @@ def corelooper_configure(config, plugins):
     plugins.register(LMLoss(chunked=loss == "chunked", head=head, accuracy=counter), f"{SECTION}.run")
 
 
+def _grad_enabled() -> bool:
+    import torch  # imported by then (a loss is being computed); not at import: `--help` loads this module
+
+    return torch.is_grad_enabled()
+
+
 class EvalTokenAccuracy:
     """``eval_token_accuracy`` in every evaluation (``[lm] token_accuracy``), as TRL's SFT trainer
     reports ``mean_token_accuracy``, but token-weighted over the whole set (TRL averages per-batch
@@ -127,7 +133,8 @@ class LMLoss:
         from corelooper.outputs import LogitsWanted
 
         trained = self.head != "all" and self._exact(loop, model)
-        counter = self.accuracy if model.training else None
+        # training only: a DeepSpeed engine stays in train mode while it evaluates (under no_grad)
+        counter = self.accuracy if model.training and _grad_enabled() else None
         if not (trained or self.chunked):  # the model's own loss (the next provider: the builtin)
             return None if counter is None else self._counted_own_loss(loop, model, batch, num_items_in_batch)
         if isinstance(batch, Mapping):

@@ -165,3 +165,24 @@ def test_a_run_stopped_by_an_evaluation_logs_its_last_window_with_accuracy(model
     per_step = our_logs(model_dir, tmp_path / "every", data, {"padding_free": False})
     assert [h["step"] for h in logs] == [2, 3]
     assert logs[1]["token_accuracy"] == pytest.approx(per_step[2]["token_accuracy"], abs=1e-9)  # step 3 alone
+
+
+def test_an_evaluation_is_not_counted_even_with_the_model_in_train_mode(model_dir, tmp_path):
+    """A DeepSpeed engine stays in train mode while it evaluates (under no_grad): the batches of a
+    loss-only evaluation (no metric asks for outputs) must not reach the training window's counts."""
+    data = write_chats(tmp_path / "chats.jsonl", n=8)
+    for head in ("auto", "all"):  # the trained head's loss, and the model's own
+        config = Config.from_dict({
+            "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data), "eval": str(data)},
+            "train": {"output_dir": str(tmp_path / head), "use_cpu": True},
+            "sft": {"assistant_only_loss": True, "max_length": 0}, "lm": {"head": head},
+        })
+        with Loop(config=config, blocked_plugins=["lm.token_accuracy"]) as loop:  # a loss-only evaluation
+            loop.prepare_for_evaluation()
+            model = loop.model
+            model.train()
+            model.eval = lambda: model  # noqa: B023 (it stays in train mode, as DeepSpeed's engine does)
+            metrics = loop.evaluate()
+            counter = loop.plugins.pm.get_plugin("lm.train_token_accuracy")
+            assert "eval_loss" in metrics and "eval_token_accuracy" not in metrics, metrics
+            assert counter.local is None, (head, counter.local)
