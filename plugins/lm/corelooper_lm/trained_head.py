@@ -88,8 +88,8 @@ def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: fl
     Equals the model's own loss (``model(**batch, num_items_in_batch=n).loss``) to float rounding,
     gradients too; ``label_smoothing`` as ``F.cross_entropy(..., label_smoothing=eps)`` (HF's
     ``LabelSmoother`` on the logits); ``accuracy`` (a ``TrainTokenAccuracy``) counts the logits'
-    argmax hits. Raises ``HeadCallError`` when the model's forward does not
-    call its output layer once with hidden states shaped like the labels.
+    argmax hits. Raises ``HeadCallError`` when the model's forward does not call its output layer
+    once with hidden states shaped like the labels.
     """
     from .trained_layer import trimmed_last_layer
 
