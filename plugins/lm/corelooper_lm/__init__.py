@@ -86,6 +86,12 @@ def corelooper_configure(config, plugins):
     plugins.register(LMLoss(chunked=loss == "chunked", head=head, accuracy=counter), f"{SECTION}.run")
 
 
+def others_provide_loss(loop) -> bool:
+    """Whether a plugin other than corelooper-lm and the builtin provides ``compute_loss`` (a
+    user's weighted loss): corelooper-lm never replaces it."""
+    return any(name not in OURS for name in loop.plugins.provider_order("compute_loss"))
+
+
 def _grad_enabled() -> bool:
     import torch  # imported by then (a loss is being computed); not at import: `--help` loads this module
 
@@ -125,7 +131,7 @@ class LMLoss:
     @hookimpl
     def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
         # It replaces the model's own loss, never another plugin's (a user's weighted loss).
-        if any(name not in OURS for name in loop.plugins.provider_order("compute_loss")):
+        if others_provide_loss(loop):
             return None
         if return_outputs:  # evaluation with a metric: the loss from the logits in slices
             return self._loss_and_outputs(loop, model, batch, num_items_in_batch, return_outputs)
@@ -155,9 +161,7 @@ class LMLoss:
     def _counted_own_loss(self, loop, model, batch, num_items_in_batch):
         """The next provider's loss (the builtin: the model's own), asked for the outputs too, so
         that its logits are counted for ``token_accuracy``."""
-        answer = loop.plugins.call_next("compute_loss", self, loop=loop, model=model, batch=batch,
-                                        num_items_in_batch=num_items_in_batch, return_outputs=True)[0]
-        return self.accuracy.counted(answer, batch)
+        return self.accuracy.next_loss(self, loop, model, batch, num_items_in_batch)
 
     def _loss_and_outputs(self, loop, model, batch, num_items_in_batch, wanted):
         """In evaluation, ``(loss, outputs)`` from one forward without labels: the model's own loss

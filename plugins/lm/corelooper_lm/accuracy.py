@@ -21,7 +21,7 @@ import torch
 
 from corelooper import hookimpl
 
-from . import OURS
+from . import others_provide_loss
 
 KEY = "token_accuracy"
 
@@ -84,9 +84,14 @@ class TrainTokenAccuracy:
         whose logits are counted. corelooper-lm's own loss and the builtin one count in ``LMLoss``."""
         if return_outputs or not model.training or not torch.is_grad_enabled():
             return None
-        if all(name in OURS for name in loop.plugins.provider_order("compute_loss")):
+        if not others_provide_loss(loop):
             return None
-        answer = loop.plugins.call_next("compute_loss", self, loop=loop, model=model, batch=batch,
+        return self.next_loss(self, loop, model, batch, num_items_in_batch)
+
+    def next_loss(self, after, loop, model, batch, num_items_in_batch):
+        """The loss of the ``compute_loss`` provider after plugin object ``after``, asked for its
+        outputs too, once their logits are counted."""
+        answer = loop.plugins.call_next("compute_loss", after, loop=loop, model=model, batch=batch,
                                         num_items_in_batch=num_items_in_batch, return_outputs=True)[0]
         return self.counted(answer, batch)
 
