@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 
@@ -112,6 +113,7 @@ def main() -> None:
         prof = cProfile.Profile()
     elif a.torch_profile:
         prof = TorchProfile(a.torch_profile)
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     try:
         if prof:
@@ -126,6 +128,8 @@ def main() -> None:
             prof.disable()
             prof.dump_stats(a.profile or a.torch_profile)
     wall = time.perf_counter() - t
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    faults, system_s = ru1.ru_minflt - ru0.ru_minflt, round(ru1.ru_stime - ru0.ru_stime, 3)
     last_step = [steps[-1]]
     fed = probe.summary()
     # Steady state: the tokens trained after the first optimizer step over the time from it to the
@@ -134,7 +138,7 @@ def main() -> None:
     steady = round(later / (steps[-1] - steps[0]), 1) if len(steps) > 1 and steps[-1] > steps[0] else None
     rec.update(fed)
     rec.update(
-        train_call_s=round(wall, 3), to_last_step_s=round(last_step[0] - t, 3),
+        train_call_s=round(wall, 3), page_faults=faults, system_cpu_s=system_s, user_cpu_s=round(ru1.ru_utime - ru0.ru_utime, 3), to_last_step_s=round(last_step[0] - t, 3),
         data_prep_s=round(prep, 3) if prep else None,
         trained_tokens=st["trained_tokens"], real_tokens=st["tokens"],
         # From the framework call to its last optimizer step: construction and data preparation

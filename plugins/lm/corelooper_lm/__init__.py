@@ -25,7 +25,8 @@ from them a slice of rows at a time, not a second float32 log-softmax as large a
 And an evaluation metric: ``[lm] token_accuracy`` (unset or ``"auto"``: in ``[sft]`` runs) gives every
 evaluation ``eval_token_accuracy`` (``metrics.TokenAccuracy``) unless the run has its own metric, and
 every training log ``token_accuracy`` (``accuracy.TrainTokenAccuracy``: the logging window's trained
-tokens, counted from the logits of the loss that runs).
+tokens, counted from the logits of the loss that runs). ``[lm] entropy = true`` adds ``entropy`` (and
+``eval_entropy``): the mean entropy of the predicted distribution over the same tokens, as TRL logs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ OURS = ("builtin", f"{SECTION}.run", ACCURACY)  # compute_loss providers whose l
 @hookimpl
 def corelooper_config_sections():
     # token_accuracy unset ("auto"): on in [sft] runs
-    return {SECTION: {"loss": "default", "head": "auto", "token_accuracy": None}}
+    return {SECTION: {"loss": "default", "head": "auto", "token_accuracy": None, "entropy": False}}
 
 
 @hookimpl
@@ -70,12 +71,17 @@ def corelooper_configure(config, plugins):
     accuracy = cfg.get("token_accuracy")
     if accuracy not in (None, "auto", True, False):
         raise ConfigError(f"lm.token_accuracy = {accuracy!r}: use true, false or \"auto\" (unset: on in [sft] runs).")
+    entropy = cfg.get("entropy", False)
+    if not isinstance(entropy, bool):
+        raise ConfigError(f"lm.entropy = {entropy!r}: use true or false (default false: it costs a log-softmax "
+                          "over the trained logits per micro-batch).")
+    accuracy = accuracy is True or (accuracy in (None, "auto") and "sft" in config.sections)
     counter = None
-    if accuracy is True or (accuracy in (None, "auto") and "sft" in config.sections):
+    if accuracy or entropy:
         from .accuracy import TrainTokenAccuracy
 
-        plugins.register(EvalTokenAccuracy(), f"{SECTION}.token_accuracy")
-        counter = TrainTokenAccuracy()  # token_accuracy in the training logs
+        plugins.register(EvalTokenAccuracy(accuracy, entropy), f"{SECTION}.token_accuracy")
+        counter = TrainTokenAccuracy(accuracy, entropy)  # token_accuracy / entropy in the training logs
         plugins.register(counter, ACCURACY)
         plugins.register_for_checkpointing(f"{SECTION}.token_accuracy", counter)
     if head == "auto":  # "trained?": only where exact; Liger's fused loss already skips the full logits
@@ -101,7 +107,11 @@ def _grad_enabled() -> bool:
 class EvalTokenAccuracy:
     """``eval_token_accuracy`` in every evaluation (``[lm] token_accuracy``), as TRL's SFT trainer
     reports ``mean_token_accuracy``, but token-weighted over the whole set (TRL averages per-batch
-    values); it gives way to the run's own metric (``Loop(compute_metrics=...)``, another plugin's)."""
+    values); it gives way to the run's own metric (``Loop(compute_metrics=...)``, another plugin's).
+    With ``[lm] entropy``, ``eval_entropy`` too."""
+
+    def __init__(self, accuracy: bool = True, entropy: bool = False) -> None:
+        self.accuracy, self.entropy = accuracy, entropy
 
     @hookimpl(trylast=True)
     def eval_metric(self, loop):
@@ -112,7 +122,7 @@ class EvalTokenAccuracy:
             return None
         from .metrics import TokenAccuracy
 
-        return TokenAccuracy(name="token_accuracy")
+        return TokenAccuracy(name="token_accuracy", entropy=self.entropy, accuracy=self.accuracy)
 
 
 class LMLoss:

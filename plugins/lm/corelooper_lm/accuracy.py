@@ -1,5 +1,7 @@
 """``token_accuracy`` in the training logs: the share of trained tokens whose argmax prediction is
-their label, over the logging window (TRL's SFT trainer logs ``mean_token_accuracy``).
+their label, over the logging window (TRL's SFT trainer logs ``mean_token_accuracy``); with
+``[lm] entropy``, ``entropy``: the mean over the same tokens of the predicted distribution's
+entropy in nats (TRL's ``entropy``).
 
 The loss provider (``LMLoss``, or ``compute_loss`` here around another plugin's loss) hands each
 training micro-batch's logits and targets to ``add``, which counts on the device: no host sync per
@@ -10,7 +12,8 @@ window's value into the training log.
 
 Token-weighted over the window and over processes: TRL appends one value per micro-batch
 (correct over counted, gathered over processes) and logs their mean, which equals this with one
-micro-batch per logged step, and weighs short micro-batches up otherwise.
+micro-batch per logged step, and weighs short micro-batches up otherwise. The entropy costs a
+log-softmax over the counted logits (about the loss's own cost again), so it is asked for.
 """
 
 from __future__ import annotations
@@ -24,6 +27,27 @@ from corelooper import hookimpl
 from . import others_provide_loss
 
 KEY = "token_accuracy"
+ENTROPY = "entropy"
+ENTROPY_CHUNK = 1 << 24  # float32 logits per piece of the entropy (64 MiB), as TRL's 128-row chunks
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Each position's entropy in nats, TRL's ``entropy_from_logits`` (``-(p * log p).sum(-1)``),
+    in float32, a piece of rows at a time (no float32 copy of all of a large vocabulary's logits)."""
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    pieces = [_entropy_rows(piece.float()) for piece in flat.split(max(1, ENTROPY_CHUNK // max(vocab, 1)), dim=0)]
+    return torch.cat(pieces).reshape(logits.shape[:-1]) if pieces else flat.new_zeros(logits.shape[:-1]).float()
+
+
+def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``log Z - sum(e * s) / Z`` with ``s = z - max z``, ``e = exp(s)``, ``Z = sum(e)``: one
+    exponential pass (a log-softmax and its ``exp`` take two), and a token a ``-inf`` logit rules
+    out adds nothing (``0 * -inf``: 0) where TRL's formula turns the row into NaN."""
+    shifted = logits - logits.amax(-1, keepdim=True)
+    weights = shifted.exp()
+    total = weights.sum(-1)
+    return total.log() - shifted.mul_(weights).nan_to_num_(0.0).sum(-1) / total
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -47,10 +71,12 @@ class TrainTokenAccuracy:
     """Counts of the current window; checkpointed (``register_for_checkpointing``) so that the first
     log after a resume covers the same steps as an uninterrupted run's."""
 
-    def __init__(self) -> None:
+    def __init__(self, accuracy: bool = True, entropy: bool = False) -> None:
+        self.keys = [key for key, on in ((KEY, accuracy), (ENTROPY, entropy)) if on]
         self.local: torch.Tensor | None = None  # [correct, counted] on the device, this process only
-        self.carried = [0, 0]  # summed over processes already: the same on every process
-        self.pending: float | None = None  # for the next training log (main process)
+        self.local_entropy: torch.Tensor | None = None  # the counted tokens' entropies summed, ditto
+        self.carried = [0, 0, 0.0]  # [correct, counted, entropy] summed over processes already
+        self.pending: dict[str, float] = {}  # for the next training log (main process)
 
     def add(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """``logits``: ``[..., vocab]``; ``targets``: the label each position predicts (-100: not
@@ -58,9 +84,16 @@ class TrainTokenAccuracy:
         with torch.no_grad():
             targets = targets.to(logits.device)
             counted = targets != -100
-            hits = (argmax(logits) == targets) & counted
-            counts = torch.stack([hits.sum(), counted.sum()])
+            if KEY in self.keys:
+                hits = (argmax(logits) == targets) & counted
+                counts = torch.stack([hits.sum(), counted.sum()])
+            else:
+                counts = torch.stack([torch.zeros_like(counted.sum()), counted.sum()])
             self.local = counts if self.local is None else self.local + counts
+            if ENTROPY in self.keys:  # float64 sums where the device has them (not MPS)
+                wide = torch.float32 if logits.device.type == "mps" else torch.float64
+                summed = torch.where(counted, entropy(logits), 0.0).sum(dtype=wide)
+                self.local_entropy = summed if self.local_entropy is None else self.local_entropy + summed
 
     def counted(self, answer, batch):
         """The loss of a provider's ``(loss, outputs)`` answer, once the outputs' logits are counted
@@ -120,27 +153,30 @@ class TrainTokenAccuracy:
         backend = loop.backend
         local = self.local if self.local is not None else torch.zeros(2, dtype=torch.int64)
         correct, counted = backend.reduce_sum(local.to(backend.device)).tolist()
-        self.local = None
-        self.carried = [self.carried[0] + int(correct), self.carried[1] + int(counted)]
+        summed = 0.0
+        if ENTROPY in self.keys:
+            local = self.local_entropy if self.local_entropy is not None else torch.zeros((), dtype=torch.float32)
+            summed = float(backend.reduce_sum(local.to(backend.device)))
+        self.local, self.local_entropy = None, None
+        self.carried = [self.carried[0] + int(correct), self.carried[1] + int(counted), self.carried[2] + summed]
         if publish and self.carried[1]:  # (an empty fold, as at the epoch end after a stop, keeps the value)
-            correct, counted = self.carried
-            self.pending = correct / counted
-            self.carried = [0, 0]
+            correct, counted, summed = self.carried
+            self.pending = {key: (correct if key == KEY else summed) / counted for key in self.keys}
+            self.carried = [0, 0, 0.0]
 
     @hookimpl
     def on_train_begin(self) -> None:
-        self.local, self.pending = None, None  # a second train() on the same Loop starts clean
+        self.local, self.local_entropy, self.pending = None, None, {}  # a second train() starts clean
 
     @hookimpl(tryfirst=True)  # before the loggers read the log
     def on_log(self, logs: dict) -> None:
         if "learning_rate" in logs and "loss" in logs:  # a training window's log, not an evaluation's
-            if self.pending is not None:
-                logs[KEY] = self.pending
-            self.pending = None
+            logs.update(self.pending)
+            self.pending = {}
 
-    def state_dict(self) -> dict[str, int]:
-        return {"correct": self.carried[0], "counted": self.carried[1]}
+    def state_dict(self) -> dict[str, float]:
+        return {"correct": self.carried[0], "counted": self.carried[1], "entropy": self.carried[2]}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.local, self.pending = None, None
-        self.carried = [int(state.get("correct", 0)), int(state.get("counted", 0))]
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.local, self.local_entropy, self.pending = None, None, {}
+        self.carried = [int(state.get("correct", 0)), int(state.get("counted", 0)), float(state.get("entropy", 0.0))]

@@ -28,6 +28,8 @@ train = "chats.jsonl"
 assistant_only_loss = true
 packing = true
 max_length = 128
+[lm]
+entropy = true
 [train]
 max_steps = 2
 optim = "sgd"
@@ -60,11 +62,12 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(tmp_path, model_dir):
     assert moved > 1e-3
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst <= 1e-5, worst
-    # token_accuracy (on in [sft] runs, counted from the weighting plugin's logits): the counts of
-    # both ranks are summed, so the two-rank log is the one-process log
+    # token_accuracy (on in [sft] runs, counted from the weighting plugin's logits) and entropy: the
+    # sums of both ranks are summed, so the two-rank log is the one-process log
     one_log, two_log = (train_records(tmp_path / d) for d in ("one", "two"))
     assert len(one_log) == len(two_log) == 1 and 0 < one_log[0]["token_accuracy"] < 1, one_log
     assert two_log[0]["token_accuracy"] == one_log[0]["token_accuracy"]
+    assert 0 < one_log[0]["entropy"] and abs(two_log[0]["entropy"] - one_log[0]["entropy"]) <= 1e-6, one_log
 
 
 def train_records(out: Path) -> list[dict]:
@@ -94,6 +97,8 @@ eval = "chats.jsonl"
 [sft]
 assistant_only_loss = true
 max_length = 128
+[lm]
+entropy = true
 [train]
 max_steps = 2
 learning_rate = 1e-2
@@ -111,4 +116,5 @@ use_cpu = true
     one, two = results[1], results[2]
     assert len(one) == len(two) == 1 and 0 < one[0]["eval_token_accuracy"] < 1
     assert two[0]["eval_token_accuracy"] == one[0]["eval_token_accuracy"]
+    assert 0 < one[0]["eval_entropy"] and abs(two[0]["eval_entropy"] - one[0]["eval_entropy"]) <= 1e-6
     assert abs(two[0]["eval_loss"] - one[0]["eval_loss"]) <= 1e-5

@@ -1,9 +1,11 @@
-"""``token_accuracy`` in the training logs (corelooper-lm, on in ``[sft]`` runs), against TRL's
-``mean_token_accuracy``: the real SFTTrainer on the same chats, the same weights, the same order."""
+"""``token_accuracy`` in the training logs (corelooper-lm, on in ``[sft]`` runs) and, with ``[lm]
+entropy``, ``entropy``, against TRL's ``mean_token_accuracy`` and ``entropy``: the real SFTTrainer
+on the same chats, the same weights, the same order."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from sft_fixtures import CHATS, _datasets_cache, model_dir  # noqa: F401 (fixtures)
@@ -50,15 +52,66 @@ def our_logs(model_dir, tmp_path, data, sft=None, lm=None, **kw):
     ({"padding_free": False}, {"head": "all"}),  # the model's own loss and logits
     ({"padding_free": False}, {"loss": "chunked"}),  # the chunked cross-entropy counts its chunks
 ], ids=["trained-head", "padding-free", "head-all", "chunked"])
-def test_token_accuracy_is_trls_mean_token_accuracy(model_dir, tmp_path, sft, lm):
+def test_token_accuracy_and_entropy_are_trls(model_dir, tmp_path, sft, lm):
     data = write_chats(tmp_path / "chats.jsonl", n=16)
     theirs = trl_logs(model_dir, tmp_path, data)
-    mine = our_logs(model_dir, tmp_path, data, sft, lm)
+    mine = our_logs(model_dir, tmp_path, data, sft, {**(lm or {}), "entropy": True})
     assert [h["step"] for h in mine] == [h["step"] for h in theirs] == [1, 2, 3, 4]
     for h, c in zip(theirs, mine, strict=True):
         assert abs(c["loss"] - h["loss"]) <= 1e-5, (h, c)  # the same training
         assert c["token_accuracy"] == pytest.approx(h["mean_token_accuracy"], abs=1e-6), (h, c)
+        assert c["entropy"] == pytest.approx(h["entropy"], abs=1e-5), (h, c)
     assert len({round(c["token_accuracy"], 6) for c in mine}) > 1  # it moves as the model learns
+    assert len({round(c["entropy"], 4) for c in mine}) > 1
+
+
+def test_entropy_is_asked_for_and_alone_without_accuracy(model_dir, tmp_path):
+    """Off by default (it costs a log-softmax per micro-batch); ``entropy`` alone when the accuracy
+    is off, in training and evaluation logs."""
+    data = write_chats(tmp_path / "chats.jsonl", n=8)
+    default = our_logs(model_dir, tmp_path / "default", data, {"padding_free": False}, max_steps=1)
+    assert "entropy" not in default[0] and "token_accuracy" in default[0]
+    config = Config.from_dict({
+        "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data), "eval": str(data)},
+        "train": {"output_dir": str(tmp_path / "alone"), "save_strategy": "no", "use_cpu": True, **RUN,
+                  "max_steps": 1},
+        "sft": {"assistant_only_loss": True, "max_length": 0},
+        "lm": {"token_accuracy": False, "entropy": True},
+    })
+    with Loop(config=config) as loop:
+        loop.train()
+        metrics = loop.evaluate()
+        log = [h for h in loop.state.log_history if "loss" in h][0]
+    assert "entropy" in log and "token_accuracy" not in log, log
+    assert 0 < metrics["eval_entropy"] <= math.log(loop.model.config.vocab_size), metrics
+    assert "eval_token_accuracy" not in metrics, metrics
+
+
+def test_eval_entropy_and_accuracy_are_trls(model_dir, tmp_path):
+    """One evaluation batch (TRL averages per batch): ``eval_entropy`` and ``eval_token_accuracy``
+    equal TRL's ``eval_entropy`` and ``eval_mean_token_accuracy`` for the same weights."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    data = write_chats(tmp_path / "chats.jsonl", n=8)
+    rows = [{"messages": json.loads(line)["messages"]} for line in data.read_text(encoding="utf-8").splitlines()]
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], bf16=False, max_length=None, use_cpu=True,
+                     activation_checkpointing=False, assistant_only_loss=True, per_device_eval_batch_size=8)
+    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
+                         train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows),
+                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+    theirs = trainer.evaluate()
+    config = Config.from_dict({
+        "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data), "eval": str(data)},
+        "train": {"output_dir": str(tmp_path / "run"), "use_cpu": True, "per_device_eval_batch_size": 8},
+        "sft": {"assistant_only_loss": True, "max_length": 0}, "lm": {"entropy": True},
+    })
+    with Loop(config=config) as loop:
+        mine = loop.evaluate()
+    assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5)
+    assert mine["eval_token_accuracy"] == pytest.approx(theirs["eval_mean_token_accuracy"], abs=1e-6)
+    assert mine["eval_entropy"] == pytest.approx(theirs["eval_entropy"], abs=1e-5)
 
 
 def trained_tokens_per_step(model_dir, tmp_path, data, **kw) -> list[int]:
@@ -83,12 +136,14 @@ def test_a_window_of_steps_and_micro_batches_is_weighted_by_tokens(model_dir, tm
     data = write_chats(tmp_path / "chats.jsonl", n=16)
     per_step = trl_logs(model_dir, tmp_path, data)  # batch 4: the steps below, one by one
     tokens = trained_tokens_per_step(model_dir, tmp_path, data)
-    windows = our_logs(model_dir, tmp_path, data, {"padding_free": False}, per_device_train_batch_size=2,
-                       gradient_accumulation_steps=2, logging_steps=2)
+    windows = our_logs(model_dir, tmp_path, data, {"padding_free": False}, {"entropy": True},
+                       per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=2)
     assert [h["step"] for h in windows] == [2, 4]
     for window, steps in zip(windows, ((0, 1), (2, 3)), strict=True):
         hits = sum(per_step[i]["mean_token_accuracy"] * tokens[i] for i in steps)
         assert window["token_accuracy"] == pytest.approx(hits / sum(tokens[i] for i in steps), abs=1e-6)
+        entropy = sum(per_step[i]["entropy"] * tokens[i] for i in steps)
+        assert window["entropy"] == pytest.approx(entropy / sum(tokens[i] for i in steps), abs=1e-5)
         assert abs(window["loss"] - sum(per_step[i]["loss"] for i in steps) / 2) <= 1e-5
 
 
@@ -97,11 +152,11 @@ def test_a_resumed_window_counts_the_steps_before_the_checkpoint(model_dir, tmp_
     of steps 1-4, as the uninterrupted run does (without them it would count steps 3-4 only)."""
     data = write_chats(tmp_path / "chats.jsonl", n=16)
     kw = dict(logging_steps=4, save_strategy="steps", save_steps=2)
-    whole = our_logs(model_dir, tmp_path / "whole", data, {"padding_free": False}, **kw)
+    whole = our_logs(model_dir, tmp_path / "whole", data, {"padding_free": False}, {"entropy": True}, **kw)
     config = Config.from_dict({
         "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data)},
         "train": {"output_dir": str(tmp_path / "whole" / "run"), "use_cpu": True, **{**RUN, **kw}},
-        "sft": {"assistant_only_loss": True, "max_length": 0, "padding_free": False},
+        "sft": {"assistant_only_loss": True, "max_length": 0, "padding_free": False}, "lm": {"entropy": True},
     })
     with Loop(config=config) as loop:
         loop.train(resume_from_checkpoint=str(tmp_path / "whole" / "run" / "checkpoint-2"))
@@ -109,6 +164,7 @@ def test_a_resumed_window_counts_the_steps_before_the_checkpoint(model_dir, tmp_
     part = our_logs(model_dir, tmp_path / "part", data, {"padding_free": False}, logging_steps=2)
     assert [h["step"] for h in whole] == [4]
     assert resumed[0]["token_accuracy"] == pytest.approx(whole[0]["token_accuracy"], abs=1e-9)
+    assert resumed[0]["entropy"] == pytest.approx(whole[0]["entropy"], abs=1e-9)
     assert abs(resumed[0]["token_accuracy"] - part[1]["token_accuracy"]) > 1e-3  # steps 3-4 alone differ
 
 
