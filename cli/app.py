@@ -23,11 +23,11 @@ app = typer.Typer(
 
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", "-s", help="Override a config value: --set train.learning_rate=3e-4 (repeatable)."),
+    typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a config value: --set train.learning_rate=3e-4 (repeatable)."),
 ]
 PluginOpt = Annotated[
     list[str] | None,
-    typer.Option("-p", help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one."),
+    typer.Option("-p", metavar="NAME", help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one."),
 ]
 TracebackOpt = Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")]
 VerboseOpt = Annotated[
@@ -102,16 +102,16 @@ def load_config(config: Path, overrides: list[str] | None, local_plugins: list[s
 
 @app.command()
 def run(
-    config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
     set_: SetOpt = None,
     p: PluginOpt = None,
     resume_from_checkpoint: Annotated[
-        str | None, typer.Option("--resume-from-checkpoint",
+        str | None, typer.Option("--resume-from-checkpoint", metavar="latest|auto|PATH",
                                    help="'latest', a checkpoint folder, or 'auto' (latest if any, else start fresh).")
     ] = None,
     traceback_: TracebackOpt = False,
     nproc: Annotated[
-        int | None, typer.Option("--nproc", help="Start N local processes (torchrun); each runs this command.")
+        int | None, typer.Option("--nproc", metavar="N", help="Start N local processes (torchrun); each runs this command.")
     ] = None,
     profile_plugins: Annotated[
         bool, typer.Option("--profile-plugins", help="Print the time spent in each plugin's hooks.")
@@ -171,6 +171,7 @@ class _TrainBegan:
     """Whether ``on_train_begin`` fired (a finished run resumed returns before it)."""
 
     began = False
+    name = "cli"  # its plugin name (profiling.CLI_PLUGIN: not profiled)
 
     def on_train_begin(self) -> None:
         self.began = True
@@ -289,7 +290,7 @@ CheckpointOpt = Annotated[
 
 @app.command()
 def predict(
-    config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
     checkpoint: CheckpointOpt,
     output: Annotated[
         str | None, typer.Option("--output", "-o", help="FILE.safetensors or FILE.jsonl (default: output_dir/predictions.safetensors).")
@@ -313,7 +314,7 @@ def predict(
 
 @app.command("eval")
 def eval_(
-    config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
     checkpoint: CheckpointOpt,
     set_: SetOpt = None,
     p: PluginOpt = None,
@@ -444,9 +445,11 @@ def add_plugin_commands(app) -> None:
 
 
 def main() -> None:
+    from corelooper.cli.quiet import quiet_on_closed_pipes
     from corelooper.cli.signals import StartupStop, install_startup_handlers
 
     install_startup_handlers()  # first thing: a SIGTERM while plugins import exits 75, not -15
+    quiet_on_closed_pipes()  # `corelooper run ... | head`: the run goes on, quietly
     try:
         add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
         app(prog_name="corelooper")

@@ -60,3 +60,44 @@ def quiet_third_party(verbose: bool = False) -> None:
     if os.environ.get("RANK", "0") != "0":
         # One voice: the ranks run the same code, so rank 0 shows every warning once.
         warnings.simplefilter("ignore")
+
+
+class ClosedPipeQuiet:
+    """``sys.stdout`` / ``sys.stderr`` that go quiet when their reader closes the pipe
+    (``corelooper run ... | head``): the run goes on and ends as it would have, rather than a
+    plugin that printed a line being blamed for the ``BrokenPipeError`` (exit 3). The file
+    descriptor is pointed at ``/dev/null``, so the interpreter's last flush succeeds too."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def quiet_on_closed_pipes() -> None:
+    """Wrap ``sys.stdout`` and ``sys.stderr`` (once) in ``ClosedPipeQuiet``."""
+    import sys
+
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, ClosedPipeQuiet):
+            setattr(sys, name, ClosedPipeQuiet(stream))

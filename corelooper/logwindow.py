@@ -28,7 +28,7 @@ class LogWindow:
         self.loss = torch.zeros((), device=self.device)
         self.steps = self.samples = self.tokens = 0
         self.skipped = 0  # steps the non-finite guard skipped (on_nonfinite = "skip_step")
-        self.start = time.perf_counter()
+        self.start, self.untimed = time.perf_counter(), (0, 0)  # untimed: samples, tokens before a resume
 
     def add(self, step_loss: torch.Tensor, samples: int, tokens: int, skipped_total: int = 0) -> None:
         """``skipped_total``: the non-finite guard's count of skipped steps, so far."""
@@ -52,9 +52,9 @@ class LogWindow:
             logs["grad_norm"] = float(grad_norm)
         logs["learning_rate"] = learning_rate
         logs["epoch"] = round(epoch, 4)
-        logs["samples_per_second"] = round(self.samples / elapsed, 2)
+        logs["samples_per_second"] = round((self.samples - self.untimed[0]) / elapsed, 2)
         if self.tokens:
-            logs["tokens_per_second"] = round(self.tokens / elapsed, 2)
+            logs["tokens_per_second"] = round((self.tokens - self.untimed[1]) / elapsed, 2)
         return logs
 
     # -- checkpointed (so the first log after a resume averages the same steps) --------------
@@ -69,7 +69,7 @@ class LogWindow:
         if state:
             self.loss += state["loss"]
             self.steps, self.samples, self.tokens = state["steps"], state["samples"], state["tokens"]
-            self.skipped = state.get("skipped", 0)
+            self.skipped, self.untimed = state.get("skipped", 0), (self.samples, self.tokens)
 
 
 class TokensSeen:

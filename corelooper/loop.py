@@ -273,6 +273,7 @@ class Loop:
         if control.should_log and self.log_window.steps:
             self._log_logging_window()
         control.should_log = False
+        paused = time.perf_counter()  # evaluating and saving are not the logging window's training time
         if control.should_evaluate:
             control.should_evaluate = False
             self.guard.poll(self, wait=True)
@@ -284,6 +285,7 @@ class Loop:
             self.guard.poll(self, wait=True)
             self.tokens_seen.flush(self.backend, self.state)
             loop_checkpoints.save(self)
+        self.log_window.start += time.perf_counter() - paused
 
     def _log_logging_window(self) -> None:
         self.tokens_seen.flush(self.backend, self.state)

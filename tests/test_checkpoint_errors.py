@@ -106,8 +106,8 @@ def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def assert_one_paragraph(result: subprocess.CompletedProcess, *needles: str) -> None:
-    assert result.returncode == 5, result.stderr  # CheckpointError.exit_code
+def assert_one_paragraph(result: subprocess.CompletedProcess, *needles: str, code: int = 5) -> None:
+    assert result.returncode == code, result.stderr  # CheckpointError.exit_code unless told
     assert "Traceback" not in result.stderr
     for needle in needles:
         assert needle in result.stderr, result.stderr
@@ -133,7 +133,7 @@ def test_cli_output_dir_holding_another_run(project):
     before = snapshot(project / "out")
     result = cli(project)  # no --resume-from-checkpoint: would mix two runs
     assert_one_paragraph(result, "already holds a run", "checkpoint-4", "--resume-from-checkpoint latest",
-                         "overwrite_output_dir")
+                         "overwrite_output_dir", code=2)  # a usage problem, not a bad checkpoint
     assert snapshot(project / "out") == before
 
 

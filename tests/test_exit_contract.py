@@ -274,3 +274,35 @@ def test_a_collective_that_fails_because_a_process_left_is_not_blamed_on_the_wai
     assert out0.startswith("PeerLostError 7 "), out0 + err0[-2000:]
     assert "a collective between the processes failed" in out0 and "at global_step 7" in out0
     assert "Fix the plugin" not in out0 and "from the model" not in out0
+
+
+def test_a_closed_pipe_ends_nothing_but_the_output(tmp_path):
+    """``corelooper run ... 2>&1 | head -1``: the reader closes the pipe after one line; the run
+    goes on quietly and ends as it would have (exit 0, the final model written), instead of the
+    next plugin that prints (the console, the doctor) failing with BrokenPipeError (exit 3)."""
+    import os
+    import subprocess
+
+    from conftest import CORELOOPER
+
+    path = write_config(tmp_path, train='output_dir = "{}"\nmax_steps = 30\nsave_strategy = "steps"\n'
+                        'save_steps = 10\nlogging_steps = 1'.format(tmp_path / "out"))
+    for both in (True, False):  # stdout and stderr into the pipe; stdout alone
+        run = subprocess.Popen([*CORELOOPER, "run", str(path), "--set", f'train.output_dir="{tmp_path / str(both)}"'],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT if both else subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONHASHSEED": "0"})
+        assert run.stdout.readline()
+        run.stdout.close()
+        assert run.wait(timeout=120) == 0
+        assert (tmp_path / str(both) / "model.safetensors").is_file()
+
+
+def test_the_start_line_counts_the_steps_that_run(cli, tmp_path):
+    """max_steps under the epochs' steps: the line says how much of an epoch that is, and its
+    numbers multiply out (not "30 steps (2 epochs x 23 steps)")."""
+    r = cli("run", str(write_config(tmp_path)), "--set", "train.max_steps=3")
+    assert r.returncode == 0, r.stderr
+    head = next(line for line in r.stdout.splitlines() if line.startswith("corelooper: training"))
+    steps_per_epoch = int(head.split(" epochs of ")[1].split(" steps")[0])
+    epochs = float(head.split("(")[1].split(" epochs")[0])
+    assert head.startswith("corelooper: training 3 steps (") and epochs == pytest.approx(3 / steps_per_epoch, rel=1e-2)

@@ -31,7 +31,7 @@ def _format(logs: dict, verbose: bool = True) -> str:
         if not verbose and is_detail(k):
             continue
         if isinstance(v, float):
-            v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.0f}"
+            v = f"{v:.4g}" if abs(v) < 1e3 else f"{v:.0f}"  # 19130, not 1.913e+04
         parts.append(f"{k}={v}")
     return " ".join(parts)
 
@@ -53,9 +53,10 @@ class Console:
         self.verbose = bool(os.environ.get("CORELOOPER_VERBOSE"))  # `corelooper run --verbose` sets it
         if not state.is_world_process_zero:
             return
+        per_epoch = state.steps_per_epoch  # 0: data of unknown length, max_steps says when to stop
+        epochs = f"{state.max_steps / per_epoch:.3g} epochs of {per_epoch} steps" if per_epoch else "max_steps"
         self.print(
-            f"corelooper: training {state.max_steps} steps ({state.num_train_epochs} epochs x "
-            f"{state.steps_per_epoch} steps), batch {state.train_batch_size} x "
+            f"corelooper: training {state.max_steps} steps ({epochs}), batch {state.train_batch_size} x "
             f"{state.gradient_accumulation_steps} accumulation x {state.world_size} processes, "
             f"output in {loop.args.output_dir}"
         )
@@ -96,11 +97,7 @@ class Console:
             self.progress.stop()
             self.progress = None
 
-    def on_train_end(self) -> None:
-        self.stop()
-
-    def on_exception(self) -> None:
-        self.stop()
+    on_train_end = on_exception = stop  # the bar ends with training, whichever way it ends
 
 
 def quiet_library(modules: str, loggers: tuple[str, ...] = ()) -> None:

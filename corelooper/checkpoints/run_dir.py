@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from ..config import parse_size
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from . import manifest
 from .ioerrors import check_is_folder, io_error
 
@@ -45,7 +45,7 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
             if not overwrite:
                 what = (f"{len(existing)} checkpoints, latest {existing[-1].name}" if existing
                         else f"a finished model, {final_model[0].name}")
-                raise CheckpointError(
+                raise ConfigError(  # a usage problem (exit 2), nothing wrong with the checkpoints
                     f"output_dir {str(output_dir)!r} already holds a run ({what}). Resume it with "
                     "--resume-from-checkpoint latest, choose another train.output_dir, or set "
                     "train.overwrite_output_dir = true to start over (that deletes its checkpoints)."

@@ -5,6 +5,7 @@ per log, on values the loop already synced)."""
 from __future__ import annotations
 
 import math
+import os
 
 from .settings import PREFIX
 from .spikes import append_spike, step_sample_indices
@@ -157,7 +158,8 @@ def first_step_breakdown(doc, loop, state) -> None:
     doc.probe = None
     if state.is_world_process_zero:
         doc.write_json("memory.json", doc.breakdown)
-        doc.say(memory.breakdown_line(doc.breakdown))
+        if memory.worth_saying(doc.breakdown) or os.environ.get("CORELOOPER_VERBOSE"):
+            doc.say(memory.breakdown_line(doc.breakdown))
 
 
 def oom_report(doc, loop, state, exception) -> None:

@@ -160,6 +160,13 @@ def breakdown_line(b: dict) -> str:
     )
 
 
+def worth_saying(b: dict) -> bool:
+    """Whether the breakdown line is worth a line of every run's output: the batch size is near or
+    over what fits (otherwise it is in memory.json, and on the console with ``--verbose``)."""
+    fit = b.get("largest_micro_batch")
+    return fit is not None and fit < LARGE * max(b["micro_batch"], 1)
+
+
 def batch_advice(micro: int, fit: int | None) -> str:
     if fit is None:
         return "no activations measured"

@@ -83,11 +83,12 @@ def test_oom_before_the_first_step_says_no_breakdown(tmp_path):
     assert "at step 1 during forward" in text and "no breakdown was measured" in text
 
 
-def test_the_start_up_line_speaks_in_per_device_train_batch_size(tmp_path, capfd):
+def test_the_start_up_line_speaks_in_per_device_train_batch_size(tmp_path, capfd, monkeypatch):
     """Not "the largest micro-batch that should fit in 23.54 GB: 1489690": the knob, the share
     of the device, and advice that holds at either end (the raw estimate stays in memory.json)."""
-    from corelooper_doctor.memory import breakdown_line
+    from corelooper_doctor.memory import breakdown_line, worth_saying
 
+    monkeypatch.setenv("CORELOOPER_VERBOSE", "1")  # memory is not the limit here: said when verbose only
     loop, b = _breakdown(tmp_path, 8)
     line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("doctor: memory per process"))
     assert line == breakdown_line(b)
@@ -100,3 +101,12 @@ def test_the_start_up_line_speaks_in_per_device_train_batch_size(tmp_path, capfd
     over = {**b, "largest_micro_batch": 3}
     assert "per_device_train_batch_size = 8 may not fit: use 3 or less, with gradient_accumulation_steps" in (
         breakdown_line(over))
+    assert worth_saying(tight) and worth_saying(over) and not worth_saying(b)
+
+
+def test_a_breakdown_with_room_to_spare_is_not_said_unless_verbose(tmp_path, capfd, monkeypatch):
+    """A run whose batch could grow 16x gets no memory line (quiet output); memory.json has it."""
+    monkeypatch.delenv("CORELOOPER_VERBOSE", raising=False)
+    loop, b = _breakdown(tmp_path, 8)
+    assert b["largest_micro_batch"] >= 16 * 8
+    assert "doctor: memory per process" not in capfd.readouterr().err

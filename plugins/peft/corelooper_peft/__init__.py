@@ -102,7 +102,7 @@ def transform_model(loop, config, model):
     return wrapped
 
 
-@hookimpl
+@hookimpl(trylast=True)  # after the console's "training N steps" line
 def on_train_begin(loop, state):
     if not _active(loop):
         return

@@ -22,10 +22,10 @@ def register(app) -> None:
 
     @data.command("preview")
     def preview(
-        config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+        config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
         n: Annotated[int, typer.Option("-n", help="How many samples (packed rows when packing).")] = 3,
         as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sample.")] = False,
-        set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a config value.")] = None,
+        set_: Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a config value.")] = None,
         split: Annotated[str, typer.Option("--split", help="train or eval.")] = "train",
         traceback_: Annotated[bool, typer.Option("--traceback", help="Show the full traceback.")] = False,
     ) -> None:
@@ -50,7 +50,12 @@ def load(config_path: Path, overrides: list[str], split: str, n: int = 0):
     from .pipeline import prepare
     from .setup import check, configure_tokenizer, find_tokenizer, mode
 
-    config = Config.load(config_path, overrides).with_defaults({SECTION: DEFAULTS})
+    config = Config.load(config_path, overrides)
+    if SECTION not in config.sections:
+        raise ConfigError(f"{config_path} has no [{SECTION}] section: `corelooper data preview` shows the samples as "
+                          f"[{SECTION}] tokenizes, masks and packs them (chat or prompt/completion data). Add an "
+                          f"[{SECTION}] section (docs/data.md) to preview this config's data.")
+    config = config.with_defaults({SECTION: DEFAULTS})
     cfg = config.section(SECTION)
     check(cfg)
     ref = getattr(config.data, split)
@@ -136,7 +141,7 @@ def run_preview(config_path: Path, n: int, as_json: bool, overrides: list[str], 
         return
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # no line breaks the data does not have (a pipe is 80 wide)
     for r, item in enumerate(rows):
         pieces = item if isinstance(item, list) else [item]
         head = f"row {r}: {len(pieces)} samples packed" if plan is not None else f"sample {r}"

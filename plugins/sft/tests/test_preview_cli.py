@@ -65,3 +65,19 @@ def setup_bad(tmp_path, model_dir):
     (tmp_path / "bad.jsonl").write_text('{"messages": oops}\n')
     (tmp_path / "bad.toml").write_text(f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "bad.jsonl"\n[sft]\n')
     return tmp_path / "bad.toml"
+
+
+def test_preview_adds_no_line_breaks_and_names_a_config_without_sft(tmp_path, model_dir):
+    """Piped (80 columns for rich), a long sample stays one line as the model sees it; a config
+    with no [sft] section is told so, not asked for a tokenizer."""
+    long = "word " * 40 + "end."
+    (tmp_path / "long.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Say it."},
+                                                                  {"role": "assistant", "content": long}]}) + "\n")
+    (tmp_path / "long.toml").write_text(f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "long.jsonl"\n'
+                                        "[sft]\nassistant_only_loss = true\n")
+    out = run(["data", "preview", str(tmp_path / "long.toml"), "-n", "1"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert long.strip() in out.stdout.replace("[[", "").replace("]]", "")  # one line, unbroken
+    (tmp_path / "plain.toml").write_text('[model]\nfactory = "m:f"\n[data]\ntrain = "chats.jsonl"\n')
+    out = run(["data", "preview", str(tmp_path / "plain.toml")], tmp_path)
+    assert out.returncode == 2 and "has no [sft] section" in out.stderr and "tokenizer" not in out.stderr, out.stderr

@@ -24,7 +24,7 @@ __version__ = "0.2.0"
 def corelooper_add_commands(app) -> None:
     @app.command()
     def slurm(
-        config: Annotated[Path, typer.Argument(help="The TOML config file.")],
+        config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
         nodes: Annotated[int, typer.Option("--nodes", "-N", help="Nodes to allocate.")] = 1,
         gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (0: CPU).")] = 0,
         nproc_per_node: Annotated[
@@ -51,7 +51,7 @@ def corelooper_add_commands(app) -> None:
             "--max-restarts", help="torchrun's restarts after a lost node or failed rank (default: 3 with "
             "--min-nodes below --nodes, else 0).")] = None,
         output: Annotated[str | None, typer.Option("--output", "-o", help="Job log (sbatch --output).")] = None,
-        set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Config override (repeatable).")] = None,
+        set_: Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE", help="Config override (repeatable).")] = None,
         plugin: Annotated[list[str] | None, typer.Option("--plugin", "-p", help="As -p of `corelooper run` (no:NAME, module).")] = None,
         sbatch_arg: Annotated[list[str] | None, typer.Option("--sbatch-arg", help="Extra #SBATCH line.")] = None,
         script: Annotated[Path | None, typer.Option("--script", help="Also write the script here.")] = None,
