@@ -211,7 +211,7 @@ class Scripted:
         return {"accuracy": self.values[self.calls - 1]}
 
 
-def test_rotation_keeps_best_and_latest_and_loads_best(tmp_path):
+def test_rotation_keeps_best_and_latest_and_loads_best(tmp_path, caplog):
     out = tmp_path / "out"
     metrics = Scripted([0.5, 0.9, 0.4, 0.3, 0.2])  # best at step 4
     best_weights = {}
@@ -241,6 +241,8 @@ def test_rotation_keeps_best_and_latest_and_loads_best(tmp_path):
     final = load_file(out / WEIGHTS)  # the best model, loaded at the end, is the final one
     assert all(torch.equal(final[k], best_weights["checkpoint-4"][k]) for k in final)
     assert not all(torch.equal(final[k], best_weights["checkpoint-10"][k]) for k in final)
+    # and the run says so, as HF's "Loading best model from ... (score: ...)"
+    assert "the final model is the best checkpoint's, checkpoint-4 (accuracy = 0.9)" in caplog.text
 
 
 def test_rotation_lower_is_better_keeps_latest_best(tmp_path):

@@ -132,6 +132,8 @@ def on_train_end(loop, state):
             export_merged(unsharded_copy(model, full), directory, run_tokenizer(loop))
     elif state.is_world_process_zero:
         export_merged(model, directory, run_tokenizer(loop))
+    if state.is_world_process_zero:
+        logger.warning("peft: the merged model (adapter folded into the base weights) is in %s", directory)
     backend.wait_for_everyone()
 
 

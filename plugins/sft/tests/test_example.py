@@ -33,8 +33,12 @@ def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
                  ROOT, env)
     assert "packed into" in preview.stdout and "[[" in preview.stdout  # packed, assistant tokens marked
     out = tmp_path / "run"
-    sh([str(BIN / "corelooper"), "run", str(EXAMPLE / "config.toml"), *common, "--set", f'train.output_dir="{out}"',
-        "--set", "train.max_steps=8", "--set", "train.eval_steps=8", "--set", "train.save_steps=8"], ROOT, env)
+    ran = sh([str(BIN / "corelooper"), "run", str(EXAMPLE / "config.toml"), *common, "--set",
+              f'train.output_dir="{out}"', "--set", "train.max_steps=8", "--set", "train.eval_steps=8", "--set",
+              "train.save_steps=8"], ROOT, env)
+    said = ran.stdout + ran.stderr  # the start line first, then the adapter's share; the merged folder named
+    assert said.index("corelooper: training 8 steps") < said.index("trainable_params=16384")
+    assert f"peft: the merged model (adapter folded into the base weights) is in {out / 'merged'}" in said
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in x for x in lines) and any(x.get("trainable_params") for x in lines)
     assert (out / "adapter_model.safetensors").is_file() and list((out / "tensorboard").rglob("events.*"))
