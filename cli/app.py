@@ -21,6 +21,10 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+# exit codes of errors in the user's input (config, data, checkpoint or I/O): the message names the
+# key, file, line or errno; a traceback of corelooper's own code would not help, so none is offered
+INPUT_ERRORS = (2, 4, 5)
+
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a config value: --set train.learning_rate=3e-4 (repeatable)."),
@@ -87,7 +91,7 @@ def fail(exc: BaseException, show_traceback: bool) -> None:
         world = os.environ.get("WORLD_SIZE", "1")
         rank = f" (rank {os.environ.get('RANK', '0')} of {world})" if world != "1" else ""
         typer.echo(f"corelooper: {prefix}{rank}: {exc}", err=True)
-        if not show_traceback:
+        if not show_traceback and code not in INPUT_ERRORS:
             typer.echo("(run with --traceback for the full traceback)", err=True)
     raise typer.Exit(code)
 
