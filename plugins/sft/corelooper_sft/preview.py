@@ -208,7 +208,7 @@ def stats_of(prepared) -> dict:
     return {"samples": s.samples, "kept": len(lengths), "tokens": s.tokens, "trained_tokens": s.trained_tokens,
             "trained_share": round(s.trained_tokens / max(s.tokens, 1), 4), "overlong": s.overlong,
             "truncated": s.truncated, "dropped": s.dropped, "fully_masked_dropped": s.fully_masked_dropped,
-            "length_histogram": hist, "max_length": max(lengths, default=0),
+            "length_histogram": hist, "longest_sample": max(lengths, default=0),  # not [sft] max_length
             "packed_rows": len(prepared) if hasattr(prepared, "plan") else None,
             "read": getattr(s, "read", None)}
 

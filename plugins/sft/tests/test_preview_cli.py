@@ -47,6 +47,7 @@ def test_preview_json_gives_ids_labels_and_packing_boundaries(tmp_path, model_di
     rows, stats = lines[:-1], lines[-1]["stats"]
     # packing reads rows (doubling) until they fill more than the rows shown: 8 of the file's 9
     assert len(rows) == 2 and stats["packed_rows"] < stats["kept"] == stats["read"]["rows"] == 8
+    assert "max_length" not in stats and 0 < stats["longest_sample"] <= 128  # [sft] max_length is the setting
     for row in rows:
         assert len(row["input_ids"]) == len(row["labels"]) == row["boundaries"][-1]["end"] <= 128
         assert all(row["labels"][b["start"]] == -100 for b in row["boundaries"])
