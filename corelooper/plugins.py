@@ -163,8 +163,7 @@ class Plugins:
             if not callable(getattr(obj, method, None)):
                 raise PluginError(
                     f"register_for_checkpointing({name!r}, ...): {type(obj).__name__} has no "
-                    f"{method}() method; both state_dict() and load_state_dict() are needed."
-                )
+                    f"{method}() method; both state_dict() and load_state_dict() are needed.")
         if name in self.stateful and self.stateful[name] is not obj:
             raise PluginError(f"register_for_checkpointing: the name {name!r} is already taken.")
         self.stateful[name] = obj

@@ -358,3 +358,46 @@ def test_the_window_rate_leaves_out_evaluation_saving_and_steps_before_a_resume(
     clock.offset += 1.0  # one second of training in this process
     logs = window.logs(types.SimpleNamespace(reduce_mean=lambda t: t), None, 0.1, 1.0)
     assert logs["samples_per_second"] == pytest.approx(8.0, rel=0.01)  # not 10**9 + 8
+
+
+class WithWeights(torch.utils.data.Dataset):
+    """Blobs with a ``weight`` column the MLP's forward does not take."""
+
+    def __init__(self):
+        self.blobs = toys.Blobs(16)
+
+    def __len__(self):
+        return len(self.blobs)
+
+    def __getitem__(self, i):
+        return {**self.blobs[i], "weight": torch.tensor(1.0)}
+
+
+class WeightedLoss:
+    """A compute_loss plugin for training (it reads the batch's ``weight`` column itself); the
+    builtin loss evaluates, as in examples/sft_chat."""
+
+    @hookimpl
+    def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):
+        if not model.training:
+            return None
+        logits = model(batch["x"])
+        loss = (F.cross_entropy(logits, batch["labels"], reduction="none") * batch["weight"]).mean()
+        return (loss, logits) if return_outputs else loss
+
+
+def test_a_dropped_column_is_a_warning_unless_a_loss_plugin_reads_the_batch(train_args, caplog, tmp_path):
+    """The model's forward does not take ``weight``: said as a warning (a user's column the model
+    never sees); with a compute_loss plugin, which sees every column, a note at INFO (as HF logs it),
+    not a warning in the middle of the first evaluation."""
+    import logging
+
+    for plugins, level in (([], logging.WARNING), ([WeightedLoss()], logging.INFO)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="corelooper"):
+            args = train_args(max_steps=2, per_device_train_batch_size=8, output_dir=str(tmp_path / str(level)))
+            loop = Loop(toys.mlp(), args, train_dataset=WithWeights(), eval_dataset=WithWeights(), plugins=plugins)
+            loop.train()
+            loop.evaluate()
+        notes = [r for r in caplog.records if "are not arguments of MLP.forward" in r.getMessage()]
+        assert [r.levelno for r in notes] == [level], [(r.levelname, r.getMessage()) for r in notes]

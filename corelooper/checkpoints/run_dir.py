@@ -48,8 +48,7 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
                 raise ConfigError(  # a usage problem (exit 2), nothing wrong with the checkpoints
                     f"output_dir {str(output_dir)!r} already holds a run ({what}). Resume it with "
                     "--resume-from-checkpoint latest, choose another train.output_dir, or set "
-                    "train.overwrite_output_dir = true to start over (that deletes its checkpoints)."
-                )
+                    "train.overwrite_output_dir = true to start over (that deletes its checkpoints).")
             for path in existing:
                 _remove_dir(path)
             for path in final_model:

@@ -74,11 +74,12 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
         model = innermost_model(loop.backend.unwrap_model(loop.model))
         plan = accepted_columns(forward_signature(model), keys)
         plans[keys] = plan
-        if plan is not None:
-            dropped = [k for k in keys if k not in plan]
-            logger.warning("The batch columns %s are not arguments of %s.forward and are not passed to it "
-                           "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
-                           "sees every column).", dropped, type(model).__name__)
+        if plan is not None:  # a note (HF logs it as info) unless a loss plugin, which sees them all, is there
+            dropped, plugin_loss = [k for k in keys if k not in plan], loop.plugins.implemented_by_others("compute_loss")
+            logger.log(logging.INFO if plugin_loss else logging.WARNING,
+                       "The batch columns %s are not arguments of %s.forward and are not passed to it "
+                       "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
+                       "sees every column).", dropped, type(model).__name__)
     return batch if plan is None else {k: batch[k] for k in plan}
 
 
