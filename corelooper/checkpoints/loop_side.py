@@ -93,8 +93,9 @@ def finish(loop) -> None:
     a, s = loop.args, loop.state
     if a.load_best_model_at_end and s.best_model_checkpoint:
         checkpoint.load_weights(Path(s.best_model_checkpoint), model=loop.model, backend=loop.backend)
-        logger.warning("the final model is the best checkpoint's, %s (%s = %.6g)", Path(s.best_model_checkpoint).name,
-                       a.metric_for_best_model or "eval_loss", s.best_metric)  # as HF's "Loading best model from"
+        if loop.backend.is_main_process:  # as HF's "Loading best model from ... (score: ...)"
+            logger.warning("the final model is the best checkpoint's, %s (%s = %.6g)",
+                           Path(s.best_model_checkpoint).name, a.metric_for_best_model or "eval_loss", s.best_metric)
     checkpoint.save_model(Path(a.output_dir), model=loop.model, backend=loop.backend,
                           max_shard_size=a.save_max_shard_size)
     if a.save_total_limit == 1 and s.best_model_checkpoint and loop.backend.is_main_process:
