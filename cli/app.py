@@ -419,7 +419,8 @@ def new_plugin(
         from corelooper.cli.scaffold import write_plugin
 
         path = write_plugin(name, dir_)
-        typer.echo(f"wrote {path}/\nnext: pip install -e {path} && pytest {path}")
+        typer.echo(f"wrote {path}/\nnext: pip install -e '{path}[test]' && python -m pytest {path}"
+                   "   # [test] brings pytest and corelooper-testing")
     except Exception as e:
         fail(e, traceback_)
 

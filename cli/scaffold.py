@@ -2,7 +2,7 @@
 
 The skeleton is a complete package: ``pyproject.toml`` with the entry point, the plugin module
 (a config section, an event hook, state kept across a resume), a README, and tests that run a
-real tiny training with ``corelooper_testing``'s fixtures. ``pip install -e DIR && pytest DIR``
+real tiny training with ``corelooper_testing``'s fixtures. ``pip install -e 'DIR[test]' && python -m pytest DIR``
 passes as written.
 """
 

@@ -90,8 +90,7 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
             f"({type(exc).__name__}: {_first_line(exc)}). Another process of the run stopped (killed, "
             "crashed, or its node was lost) or the network between them failed: its own output names "
             f"the first failure. The last complete checkpoint in {str(output_dir)!r} is untouched; "
-            "resume with --resume-from-checkpoint latest (on fewer processes if a node is gone)."
-        )
+            "resume with --resume-from-checkpoint latest (on fewer processes if a node is gone).")
     blamed = plugins.blame(exc)
     if blamed:
         plugin, hook = blamed

@@ -236,3 +236,32 @@ def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert snapshot(out / "checkpoint-4") == before
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]
+
+
+def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_path):
+    """save_strategy = "no": the folder holds the final model and no checkpoint. Running again
+    does not send the user to --resume-from-checkpoint latest (which has nothing to resume), and
+    that flag says the run finished; eval/predict's --checkpoint latest evaluate the final model
+    and, where there is none, name their own flag."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "task.py").write_text(textwrap.dedent(TASK))
+    (root / "config.toml").write_text(config_text(root / "out") + 'save_strategy = "no"\n')
+    first = cli(root)
+    assert first.returncode == 0 and (root / "out" / "model.safetensors").is_file(), first.stderr
+    again = cli(root)
+    assert again.returncode == 2 and "no checkpoint to resume" in again.stderr, again.stderr
+    assert "--resume-from-checkpoint latest" not in again.stderr and "overwrite_output_dir" in again.stderr
+    resumed = cli(root, "--resume-from-checkpoint", "latest")
+    assert resumed.returncode == 5 and "Its run finished: model.safetensors." in resumed.stderr, resumed.stderr
+    env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    ev = subprocess.run([sys.executable, "-m", "corelooper", "eval", "config.toml", "--checkpoint", "latest",
+                         "--set", 'data.eval = "task.py:train_set"'], cwd=root, env=env, capture_output=True,
+                        text=True, timeout=120)
+    assert ev.returncode == 0 and "eval_loss" in ev.stdout, ev.stderr
+    (root / "out" / "model.safetensors").unlink()
+    ev = subprocess.run([sys.executable, "-m", "corelooper", "eval", "config.toml", "--checkpoint", "latest",
+                         "--set", 'data.eval = "task.py:train_set"'], cwd=root, env=env, capture_output=True,
+                        text=True, timeout=120)
+    assert ev.returncode == 5 and "--checkpoint latest: there is no complete checkpoint" in ev.stderr, ev.stderr
+    assert "--resume-from-checkpoint" not in ev.stderr

@@ -19,6 +19,9 @@ def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(t
     dest = tmp_path / "corelooper-grad-stats"
     made = run_cli("new-plugin", "grad_stats", "--dir", str(dest))
     assert made.returncode == 0, made.stderr
+    # the printed next step is the README's: [test] brings pytest and corelooper-testing
+    assert f"next: pip install -e '{dest}[test]' && python -m pytest {dest}" in made.stdout, made.stdout
+    assert 'pip install -e ".[test]"' in (dest / "README.md").read_text()
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
         "README.md", "corelooper_grad_stats/__init__.py", "pyproject.toml", "tests/test_grad_stats.py",
     ]

@@ -42,13 +42,13 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
         existing = list_checkpoints(output_dir)
         final_model = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
         if (existing or final_model) and not resuming:
-            if not overwrite:
-                what = (f"{len(existing)} checkpoints, latest {existing[-1].name}" if existing
-                        else f"a finished model, {final_model[0].name}")
-                raise ConfigError(  # a usage problem (exit 2), nothing wrong with the checkpoints
-                    f"output_dir {str(output_dir)!r} already holds a run ({what}). Resume it with "
-                    "--resume-from-checkpoint latest, choose another train.output_dir, or set "
-                    "train.overwrite_output_dir = true to start over (that deletes its checkpoints).")
+            if not overwrite:  # a usage problem (exit 2), nothing wrong with the checkpoints
+                what = (f"{len(existing)} checkpoints, latest {existing[-1].name}. Resume it with --resume-from-"
+                        "checkpoint latest, " if existing else f"a finished model, {final_model[0].name}, and no "
+                        "checkpoint to resume: ")
+                raise ConfigError(f"output_dir {str(output_dir)!r} already holds a run ({what}choose another "
+                                  "train.output_dir, or set train.overwrite_output_dir = true to start over (that "
+                                  "deletes it).")
             for path in existing:
                 _remove_dir(path)
             for path in final_model:
@@ -117,7 +117,8 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
     the run has no checkpoint yet, so one command both starts a job and resumes it after a
     requeue. A path: that folder, refused unless it verifies.
     ``for_training=False`` (eval/predict): a folder without a manifest (an exported model, a
-    finished run's output_dir) is accepted; one with a manifest must still verify."""
+    finished run's output_dir, also ``latest``'s when it has no checkpoint) is accepted; one with a
+    manifest must still verify."""
     output_dir = Path(output_dir)
     if str(resume) == "auto":
         if not list_checkpoints(output_dir):
@@ -132,19 +133,19 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
                     logger.warning("resuming from %s; skipped newer %s", path.name, "; ".join(skipped))
                 return path
             skipped.append(f"{path.name} ({why})")
-        more = f" ({'; '.join(skipped)})" if skipped else ""
-        raise CheckpointError(
-            f"--resume-from-checkpoint latest: there is no complete checkpoint in "
-            f"{str(output_dir)!r}{more}. Start without --resume-from-checkpoint, or pass the path "
-            "of a checkpoint folder."
-        )
+        finished = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
+        if finished and not for_training and not skipped:  # eval/predict: a run saved without checkpoints
+            return output_dir
+        more, done = f" ({'; '.join(skipped)})" * bool(skipped), f" Its run finished: {finished[0].name}." if finished else ""
+        fix = "Start without it, or pass the path of a checkpoint folder" if for_training else "Pass a checkpoint folder"
+        raise CheckpointError(f"{'--resume-from-checkpoint' if for_training else '--checkpoint'} latest: there is no "
+                              f"complete checkpoint in {str(output_dir)!r}{more}.{done} {fix}.")
     path = Path(resume)
     if not path.is_dir():
         hint = " (a .tmp- folder is an incomplete save and cannot be resumed)" if path.name.startswith(".tmp-") else ""
         raise CheckpointError(
             f"Checkpoint {str(path)!r} does not exist (or is not a folder){hint}. Pass a "
-            "checkpoint-N folder, or 'latest' for the newest one in train.output_dir."
-        )
+            "checkpoint-N folder, or 'latest' for the newest one in train.output_dir.")
     if for_training or (path / manifest.MANIFEST).exists():
         manifest.verify(path)  # refused, naming the file, when it does not verify
     return path
