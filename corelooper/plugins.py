@@ -145,8 +145,7 @@ class Plugins:
             raise PluginError(
                 f"Plugin {name!r} declares config sections (corelooper_config_sections) but was "
                 "registered after the config was validated: pass it to Loop(plugins=[...]) or install "
-                "it as an entry point, so that its sections are checked and their defaults filled in."
-            )
+                "it as an entry point, so that its sections are checked and their defaults filled in.")
         if "corelooper_configure" in impls:
             _configure_one(self, impls["corelooper_configure"], self.config)
 
@@ -213,8 +212,7 @@ class Plugins:
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise PluginError(
                     f"Plugin {name!r} implements {attr!r}, which is not a corelooper hook."
-                    f"{hint} See `corelooper hooks`."
-                )
+                    f"{hint} See `corelooper hooks`.")
 
     # -- queries -------------------------------------------------------------------------------
     def provider_order(self, hook_name: str) -> list[str]:
@@ -365,8 +363,7 @@ def check_blocked(blocked: Iterable[str], known: list[str]) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
             f"-p no:{name} / [plugins] disable names {name!r}, which is not an installed plugin nor a "
-            f"builtin policy.{hint} Known: {', '.join(sorted(set(known)))}. See `corelooper plugins`."
-        )
+            f"builtin policy.{hint} Known: {', '.join(sorted(set(known)))}. See `corelooper plugins`.")
 
 
 def _register_installed(plugins: Plugins, cfg: PluginsConfig, blocked: set[str], autoload: bool,

@@ -372,3 +372,19 @@ def test_crash_keeps_last_checkpoint_and_names_the_source(tmp_path, where):
     torch.manual_seed(0)
     again = Loop(Boom(at=-1) if where == "model" else toys.mlp(), args, train_dataset=toys.Blobs(64), blocked_plugins=["console"])
     assert again.train(resume_from_checkpoint="latest").global_step == 6
+
+
+def test_rotation_after_a_resume_from_an_earlier_step_deletes_the_stale_future_first(tmp_path):
+    """Resumed from checkpoint-4 (checkpoint-6 failed its checksum and was skipped), the run
+    writes checkpoint-5: with save_total_limit = 2 the stale checkpoint-6 goes, not the good
+    checkpoint-4 (the newest by number is not the newest of the run any more)."""
+    from corelooper.checkpoints.run_dir import list_checkpoints, rotate_checkpoints
+
+    for step in (2, 4, 6, 5):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    deleted = rotate_checkpoints(tmp_path, 2, keep=tmp_path / "checkpoint-5")
+    assert sorted(p.name for p in deleted) == ["checkpoint-2", "checkpoint-6"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-5"]
+    # without a resume the order is the steps': oldest first, the newest kept
+    (tmp_path / "checkpoint-7").mkdir()
+    assert [p.name for p in rotate_checkpoints(tmp_path, 2, keep=tmp_path / "checkpoint-7")] == ["checkpoint-4"]

@@ -168,10 +168,12 @@ def unloadable(directory: Path) -> str | None:
 def rotate_checkpoints(output_dir: Path, limit: int | None, keep: Path | None = None,
                        best: str | Path | None = None) -> list[Path]:
     """Keep ``limit`` checkpoints, oldest deleted first, never the best one, the newest one nor
-    ``keep`` (the one just written, the newest finite one). Returns the deleted folders."""
+    ``keep`` (the one just written, the newest finite one); ones of a later step than ``keep`` (a
+    future a resume from an earlier step left behind) go first. Returns the deleted folders."""
     if not limit:
         return []
-    found = list_checkpoints(output_dir)
+    found, mark = list_checkpoints(output_dir), keep and _CKPT_RE.match(Path(keep).name)
+    found.sort(key=lambda p: not (mark and int(_CKPT_RE.match(p.name)[1]) > int(mark[1])))  # stable: stale first
     protected = {Path(p).name for p in (*found[-1:], keep, best) if p}
     deleted = [p for p in found if p.name not in protected][: max(0, len(found) - limit)]
     for path in deleted:
