@@ -370,21 +370,22 @@ def verify(
         from corelooper.checkpoints import manifest
         from corelooper.checkpoints import run_dir as output_dir
 
-        if (path / manifest.MANIFEST).exists() or output_dir.PREFIX in path.name:
-            manifest.verify(path)  # CheckpointError naming the file
-            typer.echo(f"{path}: ok")
-            return
         if not path.is_dir():
             from corelooper.errors import CheckpointError
 
             raise CheckpointError(f"{str(path)!r} is not a run folder or a checkpoint folder.")
-        found = output_dir.list_checkpoints(path)
+        one = (path / manifest.MANIFEST).exists() or output_dir.PREFIX in path.name
+        found = [path] if one else output_dir.list_checkpoints(path)
         bad = {ckpt: why for ckpt in found if (why := manifest.problem(ckpt)) is not None}
         good = [ckpt for ckpt in found if ckpt not in bad]
-        for ckpt in found:
+        for ckpt in found:  # the same line for a checkpoint alone as in its run folder's list
             typer.echo(f"{ckpt.name}: {'FAILED: ' + bad[ckpt] if ckpt in bad else 'ok'}")
-        typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
-        if bad or not good:
+        finished = [w for w in (output_dir.WEIGHTS, output_dir.WEIGHTS_INDEX) if (path / w).exists()]
+        if not one and found:
+            typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
+        elif not one:  # a run saved without checkpoints (save_strategy = "no"): nothing failed
+            typer.echo(f"no checkpoints; {'the final model: ' + finished[0] if finished else 'no final model'}")
+        if bad or (not one and found and not good) or (not found and not finished):
             raise typer.Exit(5)
     except typer.Exit:
         raise

@@ -255,6 +255,9 @@ def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_p
     resumed = cli(root, "--resume-from-checkpoint", "latest")
     assert resumed.returncode == 5 and "Its run finished: model.safetensors." in resumed.stderr, resumed.stderr
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    verify = subprocess.run([sys.executable, "-m", "corelooper", "verify", str(root / "out")], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0 and verify.stdout.strip() == "no checkpoints; the final model: model.safetensors"
     ev = subprocess.run([sys.executable, "-m", "corelooper", "eval", "config.toml", "--checkpoint", "latest",
                          "--set", 'data.eval = "task.py:train_set"'], cwd=root, env=env, capture_output=True,
                         text=True, timeout=120)

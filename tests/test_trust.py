@@ -146,6 +146,8 @@ def test_same_size_corruption_is_caught(project, name):
     assert verify.returncode == 5
     assert f"checkpoint-4: FAILED: {name} fails its checksum" in verify.stdout
     assert "checkpoint-2: ok" in verify.stdout and "latest: checkpoint-2" in verify.stdout
+    alone = cli(project, str(ckpt), cmd="verify")  # the checkpoint alone: the same line, the same exit
+    assert alone.returncode == 5 and alone.stdout.strip() == f"checkpoint-4: FAILED: {name} fails its checksum"
     named = cli(project, "--resume-from-checkpoint", str(ckpt))
     one_paragraph(named, 5, str(ckpt / name), "does not match its checksum")
     latest = cli(project, "--resume-from-checkpoint", "latest")
