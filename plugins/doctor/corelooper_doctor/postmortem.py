@@ -107,7 +107,10 @@ def _trend(logs: list[dict]) -> str | None:
     k = max(1, len(tps) // 4)
     first, last = statistics.mean(tps[:k]), statistics.mean(tps[-k:])
     change = (last - first) / first if first else 0.0
-    return (f"{key}: {first:.4g} in the first quarter of the logs (after the first), {last:.4g} in the last "
+    def rate(x: float) -> str:  # 13380, not 1.338e+04
+        return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+    return (f"{key}: {rate(first)} in the first quarter of the logs (after the first), {rate(last)} in the last "
             f"({change:+.0%})")
 
 

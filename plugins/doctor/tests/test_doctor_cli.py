@@ -130,3 +130,13 @@ def test_post_mortem_and_replay_of_a_run_from_the_command_line(tmp_path):
     replayed = doctor(tmp_path / "overflow", "--replay", step)
     assert replayed.returncode == 0, replayed.stderr
     assert json.loads(replayed.stdout)["module"] == "body.1"
+
+
+def test_the_throughput_trend_is_in_plain_numbers():
+    """``tokens/s: 13380 in the first quarter …, 3538 in the last`` (not ``1.338e+04``)."""
+    from corelooper_doctor.postmortem import _trend
+
+    logs = [{"tokens_per_second": v} for v in (500.0, 13380.0, 13380.0, 9000.0, 3538.0, 3538.0)]
+    assert _trend(logs) == "tokens/s: 13380 in the first quarter of the logs (after the first), 3538 in the last (-74%)"
+    slow = [{"samples_per_second": v} for v in (1.0, 2.5, 2.5, 1.25, 1.25)]
+    assert _trend(slow).startswith("samples/s: 2.5 in the first quarter") and "1.25 in the last (-50%)" in _trend(slow)
