@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from corelooper.errors import ConfigError
 
 FORMATS = (".safetensors", ".jsonl")
+LARGE_JSON = 10_000_000  # numbers: ~100 MB of JSON
 
 
 def write_predictions(path: str | Path, predictions: torch.Tensor | None, label_ids: torch.Tensor | None,
@@ -37,6 +39,12 @@ def write_predictions(path: str | Path, predictions: torch.Tensor | None, label_
             tensors["label_ids"] = label_ids.contiguous()
         save_file(tensors, str(tmp), metadata={"metrics": json.dumps(metrics)})
     else:
+        if predictions.is_floating_point() and predictions.numel() >= LARGE_JSON:  # logits over a vocabulary
+            logging.getLogger("corelooper").warning(
+                "--output %s: the predictions are %s floats (%.0f million numbers; about %.0f MB as JSON, "
+                "slow to write and read); --output with .safetensors holds them exactly in %.0f MB.", path.name,
+                list(predictions.shape), predictions.numel() / 1e6, predictions.numel() * 10 / 1e6,
+                predictions.numel() * predictions.element_size() / 1e6)
         with open(tmp, "w") as f:
             for i in range(predictions.shape[0]):
                 row = {"index": i, "prediction": _plain(predictions[i])}

@@ -207,3 +207,20 @@ def test_eval_and_predict_leave_the_training_runs_files_as_they_were(tmp_path):
     assert pr.returncode == 0, pr.stderr[-3000:]
     assert len(out.read_text().splitlines()) == 37  # ... and in its own file
     assert _files(run_dir) == before
+
+
+def test_a_jsonl_of_logits_is_written_with_a_note_pointing_at_safetensors(tmp_path, caplog, monkeypatch):
+    """A causal LM's predictions are logits over the vocabulary: as JSON hundreds of MB. The file
+    is still written as asked; the note says how large and that .safetensors holds them exactly."""
+    import logging
+
+    from corelooper.cli import predictions as out
+
+    monkeypatch.setattr(out, "LARGE_JSON", 1000)  # a small stand-in for 10 million numbers
+    logits = torch.randn(2, 5, 128)
+    with caplog.at_level(logging.WARNING, logger="corelooper"):
+        out.write_predictions(tmp_path / "p.jsonl", logits, None, {})
+        out.write_predictions(tmp_path / "ids.jsonl", logits.argmax(-1), None, {})  # ids: no note
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "[2, 5, 128] floats" in notes[0] and ".safetensors holds them exactly" in notes[0]
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 2
