@@ -141,7 +141,7 @@ def test_run_json_records_how_the_run_was_made_and_diff_names_what_differs(tmp_p
     # step 1's loss is taken before the first update: the learning rates part the losses at step 2
     la = {r["step"]: r["loss"] for r in map(json.loads, (project / "a" / "metrics.jsonl").read_text().splitlines())
           if "loss" in r}
-    assert f"losses part at step 2: {la[2]!r}" in d.stdout, d.stdout
+    assert f"losses part at step 2: {la[2]:.6g} vs " in d.stdout, d.stdout
     d_same = cli("diff", str(project / "a"), str(project / "c"), cwd=project)
     assert "config.train.learning_rate" not in d_same.stdout
     assert "losses: the same at all 6 logged steps" in d_same.stdout, d_same.stdout
@@ -189,3 +189,13 @@ def test_a_missing_model_folder_says_so_and_where_it_looked(tmp_path, ref):
     assert "huggingface.co" not in r.stderr
     if not ref.startswith("./"):  # could be a hub name
         assert "offline" in r.stderr and "hub names cannot be downloaded" in r.stderr
+
+
+def test_diff_shows_values_as_the_config_writes_them():
+    """``warmup_steps: 5 -> 0`` (not ``5.0``), an absent key as ``(absent)`` (not a quoted string)."""
+    from corelooper_run_record.diff import differences
+
+    a = {"config": {"train": {"warmup_steps": 5.0, "learning_rate": 0.05}}}
+    b = {"config": {"train": {"warmup_steps": 0, "learning_rate": 0.1, "new_key": "x"}}}
+    assert differences(a, b) == ["config.train.learning_rate: 0.05 -> 0.1", 'config.train.new_key: (absent) -> "x"',
+                                 "config.train.warmup_steps: 5 -> 0"]

@@ -38,15 +38,27 @@ def flatten(value, prefix: str = "") -> dict[str, object]:
     return out
 
 
+ABSENT = object()  # a key one record does not have
+
+
+def shown(value) -> str:
+    """A value as the config would write it: ``5``, not ``5.0``; ``(absent)`` unquoted."""
+    if value is ABSENT:
+        return "(absent)"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return json.dumps(value, default=str)
+
+
 def differences(a: dict, b: dict) -> list[str]:
     """One line per differing value, grouped by section: ``config: train.learning_rate: 0.05 -> 0.1``."""
     lines = []
     for section in SECTIONS:
         fa, fb = flatten(a.get(section), section), flatten(b.get(section), section)
         for key in sorted(set(fa) | set(fb)):
-            va, vb = fa.get(key, "(absent)"), fb.get(key, "(absent)")
+            va, vb = fa.get(key, ABSENT), fb.get(key, ABSENT)
             if va != vb:
-                lines.append(f"{key}: {json.dumps(va, default=str)} -> {json.dumps(vb, default=str)}")
+                lines.append(f"{key}: {shown(va)} -> {shown(vb)}")
     return lines
 
 
@@ -76,7 +88,7 @@ def loss_parting(a: Path, b: Path) -> str:
         return "losses: no logged step in common"
     for step in common:
         if not _same(la[step], lb[step]):
-            return f"losses part at step {step}: {la[step]!r} vs {lb[step]!r}"
+            return f"losses part at step {step}: {la[step]:.6g} vs {lb[step]:.6g}"
     return f"losses: the same at all {len(common)} logged steps in common (up to step {common[-1]})"
 
 
