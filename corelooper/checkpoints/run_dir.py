@@ -43,9 +43,9 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
         final_model = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
         if (existing or final_model) and not resuming:
             if not overwrite:  # a usage problem (exit 2), nothing wrong with the checkpoints
-                what = (f"{len(existing)} checkpoints, latest {existing[-1].name}. Resume it with --resume-from-"
-                        "checkpoint latest, " if existing else f"a finished model, {final_model[0].name}, and no "
-                        "checkpoint to resume: ")
+                what = (f"{len(existing)} checkpoints, latest {existing[-1].name}. Resume it with "
+                        "--resume-from-checkpoint latest, " if existing else
+                        f"a finished model, {final_model[0].name}, and no checkpoint to resume: ")
                 raise ConfigError(f"output_dir {str(output_dir)!r} already holds a run ({what}choose another "
                                   "train.output_dir, or set train.overwrite_output_dir = true to start over (that "
                                   "deletes it).")
@@ -136,7 +136,8 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
         finished = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
         if finished and not for_training and not skipped:  # eval/predict: a run saved without checkpoints
             return output_dir
-        more, done = f" ({'; '.join(skipped)})" * bool(skipped), f" Its run finished: {finished[0].name}." if finished else ""
+        more = f" ({'; '.join(skipped)})" if skipped else ""
+        done = f" Its run finished: {finished[0].name}." if finished else ""
         fix = "Start without it, or pass the path of a checkpoint folder" if for_training else "Pass a checkpoint folder"
         raise CheckpointError(f"{'--resume-from-checkpoint' if for_training else '--checkpoint'} latest: there is no "
                               f"complete checkpoint in {str(output_dir)!r}{more}.{done} {fix}.")
