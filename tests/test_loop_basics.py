@@ -312,38 +312,41 @@ def test_metrics_jsonl_is_written_line_by_line_and_closed_at_the_end(tmp_path):
 
 
 class SlowEvaluation:
-    """An evaluation that takes 1,000 s on the loop's clock (``time.perf_counter`` shifted), so a
-    window that counted it would log under 1 sample/s."""
+    """An evaluation that takes 1,000 s on the loop's clock, so a window that counted it would log
+    under 1 sample/s."""
 
     def __init__(self, clock):
         self.clock = clock
 
     @hookimpl
     def on_evaluate(self):
-        self.clock.offset += 1000.0
+        self.clock.now += 1000.0
 
 
-class ShiftedClock:
-    def __init__(self):
-        import time
+class ManualClock:
+    """The loop's ``time.perf_counter``, read off a counter: each read moves it ``tick`` seconds,
+    so the rates below come from counted reads, not from this machine's speed."""
 
-        self.offset, self.real = 0.0, time.perf_counter
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
 
-    def perf_counter(self):
-        return self.real() + self.offset
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
 
 
 def test_the_window_rate_leaves_out_evaluation_saving_and_steps_before_a_resume(tmp_path, monkeypatch):
     """samples_per_second is the window's training speed: an evaluation or a save in the window is
     not training time, and after a resume the checkpointed window's samples were not timed here."""
+    import time
     import types
 
     from corelooper import logwindow
     from corelooper import loop as loop_module
 
-    clock = ShiftedClock()
-    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter, time=__import__("time").time,
-                                      monotonic=__import__("time").monotonic, sleep=__import__("time").sleep)
+    clock = ManualClock(tick=0.001)
+    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter, time=time.time, monotonic=time.monotonic,
+                                      sleep=time.sleep)
     monkeypatch.setattr(logwindow, "time", fake_time)
     monkeypatch.setattr(loop_module, "time", fake_time)
     config = blobs_config(tmp_path, "run", logging_steps=4, eval_strategy="steps", eval_steps=2, max_steps=8,
@@ -352,12 +355,13 @@ def test_the_window_rate_leaves_out_evaluation_saving_and_steps_before_a_resume(
         loop.train()
         rates = [h["samples_per_second"] for h in loop.state.log_history if "loss" in h]
     assert len(rates) == 2 and min(rates) > 1.0, rates  # 8 samples per step: far over 1/s unless 1,000 s counted
+    clock.tick = 0.0  # the clock moves only when told
     window = logwindow.LogWindow("cpu")
     window.load_state_dict({"loss": 1.0, "steps": 3, "samples": 10**9, "tokens": 0})  # a resumed window
     window.add(torch.tensor(1.0), 8, 0)
-    clock.offset += 1.0  # one second of training in this process
+    clock.now += 1.0  # one second of training in this process
     logs = window.logs(types.SimpleNamespace(reduce_mean=lambda t: t), None, 0.1, 1.0)
-    assert logs["samples_per_second"] == pytest.approx(8.0, rel=0.01)  # not 10**9 + 8
+    assert logs["samples_per_second"] == 8.0  # not 10**9 + 8
 
 
 class WithWeights(torch.utils.data.Dataset):
