@@ -380,12 +380,12 @@ def verify(
         good = [ckpt for ckpt in found if ckpt not in bad]
         for ckpt in found:  # the same line for a checkpoint alone as in its run folder's list
             typer.echo(f"{ckpt.name}: {'FAILED: ' + bad[ckpt] if ckpt in bad else 'ok'}")
-        finished = [w for w in (output_dir.WEIGHTS, output_dir.WEIGHTS_INDEX) if (path / w).exists()]
+        finished = [p.name for p in output_dir.final_model_files(path)]
         if not one and found:
             typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
         elif not one:  # a run saved without checkpoints (save_strategy = "no"): nothing failed
             typer.echo(f"no checkpoints; {'the final model: ' + finished[0] if finished else 'no final model'}")
-        if bad or (not one and found and not good) or (not found and not finished):
+        if bad or not (found or finished):  # (no good checkpoint among those found: some are bad)
             raise typer.Exit(5)
     except typer.Exit:
         raise

@@ -78,8 +78,7 @@ class Resume:
             raise ConfigError(
                 f"Resuming {self.directory}: its batch geometry was settled for {self.world_size} "
                 f"processes (WORLD_SIZE), but the backend runs {backend.num_processes}. Start the "
-                "run with a launcher that sets WORLD_SIZE to the number of processes."
-            )
+                "run with a launcher that sets WORLD_SIZE to the number of processes.")
 
 
 def plan_steps(args, state, loader) -> int:
@@ -93,8 +92,7 @@ def plan_steps(args, state, loader) -> int:
     if batches_per_epoch == 0 and a.max_steps <= 0:
         raise DataError(
             "The training data has no length (or is empty): set train.max_steps, or give a "
-            "dataset with samples."
-        )
+            "dataset with samples.")
     s.steps_per_epoch = math.ceil(batches_per_epoch / a.gradient_accumulation_steps)
     s.max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * s.steps_per_epoch)
     s.num_train_epochs = math.ceil(s.max_steps / s.steps_per_epoch) if s.steps_per_epoch else 1

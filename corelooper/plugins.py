@@ -378,8 +378,7 @@ def _register_installed(plugins: Plugins, cfg: PluginsConfig, blocked: set[str],
         raise ConfigError(
             f"plugins.enable names {unknown}, which are not installed plugins. "
             f"Installed: {[ep.name for ep in installed] or 'none'}. Install the plugin's package "
-            f"(first-party ones are named like corelooper-{unknown[0].replace('_', '-')})."
-        )
+            f"(first-party ones are named like corelooper-{unknown[0].replace('_', '-')}).")
     reporters: list[str] = []
     for ep in reversed(installed):  # first name registered last -> asked first
         if not autoload:
@@ -431,8 +430,7 @@ def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -
             raise ConfigError(
                 f"train.{key} = {train[key]!r} needs the plugin {name!r}, which answers to it but is not "
                 f"loaded for this run ({why}: -p no:{name}, [plugins] disable / enable, or report_to). "
-                f"Load the plugin, or remove train.{key}."
-            )
+                f"Load the plugin, or remove train.{key}.")
 
 
 def check_report_to(config: Config, known: list[str]) -> None:
@@ -445,8 +443,7 @@ def check_report_to(config: Config, known: list[str]) -> None:
         raise ConfigError(
             f"train.report_to names {unknown}, which no installed logging plugin provides "
             f"(installed: {sorted(known) or 'none'}). Install the plugin (e.g. pip install "
-            f"corelooper-{unknown[0]}), or use \"all\" / \"none\"."
-        )
+            f"corelooper-{unknown[0]}), or use \"all\" / \"none\".")
 
 
 def _load_entry_point(ep, dist: str | None, version: str | None):

@@ -40,7 +40,7 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
         output_dir.mkdir(parents=True, exist_ok=True)
         _clear_debris(output_dir)
         existing = list_checkpoints(output_dir)
-        final_model = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
+        final_model = final_model_files(output_dir)
         if (existing or final_model) and not resuming:
             if not overwrite:  # a usage problem (exit 2), nothing wrong with the checkpoints
                 what = (f"{len(existing)} checkpoints, latest {existing[-1].name}. Resume it with "
@@ -100,6 +100,11 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def final_model_files(output_dir: Path) -> list[Path]:
+    """The finished run's weights in ``output_dir`` (one file, or a sharded model's index)."""
+    return [p for p in (Path(output_dir) / WEIGHTS, Path(output_dir) / WEIGHTS_INDEX) if p.exists()]
+
+
 def last_finite_checkpoint(output_dir: Path) -> Path | None:
     """The newest checkpoint that verifies (every one written is finite): for messages like
     "the last finite checkpoint is checkpoint-15"."""
@@ -133,7 +138,7 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
                     logger.warning("resuming from %s; skipped newer %s", path.name, "; ".join(skipped))
                 return path
             skipped.append(f"{path.name} ({why})")
-        finished = [p for p in (output_dir / WEIGHTS, output_dir / WEIGHTS_INDEX) if p.exists()]
+        finished = final_model_files(output_dir)
         if finished and not for_training and not skipped:  # eval/predict: a run saved without checkpoints
             return output_dir
         more = f" ({'; '.join(skipped)})" if skipped else ""

@@ -84,11 +84,9 @@ class TrainTokenAccuracy:
         with torch.no_grad():
             targets = targets.to(logits.device)
             counted = targets != -100
-            if KEY in self.keys:
-                hits = (argmax(logits) == targets) & counted
-                counts = torch.stack([hits.sum(), counted.sum()])
-            else:
-                counts = torch.stack([torch.zeros_like(counted.sum()), counted.sum()])
+            total = counted.sum()
+            hits = ((argmax(logits) == targets) & counted).sum() if KEY in self.keys else torch.zeros_like(total)
+            counts = torch.stack([hits, total])
             self.local = counts if self.local is None else self.local + counts
             if ENTROPY in self.keys:  # float64 sums where the device has them (not MPS)
                 wide = torch.float32 if logits.device.type == "mps" else torch.float64

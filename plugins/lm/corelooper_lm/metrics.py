@@ -38,11 +38,11 @@ class TokenAccuracy:
     def preprocess_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Each position's argmax (all ``update`` reads of the logits); with ``entropy``, float64
         ``[..., 2]``: the argmax (exact: ids < 2**53) and the entropy."""
-        if not self.entropy:
-            return logits.argmax(-1)
-        from .accuracy import entropy
+        from .accuracy import argmax, entropy  # argmax: torch's indices, faster on the CPU
 
-        return torch.stack([logits.argmax(-1).to(torch.float64), entropy(logits).to(torch.float64)], dim=-1)
+        if not self.entropy:
+            return argmax(logits)
+        return torch.stack([argmax(logits).to(torch.float64), entropy(logits).to(torch.float64)], dim=-1)
 
     def reset(self) -> None:
         self.state = torch.zeros(3, dtype=torch.float64)
@@ -66,11 +66,9 @@ class TokenAccuracy:
         if self.entropy and logits.dtype == torch.float64 and logits.shape[-1] == 2:  # preprocess_logits'
             return logits[..., 0], logits[..., 1]
         if logits.is_floating_point():
-            if not self.entropy:
-                return logits.argmax(-1), None
-            from .accuracy import entropy
+            from .accuracy import argmax, entropy
 
-            return logits.argmax(-1), entropy(logits)
+            return argmax(logits), (entropy(logits) if self.entropy else None)
         if self.entropy:
             raise ValueError("TokenAccuracy(entropy=True) needs the logits (or its preprocess_logits' answer), "
                              "not argmax ids: the entropy is computed from the predicted distribution.")
