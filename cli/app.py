@@ -381,10 +381,14 @@ def verify(
         for ckpt in found:  # the same line for a checkpoint alone as in its run folder's list
             typer.echo(f"{ckpt.name}: {'FAILED: ' + bad[ckpt] if ckpt in bad else 'ok'}")
         finished = [p.name for p in output_dir.final_model_files(path)]
+        state = output_dir.finished_state(path) if finished and not one else None
+        final = f"the final model: {finished[0]}" + (f" (step {state['global_step']})" if state else "") if finished else ""
         if not one and found:
             typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
+            if final:
+                typer.echo(final)
         elif not one:  # a run saved without checkpoints (save_strategy = "no"): nothing failed
-            typer.echo(f"no checkpoints; {'the final model: ' + finished[0] if finished else 'no final model'}")
+            typer.echo(f"no checkpoints; {final or 'no final model'}")
         if bad or not (found or finished):  # (no good checkpoint among those found: some are bad)
             raise typer.Exit(5)
     except typer.Exit:

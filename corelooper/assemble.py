@@ -148,8 +148,7 @@ def _check_settled(loop, directory: Path) -> None:
         "but the run's config is final once plugins are configured. Name the checkpoint in the "
         "config instead: train.resume_from_checkpoint (TrainArgs(resume_from_checkpoint=...), or "
         "--resume-from-checkpoint on the command line), and the Loop settles the geometry before it "
-        "configures the plugins."
-    )
+        "configures the plugins.")
 
 
 def count_step(loop, epoch: int, micro_batches: list, step_loss, batches_per_epoch: int) -> None:

@@ -89,8 +89,7 @@ def wrong_result(plugins, hook: str, impl, result) -> PluginError:
                               f", or disable it with `-p no:{base}`")
     return PluginError(
         f"Plugin {name!r} returned {describe(result)} from hook {hook!r}; expected {expected}. "
-        f"{fix} (`corelooper hooks` shows what each provider returns)."
-    )
+        f"{fix} (`corelooper hooks` shows what each provider returns).")
 
 
 def refuse_wrappers(name: str, impls) -> None:
@@ -103,5 +102,4 @@ def refuse_wrappers(name: str, impls) -> None:
                 f"Plugin {name!r} declares a hook wrapper on the provider {hook!r}; corelooper "
                 "refuses wrappers on providers (hook wrappers work on events). Implement "
                 f"{hook!r} as a provider instead, calling the next one with "
-                f"`plugins.call_next({hook!r}, self, **kwargs)` (see docs/hooks.md)."
-            )
+                f"`plugins.call_next({hook!r}, self, **kwargs)` (see docs/hooks.md).")

@@ -99,12 +99,10 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
         name = plugin.rsplit(".", 1)[0] if info is not None and info.kind == "run" else plugin
         return PluginError(
             f"Plugin {plugin!r} raised in hook {hook!r} at global_step {global_step}: "
-            f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`."
-        )
+            f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`.")
     user = user_frame(exc, user_code or {})
     where = f"the run's {user[0]} ({user[1]}) raised " if user else ""
     blame = "Fix it there" if user else "The error came from the model or its loss"
     return TrainingError(
         f"{action} failed at global_step {global_step}: {where}{type(exc).__name__}: {exc}. {blame}; "
-        f"the last complete checkpoint in {str(output_dir)!r} is untouched."
-    )
+        f"the last complete checkpoint in {str(output_dir)!r} is untouched.")

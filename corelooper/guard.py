@@ -123,5 +123,4 @@ def stop_message(loop, step: int, losses, grad_norm, indices, skipped: int) -> s
         f"non-finite was saved; {last}. Lower train.learning_rate, set train.max_grad_norm, use "
         "bf16 instead of fp16, check the data of those samples, or set train.on_nonfinite = "
         '"skip_step" to skip such steps. A diagnosis plugin (on_nonfinite; `corelooper plugins`) can '
-        "name the module."
-    )
+        "name the module.")

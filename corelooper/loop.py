@@ -160,7 +160,8 @@ class Loop:
 
         Resumes from ``train.resume_from_checkpoint`` (settled when the Loop was built), or from
         ``resume_from_checkpoint``: a checkpoint folder, ``"latest"`` for the newest complete
-        one in ``output_dir``, or ``"auto"``: the newest one if there is one, else start fresh.
+        one in ``output_dir``, or ``"auto"``: the newest one if there is one, else start fresh
+        (either returns at once when the run already finished this plan: ``finished_run``).
         A checkpoint saved on another number of processes needs another batch geometry: pass it
         in the config (``train.resume_from_checkpoint``), which is final once plugins are set up.
         """
@@ -177,6 +178,8 @@ class Loop:
                 or self.plugins.implemented_by_others("eval_metric")))
             if self.backend.is_main_process:  # one run per output_dir, for the run's life
                 lock = RunLock.acquire(output_dir)
+            if loop_checkpoints.finished_run(self, resume_from_checkpoint, resume_dir):
+                return self.state  # nothing to do, nothing written (no checkpoint loaded: no plugin reacts)
             if resume_dir is not None:  # first: a bad checkpoint fails before output_dir is changed
                 loop_checkpoints.resume(self, resume_dir)
                 if self.state.global_step >= self.state.max_steps:

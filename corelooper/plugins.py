@@ -119,8 +119,7 @@ class Plugins:
             detail = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
             raise PluginError(
                 f"Plugin {name!r} is invalid: {detail}. See `corelooper hooks` for each hook's "
-                "arguments (an implementation may take any subset of them, by name)."
-            ) from None
+                "arguments (an implementation may take any subset of them, by name).") from None
         except ValueError as e:
             raise PluginError(f"Plugin {name!r} could not be registered: {e}") from None
         try:
@@ -453,13 +452,11 @@ def _load_entry_point(ep, dist: str | None, version: str | None):
         raise PluginError(
             f"Plugin {ep.name!r} (package {dist or '?'} {version or ''}, entry point {ep.value!r}) "
             f"failed to import: {type(e).__name__}: {e}. Fix or uninstall the package, or skip it with "
-            f"`-p no:{ep.name}` or [plugins] disable = [{ep.name!r}]."
-        ) from e
+            f"`-p no:{ep.name}` or [plugins] disable = [{ep.name!r}].") from e
     if isinstance(obj, type):
         raise PluginError(
             f"Plugin {ep.name!r} (package {dist}): its entry point names the class "
-            f"{obj.__name__}; it must name a module or an instance."
-        )
+            f"{obj.__name__}; it must name a module or an instance.")
     return obj
 
 
@@ -499,5 +496,4 @@ def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) 
                 f"corelooper-{section.replace('_', '-')}` for a first-party one), or remove the section.")
         raise ConfigError(
             f"Unknown config section [{section}]: no loaded plugin declares it.{hint} "
-            "Run `corelooper plugins` to see the sections each plugin declares."
-        )
+            "Run `corelooper plugins` to see the sections each plugin declares.")

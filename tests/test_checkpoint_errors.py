@@ -252,12 +252,15 @@ def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_p
     again = cli(root)
     assert again.returncode == 2 and "no checkpoint to resume" in again.stderr, again.stderr
     assert "--resume-from-checkpoint latest" not in again.stderr and "overwrite_output_dir" in again.stderr
-    resumed = cli(root, "--resume-from-checkpoint", "latest")
-    assert resumed.returncode == 5 and "Its run finished: model.safetensors." in resumed.stderr, resumed.stderr
+    before = {p: p.read_bytes() for p in (root / "out").rglob("*") if p.is_file() and p.name != ".corelooper.lock"}
+    for resume in ("latest", "auto"):  # a finished run, not a start: nothing to do, nothing written
+        resumed = cli(root, "--resume-from-checkpoint", resume)
+        assert resumed.returncode == 0 and "already finished at step 4: nothing to do" in resumed.stdout, resumed
+    assert {p: p.read_bytes() for p in before} == before
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
     verify = subprocess.run([sys.executable, "-m", "corelooper", "verify", str(root / "out")], cwd=root, env=env,
                             capture_output=True, text=True, timeout=120)
-    assert verify.returncode == 0 and verify.stdout.strip() == "no checkpoints; the final model: model.safetensors"
+    assert verify.returncode == 0 and verify.stdout.strip() == "no checkpoints; the final model: model.safetensors (step 4)"
     ev = subprocess.run([sys.executable, "-m", "corelooper", "eval", "config.toml", "--checkpoint", "latest",
                          "--set", 'data.eval = "task.py:train_set"'], cwd=root, env=env, capture_output=True,
                         text=True, timeout=120)
@@ -268,3 +271,18 @@ def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_p
                         text=True, timeout=120)
     assert ev.returncode == 5 and "--checkpoint latest: there is no complete checkpoint" in ev.stderr, ev.stderr
     assert "--resume-from-checkpoint" not in ev.stderr
+
+
+def test_resume_lines_write_values_as_the_config_does(tmp_path):
+    """num_train_epochs is a float in TrainArgs: its resume line says 1 -> 2, as the config writes
+    it, not 1.0 -> 2.0; a fractional value keeps its decimals."""
+    from corelooper import TrainArgs
+    from corelooper.checkpoints import resume_settings
+    from corelooper.config import Config
+    from corelooper.state import LoopState
+
+    Config(train=TrainArgs(output_dir=str(tmp_path), num_train_epochs=1)).write(tmp_path / "config.toml")
+    now = Config(train=TrainArgs(output_dir=str(tmp_path), num_train_epochs=2, learning_rate=2.5e-5))
+    lines = resume_settings.compare(now, tmp_path, {"world_size": 1}, LoopState())
+    assert sorted(lines) == ["resume: train.learning_rate 5e-05 -> 2.5e-05 (applied)",
+                             "resume: train.num_train_epochs 1 -> 2 (applied)"]

@@ -53,7 +53,7 @@ def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     assert not (tmp_path / "run" / "checkpoint-9").exists()
     one = _run(tmp_path, cfg, 1, stop=9, resume=True)
     assert one.returncode == 143, one.stderr[-3000:]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8, on 1 processes: "
+    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
             "4 per device x 2 accumulation x 1 processes = 8") in one.stdout
     assert "continuing after sample 48 of epoch 0" in one.stdout
     assert "batch 4 x 2 accumulation x 1 processes" in one.stdout
@@ -154,7 +154,7 @@ def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(ru
     config = loop.config
     assert (loop.args.per_device_train_batch_size, loop.args.gradient_accumulation_steps) == (8, 2)
     out = capsys.readouterr().out
-    assert "saved with 8 per device x 1 accumulation x 2 processes = 16, on 1 processes: " \
+    assert "was saved with 8 per device x 1 accumulation x 2 processes = 16; on 1 processes: " \
            "8 per device x 2 accumulation x 1 processes = 16 (global batch kept)" in out
     loop.train()
     assert loop.config is config and loop.state.global_step == 8

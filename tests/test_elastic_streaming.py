@@ -345,7 +345,7 @@ def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     one = _run(tmp_path, _write_config(tmp_path, "b.toml", run, dataloader_num_workers=3), 1,
                tmp_path / "seen", stop=9, resume=True)
     assert one.returncode == 143, one.stderr[-3000:]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8, on 1 processes: "
+    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
             "4 per device x 2 accumulation x 1 processes = 8") in one.stdout
     assert "continuing the stream after sample 48 of its epoch 0" in one.stdout
     last = _run(tmp_path, _write_config(tmp_path, "c.toml", run, dataloader_num_workers=1), 2,

@@ -64,7 +64,7 @@ def on_step_end(state):
         time.sleep(0.1)
     signal.signal(signal.SIGTERM, previous)
 """
-RESUMED = (r"resuming \S*checkpoint-(\d+), saved with 4 per device x {a} accumulation x {n} processes = 8,\s+"
+RESUMED = (r"corelooper: \S*checkpoint-(\d+) was saved with 4 per device x {a} accumulation x {n} processes = 8;\s+"
            r"on {m} processes: 4 per device x {b} accumulation x {m} processes = 8 \(global batch kept\)")
 
 

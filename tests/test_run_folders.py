@@ -1,12 +1,10 @@
-"""Run folders through the real CLI: a finished run resumed, run.json and `corelooper diff`,
-data paths checked before the model loads, one message for a bad JSONL line, a missing model
-folder."""
+"""Run folders through the real CLI: a finished run resumed, data paths checked before the model
+loads, one message for a bad JSONL line, a missing model folder. (run.json and `corelooper diff`:
+plugins/run_record/tests.)"""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -59,12 +57,11 @@ def config(folder: Path, out: str = "run", model: str = f"{TESTS}/toys.py:mlp", 
 
 def cli(*args, cwd: Path, **env):
     """The real CLI, with corelooper-hf (data files and model folders by path) and, for a run,
-    corelooper-run-record (run.json) as the only plugins; ``diff`` (a command of
-    corelooper-run-record) with the installed plugins loaded, as a user runs it."""
+    corelooper-run-record (run.json: a resume that does nothing must not touch it either) as the
+    only plugins."""
     plugins = ["-p", "corelooper_hf"] if args[0] in ("run", "eval", "predict") else []
     plugins += ["-p", "corelooper_run_record"] if args[0] == "run" else []
-    quiet = {**QUIET, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""} if args[0] == "diff" else QUIET
-    return run_cli(*args, *plugins, cwd=cwd, env={**quiet, **env}, timeout=180)
+    return run_cli(*args, *plugins, cwd=cwd, env={**QUIET, **env}, timeout=180)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -91,63 +88,31 @@ def test_resuming_a_finished_run_does_nothing_and_a_real_resume_says_where_it_st
     assert steps == [1, 2, 3, 4, 5, 6, 6]  # steps 4-6 logged again, replacing the first run's
 
 
-def _git(folder: Path, *args: str) -> str:
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(folder), "PATH": "/usr/bin:/bin"}
-    return subprocess.run(["git", "-C", str(folder), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout.strip()
-
-
-def test_run_json_records_how_the_run_was_made_and_diff_names_what_differs(tmp_path):
-    import corelooper
-
-    project = tmp_path / "project"
-    cfg = config(project, out="a")
-    _git(project, "init", "-q")
-    _git(project, "add", ".")
-    _git(project, "commit", "-q", "-m", "start")
-    a = cli("run", str(cfg), cwd=project)
-    assert a.returncode == 0, a.stderr[-3000:]
-    record = json.loads((project / "a" / "run.json").read_text())
-    commit = _git(project, "rev-parse", "HEAD")
-    assert record["git"] == {"commit": commit, "dirty": False}  # a/, the run's output, is not tracked
-    assert record["command"]["argv"][-6:] == ["run", str(cfg), "-p", "corelooper_hf", "-p", "corelooper_run_record"]
-    assert record["command"]["sets"] == [] and record["command"]["cwd"] == str(project)
-    assert record["versions"]["corelooper"] == corelooper.__version__
-    assert record["versions"]["torch"] == torch.__version__
-    assert record["plugins"]["console"]["version"] == corelooper.__version__
-    assert (record["world_size"], record["device"]) == (1, "cpu")
-    rows = project / "rows.jsonl"
-    assert record["data"] == {str(rows): {
-        "size": rows.stat().st_size, "mtime": record["data"][str(rows)]["mtime"],
-        "sha256_head": hashlib.sha256(rows.read_bytes()).hexdigest()}}
-    assert record["config"]["train"]["learning_rate"] == 0.05
-
-    (project / "rows.py").write_text(COLLATE + "# edited\n")  # a tracked file changes: dirty
-    b = cli("run", str(cfg), "--set", "train.output_dir=b", "--set", "train.learning_rate=0.1", cwd=project)
-    assert b.returncode == 0, b.stderr[-3000:]
-    record_b = json.loads((project / "b" / "run.json").read_text())
-    assert record_b["command"]["sets"] == ["train.output_dir=b", "train.learning_rate=0.1"]
-    assert record_b["git"] == {"commit": commit, "dirty": True}
-    _git(project, "checkout", "rows.py")
-    same = cli("run", str(cfg), "--set", "train.output_dir=c", cwd=project)
-    assert same.returncode == 0, same.stderr[-3000:]
-
-    d = cli("diff", str(project / "a"), str(project / "b"), cwd=project)
-    assert d.returncode == 0, d.stderr
-    assert "config.train.learning_rate: 0.05 -> 0.1" in d.stdout
-    assert "git.dirty: false -> true" in d.stdout
-    assert "versions." not in d.stdout and "data." not in d.stdout and "plugins." not in d.stdout
-    # step 1's loss is taken before the first update: the learning rates part the losses at step 2
-    la = {r["step"]: r["loss"] for r in map(json.loads, (project / "a" / "metrics.jsonl").read_text().splitlines())
-          if "loss" in r}
-    assert f"losses part at step 2: {la[2]:.6g} vs " in d.stdout, d.stdout
-    d_same = cli("diff", str(project / "a"), str(project / "c"), cwd=project)
-    assert "config.train.learning_rate" not in d_same.stdout
-    assert "losses: the same at all 6 logged steps" in d_same.stdout, d_same.stdout
-    missing = cli("diff", str(project / "a"), str(project / "nope"), cwd=project)
-    assert missing.returncode == 2 and "has no run.json" in missing.stderr
-
+def test_a_finished_run_whose_only_checkpoint_is_older_is_still_finished(tmp_path):
+    """save_total_limit = 1 with a best checkpoint keeps only the best one (HF 5.x): here the first
+    evaluation's (greater_is_better on the loss), step 2 of 6. Resuming latest or auto must not train
+    steps 3-6 again over the final model; a longer plan resumes from step 2 and says so."""
+    cfg = config(tmp_path)
+    cfg.write_text(cfg.read_text().replace("save_steps = 3", "save_steps = 2") + (
+        'eval_strategy = "steps"\neval_steps = 2\nsave_total_limit = 1\nload_best_model_at_end = true\n'
+        'metric_for_best_model = "eval_loss"\ngreater_is_better = true\n'))
+    cfg.write_text(cfg.read_text().replace("[train]", 'eval = "rows.jsonl"\n[train]'))
+    first = cli("run", str(cfg), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    assert json.loads((tmp_path / "run" / "loop_state.json").read_text())["global_step"] == 6
+    before = snapshot(tmp_path / "run")
+    for resume in ("latest", "auto"):
+        again = cli("run", str(cfg), "--resume-from-checkpoint", resume, cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "already finished at step 6: nothing to do" in again.stdout, again.stdout
+    assert snapshot(tmp_path / "run") == before
+    longer = cli("run", str(cfg), "--resume-from-checkpoint", "latest", "--set", "train.max_steps=8", cwd=tmp_path)
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert "the run ended at step 6, but its newest checkpoint is checkpoint-2: steps 3-6 are trained again" \
+        in longer.stderr, longer.stderr
+    assert "resuming from checkpoint-2 (step 2 of 8)" in longer.stdout
+    assert json.loads((tmp_path / "run" / "loop_state.json").read_text())["global_step"] == 8
 
 def test_a_missing_data_file_fails_before_the_model_is_built_naming_the_folder_once(tmp_path):
     marker = tmp_path / "model_built"
@@ -189,13 +154,3 @@ def test_a_missing_model_folder_says_so_and_where_it_looked(tmp_path, ref):
     assert "huggingface.co" not in r.stderr
     if not ref.startswith("./"):  # could be a hub name
         assert "offline" in r.stderr and "hub names cannot be downloaded" in r.stderr
-
-
-def test_diff_shows_values_as_the_config_writes_them():
-    """``warmup_steps: 5 -> 0`` (not ``5.0``), an absent key as ``(absent)`` (not a quoted string)."""
-    from corelooper_run_record.diff import differences
-
-    a = {"config": {"train": {"warmup_steps": 5.0, "learning_rate": 0.05}}}
-    b = {"config": {"train": {"warmup_steps": 0, "learning_rate": 0.1, "new_key": "x"}}}
-    assert differences(a, b) == ["config.train.learning_rate: 0.05 -> 0.1", 'config.train.new_key: (absent) -> "x"',
-                                 "config.train.warmup_steps: 5 -> 0"]

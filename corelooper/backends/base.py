@@ -171,8 +171,7 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
             from ..errors import ConfigError
 
             raise ConfigError(
-                'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
-            )
+                'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".')
         handlers = []
         if ddp_timeout:  # train.ddp_timeout reaches init_process_group through accelerate
             handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout)))

@@ -58,8 +58,7 @@ class Console:
         self.print(
             f"corelooper: training {state.max_steps} steps ({epochs}), batch {state.train_batch_size} x "
             f"{state.gradient_accumulation_steps} accumulation x {state.world_size} processes, "
-            f"output in {loop.args.output_dir}"
-        )
+            f"output in {loop.args.output_dir}")
         if self.resumed_from is not None:
             self.print(f"corelooper: resuming from {self.resumed_from.name} (step {state.global_step} of "
                        f"{state.max_steps})")

@@ -44,8 +44,7 @@ def stop_signals() -> tuple[int, ...]:
         if not isinstance(sig, signal.Signals) or name.startswith("SIG_"):
             raise ConfigError(
                 f"{STOP_SIGNALS_ENV}={os.environ[STOP_SIGNALS_ENV]!r}: {name!r} is not a signal of this "
-                "system. Use names such as SIGUSR1 or SIGUSR2, comma-separated."
-            )
+                "system. Use names such as SIGUSR1 or SIGUSR2, comma-separated.")
         extra.append(sig)
     return tuple(dict.fromkeys((*SIGNALS, *extra)))
 

@@ -94,8 +94,7 @@ def _refuse_stream(dataset, hook: str) -> None:
             f"The dataset is a torch IterableDataset ({type(dataset).__name__}, a stream without "
             f"__len__/__getitem__), and no loaded plugin answers {hook!r} for it: the builtin loader "
             "needs a map-style dataset. Install or enable a plugin that loads an IterableDataset "
-            "(`corelooper plugins` lists them), or give a map-style dataset."
-        )
+            "(`corelooper plugins` lists them), or give a map-style dataset.")
 
 
 # -- loss and metrics -------------------------------------------------------------------------

@@ -100,8 +100,7 @@ def check_finite(state_dict: dict[str, torch.Tensor], backend, what: str, output
             f"The model's weights hold NaN or inf: {what} was not written (a non-finite checkpoint "
             f"would replace good ones). The last finite checkpoint is "
             f"{str(last) if last else 'none (no complete checkpoint yet)'}; resume from it with a lower "
-            "train.learning_rate or train.max_grad_norm, and check the loss for the step it broke at."
-        )
+            "train.learning_rate or train.max_grad_norm, and check the loss for the step it broke at.")
 
 
 def save_checkpoint(output_dir: Path, *, model, backend, optimizer, scheduler, config, state: LoopState,
@@ -176,9 +175,11 @@ def _put_in_place(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def save_model(directory: Path, *, model, backend, max_shard_size: int | str = "5GB") -> None:
+def save_model(directory: Path, *, model, backend, max_shard_size: int | str = "5GB",
+               finished: dict | None = None) -> None:
     """The final (or best) model in ``directory`` (sharded above the limit), written to a temp
-    folder first and moved in file by file, so a kill leaves only ``.tmp-`` debris."""
+    folder first and moved in file by file, so a kill leaves only ``.tmp-`` debris. ``finished``
+    (the loop state) is moved in last, as ``run_dir.FINISHED``: the run is finished only with both."""
     directory = Path(directory)
     state_dict = backend.model_state_dict(model)
     check_finite(state_dict, backend, f"the final model in {str(directory)!r}", directory)
@@ -189,12 +190,14 @@ def save_model(directory: Path, *, model, backend, max_shard_size: int | str = "
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             save_weights(state_dict, tmp, max_shard_size, backend.unwrap_model(model))
+            if finished is not None:
+                (tmp / run_dir.FINISHED).write_text(json.dumps(finished, indent=1))
             _fsync_files(tmp)  # its files move out of it: the folder that must be durable is `directory`
             for name in os.listdir(directory):  # an earlier save's layout would shadow this one
                 shard = name.startswith("model-") and "-of-" in name and name.endswith(".safetensors")
-                if name in (WEIGHTS, WEIGHTS_INDEX) or shard:
+                if name in (WEIGHTS, WEIGHTS_INDEX, run_dir.FINISHED) or shard:
                     (directory / name).unlink(missing_ok=True)
-            for p in sorted(tmp.iterdir()):
+            for p in sorted(tmp.iterdir(), key=lambda p: p.name == run_dir.FINISHED):  # the state last
                 os.replace(p, directory / p.name)
             tmp.rmdir()
             _fsync_dir(directory)
@@ -217,8 +220,7 @@ def collect_plugin_states(named_objects: Iterable[tuple[str, Any]]) -> dict[str,
             raise PluginError(
                 f"Plugin {name!r} failed in state_dict() while a checkpoint was being saved: "
                 f"{type(e).__name__}: {e}. state_dict() must return JSON-serialisable data. "
-                "The previous checkpoints are untouched."
-            ) from e
+                "The previous checkpoints are untouched.") from e
         out[name] = state
     return out
 
@@ -233,8 +235,7 @@ def loader_state(loader, what: str = "training dataset") -> dict[str, Any] | Non
     except TypeError as e:
         raise DataError(
             f"The {what}'s state_dict() must be JSON-serialisable to be checkpointed ({e}). Return "
-            "numbers, strings, lists and dicts from its state_dict()."
-        ) from None
+            "numbers, strings, lists and dicts from its state_dict().") from None
     return state
 
 
@@ -252,8 +253,7 @@ def _read(path: Path, what: str):
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} ({what}) is unreadable (truncated or corrupt, or it holds "
             f"objects that weights_only loading refuses): {type(e).__name__}: {first_line(e)}. Resume "
-            "from another checkpoint (--resume-from-checkpoint latest skips it)."
-        ) from None
+            "from another checkpoint (--resume-from-checkpoint latest skips it).") from None
 
 
 def first_line(error: BaseException) -> str:
@@ -282,8 +282,7 @@ def load_weights(directory: Path, *, model, backend) -> None:
     if not weights.all_finite(loaded):  # the manifest's "finite" is not trusted: the files may have changed
         raise CheckpointError(
             f"Checkpoint {str(directory)!r} holds NaN or inf weights, although its manifest says they "
-            "were finite when saved: it was changed afterwards. Load another checkpoint."
-        )
+            "were finite when saved: it was changed afterwards. Load another checkpoint.")
     shapes = {k: tuple(v.shape) for k, v in loaded.items()}
     fill = weights.check_shapes(module, shapes, str(directory), _full_shapes(module, backend))
     aliases = weights.tied_keys(module.state_dict())
@@ -349,8 +348,7 @@ def _load_optimizer(directory: Path, backend, optimizer, config) -> None:
         missing = e.filename or directory
         raise CheckpointError(
             f"Checkpoint file {str(missing)!r} is missing (optimizer state). "
-            f"{_sections_dropped(directory, config) or 'Resume from another checkpoint.'}"
-        ) from None
+            f"{_sections_dropped(directory, config) or 'Resume from another checkpoint.'}") from None
     except CheckpointError:
         raise
     except Exception as e:  # incl. UnpicklingError: weights_only refused an object
@@ -390,5 +388,4 @@ def apply_plugin_states(named_objects: Iterable[tuple[str, Any]], states: dict[s
         except Exception as e:
             raise PluginError(
                 f"Plugin {name!r} failed in load_state_dict() restoring {str(directory)!r}: "
-                f"{type(e).__name__}: {e}."
-            ) from e
+                f"{type(e).__name__}: {e}.") from e

@@ -71,8 +71,7 @@ def check_is_folder(output_dir: Path) -> None:
             if not p.is_dir():
                 raise IOFailure(
                     f"train.output_dir = {str(output_dir)!r}: {str(p)!r} is a file, not a folder "
-                    "(ENOTDIR). Remove or rename it, or choose another train.output_dir."
-                )
+                    "(ENOTDIR). Remove or rename it, or choose another train.output_dir.")
             return
 
 
@@ -85,5 +84,4 @@ def io_error(exc: BaseException, doing: str, path: Path, intact: str | None = No
     kept = f" {intact}." if intact else ""
     return IOFailure(
         f"{what} ({name}, errno {code}) while {doing} in {str(path)!r} (at {str(where)!r}).{kept} "
-        f"Fix: {hint}, then resume with --resume-from-checkpoint latest."
-    )
+        f"Fix: {hint}, then resume with --resume-from-checkpoint latest.")

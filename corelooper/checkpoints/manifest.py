@@ -84,8 +84,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(
             f"Checkpoint {str(directory)!r} is incomplete: it has no {MANIFEST} (written last by "
-            "every complete save). Resume from an earlier checkpoint."
-        )
+            "every complete save). Resume from an earlier checkpoint.")
     try:
         manifest = json.loads(path.read_bytes())
         if not isinstance(manifest.get("files"), dict):
@@ -93,8 +92,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     except (ValueError, AttributeError, UnicodeDecodeError) as e:
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} is unreadable ({type(e).__name__}: {e}): the save was "
-            "cut short. Resume from an earlier checkpoint."
-        ) from None
+            "cut short. Resume from an earlier checkpoint.") from None
     return manifest
 
 
@@ -112,20 +110,17 @@ def verify(directory: Path) -> dict[str, Any]:
         if actual != size:
             raise CheckpointError(
                 f"Checkpoint file {str(path)!r} is {actual} bytes, but {size} were written: it was "
-                "truncated or changed after the save. Resume from another checkpoint."
-            )
+                "truncated or changed after the save. Resume from another checkpoint.")
         if not isinstance(entry, dict) or algorithm is None:
             raise CheckpointError(
                 f"Checkpoint {str(directory)!r} has a {MANIFEST} without checksums (an older "
                 "format): its contents cannot be verified. Resume from a checkpoint written by this "
-                "version, or run `corelooper verify` after re-saving it."
-            )
+                "version, or run `corelooper verify` after re-saving it.")
         if checksum(path, algorithm) != entry["checksum"]:
             raise CheckpointError(
                 f"Checkpoint file {str(path)!r} does not match its checksum in {MANIFEST}: it was "
                 "changed or corrupted after the save (same size, different bytes). Resume from "
-                "another checkpoint."
-            )
+                "another checkpoint.")
     return manifest
 
 

@@ -38,8 +38,7 @@ def _saved_config(directory: Path) -> dict[str, Any] | None:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} is unreadable ({type(e).__name__}: {e}). Resume from "
-            "another checkpoint."
-        ) from None
+            "another checkpoint.") from None
 
 
 def saved_train(directory: Path) -> dict[str, Any]:
@@ -63,14 +62,18 @@ def check_same_model(config, directory: Path) -> None:
     if diffs:
         raise CheckpointError(
             f"Checkpoint {str(directory)!r} belongs to a different run ({'; '.join(diffs)}). Resume "
-            "with the config it was trained with, or choose another train.output_dir."
-        )
+            "with the config it was trained with, or choose another train.output_dir.")
 
 
 def _differs(old, new) -> bool:
     if isinstance(old, float) and isinstance(new, float) and math.isnan(old) and math.isnan(new):
         return False
     return old != new
+
+
+def _shown(value) -> str:
+    """As the config writes it: ``2``, not ``2.0`` (num_train_epochs is a float)."""
+    return repr(int(value)) if isinstance(value, float) and value.is_integer() else repr(value)
 
 
 def compare(config, directory: Path, saved_state: dict[str, Any], state) -> list[str]:
@@ -81,13 +84,12 @@ def compare(config, directory: Path, saved_state: dict[str, Any], state) -> list
     current = {k: v for k, v in vars(config.train).items() if not k.startswith("_")}
     changed = {k: (saved.get(k), v) for k, v in current.items()
                if k not in IGNORED and _differs(saved.get(k), v)}
-    refused = [f"train.{k} {old!r} -> {new!r}" for k, (old, new) in changed.items() if k in REFUSED]
+    refused = [f"train.{k} {_shown(old)} -> {_shown(new)}" for k, (old, new) in changed.items() if k in REFUSED]
     if refused:
         raise ConfigError(
             f"Resuming {str(directory)!r} with changed settings the checkpoint fixes: {'; '.join(refused)}. "
             "The restored optimizer, scheduler and RNG state were built with the old values; drop "
-            "these overrides, or start a new run from the checkpoint's model.safetensors."
-        )
+            "these overrides, or start a new run from the checkpoint's model.safetensors.")
     geometry = [f"{k} {old} -> {new}" for k, (old, new) in changed.items() if k in GEOMETRY]
     world = saved_state.get("world_size", 1)
     if world != state.world_size:
@@ -100,7 +102,7 @@ def compare(config, directory: Path, saved_state: dict[str, Any], state) -> list
             "from the checkpoint, but not with the batches an uninterrupted run would have seen.",
             stacklevel=3,
         )
-    lines = [f"resume: train.{k} {old!r} -> {new!r} (applied)" for k, (old, new) in changed.items()
+    lines = [f"resume: train.{k} {_shown(old)} -> {_shown(new)} (applied)" for k, (old, new) in changed.items()
              if k not in GEOMETRY]
     for line in lines:
         logger.warning(line)

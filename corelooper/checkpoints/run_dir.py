@@ -8,6 +8,7 @@ and stray ``.tmp*`` files (a final-model write killed before its rename).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ logger = logging.getLogger("corelooper")
 PREFIX = "checkpoint-"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+FINISHED = "loop_state.json"  # beside the final model: the run's state when it finished
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 _OLD_RE = re.compile(r"^\.old-checkpoint-(\d+)$")
 _DEBRIS_RE = re.compile(r"^\.(tmp|deleting)-checkpoint-\d+$|^\.tmp")
@@ -51,8 +53,8 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
                                   "deletes it).")
             for path in existing:
                 _remove_dir(path)
-            for path in final_model:
-                path.unlink()
+            for path in [*final_model, output_dir / FINISHED]:
+                path.unlink(missing_ok=True)
         if not resuming:
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
         config.write(output_dir / "config.toml")
@@ -105,6 +107,25 @@ def final_model_files(output_dir: Path) -> list[Path]:
     return [p for p in (Path(output_dir) / WEIGHTS, Path(output_dir) / WEIGHTS_INDEX) if p.exists()]
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(_CKPT_RE.match(Path(checkpoint).name)[1])
+
+
+def finished_state(output_dir: Path) -> dict | None:
+    """The loop state a finished run left beside its final model (``FINISHED``); None without
+    both, when it is unreadable (the checkpoints decide), or when a checkpoint is newer."""
+    output_dir = Path(output_dir)
+    if not (output_dir / FINISHED).is_file() or not final_model_files(output_dir):
+        return None
+    try:
+        saved = json.loads((output_dir / FINISHED).read_text())
+        saved["global_step"] = int(saved["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    newest = list_checkpoints(output_dir)[-1:]
+    return None if newest and step_of(newest[0]) > saved["global_step"] else saved
+
+
 def last_finite_checkpoint(output_dir: Path) -> Path | None:
     """The newest checkpoint that verifies (every one written is finite): for messages like
     "the last finite checkpoint is checkpoint-15"."""
@@ -141,6 +162,8 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
         finished = final_model_files(output_dir)
         if finished and not for_training and not skipped:  # eval/predict: a run saved without checkpoints
             return output_dir
+        if for_training and not skipped and finished_state(output_dir):  # the loop decides: done, or no resume
+            return None
         more = f" ({'; '.join(skipped)})" if skipped else ""
         done = f" Its run finished: {finished[0].name}." if finished else ""
         fix = "Start without it, or pass the path of a checkpoint folder" if for_training else "Pass a checkpoint folder"
@@ -179,7 +202,7 @@ def rotate_checkpoints(output_dir: Path, limit: int | None, keep: Path | None = 
     if not limit:
         return []
     found, mark = list_checkpoints(output_dir), keep and _CKPT_RE.match(Path(keep).name)
-    found.sort(key=lambda p: not (mark and int(_CKPT_RE.match(p.name)[1]) > int(mark[1])))  # stable: stale first
+    found.sort(key=lambda p: not (mark and step_of(p) > int(mark[1])))  # stable: stale first
     protected = {Path(p).name for p in (*found[-1:], keep, best) if p}
     deleted = [p for p in found if p.name not in protected][: max(0, len(found) - limit)]
     for path in deleted:

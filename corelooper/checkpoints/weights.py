@@ -192,8 +192,7 @@ def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], wher
         raise CheckpointError(
             f"Checkpoint {where!r} does not match the model ({', '.join(parts)}). It was saved from "
             "another model (config); resume with the model config it was trained with, or start a "
-            "new run in another train.output_dir."
-        )
+            "new run in another train.output_dir.")
     return fill
 
 

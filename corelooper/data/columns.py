@@ -116,8 +116,7 @@ def batch_mismatch(loop, model, kwargs: Mapping, error: TypeError) -> str | None
         return (
             f"Column {key!r} of the dataset ({where}) holds strings (e.g. {first[:40]!r}), and the model "
             f"cannot take them ({type(error).__name__}: {error}). Tokenize the column in the dataset or "
-            "the collator (data.collator), or remove it from the samples."
-        )
+            "the collator (data.collator), or remove it from the samples.")
     if "required" in str(error) and "argument" in str(error):
         inner = innermost_model(loop.backend.unwrap_model(model))
         arguments = list(inspect.signature(inner.forward).parameters)
@@ -127,6 +126,5 @@ def batch_mismatch(loop, model, kwargs: Mapping, error: TypeError) -> str | None
         return (
             f"{type(inner).__name__}.forward cannot be called with the batch ({error}). The batch's "
             f"columns: {columns}; forward's arguments: {arguments}. Name the columns of the "
-            f"dataset ({where}) or of the collator as forward's arguments."
-        )
+            f"dataset ({where}) or of the collator as forward's arguments.")
     return None

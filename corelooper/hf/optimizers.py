@@ -126,8 +126,7 @@ def optim_kwargs(args) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(
                 f"train.optim_args = {raw!r}: {item.strip()!r} is not KEY=VALUE. Write "
-                "\"momentum=0.9,nesterov=True\" or a table { momentum = 0.9, nesterov = true }."
-            )
+                "\"momentum=0.9,nesterov=True\" or a table { momentum = 0.9, nesterov = true }.")
         k, v = item.split("=", 1)
         out[k.strip()] = _parse_value(v)
     return out

@@ -163,8 +163,7 @@ def lr_lambda(kind: str, warmup: int, total: int, lr_init: float | None = None, 
         known = [p for p in inspect.signature(fn).parameters if p not in ("warmup", "total", "lr_init")]
         raise ConfigError(
             f"train.lr_scheduler_kwargs = {kwargs!r} does not fit lr_scheduler_type = {kind!r} ({e}); "
-            f"its options are: {', '.join(known) or 'none'}."
-        ) from None
+            f"its options are: {', '.join(known) or 'none'}.") from None
 
 
 class PlateauScheduler:

@@ -86,7 +86,7 @@ def elastic(request, tmp_path_factory):
 
 def test_zero_resumed_on_1_then_2_processes_equals_an_uninterrupted_run(elastic):
     tmp = elastic["tmp"]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8, on 1 processes: "
+    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
             "4 per device x 2 accumulation x 1 processes = 8") in elastic["one"].stdout
     assert "continuing after sample 48 of epoch 0" in elastic["one"].stdout
     assert "continuing after sample 8 of epoch 1" in elastic["last"].stdout

@@ -108,7 +108,7 @@ def settle(config, plugins, directory, world_size: int, dataset, announce: bool)
         return config
     saved = saved_geometry(_read_state(directory))
     if announce:
-        print(f"corelooper: resuming {directory}, saved with {saved.describe()}, on "
+        print(f"corelooper: {directory} was saved with {saved.describe()}; on "  # the step: the console's line
               f"{new.world_size} processes: {new.describe()} (global batch kept)", flush=True)
         data = dataset()
         if not _is_iterable(data):  # a stream's length is unknown (docs/clusters.md says what differs)

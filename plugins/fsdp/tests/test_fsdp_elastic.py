@@ -81,7 +81,7 @@ def test_fsdp_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_pa
     assert _shards(run / "checkpoint-6") == ["__0_0.distcp", "__1_0.distcp"]  # saved sharded on 2
     one = _run(tmp_path, cfg, 1, stop=9, resume=True)
     assert one.returncode == 143, one.stderr[-3000:]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8, on 1 processes: "
+    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
             "4 per device x 2 accumulation x 1 processes = 8") in one.stdout
     assert "continuing after sample 48 of epoch 0" in one.stdout
     assert _shards(run / "checkpoint-9") == ["__0_0.distcp"]  # 1 process: FSDP2 on a mesh of one

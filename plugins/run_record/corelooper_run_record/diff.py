@@ -50,13 +50,27 @@ def shown(value) -> str:
     return json.dumps(value, default=str)
 
 
+def without_sets(argv) -> list:
+    """A command line without its ``--set`` options (``command.sets`` lists them)."""
+    out, args = [], iter(argv if isinstance(argv, list) else [])
+    for arg in args:
+        if arg in ("--set", "-s"):
+            next(args, None)
+        elif not str(arg).startswith("--set="):
+            out.append(arg)
+    return out
+
+
 def differences(a: dict, b: dict) -> list[str]:
-    """One line per differing value, grouped by section: ``config: train.learning_rate: 0.05 -> 0.1``."""
+    """One line per differing value, grouped by section: ``config: train.learning_rate: 0.05 -> 0.1``.
+    ``command.argv`` only where it differs beyond its ``--set``s (``command.sets`` says those)."""
     lines = []
     for section in SECTIONS:
         fa, fb = flatten(a.get(section), section), flatten(b.get(section), section)
         for key in sorted(set(fa) | set(fb)):
             va, vb = fa.get(key, ABSENT), fb.get(key, ABSENT)
+            if key == "command.argv" and without_sets(va) == without_sets(vb) and va is not ABSENT is not vb:
+                continue
             if va != vb:
                 lines.append(f"{key}: {shown(va)} -> {shown(vb)}")
     return lines

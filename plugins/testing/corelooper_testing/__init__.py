@@ -175,6 +175,22 @@ def tiny_task(n_train: int = 64, n_eval: int = 32, features: int = 8, classes: i
     return _Named(model), train, evaluation, accuracy
 
 
+def tiny_model(seed: int = 0):
+    """The tiny task's model, for a config: ``[model] factory = "corelooper_testing:tiny_model"``
+    (to test a plugin through the real ``corelooper run``)."""
+    return tiny_task(seed=seed)[0]
+
+
+def tiny_train_set(seed: int = 0, **_: Any):
+    """The tiny task's 64 training samples, for a config: ``[data] train = "corelooper_testing:tiny_train_set"``."""
+    return tiny_task(seed=seed)[1]
+
+
+def tiny_eval_set(seed: int = 0, **_: Any):
+    """The tiny task's 32 evaluation samples, for a config: ``[data] eval = "corelooper_testing:tiny_eval_set"``."""
+    return tiny_task(seed=seed)[2]
+
+
 class TensorSamples:
     """A map-style dataset of ``{"x": ..., "labels": ...}`` samples held in two tensors."""
 

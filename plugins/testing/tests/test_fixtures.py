@@ -1,18 +1,16 @@
-"""corelooper_testing (the pytest plugin for plugin authors) and `corelooper plugins --config`'s
-per-config status of installed plugins."""
+"""corelooper-testing, the pytest plugin for plugin authors: its fixtures drive real Loops (the tiny
+task on CPU), its recorder sees every hook in order, SigtermAt sends a real signal, and importing it
+(pytest does, in every project that installs it) imports no torch."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from corelooper_testing import SigtermAt, tiny_task
 
-from corelooper.config import Config
-from corelooper.errors import ConfigError
-from corelooper.plugins import Plugins, check_sections
+from corelooper.plugins import installed_entry_points
 
 
 def test_the_pytest_plugin_imports_no_torch():
@@ -49,39 +47,33 @@ def test_recorder_sees_every_event_in_order_and_what_providers_returned(run_loop
 
 
 def test_run_loop_loads_installed_plugins_only_when_asked(run_loop, tmp_path):
-    loop = run_loop(output_dir=tmp_path / "isolated")
-    assert "tensorboard" not in loop.plugins.info and not (tmp_path / "isolated" / "tensorboard").exists()
-    loop = run_loop(output_dir=tmp_path / "autoload", autoload=True)
-    assert "tensorboard" in loop.plugins.info and (tmp_path / "autoload" / "tensorboard").is_dir()
+    installed = {ep.name for ep in installed_entry_points()}
+    isolated = run_loop(output_dir=tmp_path / "isolated")
+    assert not installed & set(isolated.plugins.info)
+    autoload = run_loop(output_dir=tmp_path / "autoload", autoload=True)
+    assert installed <= set(autoload.plugins.info)
 
 
-def test_a_section_of_a_plugin_not_installed_names_the_package():
-    with pytest.raises(ConfigError, match=r"\[early_stopping\].*pip install corelooper-early-stopping"):
-        check_sections(Config.from_dict({"early_stopping": {"patience": 2}}), {}, Plugins())
+def test_sigterm_at_preempts_with_a_real_signal_and_resume_finishes_the_run(run_loop, tmp_path):
+    stopped = run_loop([SigtermAt(at_step=3)], output_dir=tmp_path / "run")
+    assert stopped.state.preempted and stopped.state.global_step == 3
+    assert (tmp_path / "run" / "checkpoint-3").is_dir() and not (tmp_path / "run" / "model.safetensors").exists()
+    resumed = run_loop(output_dir=tmp_path / "run", resume="latest")
+    assert resumed.state.global_step == 8 and (tmp_path / "run" / "model.safetensors").is_file()
 
 
-def _status_lines(stdout: str) -> dict[str, str]:
-    out = {}
-    for line in stdout.splitlines():
-        if line.startswith("  ") and not line.startswith("   ") and "[" in line:
-            out[line.split()[0]] = line[line.index("[") + 1:line.rindex("]")]
-    return out
+def test_train_args_and_make_loop_give_a_quick_untrained_loop(train_args, make_loop, tmp_path):
+    args = train_args(max_steps=2)
+    assert (args.output_dir, args.save_strategy, args.max_steps) == (str(tmp_path / "out"), "no", 2)
+    loop = make_loop()
+    assert loop.state.global_step == 0 and loop.args.output_dir == str(tmp_path / "run")
 
 
-def test_plugins_command_shows_which_plugins_are_active_for_a_config(tmp_path):
-    env = {"WANDB_MODE": "", "WANDB_PROJECT": "", "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
-    config = str(Path("examples/digits/config.toml"))
-    plain = run_cli("plugins", "--config", config, env=env)
-    assert plain.returncode == 0, plain.stderr
-    status = _status_lines(plain.stdout)
-    assert status["tensorboard"] == "installed, active"
-    assert status["wandb"] == ("installed, inactive for this config: no [wandb] section and neither "
-                               "WANDB_PROJECT nor WANDB_MODE is set")
-    assert status["early_stopping"] == "installed, inactive for this config: no [early_stopping] section"
+def test_the_tiny_task_is_seeded_and_learnable(run_loop):
+    def inputs(seed):
+        return [tiny_task(seed=seed)[1][i]["x"].tolist() for i in range(8)]
 
-    mixed = run_cli("plugins", "--config", config, "--set", "wandb.project=x", "--set",
-                    "early_stopping.patience=2", "-p", "no:tensorboard", env=env)
-    assert mixed.returncode == 0, mixed.stderr
-    status = _status_lines(mixed.stdout)
-    assert status["wandb"] == "installed, active" and status["early_stopping"] == "installed, active"
-    assert status["tensorboard"] == "installed, inactive: disabled"
+    assert inputs(3) == inputs(3) != inputs(4)
+    loop = run_loop()
+    losses = [h["loss"] for h in loop.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]  # 8 steps of the tiny task learn something
