@@ -381,8 +381,9 @@ def verify(
         for ckpt in found:  # the same line for a checkpoint alone as in its run folder's list
             typer.echo(f"{ckpt.name}: {'FAILED: ' + bad[ckpt] if ckpt in bad else 'ok'}")
         finished = [p.name for p in output_dir.final_model_files(path)]
-        state = output_dir.finished_state(path) if finished and not one else None
-        final = f"the final model: {finished[0]}" + (f" (step {state['global_step']})" if state else "") if finished else ""
+        final = f"the final model: {finished[0]}" if finished else ""
+        if finished and not one and (state := output_dir.finished_state(path)):
+            final += f" (step {state['global_step']})"
         if not one and found:
             typer.echo(f"latest: {good[-1].name if good else 'none (no complete checkpoint)'}")
             if final:

@@ -104,11 +104,22 @@ def _named_paths(spec, base: Path | None) -> list[Path]:
     return out
 
 
+def split_sets(argv: list) -> tuple[list, list]:
+    """A command line's other arguments, and its ``--set``/``-s KEY=VALUE`` values (then ``--set=``'s)."""
+    bare, pairs, inline, args = [], [], [], iter(argv)
+    for arg in args:
+        if arg in ("--set", "-s"):
+            pairs += [value for value in [next(args, None)] if value is not None]
+        elif str(arg).startswith("--set="):
+            inline.append(arg.split("=", 1)[1])
+        else:
+            bare.append(arg)
+    return bare, pairs + inline
+
+
 def _command() -> dict:
     argv = list(sys.argv)
-    sets = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--set", "-s")]
-    sets += [a.split("=", 1)[1] for a in argv if a.startswith("--set=")]
-    return {"argv": argv, "sets": sets, "cwd": str(Path.cwd())}
+    return {"argv": argv, "sets": split_sets(argv)[1], "cwd": str(Path.cwd())}
 
 
 def _plugin_name(name: str, info) -> str:

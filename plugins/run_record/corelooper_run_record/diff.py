@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from . import split_sets
+
 SECTIONS = ("config", "versions", "plugins", "data", "git", "command", "host", "world_size", "device")
 LOSS_RTOL = 1e-6  # relative: the same run twice on one machine logs the same floats
 
@@ -50,17 +52,6 @@ def shown(value) -> str:
     return json.dumps(value, default=str)
 
 
-def without_sets(argv) -> list:
-    """A command line without its ``--set`` options (``command.sets`` lists them)."""
-    out, args = [], iter(argv if isinstance(argv, list) else [])
-    for arg in args:
-        if arg in ("--set", "-s"):
-            next(args, None)
-        elif not str(arg).startswith("--set="):
-            out.append(arg)
-    return out
-
-
 def differences(a: dict, b: dict) -> list[str]:
     """One line per differing value, grouped by section: ``config: train.learning_rate: 0.05 -> 0.1``.
     ``command.argv`` only where it differs beyond its ``--set``s (``command.sets`` says those)."""
@@ -69,8 +60,9 @@ def differences(a: dict, b: dict) -> list[str]:
         fa, fb = flatten(a.get(section), section), flatten(b.get(section), section)
         for key in sorted(set(fa) | set(fb)):
             va, vb = fa.get(key, ABSENT), fb.get(key, ABSENT)
-            if key == "command.argv" and without_sets(va) == without_sets(vb) and va is not ABSENT is not vb:
-                continue
+            if key == "command.argv" and isinstance(va, list) and isinstance(vb, list) \
+                    and split_sets(va)[0] == split_sets(vb)[0]:
+                continue  # only the --sets differ: command.sets says how
             if va != vb:
                 lines.append(f"{key}: {shown(va)} -> {shown(vb)}")
     return lines
