@@ -119,9 +119,11 @@ def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: fl
     if logits.dim() != 3 or (kept is not None and logits.shape[1] != kept):
         raise HeadCallError(f"the model returned logits of shape {tuple(logits.shape)} from {kept} kept positions")
     kept_targets = targets[keep].long()
+    # a view of the one row: select's backward (``logits[0]``) would zero and copy a logits-sized array
+    logits = logits.reshape(-1, logits.shape[-1])
     if accuracy is not None:
-        accuracy.add(logits[0], kept_targets)
-    total = F.cross_entropy(logits[0].float(), kept_targets, ignore_index=-100, reduction="sum",
+        accuracy.add(logits, kept_targets)
+    total = F.cross_entropy(logits.float(), kept_targets, ignore_index=-100, reduction="sum",
                             label_smoothing=label_smoothing)
     if num_items_in_batch is None:
         num_items_in_batch = keep.sum()

@@ -234,7 +234,7 @@ def _attend(attn, query, key, value, kept: list[int], start: int, attention_mask
     else:  # a kept query at position t of its segment sees the keys 0..t
         mask, is_causal = (torch.arange(length, device=key.device)[None, :] <= local[:, None])[None, None], None
     return sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling,
-                                  is_causal=is_causal)[0][0]
+                                  is_causal=is_causal)[0].squeeze(0)  # a view: select's backward would copy
 
 
 def _segments(kept_rows: list[list[int]], bounds: list[list[int]]) -> list[list[list[int]]]:
