@@ -41,6 +41,32 @@ def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
     assert ev["corelooper_streaming_metric"]["eval_loss"] == ev["corelooper"]["eval_loss"]  # a metric adds no loss work
 
 
+def test_cpu_smoke_runs_the_chat_sft_rows_of_the_gpu_step(tmp_path):
+    # the step's own path (rows interleaved under a deadline, run_bench's table and verdicts) at
+    # the smoke size on the CPU; on a GPU it is the same code with --device cuda
+    proc, summary = smoke(tmp_path, "sft_chat_peers_bf16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = summary["results"]["sft_chat_peers_bf16"]
+    assert res["failed_rows"] == {} and res["reps"] >= 1
+    rows = {r["method"]: r for r in res["table"]}
+    assert set(rows) == {"hf_grouped", "hf_flattening", "trl_grouped", "trl_padding_free", "raw_padding_free",
+                         "cl_padding_free", "cl_grouped"}
+    assert all(r["same_trained_tokens"] and r["trained_tok_per_s"] > 0 for r in rows.values())
+    # the same layout and batches: the hand-written loop and corelooper's padding-free row learn the same
+    assert abs(rows["cl_padding_free"]["eval_loss"] - rows["raw_padding_free"]["eval_loss"]) < 1e-3
+    assert res["goals"]["corelooper_leak_free_over_trl_best"]["theirs"] in ("trl_grouped", "trl_padding_free")
+
+
+def test_a_row_that_runs_away_is_cut_and_recorded(tmp_path):
+    import sys as _sys
+
+    _sys.path.insert(0, str(ROOT / "benchmarks" / "sft"))
+    import run_bench
+
+    rec = run_bench.run("cl_padding_free", 0, ["--samples", "4096", "--eval-samples", "8"], timeout=3)
+    assert rec["rc"] != 0 and "killed after 3 s" in rec["failed"] and rec["proc_wall_s"] < 60
+
+
 def test_a_step_that_errors_makes_the_run_fail(tmp_path):
     # the step's process cannot write its result (no temp folder): recorded as an error, exit 1
     proc, summary = smoke(tmp_path, "cl_bf16_full", TMPDIR=str(tmp_path / "missing"))

@@ -10,8 +10,10 @@
 #                                              # one without torch, installs a CPU one in .smoke-venv)
 #   bash benchmarks/gpu/run.sh --dry-run       # the plan only
 # Env: GPU_VENV (default .gpu-venv), WHEELHOUSE (a folder of wheels for an offline machine:
-# pip --find-links), SKIP_INSTALL=1 (use the python on PATH as is), BUDGET_S (default 360:
-# the steps' share of the 8 minutes; install time comes on top), STEPS (comma list).
+# pip --find-links), SKIP_INSTALL=1 (use the python on PATH as is; with WHEELHOUSE, its wheels are
+# installed into WHEEL_TARGET, default /tmp/corelooper-site, put on PYTHONPATH: an offline machine
+# whose python has CUDA torch), BUDGET_S (default 420: the steps' share of the 8 minutes; install
+# time comes on top), STEPS (comma list; sft_chat_peers_bf16, ~3 min, runs only when named).
 # Exit status: 0 when every step ran or was skipped (each skip says why), 1 when a step errored,
 # 2 when what every step needs (torch, transformers, corelooper) is missing and was not installed.
 # CI runs the smoke (tests/test_gpu_bench_smoke.py, through bench.py).
@@ -45,6 +47,16 @@ if [[ " ${ARGS[*]-} " == *" --cpu-smoke "* || " ${ARGS[*]-} " == *" --dry-run "*
   fi
 elif [ "${SKIP_INSTALL:-0}" = 1 ]; then
   PY=${PY:-python3}
+  if [ -n "${WHEELHOUSE:-}" ]; then
+    # An offline machine whose python already has torch (CUDA), transformers and accelerate: the
+    # wheels in WHEELHOUSE (corelooper and its plugins built with pip wheel --no-deps, and what the
+    # image lacks) go into a folder of their own on PYTHONPATH; nothing of the image is replaced.
+    TARGET=${WHEEL_TARGET:-/tmp/corelooper-site}
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TARGET" \
+        "$WHEELHOUSE"/*.whl || { echo "installing the wheels of $WHEELHOUSE into $TARGET failed" >&2; exit 2; }
+    export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
+    echo "installed $(ls "$WHEELHOUSE"/*.whl | wc -l) wheels from $WHEELHOUSE into $TARGET"
+  fi
 else
   VENV=${GPU_VENV:-.gpu-venv}
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
@@ -72,7 +84,7 @@ else
   echo "install took $(( $(date +%s) - START )) s"
 fi
 
-"$PY" benchmarks/gpu/bench.py --budget-s "${BUDGET_S:-360}" ${STEPS:+--steps "$STEPS"} "${ARGS[@]}"
+"$PY" benchmarks/gpu/bench.py --budget-s "${BUDGET_S:-420}" ${STEPS:+--steps "$STEPS"} "${ARGS[@]}"
 RC=$?
 echo "total $(( $(date +%s) - START )) s"
 exit $RC

@@ -121,8 +121,17 @@ def with_mfu(out: dict, fpt: float, precision: str) -> dict:
     if "tokens_per_s" in out:
         out["mfu"] = round(out["tokens_per_s"] * fpt / PEAK_FLOPS[precision], 4)
         out["flops_per_token"] = fpt
-    out["peak_mem_gib"] = peak_gib()
+    out["peak_mem_gib"] = max(peak_gib(), out.get("peak_mem_gib", 0.0))  # cl_train's, from the doctor's log
     return out
+
+
+def doctor_peak_gib(log_history: list[dict]) -> float:
+    """The device peak corelooper-doctor logged (its ``memory_max_allocated_gb``; its GB is 2**30).
+    The doctor resets torch's peak counter at every log (each log gives that window's peak), so
+    ``torch.cuda.max_memory_allocated()`` after a run reads the last window's peak only: the
+    2026-12-04 H200 run read 9.97 GiB for corelooper's rows against the 28.09 the doctor logged."""
+    peaks = [e["doctor/memory_max_allocated_gb"] for e in log_history if "doctor/memory_max_allocated_gb" in e]
+    return round(max(peaks), 2) if peaks else 0.0
 
 
 # -- hand-written loops ------------------------------------------------------------------------
@@ -204,6 +213,7 @@ def cl_train(model, dataset, size: str, precision: str = "bf16", sections: dict 
     out = clock.rate(s["warm"], (batch or s["batch"]) * s["seq"])
     loss = [e["loss"] for e in loop.state.log_history if "loss" in e]
     out["final_loss"] = round(float(loss[-1]), 4) if loss else None
+    out["peak_mem_gib"] = doctor_peak_gib(loop.state.log_history)
     return out, loop
 
 
@@ -345,6 +355,9 @@ def eval_compare(size: str) -> dict:
     model = build_model(size, dtype=torch.bfloat16 if device().type == "cuda" else None)
     tokens = n * s["seq"]
     out: dict = {"eval_samples": n}
+    with torch.no_grad():  # CUDA's and cuBLAS's first-call costs, outside every timed row: the
+        model(input_ids=torch.stack([r["input_ids"] for r in data[: s["batch"]]]).to(device()))  # first paid them
+    sync()
 
     def timed(name, fn):
         reset_peak()
@@ -393,6 +406,62 @@ def eval_compare(size: str) -> dict:
     out["tokens_per_s"] = out["corelooper"]["tokens_per_s"]
     out["peak_mem_gib"] = out["corelooper"]["peak_mem_gib"]
     out["speedup_over_hf"] = round(out["corelooper"]["tokens_per_s"] / out["hf_trainer"]["tokens_per_s"], 3)
+    return out
+
+
+# -- the chat-SFT comparison of benchmarks/sft on the GPU ------------------------------------------------
+
+SFT_METHODS = ["hf_grouped", "hf_flattening", "trl_grouped", "trl_padding_free", "raw_padding_free",
+               "cl_padding_free", "cl_grouped"]
+SFT_ARGS = {"full": ["--samples", "4096", "--eval-samples", "128", "--batch", "32", "--hidden", "1024",
+                     "--layers", "8", "--heads", "8", "--lr", "1e-3"],
+            "smoke": ["--samples", "64", "--eval-samples", "8", "--batch", "8"]}
+# On a GPU corelooper's padding-free rows (and the hand-written one over the same layout) take the
+# 4-D block mask, what [sft] picks there: one sdpa call per sample trained packed rows 26x slower on
+# the H200 (cl_packing_segment_sdpa, 2026-12-04), and made this step outlast its time.
+SFT_CUDA_ARGS = ["--cl-attention", "mask"]
+SFT_SECONDS = {"full": 150, "smoke": 120}
+
+
+def sft_chat_peers(size: str) -> dict:
+    """benchmarks/sft's rows on the GPU in bf16 (the HF Trainer and TRL with their length-grouped
+    and padding-free settings, the hand-written loop over corelooper's padding-free layout,
+    corelooper padding-free and grouped): a ~100M Llama (hidden 1024, 8 layers, vocab 2048) on
+    4,096 long-tailed chat samples, 32 per step; repetitions interleaved until ``SFT_SECONDS``.
+    Trained tokens/s to the last optimizer step (CUDA events), eval loss; the ratios and verdicts
+    of run_bench.py (judged only from 3 repetitions on)."""
+    import importlib.util
+
+    import run_bench  # benchmarks/sft/run_bench.py
+    import torch
+
+    if not torch.cuda.is_available() and size == "full":
+        return {"skipped": "the GPU rows need CUDA; on a CPU run benchmarks/sft/run_bench.py"}
+    if importlib.util.find_spec("trl") is None:
+        return {"skipped": "TRL is not installed (pip install trl; benchmarks/gpu/wheelhouse.sh carries it): "
+                           "its rows are half of this comparison"}
+    cuda = torch.cuda.is_available()
+    extra = [*SFT_ARGS[size], *(SFT_CUDA_ARGS if cuda else []), "--cl-packing", "auto",
+             "--device", "cuda" if cuda else "cpu"]
+    deadline = time.perf_counter() + SFT_SECONDS[size]
+    runs: dict[str, list[dict]] = {m: [] for m in SFT_METHODS}
+    rep, rep_s = 0, 0.0
+    while rep == 0 or time.perf_counter() + rep_s < deadline:  # another repetition only if it fits
+        t, k = time.perf_counter(), rep % len(SFT_METHODS)
+        for m in SFT_METHODS[k:] + SFT_METHODS[:k]:
+            # a row that runs away is cut at the step's time (recorded as failed), the others still run
+            left = max(5.0, deadline - time.perf_counter()) if rep else SFT_SECONDS[size] / 2
+            runs[m].append(run_bench.run(m, rep, extra, timeout=left))
+        rep, rep_s = rep + 1, time.perf_counter() - t
+    table = run_bench.summarize(runs)
+    goals = run_bench.compare(table, runs)
+    failed = {m: (r[0].get("failed") or "")[-600:] for m, r in runs.items() if r and "trained_tok_per_s" not in r[0]}
+    best = max((r for r in table if "trained_tok_per_s" in r), key=lambda r: r["trained_tok_per_s"], default=None)
+    out = {"args": extra, "reps": rep, "table": table, "goals": goals, "failed_rows": failed}
+    if best:
+        out["fastest_row"] = best["method"]
+        out["tokens_per_s"] = next((r["trained_tok_per_s"] for r in table if r["method"] == "cl_padding_free"
+                                    and "trained_tok_per_s" in r), None)
     return out
 
 
@@ -475,4 +544,5 @@ STEPS = {
     "auto_batch_size_real_oom": auto_batch_size,
     "doctor_memory_report": doctor_memory,
     "eval_cl_vs_hf": eval_compare,
+    "sft_chat_peers_bf16": sft_chat_peers,
 }

@@ -133,9 +133,10 @@ def eval_loss(model, samples: list[Sample], batch_size: int = 16) -> float:
 
     model.eval()
     total, count = 0.0, 0
+    device = next(model.parameters()).device
     with torch.no_grad():
         for i in range(0, len(samples), batch_size):
-            b = pad_batch(samples[i:i + batch_size])
+            b = {k: v.to(device) for k, v in pad_batch(samples[i:i + batch_size]).items()}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
             target = b["labels"][:, 1:]
             loss = torch.nn.functional.cross_entropy(
@@ -176,10 +177,8 @@ class Probe:
             self.threads_in_fwd = torch.get_num_threads()
         self.forwards += 1
         self.positions += ids.numel()
-        if labels is not None:
-            n = int((labels[..., 1:] != -100).sum())
-            self.trained += n
-            self.trained_per_forward.append(n)
+        if labels is not None:  # a device tensor, read in summary(): no host-device sync per step
+            self.trained_per_forward.append((labels[..., 1:] != -100).sum())
         else:
             self._unlabelled = True
 
@@ -188,10 +187,11 @@ class Probe:
 
     def _after(self, module, args, out):
         if self._unlabelled:
-            self.trained += self._head_rows
             self.trained_per_forward.append(self._head_rows)
             self._unlabelled = False
 
     def summary(self) -> dict:
+        self.trained_per_forward = [int(n) for n in self.trained_per_forward]
+        self.trained = sum(self.trained_per_forward)
         return dict(forwards=self.forwards, positions_computed=self.positions, trained_tokens_fed=self.trained,
                     threads_in_fwd=self.threads_in_fwd)

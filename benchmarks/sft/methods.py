@@ -5,7 +5,8 @@ tell them apart; the caller times the whole call.
 
 Shared: AdamW (the fused kernel: the default of all three frameworks), linear decay, no warm-up,
 no weight decay, clipping at 1.0, one epoch, batch ``h.batch`` samples (packed rows: ``h.rows``
-rows of ``h.max_len`` tokens), no eval or checkpoint during training, fp32 on CPU.
+rows of ``h.max_len`` tokens), no eval or checkpoint during training, fp32 on CPU; on a GPU
+(``h.cpu`` False) bf16 autocast for every row (``h.bf16``), each framework moving the model itself.
 
 corelooper's packed and padding-free rows take their layout by name (``--cl-packing``):
 
@@ -39,9 +40,9 @@ def import_framework(method: str) -> None:
     TRL's calls would otherwise pay for importing ``transformers.Trainer``/accelerate/trl/datasets
     inside the clock while corelooper's pays for ``corelooper``: not the same window."""
     if method.startswith(("hf_", "trl_")):
-        import datasets  # noqa: F401
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments  # noqa: F401
     if method.startswith("trl_"):
+        import datasets  # noqa: F401  (the HF rows pass lists: only TRL's need it)
         from trl import SFTConfig, SFTTrainer  # noqa: F401
     if method.startswith("raw_"):
         import corelooper_lm.packing  # noqa: F401
@@ -68,7 +69,7 @@ def hf_args(h, out: str, **extra):
         learning_rate=h.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10, save_strategy="no",
         eval_strategy="no", report_to="none", disable_tqdm=True, use_cpu=h.cpu, seed=h.seed,
-        dataloader_num_workers=0, **extra)
+        dataloader_num_workers=0, bf16=h.bf16, **extra)
 
 
 def as_rows(train):
@@ -206,6 +207,8 @@ def raw_padding_free(model, train, h):
 
     from corelooper.data.loader import epoch_permutation
 
+    device = torch.device("cpu" if h.cpu else "cuda")
+    model.to(device)
     seg = _leak_free_collator(model, h)
     order = epoch_permutation(len(train), h.seed, 0, True)
     batches = [order[i:i + h.batch] for i in range(0, len(order), h.batch)]
@@ -215,8 +218,10 @@ def raw_padding_free(model, train, h):
     try:
         for idx in batches:
             batch = seg([_segments([train[i] for i in idx])])
+            batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
             n = (batch["labels"][:, 1:] != -100).sum()
-            loss = model(**batch, num_items_in_batch=n).loss
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=h.bf16):
+                loss = model(**batch, num_items_in_batch=n).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()

@@ -53,17 +53,27 @@ GOALS = {"trl_best": 2.0, "hf_best": 1.5, "raw_padding_free": 1.2}
 SAME_KERNEL = {"hf_flattening_seg", "trl_padding_free_seg"}
 
 
-def run(method: str, seed: int, extra: list[str]) -> dict:
+def run(method: str, seed: int, extra: list[str], timeout: float | None = None) -> dict:
+    """One run_one.py process; ``timeout`` seconds: killed after them (its record says so)."""
+    import threading
+
     argv = [sys.executable, str(HERE / "run_one.py"), method, "--seed", str(seed), *extra]
     with tempfile.TemporaryFile() as out:
         t0 = time.perf_counter()
         p = subprocess.Popen(argv, cwd=HERE, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        _, status, ru = os.wait4(p.pid, 0)
+        killer = threading.Timer(timeout, p.kill) if timeout else None
+        if killer:
+            killer.start()
+        _, status, ru = os.wait4(p.pid, 0)  # wait4, not p.wait: the child's peak RSS comes with it
+        if killer:
+            killer.cancel()
         wall = time.perf_counter() - t0
         out.seek(0)
         text = out.read().decode(errors="replace")
     rc = os.waitstatus_to_exitcode(status)
     rec = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{") and '"method"' in x), None)
+    if rec is None and timeout and wall >= timeout:
+        text += f"\n(killed after {timeout:.0f} s)"
     rec = rec or {"method": method, "failed": text[-3000:]}
     rec.update(rc=rc, proc_wall_s=round(wall, 3), peak_rss_mib=round(ru.ru_maxrss / 1024, 1),
                loadavg=round(os.getloadavg()[0], 2))

@@ -1,7 +1,8 @@
 """One SFT contender, one run, one JSON line on stdout (run_bench.py runs these interleaved).
 
 usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] [--batch 8]
-                         [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--threads N]
+                         [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--heads 4] [--threads N]
+                         [--device cpu|cuda]
                          [--cl-packing auto|collators|packing] [--cl-attention segments|mask]
                          [--cl-head trained|all] [--profile OUT.prof]
 METHOD: hf_padded hf_grouped hf_flattening hf_flattening_seg trl_padded trl_grouped
@@ -46,7 +47,10 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--hidden", type=int, default=C.MODEL["hidden_size"])
     ap.add_argument("--layers", type=int, default=C.MODEL["num_hidden_layers"])
+    ap.add_argument("--heads", type=int, default=C.MODEL["num_attention_heads"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: every row in bf16 autocast on the GPU (benchmarks/gpu runs it); cpu: fp32")
     ap.add_argument("--cl-packing", default="auto", choices=["auto", "collators", "packing"])
     ap.add_argument("--cl-attention", default="segments", choices=["segments", "mask"],
                     help="corelooper's leak-free rows: segment-wise sdpa (default) or one 4-D block mask")
@@ -81,6 +85,47 @@ class TorchProfile:
             json.dump({"wall_s": self.wall, "events": profile_events(self.prof)}, f)
 
 
+class StepClock:
+    """The time of every optimizer step. On a GPU a CUDA event per step, read after the run: the
+    time its work ended on the device, with no host-device sync inside the run (a host clock
+    would stop when the CPU queued the step, a sync would change what is measured)."""
+
+    def __init__(self, cuda: bool) -> None:
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.cuda, self.marks = cuda, []
+        if cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+        register_optimizer_step_post_hook(lambda *_: self.marks.append(self._mark()))
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def started(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            self.start.record()
+        return time.perf_counter()
+
+    def times(self, t0: float) -> list[float]:
+        """Host-clock seconds of each step (``t0``: what ``started`` returned)."""
+        if not self.cuda:
+            return list(self.marks)
+        import torch
+
+        torch.cuda.synchronize()
+        return [t0 + self.start.elapsed_time(ev) / 1000 for ev in self.marks]
+
+
 def main() -> None:
     a = parse()
     import torch
@@ -91,15 +136,13 @@ def main() -> None:
     evals = C.make_samples(a.eval_samples, "eval")
     st = C.stats(train)
     rows = a.rows or max(1, round(a.batch * st["mean_len"] / a.max_len))
-    h = M.hparams(batch=a.batch, rows=rows, max_len=a.max_len, lr=a.lr, seed=a.seed, cpu=True, bf16=False,
+    cuda = a.device == "cuda"
+    h = M.hparams(batch=a.batch, rows=rows, max_len=a.max_len, lr=a.lr, seed=a.seed, cpu=not cuda, bf16=cuda,
                   cl_packing=a.cl_packing, cl_attention=a.cl_attention, cl_head=a.cl_head)
     model = C.make_model(a.seed, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875) // 8 * 8,
-                         num_hidden_layers=a.layers)
+                         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.heads)
     probe = C.Probe(model)
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    steps: list[float] = []  # the time of every optimizer step
-    register_optimizer_step_post_hook(lambda *_: steps.append(time.perf_counter()))
+    clock = StepClock(cuda)
     M.import_framework(a.method)  # each framework's modules are imported before the timed call, for all alike
     rec = dict(method=a.method, seed=a.seed, samples=a.samples, batch=a.batch, packed_rows_per_step=rows,
                threads=torch.get_num_threads(), import_s=round(time.perf_counter() - T0, 3),
@@ -114,7 +157,7 @@ def main() -> None:
     elif a.torch_profile:
         prof = TorchProfile(a.torch_profile)
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
-    t = time.perf_counter()
+    t = clock.started()
     try:
         if prof:
             prof.enable()
@@ -127,6 +170,7 @@ def main() -> None:
         if prof:
             prof.disable()
             prof.dump_stats(a.profile or a.torch_profile)
+    steps = clock.times(t)
     wall = time.perf_counter() - t
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     faults, system_s = ru1.ru_minflt - ru0.ru_minflt, round(ru1.ru_stime - ru0.ru_stime, 3)

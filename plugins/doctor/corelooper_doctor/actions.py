@@ -85,6 +85,7 @@ def window_logs(doc, loop, state, logs: dict) -> None:
     loss (a value the loop already read)."""
     steps = max(state.global_step - doc.last_logged_step, 1)
     doc.last_logged_step = state.global_step
+    doc.logged_steps += steps
     if doc.clock is not None:
         _time_split(doc, logs, steps)
     if doc.syncs is not None:
@@ -136,10 +137,17 @@ def run_summary_line(doc) -> str | None:
         parts.append(f"time split of {steps} steps{' (after the first window)' if doc.run_split.wall else ''}: "
                      + timing.split_line(shares, doc.hook_timer is not None))
     if doc.syncs is not None:
-        parts.append(f"{doc.syncs.total / max(doc.steps_done, 1):.2f} host-device syncs per step")
+        parts.append(sync_summary(doc.syncs.taken, doc.logged_steps, doc.syncs.count))
     if doc.memory_peak_gb is not None:
         parts.append(f"memory peak {doc.memory_peak_gb:.3f} GB ({memory.peak_kind(doc.device)})")
     return "doctor: " + "; ".join(parts) + "." if parts else None
+
+
+def sync_summary(in_windows: int, logged_steps: int, after: int) -> str:
+    """Syncs per step over the logged windows; those after the last log (the end-of-run save
+    copies every tensor to the host: one sync each) apart, not spread over the steps."""
+    line = f"{in_windows / max(logged_steps, 1):.2f} host-device syncs per step"
+    return line + (f" (and {after} after the last logged step: the end-of-run save and teardown)" if after else "")
 
 
 # -- memory ------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class Doctor:
         self.input_bound = self.run_split = None
         self.breakdown: dict | None = None
         self.memory_peak_gb: float | None = None
-        self.steps_done = self.last_logged_step = 0
+        self.steps_done = self.last_logged_step = self.logged_steps = 0  # logged_steps: in this run's windows
         self._step_t0 = 0.0
         self._step_loss = None
         self.step_losses: list = []  # (step, device loss) of spike_per_step, read at log steps

@@ -106,3 +106,14 @@ def test_no_sync_count_on_the_cpu(tmp_path, capfd):
     logs = [h for h in loop.state.log_history if "loss" in h]
     assert logs and not any("doctor/host_syncs_per_step" in h for h in logs)
     assert "host-device syncs" not in capfd.readouterr().err
+
+
+def test_the_end_line_keeps_the_syncs_after_the_last_log_apart():
+    """The H200 run of 2026-12-04: 3 syncs per step in every window, then the end-of-run save's
+    148 (one per tensor copied to the host); the end line said 15.33 per step."""
+    from corelooper_doctor.actions import sync_summary
+
+    line = sync_summary(in_windows=36, logged_steps=12, after=148)
+    assert line == ("3.00 host-device syncs per step (and 148 after the last logged step: the end-of-run save "
+                    "and teardown)")
+    assert sync_summary(48, 8, 0) == "6.00 host-device syncs per step"

@@ -7,10 +7,11 @@ already tokenized rows; formats detected per row), masked (``assistant_only_loss
 counted and reported once), optionally packed (``packing``, ``packing_strategy`` = ``bfd``,
 ``bfd_split``, ``wrapped``) or batched padding-free, and the loop's collator is set to the one
 that matches. Packed and padding-free batches never leak attention between samples
-(``corelooper_lm.packing``); with ``sdpa`` attention (and ``segment_attention = true``, the
-default) the model's attention becomes corelooper's segment-wise sdpa
-(``corelooper_lm.segment_attention``: each sample attends to itself, no ``T x T`` mask), with flash
-attention the varlen kernel does the same. Numeric extra columns (``difficulty_score``) reach the batch.
+(``corelooper_lm.packing``); with ``sdpa`` attention on the CPU (``segment_attention``: unset,
+"auto", is the CPU only; ``true`` everywhere) the model's attention becomes corelooper's
+segment-wise sdpa (``corelooper_lm.segment_attention``: each sample attends to itself, no ``T x T``
+mask); on a GPU sdpa gets the 4-D block mask, and with flash attention the varlen kernel keeps the
+samples apart. Numeric extra columns (``difficulty_score``) reach the batch.
 
 This module imports neither torch nor transformers nor datasets: ``corelooper --help`` loads it.
 """
@@ -38,7 +39,7 @@ DEFAULTS = {
     "overlong": "truncate",
     "pad_to_multiple_of": None,
     "eval_packing": None,
-    "segment_attention": True,
+    "segment_attention": None,  # "auto": segment-wise sdpa on the CPU, the block mask on a GPU (setup.segments_for)
 }
 
 

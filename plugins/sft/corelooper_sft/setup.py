@@ -27,10 +27,22 @@ def check(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"sft.max_length must be >= 0 (0: no limit), got {cfg['max_length']}.")
     if cfg["padding_free"] not in (None, "auto", True, False):
         raise ConfigError(f"sft.padding_free must be true, false or \"auto\" (unset), got {cfg['padding_free']!r}.")
+    if cfg["segment_attention"] not in (None, "auto", True, False):
+        raise ConfigError("sft.segment_attention must be true, false or \"auto\" (unset), got "
+                          f"{cfg['segment_attention']!r}.")
     if cfg["packing"] and cfg["padding_free"] is True:
         raise ConfigError("Set sft.packing or sft.padding_free, not both (packed rows are already padding-free).")
     if cfg["completion_only_loss"] not in (None, True, False):
         raise ConfigError(f"sft.completion_only_loss must be true, false or unset, got {cfg['completion_only_loss']!r}.")
+
+
+def segments_for(cfg: dict[str, Any], device_type: str) -> bool:
+    """``sft.segment_attention`` as set, or, unset ("auto"), on the CPU only. There one sdpa call
+    per sample beats the ``T x T`` block mask (benchmarks/README.md); on an H200 without flash
+    attention the block mask with sdpa's fused kernels trained packed rows 26x faster than one
+    call per sample (benchmarks/results/gpu-2026-12-04.json), so a GPU keeps the mask."""
+    value = cfg["segment_attention"]
+    return value if value in (True, False) else device_type == "cpu"
 
 
 def padding_free_for(cfg: dict[str, Any], model, device_type: str) -> tuple[bool, str]:
@@ -50,7 +62,7 @@ def padding_free_for(cfg: dict[str, Any], model, device_type: str) -> tuple[bool
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if attn.startswith("flash_attention"):
         return True, f"{attn}: its varlen kernel keeps the samples apart"
-    if (device_type == "cpu" and attn == "sdpa" and cfg["segment_attention"]
+    if (device_type == "cpu" and attn == "sdpa" and segments_for(cfg, device_type)
             and getattr(type(base), "_supports_attention_backend", False)):
         return True, "sdpa on the CPU: one row per batch with segment-wise attention computes no padding"
     return False, f"{attn or 'this attention'} on {device_type}: padded batches"
@@ -137,7 +149,8 @@ def prepare_data(loop, model, data: dict[str, Any], cfg: dict[str, Any]) -> dict
     if backend.is_main_process:
         backend.wait_for_everyone()
     collator = data["data_collator"]
-    if (cfg["packing"] or cfg["padding_free"]) and cfg["segment_attention"] and collator is None:
+    segments = segments_for(cfg, loop.backend.device.type)
+    if (cfg["packing"] or cfg["padding_free"]) and segments and collator is None:
         from corelooper_lm.segment_attention import use_segment_attention
 
         use_segment_attention(model)  # sdpa -> one sdpa per segment: no T x T mask per row
