@@ -355,8 +355,9 @@ def eval_compare(size: str) -> dict:
     model = build_model(size, dtype=torch.bfloat16 if device().type == "cuda" else None)
     tokens = n * s["seq"]
     out: dict = {"eval_samples": n}
-    with torch.no_grad():  # CUDA's and cuBLAS's first-call costs, outside every timed row: the
-        model(input_ids=torch.stack([r["input_ids"] for r in data[: s["batch"]]]).to(device()))  # first paid them
+    # CUDA's and cuBLAS's first-call costs, paid here rather than by whichever timed row comes first
+    with torch.no_grad():
+        model(input_ids=torch.stack([r["input_ids"] for r in data[: s["batch"]]]).to(device()))
     sync()
 
     def timed(name, fn):

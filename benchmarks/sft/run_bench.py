@@ -53,20 +53,27 @@ GOALS = {"trl_best": 2.0, "hf_best": 1.5, "raw_padding_free": 1.2}
 SAME_KERNEL = {"hf_flattening_seg", "trl_padding_free_seg"}
 
 
+def wait_for(p: subprocess.Popen, timeout: float | None):
+    """``os.wait4`` (not ``p.wait``: the child's peak RSS comes with it); after ``timeout`` seconds
+    the child is killed. Polled, so a kill can only reach a child not yet reaped (the pid is ours)."""
+    end = time.perf_counter() + timeout if timeout else None
+    while end is not None and time.perf_counter() < end:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            return status, ru
+        time.sleep(0.05)
+    if end is not None:
+        p.kill()
+    return os.wait4(p.pid, 0)[1:]
+
+
 def run(method: str, seed: int, extra: list[str], timeout: float | None = None) -> dict:
     """One run_one.py process; ``timeout`` seconds: killed after them (its record says so)."""
-    import threading
-
     argv = [sys.executable, str(HERE / "run_one.py"), method, "--seed", str(seed), *extra]
     with tempfile.TemporaryFile() as out:
         t0 = time.perf_counter()
         p = subprocess.Popen(argv, cwd=HERE, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        killer = threading.Timer(timeout, p.kill) if timeout else None
-        if killer:
-            killer.start()
-        _, status, ru = os.wait4(p.pid, 0)  # wait4, not p.wait: the child's peak RSS comes with it
-        if killer:
-            killer.cancel()
+        status, ru = wait_for(p, timeout)
         wall = time.perf_counter() - t0
         out.seek(0)
         text = out.read().decode(errors="replace")

@@ -149,8 +149,7 @@ def prepare_data(loop, model, data: dict[str, Any], cfg: dict[str, Any]) -> dict
     if backend.is_main_process:
         backend.wait_for_everyone()
     collator = data["data_collator"]
-    segments = segments_for(cfg, loop.backend.device.type)
-    if (cfg["packing"] or cfg["padding_free"]) and segments and collator is None:
+    if (cfg["packing"] or cfg["padding_free"]) and segments_for(cfg, backend.device.type) and collator is None:
         from corelooper_lm.segment_attention import use_segment_attention
 
         use_segment_attention(model)  # sdpa -> one sdpa per segment: no T x T mask per row
