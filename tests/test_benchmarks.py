@@ -94,6 +94,30 @@ def test_the_sft_profile_split_accounts_for_the_whole_call(tmp_path):
     assert "cl_padding_free_all" in proc.stdout  # the printed table
 
 
+IMPORTS_IN_THE_CALL = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import common as C, methods as M
+M.import_framework("cl_padding_free")
+h = M.hparams(batch=8, rows=1, max_len=C.MAX_LEN, lr=3e-3, seed=0, cpu=True, bf16=False, cl_packing="auto",
+              cl_attention="segments", cl_head="trained")
+model, train = C.make_model(0), C.make_samples(16, "train")
+before = set(sys.modules)
+M.cl_padding_free(model, train, h)
+print(sorted(m for m in set(sys.modules) - before if m.startswith("corelooper")))
+"""
+
+
+def test_the_timed_sft_call_imports_no_corelooper_module():
+    """The SFT rows' window rule: each framework's modules are imported before the clock (the HF
+    Trainer's and TRL's are); corelooper's Loop() imports its plugins' modules, so
+    import_framework imports them first and the timed call imports none."""
+    proc = subprocess.run([sys.executable, "-c", IMPORTS_IN_THE_CALL, str(BENCH / "sft")], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_profile_split_kinds():
     sys.path.insert(0, str(BENCH / "sft"))
     try:

@@ -24,8 +24,10 @@ corelooper's packed and padding-free rows take their layout by name (``--cl-pack
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 import time
+import types
 from types import SimpleNamespace
 
 import common as C
@@ -40,6 +42,7 @@ def import_framework(method: str) -> None:
     TRL's calls would otherwise pay for importing ``transformers.Trainer``/accelerate/trl/datasets
     inside the clock while corelooper's pays for ``corelooper``: not the same window."""
     if method.startswith(("hf_", "trl_")):
+        import transformers.tokenization_utils_tokenizers  # noqa: F401  (Trainer() imports it)
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments  # noqa: F401
     if method.startswith("trl_"):
         import datasets  # noqa: F401  (the HF rows pass lists: only TRL's need it)
@@ -51,14 +54,37 @@ def import_framework(method: str) -> None:
         import corelooper.data.loader  # noqa: F401
     if method.startswith("cl_"):
         import corelooper_lm.collators  # noqa: F401
+        import corelooper_lm.packing  # noqa: F401
+        import corelooper_lm.segment_attention  # noqa: F401
 
         from corelooper import Loop, TrainArgs  # noqa: F401
 
-        try:
-            import corelooper_lm.packing  # noqa: F401
-            import corelooper_lm.segment_attention  # noqa: F401
-        except ImportError:
-            pass
+        import_corelooper_modules()
+
+
+def import_corelooper_modules() -> None:
+    """Every module of corelooper and of the plugins ``Loop()`` registers: ``Loop()`` and its
+    plugins' hooks import theirs lazily (``--help`` imports no torch), so without this the timed
+    call would import ~20-30 modules the HF Trainer's and TRL's calls have imported already."""
+    import importlib
+    import pkgutil
+
+    from corelooper.plugins import load_plugins
+
+    packages = {"corelooper"}
+    for plugin in load_plugins().pm.get_plugins():
+        module = plugin if isinstance(plugin, types.ModuleType) else sys.modules.get(type(plugin).__module__)
+        if module is not None:
+            packages.add(module.__name__.split(".")[0])
+    for name in sorted(packages):
+        package = importlib.import_module(name)
+        for info in pkgutil.walk_packages(getattr(package, "__path__", []), f"{name}.", onerror=lambda _: None):
+            if info.name.endswith("__main__"):  # `python -m`'s entry: importing it would run the CLI
+                continue
+            try:
+                importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001 (a module whose optional dependency is absent: not imported by the run either)
+                pass
 
 
 def hf_args(h, out: str, **extra):

@@ -82,7 +82,7 @@ def profile_events(prof) -> list[dict]:
     for e in prof.key_averages(group_by_input_shape=True):
         if e.self_cpu_time_total <= 0 or not e.key.startswith(("aten::", "trl", "_")):
             continue
-        out.append({"name": e.key, "shapes": e.input_shapes, "self_cpu_us": e.self_cpu_time_total})
+        out.append({"name": e.key, "shapes": e.input_shapes, "self_cpu_us": e.self_cpu_time_total, "count": e.count})
     return out
 
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -190,6 +191,11 @@ def main() -> None:
         trained_tok_per_s=round(st["trained_tokens"] / (last_step[0] - t), 1),
         trained_tok_per_s_whole_call=round(st["trained_tokens"] / wall, 1),
         trained_tok_per_s_steady=steady, optimizer_steps=len(steps),
+        # the call's start to the first optimizer step, and the median step after it: their
+        # difference is what construction and the first step's warm-up cost
+        first_step_s=round(steps[0] - t, 4),
+        median_step_s=round(statistics.median(b - a for a, b in zip(steps, steps[1:], strict=False)), 4)
+        if len(steps) > 1 else None,
         padding_share=round(1 - st["tokens"] / fed["positions_computed"], 4) if fed["positions_computed"] else None,
         same_trained_tokens=fed["trained_tokens_fed"] == st["trained_tokens"],
         eval_loss=round(C.eval_loss(model, evals), 4),
