@@ -78,6 +78,23 @@ def test_sft_best_is_the_best_documented_row_and_goals_are_judged_on_intervals(c
     assert "goal corelooper_leak_free_over_hf_best: " in out and "(goal >= 1.5: inconclusive)" in out
 
 
+def test_the_per_step_ratio_compares_the_same_steps_and_shrugs_off_a_slow_phase(capsys):
+    sft = load("sft")
+    hand = [0.125] * 40  # the hand-written loop: 1.25x corelooper's step time on every batch
+    ours = [[0.1] * 40, [0.1] * 30 + [0.3] * 10, [0.2] * 5 + [0.1] * 35]  # a slow phase in seeds 1 and 2
+    runs = {"cl_padding_free": [dict(seed=s, step_times_s=t) for s, t in enumerate(ours)],
+            "raw_padding_free": [dict(seed=s, step_times_s=hand) for s in range(3)]
+            + [dict(seed=3, step_times_s=hand)]}  # seed 3: corelooper's run is missing
+    runs["cl_padding_free"].append(dict(seed=4, step_times_s=[0.1] * 39))  # another number of steps
+    runs["raw_padding_free"].append(dict(seed=4, step_times_s=hand))
+    assert sft.per_step_ratios(runs, "cl_padding_free", "raw_padding_free") == pytest.approx([1.25, 1.25, 1.25])
+    step = sft.per_step(runs, "cl_padding_free", "raw_padding_free")
+    assert step["ratio"] == 1.25 and step["ci95"] == [1.25, 1.25] and "verdict" not in step
+    # over the whole call seed 1 would be 5.0 s / 6.0 s = 0.83x; step by step it is 1.25x
+    assert sum(hand) / sum(ours[1]) == pytest.approx(0.833, abs=1e-3)
+    assert sft.per_step({}, "cl_padding_free", "raw_padding_free") is None
+
+
 def test_the_sft_profile_split_accounts_for_the_whole_call(tmp_path):
     """profile_split.py on a tiny real run: every kind is there, the LM head is told apart from
     the other matmuls by the vocabulary dimension, and the shares add up to the call's wall time."""
