@@ -159,8 +159,9 @@ def paired_ratios(runs, ours: str, theirs: str, key: str = "trained_tok_per_s") 
 def per_step_ratios(runs, ours: str, theirs: str) -> list[float]:
     """Per repetition, the median over steps 2..n of theirs / ours step time: for two rows that
     train the same batches in the same order (the hand-written loop and corelooper's padding-free
-    row), so each step is compared with the same step. A slow phase of the VM then moves a few
-    steps' ratios, not the repetition's; construction and the first step are left out."""
+    row), so each step is compared with the same step. A slow phase of the VM shorter than a run
+    then moves a few steps' ratios, not the repetition's (one as long as a run still moves it:
+    benchmarks/README.md); construction and the first step are left out."""
     mine = {r["seed"]: r.get("step_times_s") for r in runs.get(ours, [])}
     other = {r["seed"]: r.get("step_times_s") for r in runs.get(theirs, [])}
     out = []

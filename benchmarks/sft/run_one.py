@@ -197,7 +197,7 @@ def main() -> None:
         median_step_s=round(statistics.median(b - a for a, b in zip(steps, steps[1:], strict=False)), 4)
         if len(steps) > 1 else None,
         # steps 2..n one by one: rows over the same batches in the same order are compared step by
-        # step (run_bench's per-step ratio), which a slow phase of the machine moves far less
+        # step (run_bench's per-step ratio), which a slow phase shorter than the run moves less
         step_times_s=[round(b - a, 5) for a, b in zip(steps, steps[1:], strict=False)],
         padding_share=round(1 - st["tokens"] / fed["positions_computed"], 4) if fed["positions_computed"] else None,
         same_trained_tokens=fed["trained_tokens_fed"] == st["trained_tokens"],
