@@ -149,10 +149,14 @@ def verdict(ratio, goal, ci95) -> str:
     return "met" if ci95[0] >= goal else "NOT met"
 
 
+def by_seed(runs, method: str, key: str) -> dict:
+    """``method``'s runs that have ``key``: its value by repetition (seed)."""
+    return {r["seed"]: r[key] for r in runs.get(method, []) if r.get(key)}
+
+
 def paired_ratios(runs, ours: str, theirs: str, key: str = "trained_tok_per_s") -> list[float]:
     """ours / theirs, repetition by repetition (the runs of one repetition ran side by side)."""
-    mine = {r["seed"]: r.get(key) for r in runs.get(ours, []) if r.get(key)}
-    other = {r["seed"]: r.get(key) for r in runs.get(theirs, []) if r.get(key)}
+    mine, other = by_seed(runs, ours, key), by_seed(runs, theirs, key)
     return [mine[s] / other[s] for s in sorted(mine.keys() & other.keys())]
 
 
@@ -162,12 +166,11 @@ def per_step_ratios(runs, ours: str, theirs: str) -> list[float]:
     row), so each step is compared with the same step. A slow phase of the VM shorter than a run
     then moves a few steps' ratios, not the repetition's (one as long as a run still moves it:
     benchmarks/README.md); construction and the first step are left out."""
-    mine = {r["seed"]: r.get("step_times_s") for r in runs.get(ours, [])}
-    other = {r["seed"]: r.get("step_times_s") for r in runs.get(theirs, [])}
+    mine, other = by_seed(runs, ours, "step_times_s"), by_seed(runs, theirs, "step_times_s")
     out = []
     for seed in sorted(mine.keys() & other.keys()):
         a, b = mine[seed], other[seed]
-        if a and b and len(a) == len(b):
+        if len(a) == len(b):
             out.append(statistics.median(y / x for x, y in zip(a, b, strict=True) if x > 0))
     return out
 
