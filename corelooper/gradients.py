@@ -1,20 +1,18 @@
 """Clipping and clearing the gradients of a step: torch's kernels, without torch's per-call wrappers.
 
-``torch.nn.utils.clip_grad_norm_`` groups the gradients by device and dtype, checks each group's
-foreach support and moves every per-tensor norm to the first device, on every call: ~30 µs of
-Python per step for a small model, more with hundreds of tensors. When every gradient is a plain
-dense tensor on one device in one dtype (one process on the CPU, the common case) the grouping
-has one answer, and ``clip_grad_norm_`` below runs the same kernels in the same order: the norm
-and the clipped gradients are torch's, bit for bit (``tests/test_gradients.py`` compares them).
-Anything else goes to torch's function.
+``torch.nn.utils.clip_grad_norm_`` groups the gradients by device and dtype, checks foreach
+support and moves every norm to the first device on every call (~30 µs of Python per step for a
+small model). When every gradient is a dense tensor on one device in one dtype, ``clip_grad_norm_``
+below runs the same kernels in the same order: torch's norm and gradients, bit for bit
+(``tests/test_gradients.py``). Anything else goes to torch's function.
 
 ``parameters_of(model)`` is ``list(model.parameters())`` without the walk over every submodule
-on every step (15 µs for a 3-layer MLP, 0.8 ms for a 28-layer Llama, 4.8 ms with LoRA on every
-linear layer: ``benchmarks/parameters_walk.py``): the list is kept per model and made again
-after any module anywhere registers a parameter or a submodule (torch's global registration
-hooks count those: a LoRA layer injected, a parametrization, a module replaced). A model
-dispatched with a device map (accelerate's offload swaps parameter objects without registering
-them) is walked every time.
+on every step (0.8 ms for a 28-layer Llama, 4.8 ms with LoRA: ``benchmarks/parameters_walk.py``):
+the list is kept per model, made again after a module of a listed model registers a parameter or
+a submodule (torch's global registration hooks: LoRA injected, a parametrization, a module
+replaced). Others do not count: Llama's forward slices ``self.layers[:n]`` into a new ModuleList
+each call; counted, under torch.compile dynamo recompiled on the count every step (21x slower,
+H200). A model with a device map (accelerate's offload swaps parameters unregistered) is walked.
 
 ``Optimizer.zero_grad(set_to_none=True)`` sets each ``p.grad`` to None inside a profiler range;
 ``zero_grad`` does the same assignments without the range when no profiler is recording, and
@@ -30,12 +28,14 @@ from collections.abc import Iterable
 import torch
 from torch.utils._foreach_utils import _device_has_foreach_support
 
-_registrations = [0]  # parameters and submodules registered by any module since the hooks were set
+_registrations = [0]  # parameters and submodules registered into a watched module since the hooks were set
 _listed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (registrations, params)
+_watched: weakref.WeakSet = weakref.WeakSet()  # every module of every listed model
 
 
-def _count_registration(*_args) -> None:
-    _registrations[0] += 1  # returns None: torch keeps the registered object as it is
+def _count_registration(parent: torch.nn.Module, *_args) -> None:  # None: torch keeps the object
+    if not torch.compiler.is_compiling() and parent in _watched:  # compiled: only a sliced ModuleList
+        _registrations[0] += 1
 
 
 @functools.cache  # once per process
@@ -52,6 +52,7 @@ def parameters_of(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     listed = _listed.get(model)
     if listed is None or listed[0] != _registrations[0]:
         dispatched = bool(getattr(model, "hf_device_map", None))
+        _watched.update(model.modules())
         listed = (_registrations[0], None if dispatched else list(model.parameters()))
         _listed[model] = listed
     return list(model.parameters()) if listed[1] is None else listed[1]
@@ -97,7 +98,6 @@ def zero_grad(optimizer, model: torch.nn.Module | None = None) -> None:
 
 
 def clear_gradients(model: torch.nn.Module) -> None:
-    """``model.zero_grad()`` (``set_to_none``) over the kept parameter list (``train()`` calls it
-    before the first step, as HF does)."""
+    """``model.zero_grad()`` (set_to_none) over the kept list (``train()`` calls it first, as HF)."""
     for p in parameters_of(model):
         p.grad = None

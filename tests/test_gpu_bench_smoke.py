@@ -14,10 +14,10 @@ BENCH = ROOT / "benchmarks" / "gpu"
 STEPS = "cl_bf16_full,cl_bf16_trained_head,cl_fp16_scaler,cl_packing_segment_sdpa,eval_cl_vs_hf"
 
 
-def smoke(tmp_path, steps, **env):
+def smoke(tmp_path, steps, budget_s=1200, **env):
     out = tmp_path / "smoke.json"
     proc = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--cpu-smoke", "--steps", steps, "--out", str(out),
-                           "--budget-s", "1200"], cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                           "--budget-s", str(budget_s)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, **env})
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
@@ -55,6 +55,16 @@ def test_cpu_smoke_runs_the_chat_sft_rows_of_the_gpu_step(tmp_path):
     # the same layout and batches: the hand-written loop and corelooper's padding-free row learn the same
     assert abs(rows["cl_padding_free"]["eval_loss"] - rows["raw_padding_free"]["eval_loss"]) < 1e-3
     assert res["goals"]["corelooper_leak_free_over_trl_best"]["theirs"] in ("trl_grouped", "trl_padding_free")
+
+
+def test_a_step_that_times_out_keeps_the_rows_it_finished(tmp_path):
+    # the H200 run of 2026-12-04 lost every chat-SFT row to the budget: a long step now writes what
+    # it has after each row, and a timeout records that with the error (the run still exits 1)
+    proc, summary = smoke(tmp_path, "sft_chat_peers_bf16", budget_s=45)
+    assert proc.returncode == 1
+    res = summary["results"]["sft_chat_peers_bf16"]
+    assert res["error"] == "timed out after 45 s" and res["partial"] is True
+    assert 1 <= len(res["table"]) < 7 and all(r["trained_tok_per_s"] > 0 for r in res["table"])
 
 
 def test_a_row_that_runs_away_is_cut_and_recorded(tmp_path):

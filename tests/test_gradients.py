@@ -162,10 +162,31 @@ def test_parameters_of_is_model_parameters_and_kept_between_calls():
     first = parameters_of(model)
     assert _same_objects(first, model)
     assert parameters_of(model) is first  # no walk over the modules on the next step
-    other = _mlp()  # any registration anywhere: every model is listed again, once
-    assert _same_objects(parameters_of(other), other) and _same_objects(parameters_of(model), model)
-    again = parameters_of(model)
-    assert parameters_of(model) is again
+    other = _mlp()  # building a model the lists do not hold: nothing is listed again
+    assert _same_objects(parameters_of(other), other) and parameters_of(model) is first
+
+
+def test_parameters_of_keeps_its_list_when_a_forward_slices_a_module_list():
+    """Llama's forward runs ``self.layers[: config.num_hidden_layers]``: a new ModuleList, whose
+    registrations are of modules the model already holds. Counted, the list was made again every
+    step (and a compiled model recompiled every step: tests/test_lm_options.py)."""
+
+    class Sliced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[:2]:
+                x = layer(x)
+            return x
+
+    model = Sliced()
+    first = parameters_of(model)
+    model(torch.randn(2, 4)).sum().backward()
+    assert parameters_of(model) is first
+    model.layers.append(torch.nn.Linear(4, 4))  # a real change of the model: listed again
+    assert _same_objects(parameters_of(model), model) and len(parameters_of(model)) == 8
 
 
 def test_parameters_of_sees_a_new_submodule_a_replaced_parameter_and_a_parametrization():

@@ -120,6 +120,37 @@ def test_torch_compile_and_tf32_are_applied(tmp_path):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def test_a_compiled_llama_compiles_as_often_as_in_a_hand_written_loop(tmp_path):
+    """Llama's forward slices ``self.layers[:n]`` into a new ModuleList on every call. corelooper's
+    kept parameter list once counted that registration, so dynamo guarded on the count and compiled
+    the model again every step (4 graphs in 4 steps; on an H200 21x slower than torch.compile in a
+    hand-written loop). The oracle is torch.compile itself: the same model, compiled by hand."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    data = _lm_data()
+    graphs = {}
+    for who in ("hand-written", "corelooper"):
+        torch._dynamo.reset()
+        counters.clear()
+        if who == "corelooper":
+            train = {"output_dir": str(tmp_path), "max_steps": 4, "save_strategy": "no", "logging_steps": 1,
+                     "per_device_train_batch_size": 4, "torch_compile": True, "torch_compile_backend": "eager"}
+            Loop(_tiny_llama(), {"train": train}, train_dataset=data).train()
+        else:
+            model = _tiny_llama()
+            model.compile(backend="eager")
+            optimizer = torch.optim.AdamW(model.parameters())
+            for step in range(4):
+                batch = {k: torch.stack([r[k] for r in data[4 * step:4 * step + 4]]) for k in data[0]}
+                model(**batch).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        graphs[who] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs["corelooper"] == graphs["hand-written"] == 1
+
+
 def test_flops_per_token_follows_the_formula():
     pytest.importorskip("transformers")
     model = _tiny_llama()

@@ -73,6 +73,7 @@ def child(step: str, size: str, out_path: str) -> None:
     import steps
 
     t = time.perf_counter()
+    os.environ[steps.PARTIAL_ENV] = f"{out_path}.partial"
     try:
         result = steps.STEPS[step](size)
     except Exception as e:  # noqa: BLE001 — the driver records it and goes on
@@ -85,6 +86,7 @@ def child(step: str, size: str, out_path: str) -> None:
 
 def run_step(step: str, size: str, timeout: float) -> dict:
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-bench-{os.getpid()}-{step}.json"
+    partial = Path(f"{tmp}.partial")
     t = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, str(HERE / "bench.py"), "--child", step, "--size", size, "--child-out", str(tmp)],
@@ -95,8 +97,11 @@ def run_step(step: str, size: str, timeout: float) -> dict:
             res = {"error": f"the step's process ended (rc {p.returncode}) without a result", "stderr": p.stderr[-3000:]}
     except subprocess.TimeoutExpired:
         res = {"error": f"timed out after {timeout:.0f} s"}
+        if partial.exists():  # what the step had done by then (steps.write_partial)
+            res = {**json.loads(partial.read_text()), **res, "partial": True}
     finally:
         tmp.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
     res["process_s"] = round(time.perf_counter() - t, 2)
     return res
 

@@ -13,6 +13,7 @@ parameters without the input embedding, L layers, d hidden, T sequence length).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PARTIAL_ENV = "GPU_BENCH_PARTIAL"  # a file a long step keeps its results so far in (bench.py sets it)
 sys.path.insert(0, str(ROOT / "benchmarks" / "sft"))
 
 SIZES = {
@@ -446,24 +448,40 @@ def sft_chat_peers(size: str) -> dict:
              "--device", "cuda" if cuda else "cpu"]
     deadline = time.perf_counter() + SFT_SECONDS[size]
     runs: dict[str, list[dict]] = {m: [] for m in SFT_METHODS}
-    rep, rep_s = 0, 0.0
+    rep, rep_s, out = 0, 0.0, {}
     while rep == 0 or time.perf_counter() + rep_s < deadline:  # another repetition only if it fits
         t, k = time.perf_counter(), rep % len(SFT_METHODS)
         for m in SFT_METHODS[k:] + SFT_METHODS[:k]:
-            # a row that runs away is cut at the step's time (recorded as failed), the others still run
-            left = max(5.0, deadline - time.perf_counter()) if rep else SFT_SECONDS[size] / 2
-            runs[m].append(run_bench.run(m, rep, extra, timeout=left))
+            # each row may take the step's time left (at least 30 s): a row that runs away is cut
+            # (recorded as failed), and the rows done are written after each one (a timeout keeps them)
+            runs[m].append(run_bench.run(m, rep, extra, timeout=max(30.0, deadline - time.perf_counter())))
+            out = sft_summary(runs, extra, rep + 1)
+            write_partial(out)
         rep, rep_s = rep + 1, time.perf_counter() - t
-    table = run_bench.summarize(runs)
-    goals = run_bench.compare(table, runs)
-    failed = {m: (r[0].get("failed") or "")[-600:] for m, r in runs.items() if r and "trained_tok_per_s" not in r[0]}
+    return out
+
+
+def sft_summary(runs: dict[str, list[dict]], extra: list[str], reps: int) -> dict:
+    import run_bench  # benchmarks/sft/run_bench.py
+
+    done = {m: r for m, r in runs.items() if r}
+    table = run_bench.summarize(done)
+    goals = run_bench.compare(table, done)
+    failed = {m: (r[0].get("failed") or "")[-600:] for m, r in done.items() if "trained_tok_per_s" not in r[0]}
     best = max((r for r in table if "trained_tok_per_s" in r), key=lambda r: r["trained_tok_per_s"], default=None)
-    out = {"args": extra, "reps": rep, "table": table, "goals": goals, "failed_rows": failed}
+    out = {"args": extra, "reps": reps, "table": table, "goals": goals, "failed_rows": failed}
     if best:
         out["fastest_row"] = best["method"]
         out["tokens_per_s"] = next((r["trained_tok_per_s"] for r in table if r["method"] == "cl_padding_free"
                                     and "trained_tok_per_s" in r), None)
     return out
+
+
+def write_partial(result: dict) -> None:
+    """What a long step has so far, where bench.py reads it if the step times out."""
+    path = os.environ.get(PARTIAL_ENV)
+    if path:
+        Path(path).write_text(json.dumps(result))
 
 
 # -- auto batch size, doctor -------------------------------------------------------------------------
