@@ -19,7 +19,8 @@ from them a slice of rows at a time, not a second float32 log-softmax as large a
 * ``[lm] head = "trained"``: the head over trained positions only (refused, with the reason, where
   that would not be the model's own loss); ``"all"``: every position (HF); ``"auto"`` (default):
   ``"trained"`` in runs with an ``[sft]`` section (prompt-masked chat data) where it is exact,
-  ``"all"`` elsewhere (and where Liger's fused linear cross-entropy is on). Both together: the
+  ``"all"`` elsewhere (and where Liger's fused linear cross-entropy or ``train.torch_compile`` is
+  on: selecting the trained rows breaks a compiled graph). Both together: the
   chunked loss over the trained positions.
 
 And an evaluation metric: ``[lm] token_accuracy`` (unset or ``"auto"``: in ``[sft]`` runs) gives every
@@ -84,8 +85,11 @@ def corelooper_configure(config, plugins):
         counter = TrainTokenAccuracy(accuracy, entropy)  # token_accuracy / entropy in the training logs
         plugins.register(counter, ACCURACY)
         plugins.register_for_checkpointing(f"{SECTION}.token_accuracy", counter)
-    if head == "auto":  # "trained?": only where exact; Liger's fused loss already skips the full logits
-        head = "trained?" if "sft" in config.sections and not liger_flce else "all"
+    # "auto": "trained?" (only where exact) in [sft] runs; not with Liger's fused loss (it already
+    # skips the full logits) nor torch_compile (the row selection breaks the compiled graph: nonzero)
+    compiled = bool(getattr(config.train, "torch_compile", False) or getattr(config.train, "torch_compile_backend", None))
+    if head == "auto":
+        head = "trained?" if "sft" in config.sections and not liger_flce and not compiled else "all"
     if loss == "default" and head == "all" and counter is None:
         plugins.set_inactive(SECTION, "lm.loss is 'default' and the head covers every position (HF's own loss)")
         return

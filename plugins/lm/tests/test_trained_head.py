@@ -166,6 +166,34 @@ def test_asked_for_where_not_exact_is_refused(tmp_path):
         train(toys.tiny_llama(), tmp_path, "bad", {"head": "sideways"})
 
 
+def test_auto_leaves_a_compiled_sft_run_to_the_model_s_own_loss(tmp_path):
+    """With ``train.torch_compile`` the trained rows' selection (``nonzero``) would split the
+    compiled model into many graphs (12-20 for a 2-layer Llama, on CPU with the eager backend); "auto"
+    keeps the model's own loss there, which compiles whole. Asked for, "trained" still runs."""
+    from sft_fixtures import make_model_folder
+    from test_sft_loop import write_chats
+    from torch._dynamo.utils import counters
+
+    model_dir, data = make_model_folder(tmp_path / "model"), write_chats(tmp_path / "chats.jsonl")
+    graphs = {}
+    for head in ("auto", "trained"):
+        torch._dynamo.reset()
+        counters.clear()
+        loop = Loop(config=Config.from_dict({
+            "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data)},
+            "train": {"output_dir": str(tmp_path / head), "max_steps": 2, "save_strategy": "no",
+                      "per_device_train_batch_size": 6, "disable_tqdm": True, "torch_compile": True,
+                      "torch_compile_backend": "eager"},
+            "sft": {"assistant_only_loss": True, "max_length": 64, "padding_free": False},
+            "lm": {"head": head},
+        }), blocked_plugins=["console"])
+        assert loop.plugins.pm.get_plugin("lm.run").head == ("all" if head == "auto" else "trained")
+        loop.train()
+        graphs[head] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs["auto"] == 1 < graphs["trained"]  # 1 and 20 graphs in 4 steps when written
+
+
 def test_auto_is_on_in_sft_runs_and_off_elsewhere(tmp_path):
     from sft_fixtures import make_model_folder
     from test_sft_loop import write_chats
