@@ -36,9 +36,8 @@ class NonFiniteGuard:
         self.on_cpu = on_cpu
         self.max_skipped = max_skipped
         self.deferred = deferred and policy == "stop"
-        self.skipped_in_row = 0
-        self.skipped_total = 0
-        self._pending = None  # (host flag, step, micro_batches, losses, grad_norm)
+        self.skipped_in_row = self.skipped_total = 0
+        self._pending = None  # (host flag, step, host micro_batches, losses, grad_norm)
 
     def check(self, loop, micro_batches: list, losses: list, step_loss, grad_norm) -> bool:
         """True: apply this step's update. False: skip it (``skip_step``). Raises on ``stop``."""
@@ -88,7 +87,8 @@ class NonFiniteGuard:
         if action == "skip_step" and self.skipped_in_row + 1 > self.max_skipped:
             action = "stop"
         indices = sample_indices(loop, len(micro_batches))
-        loop.events.fire("on_nonfinite", micro_batches=micro_batches, sample_indices=indices,
+        moved = [loop.backend.to_device(b) for b in micro_batches]  # kept on the host (step.py)
+        loop.events.fire("on_nonfinite", micro_batches=moved, sample_indices=indices,
                          loss=torch.stack(losses).sum(), grad_norm=grad_norm, action=action)
         if action == "stop":
             raise NonFiniteError(stop_message(loop, step, losses, grad_norm, indices, self.skipped_in_row))

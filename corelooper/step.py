@@ -45,7 +45,7 @@ def default_training_step(loop, micro_batches: list) -> StepResult:
     """One optimizer step over ``micro_batches``: the loss is the mean over the step's items,
     the same as one big batch."""
     backend, optimizer, model = loop.backend, loop.optimizer, loop.model
-    micro_batches = [backend.to_device(b) for b in micro_batches]
+    host_batches, micro_batches = micro_batches, [backend.to_device(b) for b in micro_batches]
     num_items = num_items_in_batch(loop, micro_batches)
     losses = []
     for i, batch in enumerate(micro_batches):
@@ -59,10 +59,10 @@ def default_training_step(loop, micro_batches: list) -> StepResult:
             loop.events.fire("on_substep_end")
         losses.append(loss.detach())
     step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-    # The norm before clipping, logged as HF 5.x; max_grad_norm = 0: computed, nothing scaled.
-    max_norm = loop.args.max_grad_norm
+    max_norm = loop.args.max_grad_norm  # the norm before clipping is logged (HF 5.x); 0: nothing scaled
     grad_norm = backend.clip_grad_norm(model, max_norm if max_norm > 0 else float("inf"))
-    if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
+    # the host batches: a deferred check keeps them a step (device copies: twice the inputs on the GPU)
+    if not loop.guard.check(loop, host_batches, losses, step_loss, grad_norm):
         zero_grad(optimizer, model)  # skip_step: no update, no scheduler step
         return StepResult(step_loss, grad_norm, None, len(micro_batches))
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)

@@ -168,6 +168,45 @@ def test_the_deferred_check_skips_the_update_on_the_device(train_args):
     assert all(torch.equal(before[k], after[k]) for k in before)  # neither 3 nor 4 was applied
 
 
+def test_the_deferred_check_holds_the_host_batches_not_their_device_copies(train_args):
+    """A deferred check keeps a step's batches until the next step's check, for ``on_nonfinite``.
+    Device copies kept that long put two steps' inputs on the GPU during every forward (the H200's
+    real-OOM run, 2026-12-04); the guard keeps the host batches and moves them only to report. A
+    second device cannot exist here: a backend whose ``to_device`` copies, as a move does, stands
+    in for it; the deferred check is forced on the CPU as in the test above."""
+    import weakref
+
+    from corelooper.backends.local import LocalBackend
+
+    copies, alive_at_forward, reported = [], [], []
+
+    class CopyingBackend(LocalBackend):
+        def to_device(self, batch):
+            moved = {k: v.clone() for k, v in batch.items()}
+            copies.append(weakref.ref(moved["x"]))
+            return moved
+
+    class Plugin:
+        name = "copying_backend"
+
+        def create_backend(self, loop):
+            return CopyingBackend(torch.device("cpu"))
+
+        def on_nonfinite(self, micro_batches):
+            reported.append(any(micro_batches[0]["x"] is r() for r in copies))
+
+    model = mlp()
+    model.register_forward_pre_hook(lambda *_: alive_at_forward.append(sum(r() is not None for r in copies[:-1])))
+    loop = Loop(model, train_args(per_device_train_batch_size=8, max_steps=6, optim="adamw_torch_fused"),
+                train_dataset=toys.Blobs(64), plugins=[Plugin(), InfLossFrom(5, stop=6)], blocked_plugins=["console"])
+    loop.guard.deferred = True
+    with pytest.raises(NonFiniteError, match="global_step 5"):
+        loop.train()
+    # no earlier step's device copy is alive during a training forward (a diagnosis plugin may re-run one after)
+    assert alive_at_forward[:6] == [0] * 6
+    assert reported == [True]  # on_nonfinite still gets the batches on the device
+
+
 def test_the_cli_exits_6_with_one_paragraph_and_keeps_the_last_finite_checkpoint(tmp_path):
     (tmp_path / "task.py").write_text(textwrap.dedent('''
         import torch
