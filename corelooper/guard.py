@@ -87,9 +87,8 @@ class NonFiniteGuard:
         if action == "skip_step" and self.skipped_in_row + 1 > self.max_skipped:
             action = "stop"
         indices = sample_indices(loop, len(micro_batches))
-        moved = [loop.backend.to_device(b) for b in micro_batches]  # kept on the host (step.py)
-        loop.events.fire("on_nonfinite", micro_batches=moved, sample_indices=indices,
-                         loss=torch.stack(losses).sum(), grad_norm=grad_norm, action=action)
+        loop.events.fire("on_nonfinite", micro_batches=[loop.backend.to_device(b) for b in micro_batches],
+                         sample_indices=indices, loss=torch.stack(losses).sum(), grad_norm=grad_norm, action=action)
         if action == "stop":
             raise NonFiniteError(stop_message(loop, step, losses, grad_norm, indices, self.skipped_in_row))
         self.skipped_in_row += 1

@@ -1,7 +1,7 @@
 """The optimizer step: ``default_training_step`` is the builtin ``training_step`` provider.
 
-Read it as nanoGPT's step: fetch -> count the loss-bearing items -> for each micro-batch
-(``no_sync`` on all but the last) ``compute_loss`` -> backward -> clip -> non-finite guard ->
+Read it as nanoGPT's step: fetch -> count the loss-bearing items -> for each micro-batch (to the
+device; ``no_sync`` on all but the last) ``compute_loss`` -> backward -> clip -> non-finite guard ->
 optimizer step -> scheduler -> ``zero_grad``. A plugin may replace it (``training_step``) or
 wrap it (``plugins.call_next``: auto batch size retries it with smaller micro-batches).
 """
@@ -45,11 +45,11 @@ def default_training_step(loop, micro_batches: list) -> StepResult:
     """One optimizer step over ``micro_batches``: the loss is the mean over the step's items,
     the same as one big batch."""
     backend, optimizer, model = loop.backend, loop.optimizer, loop.model
-    host_batches, micro_batches = micro_batches, [backend.to_device(b) for b in micro_batches]
-    num_items = num_items_in_batch(loop, micro_batches)
+    num_items = num_items_in_batch(loop, micro_batches)  # counted on the host: no device copy yet
     losses = []
-    for i, batch in enumerate(micro_batches):
+    for i, host_batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
+        batch = backend.to_device(host_batch)  # one at a time: smaller pieces hold less device memory
         with nullcontext() if last else backend.no_sync(model):
             loss = micro_batch_loss(loop, batch, num_items, len(micro_batches))
             loop.events.fire("on_before_backward", loss=loss)
@@ -61,8 +61,7 @@ def default_training_step(loop, micro_batches: list) -> StepResult:
     step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     max_norm = loop.args.max_grad_norm  # the norm before clipping is logged (HF 5.x); 0: nothing scaled
     grad_norm = backend.clip_grad_norm(model, max_norm if max_norm > 0 else float("inf"))
-    # the host batches: a deferred check keeps them a step (device copies: twice the inputs on the GPU)
-    if not loop.guard.check(loop, host_batches, losses, step_loss, grad_norm):
+    if not loop.guard.check(loop, micro_batches, losses, step_loss, grad_norm):
         zero_grad(optimizer, model)  # skip_step: no update, no scheduler step
         return StepResult(step_loss, grad_norm, None, len(micro_batches))
     loop.events.fire("on_pre_optimizer_step", optimizer=optimizer)
@@ -96,7 +95,9 @@ def num_items_in_batch(loop, micro_batches: list) -> torch.Tensor | None:
     if loop.plugins.only_builtin("compute_loss") and not reads_num_items(loop, micro_batches[0], whole_step):
         return None
     counts = [count_loss_items(b, loss_type) for b in micro_batches]
-    total = loop.backend.reduce_sum(torch.as_tensor(sum(counts[1:], counts[0])).to(loop.backend.device))
-    if total.device.type == "cpu" and total.numel() == 1 and int(total) >= 1:
-        return total  # on the CPU reading it is free: no clamp kernel when it is not needed
-    return total.clamp(min=1)  # a step with no loss tokens has loss 0, not NaN
+    total = torch.as_tensor(sum(counts[1:], counts[0]))
+    if loop.backend.num_processes > 1:  # the collective runs on the device
+        total = loop.backend.reduce_sum(total.to(loop.backend.device, non_blocking=True))
+    # a step with no loss tokens has loss 0, not NaN (on the host the test is free: no clamp kernel)
+    total = total.clamp(min=1) if total.device.type != "cpu" or int(total) < 1 else total
+    return total.to(loop.backend.device, non_blocking=True)

@@ -201,7 +201,7 @@ class AutoBatchSize:
 
         model, backend = loop.model, loop.backend
         loader = loop.plugins.call_provider("train_dataloader", loop=loop, dataset=loop.train_dataset)[0]
-        batch = backend.to_device(next(iter(loader)))
+        batch = next(iter(loader))  # on the host: only the piece tried goes to the device
         rng = rng_state()
         buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
         was_training = model.training
@@ -213,7 +213,7 @@ class AutoBatchSize:
                 loop.resolve_loss_type(piece)  # as the first training step would: count its items
                 oom, fatal = False, None
                 try:
-                    self._forward_backward(loop, piece, self.micro_batches_per_step(loop))
+                    self._forward_backward(loop, backend.to_device(piece), self.micro_batches_per_step(loop))
                 except Exception as e:  # keep no reference: its traceback holds the activations
                     if is_oom(e):
                         oom = True

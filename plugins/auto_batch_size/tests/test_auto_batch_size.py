@@ -386,3 +386,55 @@ def test_auto_batch_size_retries_the_next_training_step_provider_not_the_builtin
     oom.train()
     assert nxt.sizes == [[16], [8, 8], [4, 4, 4, 4], [4, 4, 4, 4]]  # step 1: two OOMs, then 4 x 4
     assert oom.model.ooms == 2
+
+
+@pytest.mark.parametrize("probe", [False, True])
+def test_a_smaller_micro_batch_also_holds_fewer_inputs_on_the_device(tmp_path, probe):
+    """On a GPU the step's inputs take device memory too. When every micro-batch of the step was
+    moved before the first forward, halving the micro-batch left all 16 samples' inputs on the
+    device, and only the activations shrank: a budget that 4 x 4 fits could look full at every
+    size (the H200's real-OOM run went 64 -> 1). The fake OOM here counts both: the rows of the
+    inputs alive on the "device" plus the forward's own rows (its activations). A second device
+    cannot exist here: a backend whose ``to_device`` copies, as a move does, stands in for it."""
+    import weakref
+
+    from auto_batch_toys import OOM, LimitedMLP
+
+    from corelooper.backends.local import LocalBackend
+
+    alive: list = []
+
+    class CopyingBackend(LocalBackend):
+        def to_device(self, batch):
+            moved = {k: v.clone() for k, v in batch.items()}
+            alive.append(weakref.ref(moved["x"]))
+            return moved
+
+    class Provider:
+        name = "copying-backend"
+
+        def create_backend(self, loop):
+            return CopyingBackend(torch.device("cpu"))
+
+    class DeviceBudget(LimitedMLP):
+        """Fits while the rows of the inputs on the device plus this forward's rows are <= 10."""
+
+        def _too_big(self, rows: int) -> bool:
+            self.sizes.append((self.training, rows))
+            inputs = sum(x().shape[0] for x in alive if x() is not None)
+            if self.training and inputs + rows > 10:
+                self.ooms += 1
+                raise OOM(f"CUDA out of memory (FAKE: {inputs} input rows + {rows} activation rows > 10)")
+            return False
+
+    torch.manual_seed(0)
+    oom = make_loop(tmp_path, "oom", DeviceBudget(), auto_find_batch_size=True, plugins=[Provider()],
+                    section={"probe": probe})
+    oom.train()
+    ref = make_loop(tmp_path, "ref", mlp(), per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    ref.train()
+    assert shrinks(oom) == [(0, 8), (0, 4)]  # 16 + 16 and 8 + 8 do not fit, 4 + 4 does
+    assert oom.model.ooms == 2  # and with the probe, training found nothing left to shrink
+    assert geometry(oom) == (16, 1, 4)
+    assert oom.state.global_step == ref.state.global_step == 8
+    assert max_diff(weights(oom), weights(ref)) <= 1e-5
