@@ -207,3 +207,15 @@ def test_preprocessing_benchmark_smoke_times_both_and_the_cached_second_start(tm
     (summary,) = result["summary"]
     assert summary["to_first_step_s"]["verdict"] == "inconclusive"  # one repetition: no interval
     assert "goal (300 conversations, TRL / corelooper, to_first_step_s)" in proc.stdout
+
+
+def test_the_lean_forward_computes_the_model_s_loss():
+    """benchmarks/sft/lean_forward.py's figure in the README compares the same maths: its
+    hand-written forward gives the model's own loss on the first micro-batch."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "lean_forward.py"), "--samples", "16", "--reps", "1",
+                           "--threads", "1"], cwd=BENCH / "sft", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["first_loss"]["model"] == pytest.approx(out["first_loss"]["lean"], rel=1e-6)
+    assert out["batches"] == 2 and len(out["model_over_lean"]) == 1
