@@ -194,30 +194,13 @@ def test_one_micro_batch_is_on_the_device_at_a_time_and_the_weights_are_the_same
     batch size's smaller pieces the inputs' memory then shrinks with the micro-batch. A second
     device cannot exist here: a backend whose ``to_device`` copies, as a move does, stands in
     for it. ``num_items_in_batch`` is counted on the host batches, with the same result."""
-    import weakref
-
-    from corelooper.backends.local import LocalBackend
-
-    copies, alive_at_forward = [], []
-
-    class CopyingBackend(LocalBackend):
-        def to_device(self, batch):
-            moved = {k: v.clone() for k, v in batch.items()}
-            copies.append(weakref.ref(moved["input_ids"]))
-            return moved
-
-    class Plugin:
-        name = "copying_backend"
-
-        def create_backend(self, loop):
-            return CopyingBackend(torch.device("cpu"))
-
+    plugin, alive_at_forward = toys.CopyingDevice("input_ids"), []
     model = toys.tiny_lm(seed=0)
     base_losses, base_params, _ = train(model, lm_data, train_args, batch=2, ga=4, clip=0.5)
     copied = copy.deepcopy(model)
-    copied.register_forward_pre_hook(lambda *_: alive_at_forward.append(sum(r() is not None for r in copies)))
-    losses, params, loop = train(copied, lm_data, train_args, batch=2, ga=4, clip=0.5, plugins=[Plugin()])
-    assert loop.state.global_step == 6 and len(copies) == 24  # every micro-batch was moved once
+    copied.register_forward_pre_hook(lambda *_: alive_at_forward.append(plugin.alive()))
+    losses, params, loop = train(copied, lm_data, train_args, batch=2, ga=4, clip=0.5, plugins=[plugin])
+    assert loop.state.global_step == 6 and len(plugin.copies) == 24  # every micro-batch was moved once
     assert alive_at_forward == [1] * 24  # only the forward's own micro-batch (before: all 4 of the step)
     assert losses == base_losses  # bit-equal: the same count, the same sums
     assert max_param_diff(base_params, params) == 0.0

@@ -174,31 +174,17 @@ def test_the_deferred_check_holds_the_host_batches_not_their_device_copies(train
     real-OOM run, 2026-12-04); the guard keeps the host batches and moves them only to report. A
     second device cannot exist here: a backend whose ``to_device`` copies, as a move does, stands
     in for it; the deferred check is forced on the CPU as in the test above."""
-    import weakref
+    alive_at_forward, reported = [], []
 
-    from corelooper.backends.local import LocalBackend
-
-    copies, alive_at_forward, reported = [], [], []
-
-    class CopyingBackend(LocalBackend):
-        def to_device(self, batch):
-            moved = {k: v.clone() for k, v in batch.items()}
-            copies.append(weakref.ref(moved["x"]))
-            return moved
-
-    class Plugin:
-        name = "copying_backend"
-
-        def create_backend(self, loop):
-            return CopyingBackend(torch.device("cpu"))
-
+    class Plugin(toys.CopyingDevice):
         def on_nonfinite(self, micro_batches):
-            reported.append(any(micro_batches[0]["x"] is r() for r in copies))
+            reported.append(any(micro_batches[0]["x"] is r() for r in self.copies))
 
+    plugin = Plugin("x")
     model = mlp()
-    model.register_forward_pre_hook(lambda *_: alive_at_forward.append(sum(r() is not None for r in copies[:-1])))
+    model.register_forward_pre_hook(lambda *_: alive_at_forward.append(plugin.alive(but_last=True)))
     loop = Loop(model, train_args(per_device_train_batch_size=8, max_steps=6, optim="adamw_torch_fused"),
-                train_dataset=toys.Blobs(64), plugins=[Plugin(), InfLossFrom(5, stop=6)], blocked_plugins=["console"])
+                train_dataset=toys.Blobs(64), plugins=[plugin, InfLossFrom(5, stop=6)], blocked_plugins=["console"])
     loop.guard.deferred = True
     with pytest.raises(NonFiniteError, match="global_step 5"):
         loop.train()

@@ -107,3 +107,33 @@ def blobs_eval(**_) -> Blobs:
 
 def accuracy(predictions: torch.Tensor, label_ids: torch.Tensor) -> dict[str, float]:
     return {"accuracy": (predictions.argmax(-1) == label_ids).float().mean().item()}
+
+
+class CopyingDevice:
+    """A plugin whose backend's ``to_device`` copies each batch, as a move to a second device does
+    (none exists in CI), and keeps a weak reference to each copy's ``key`` tensor: ``alive()``
+    counts the copies something still holds, as device memory would."""
+
+    name = "copying_backend"
+
+    def __init__(self, key: str) -> None:
+        self.key, self.copies = key, []
+
+    def create_backend(self, loop):
+        import weakref
+
+        from corelooper.backends.local import LocalBackend
+
+        copies, key = self.copies, self.key
+
+        class CopyingBackend(LocalBackend):
+            def to_device(self, batch):
+                moved = {k: v.clone() for k, v in batch.items()}
+                copies.append(weakref.ref(moved[key]))
+                return moved
+
+        return CopyingBackend(torch.device("cpu"))
+
+    def alive(self, but_last: bool = False) -> int:
+        """Copies still referenced (``but_last``: leaving out the newest)."""
+        return sum(r() is not None for r in (self.copies[:-1] if but_last else self.copies))
