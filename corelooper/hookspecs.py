@@ -321,8 +321,8 @@ def training_step(loop, micro_batches: list):
     micro-batches it ran. An older provider's ``(loss, grad_norm)`` tuple still works (the
     scheduler's current rate is logged then). The builtin is
     ``corelooper.step.default_training_step(loop, micro_batches)``: count ``num_items_in_batch``
-    on the host, for each micro-batch move it to the device, (``no_sync`` on all but the last)
-    ``compute_loss`` -> backward, then clip -> optimizer step -> scheduler -> ``zero_grad``.
+    on the host, then for each micro-batch: move it to the device, (``no_sync`` on all but the
+    last) ``compute_loss`` -> backward; then clip -> optimizer step -> scheduler -> ``zero_grad``.
     A plugin may replace it (a SAM-style two-pass step), or wrap the next provider by calling
     ``loop.plugins.call_next("training_step", self, loop=loop, micro_batches=...)`` (auto batch
     size retries it with smaller micro-batches).

@@ -50,6 +50,12 @@ def test_hookspec_is_documented_with_its_signature(name):
     assert returns is None or f"**Returns** {returns}." in section, f"{name}'s return is stale: {REGENERATE}"
 
 
+def test_docs_are_what_the_hookspecs_generate():
+    """docs/hooks.md says it is generated from hookspecs.py: a docstring edited there and not
+    regenerated here (the step's description, once) fails, not only a signature."""
+    assert DOCS.read_text() == render(), f"docs/hooks.md is stale: {REGENERATE}"
+
+
 def test_docs_list_no_hook_that_does_not_exist():
     documented = set(re.findall(r"^### `(\w+)`", DOCS.read_text(), re.M))
     assert documented == set(all_hookspecs())
