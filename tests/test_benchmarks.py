@@ -219,3 +219,80 @@ def test_the_lean_forward_computes_the_model_s_loss():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["first_loss"]["model"] == pytest.approx(out["first_loss"]["lean"], rel=1e-6)
     assert out["batches"] == 2 and len(out["model_over_lean"]) == 1
+
+
+def lockstep_module():
+    sys.path.insert(0, str(BENCH / "sft"))
+    import lockstep
+
+    return lockstep
+
+
+def test_lockstep_turns_go_round_in_order_and_skip_a_finished_contender():
+    """benchmarks/sft/lockstep.py's driver: A's turn, B's, C's, then A's again; a contender whose
+    call returned (``d``) gets no more turns."""
+    log = []
+
+    class Fake:
+        def __init__(self, name, turns):
+            self.name, self.turns = name, turns
+
+        def go(self):
+            log.append(self.name)
+
+        def answer(self):
+            self.turns -= 1
+            return b"d" if self.turns == 0 else b"s"
+
+    lockstep_module().take_turns([Fake("A", 3), Fake("B", 1), Fake("C", 2)])
+    assert "".join(log) == "ABCACA"
+
+
+def test_a_lockstep_contender_ends_its_turn_every_n_steps_and_times_each_step():
+    """The contender's side over real pipes: the optimizer-step hook ends the turn (``s``) every
+    ``steps_per_turn`` steps and waits for ``g``; each step is timed once; a wrong byte stops it."""
+    import os
+
+    lockstep = lockstep_module()
+    to_child, driver_writes = os.pipe()
+    driver_reads, from_child = os.pipe()
+    me = lockstep.Child(to_child, from_child, steps_per_turn=2)
+    os.write(driver_writes, b"ggg")  # the first turn, then the two after it
+    me.wait(b"g")
+    for _ in range(5):
+        me.step_ended()
+    assert os.read(driver_reads, 16) == b"ss"
+    assert len(me.spans) == 5 and all(s >= 0 for s in me.spans)
+    os.write(driver_writes, b"x")
+    with pytest.raises(SystemExit, match="expected b'g'"):
+        me.step_ended()
+    for fd in (driver_writes, driver_reads):
+        os.close(fd)
+
+
+def test_lockstep_trains_every_row_as_a_run_alone(tmp_path):
+    """In lockstep each row trains what it trains alone: the HF row's eval loss equals
+    run_one.py's for the same seed, corelooper's equals the hand-written loop's (the same batches),
+    every row takes its steps, and one repetition gives no interval, so no verdict."""
+    pytest.importorskip("trl")
+    out = tmp_path / "lockstep.json"
+    small = ["--samples", "16", "--eval-samples", "8"]
+    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "lockstep.py"), "--reps", "1", *small, "--methods",
+                           "cl_padding_free,raw_padding_free,hf_grouped", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    alone = subprocess.run([sys.executable, str(BENCH / "sft" / "run_one.py"), "hf_grouped", *small, "--seed", "0"],
+                           capture_output=True, text=True, timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["runs"][0]["rows"]
+    assert {m: r["optimizer_steps"] for m, r in rows.items()} == {"cl_padding_free": 2, "raw_padding_free": 2,
+                                                                    "hf_grouped": 2}
+    assert not any(r["error"] for r in rows.values())
+    assert rows["hf_grouped"]["eval_loss"] == json.loads(alone.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert rows["cl_padding_free"]["eval_loss"] == rows["raw_padding_free"]["eval_loss"]
+    goals = result["goals"]
+    assert set(goals) == {f"{g}/{k}" for g in ("hf_best", "raw_padding_free")
+                          for k in ("trained_tok_per_s", "trained_tok_per_s_steady")}
+    assert {g["verdict"] for g in goals.values()} == {"inconclusive"}
+    assert "cl_padding_free over raw_padding_free" in proc.stdout

@@ -272,7 +272,8 @@ def _loop(model, dataset, h, collator, **train):
                      mixed_precision="bf16" if h.bf16 else "no", **train)
     # [lm] head "trained" and the training token_accuracy: what an [sft] run does by default
     # (corelooper_lm.trained_head, corelooper_lm.accuracy; TRL's rows count mean_token_accuracy too)
-    config = Config(train=args, sections={"lm": {"head": train_head(h), "token_accuracy": True}})
+    accuracy = getattr(h, "cl_token_accuracy", True)
+    config = Config(train=args, sections={"lm": {"head": train_head(h), "token_accuracy": accuracy}})
     loop = Loop(model, config, train_dataset=dataset, data_collator=collator)
     loop.train()
     shutil.rmtree(out, ignore_errors=True)
@@ -400,6 +401,13 @@ def cl_padding_free_all(model, train, h):
     return cl_padding_free(model, train, h)
 
 
+def cl_padding_free_all_no_accuracy(model, train, h):
+    """cl_padding_free_all without the training ``token_accuracy`` (a diagnostic, in no goal): what
+    that metric costs, and what the framework costs without it (lockstep.py)."""
+    h = SimpleNamespace(**{**vars(h), "cl_token_accuracy": False})
+    return cl_padding_free_all(model, train, h)
+
+
 def cl_padding_free(model, train, h):
     if packing_layout(h) == "collators":
         raise Unavailable("--cl-packing collators: corelooper_lm.collators has no padding-free path (it is in "
@@ -422,7 +430,7 @@ METHODS = {
     "trl_padding_free_seg": trl_padding_free_seg, "trl_packing_bfd": trl_packing_bfd,
     "raw_padding_free": raw_padding_free,
     "cl_padded": cl_padded, "cl_grouped": cl_grouped, "cl_packed": cl_packed, "cl_padding_free": cl_padding_free,
-    "cl_padding_free_all": cl_padding_free_all,
+    "cl_padding_free_all": cl_padding_free_all, "cl_padding_free_all_no_accuracy": cl_padding_free_all_no_accuracy,
 }
 # Rows that give a peer corelooper's attention kernel: not one of its documented settings, so
 # they are reported beside "best" (the best of each peer's documented settings), not inside it.

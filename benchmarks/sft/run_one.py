@@ -7,7 +7,7 @@ usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] 
                          [--cl-head trained|all] [--profile OUT.prof]
 METHOD: hf_padded hf_grouped hf_flattening hf_flattening_seg trl_padded trl_grouped
         trl_padding_free trl_padding_free_seg trl_packing_bfd raw_padding_free cl_padded cl_grouped
-        cl_packed cl_padding_free cl_padding_free_all (methods.py)
+        cl_packed cl_padding_free cl_padding_free_all cl_padding_free_all_no_accuracy (methods.py)
 
 Times the framework call (trainer construction + train, i.e. including its own data
 preparation) up to its last optimizer step (and the whole call, with the end-of-run save; and the
