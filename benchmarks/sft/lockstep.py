@@ -28,6 +28,7 @@ bootstrap interval; they are a diagnostic beside its verdicts.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -189,13 +190,15 @@ def summarize(reps: list[dict], methods: list[str]) -> dict:
         rows = [m for m in methods if m.startswith(prefix)]
         return max(rows, key=lambda m: table[m]["trained_tok_per_s"]) if rows else None
 
+    def paired(a: str, b: str, key: str = "trained_tok_per_s") -> list[float]:
+        return [r["rows"][a][key] / r["rows"][b][key] for r in reps if r["rows"][a].get(key) and r["rows"][b].get(key)]
+
     goals = {}
     for name, theirs in (("trl_best", best("trl_")), ("hf_best", best("hf_")), ("raw_padding_free", best("raw_"))):
         if theirs is None or ours not in methods:
             continue
         for key in ("trained_tok_per_s", "trained_tok_per_s_steady"):
-            pairs = [r["rows"][ours][key] / r["rows"][theirs][key] for r in reps
-                     if r["rows"][ours].get(key) and r["rows"][theirs].get(key)]
+            pairs = paired(ours, theirs, key)
             if not pairs:
                 continue
             ci = median_ci95(pairs)
@@ -203,14 +206,9 @@ def summarize(reps: list[dict], methods: list[str]) -> dict:
             goals[f"{name}/{key}"] = dict(theirs=theirs, goal=GOALS[name], paired_median=median, ci95=ci,
                                           verdict=verdict(median, GOALS[name], ci),
                                           per_repetition=[round(x, 3) for x in pairs])
-    # every pair of rows (no goal): e.g. the trained head over the full one, framework over hand-written
-    ratios = {}
-    for a_ in methods:
-        for b_ in methods:
-            pairs = [r["rows"][a_]["trained_tok_per_s"] / r["rows"][b_]["trained_tok_per_s"] for r in reps
-                     if a_ != b_ and r["rows"][a_].get("trained_tok_per_s") and r["rows"][b_].get("trained_tok_per_s")]
-            if pairs and methods.index(a_) < methods.index(b_):
-                ratios[f"{a_}/{b_}"] = dict(paired_median=round(statistics.median(pairs), 3), ci95=median_ci95(pairs))
+    # every two rows, no goal: e.g. the trained head over the full one, the framework over the hand-written loop
+    ratios = {f"{a}/{b}": dict(paired_median=round(statistics.median(pairs), 3), ci95=median_ci95(pairs))
+              for a, b in itertools.combinations(methods, 2) if (pairs := paired(a, b))}
     return dict(table=table, goals=goals, ratios=ratios)
 
 
