@@ -80,15 +80,12 @@ def child(a) -> None:
     """One contender in its own process, as run_one.py runs it, paused between its turns."""
     import common as C
     import methods as M
-    import torch
+    import run_one
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    torch.set_num_threads(a.threads)
-    train, evals = C.make_samples(a.samples, "train"), C.make_samples(a.eval_samples, "eval")
-    st = C.stats(train)
-    h = M.hparams(batch=8, rows=max(1, round(8 * st["mean_len"] / C.MAX_LEN)), max_len=C.MAX_LEN, lr=3e-3,
-                  seed=a.seed, cpu=True, bf16=False, cl_packing="auto", cl_attention="segments", cl_head="trained")
-    model = C.make_model(a.seed)
+    train, evals, st, h, model = run_one.setup(run_one.parse([
+        a.child, "--seed", str(a.seed), "--samples", str(a.samples), "--eval-samples", str(a.eval_samples),
+        "--threads", str(a.threads)]))
     probe = C.Probe(model)
     M.import_framework(a.child)
     me = Child(a.fd_in, a.fd_out, a.steps_per_turn)

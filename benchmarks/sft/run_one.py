@@ -127,8 +127,9 @@ class StepClock:
         return [t0 + self.start.elapsed_time(ev) / 1000 for ev in self.marks]
 
 
-def main() -> None:
-    a = parse()
+def setup(a):
+    """The data, hyper-parameters and model of a run with ``parse``'s arguments ``a`` (lockstep.py
+    sets up its rows with this too): ``(train, evals, stats, h, model)``."""
     import torch
 
     if a.threads:
@@ -142,10 +143,19 @@ def main() -> None:
                   cl_packing=a.cl_packing, cl_attention=a.cl_attention, cl_head=a.cl_head)
     model = C.make_model(a.seed, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875) // 8 * 8,
                          num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.heads)
+    return train, evals, st, h, model
+
+
+def main() -> None:
+    a = parse()
+    import torch
+
+    train, evals, st, h, model = setup(a)
+    cuda = a.device == "cuda"
     probe = C.Probe(model)
     clock = StepClock(cuda)
     M.import_framework(a.method)  # each framework's modules are imported before the timed call, for all alike
-    rec = dict(method=a.method, seed=a.seed, samples=a.samples, batch=a.batch, packed_rows_per_step=rows,
+    rec = dict(method=a.method, seed=a.seed, samples=a.samples, batch=a.batch, packed_rows_per_step=h.rows,
                threads=torch.get_num_threads(), import_s=round(time.perf_counter() - T0, 3),
                layout=M.packing_layout(h) if a.method.startswith(("cl_pack", "cl_padding_free")) else None,
                cl_head=M.train_head(h) if a.method.startswith("cl_") else None)
