@@ -296,3 +296,53 @@ def test_lockstep_trains_every_row_as_a_run_alone(tmp_path):
                           for k in ("trained_tok_per_s", "trained_tok_per_s_steady")}
     assert {g["verdict"] for g in goals.values()} == {"inconclusive"}
     assert "cl_padding_free over raw_padding_free" in proc.stdout
+
+
+def work_module():
+    sys.path.insert(0, str(BENCH / "sft"))
+    import work
+
+    return work
+
+
+def test_the_work_count_is_every_product_the_rows_compute(tmp_path):
+    """benchmarks/sft/work.py counts with torch's FLOP counter (an oracle we did not write). A row
+    that computes every position does 6 FLOPs per weight of its linear layers per position (forward,
+    input gradient, weight gradient): the hand-written loop over the real tokens, HF's padded row
+    over its padded ones. TRL's chunked loss does at least that (its in-place ``addmm_`` products,
+    which torch has no formula for, are counted: without them it came out lower), corelooper's row
+    less, and no product-like op goes uncounted."""
+    pytest.importorskip("trl")
+    out = tmp_path / "work.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "work.py"), "--samples", "24", "--methods",
+                           "cl_padding_free,raw_padding_free,hf_grouped,trl_grouped", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    sys.path.insert(0, str(BENCH / "sft"))
+    import common
+
+    m = common.MODEL
+    hidden, inter, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
+    linear = layers * (4 * hidden * hidden + 3 * hidden * inter) + hidden * m["vocab_size"]
+    for row in ("raw_padding_free", "hf_grouped"):
+        assert rows[row]["flops"]["matmul"] == 6 * linear * rows[row]["positions_computed"], row
+    assert rows["hf_grouped"]["positions_computed"] > rows["raw_padding_free"]["positions_computed"]  # padding
+    assert rows["trl_grouped"]["flops"]["matmul"] >= rows["hf_grouped"]["flops"]["matmul"]
+    assert rows["cl_padding_free"]["flops"]["matmul"] < 0.9 * rows["raw_padding_free"]["flops"]["matmul"]
+    assert all(r["flops"]["attention"] > 0 and r["flops"]["uncounted"] == [] for r in rows.values())
+    assert "MFLOP/trained token" in proc.stdout
+
+
+def test_a_speed_ratio_splits_into_work_and_flop_rate():
+    """work.py's decomposition: speed = work x FLOP rate, and the projection at the hand-written
+    loop's FLOP rate (the peer over the hand-written loop's speed, times the work it spares)."""
+    work = work_module()
+    flops = {"cl_padding_free": 100, "raw_padding_free": 125, "hf_grouped": 150}
+    speed = {"cl_padding_free/raw_padding_free": 1.2, "cl_padding_free/hf_grouped": 1.4,
+             "raw_padding_free/hf_grouped": 1.1}
+    rows = {r["over"]: r for r in work.decompose(flops, speed)}
+    assert rows["raw_padding_free"] == dict(over="raw_padding_free", work_ratio=1.25, speed_ratio=1.2,
+                                            flop_rate_ratio=0.96, at_hand_written_flop_rate=1.25)
+    assert rows["hf_grouped"] == dict(over="hf_grouped", work_ratio=1.5, speed_ratio=1.4, flop_rate_ratio=0.933,
+                                      at_hand_written_flop_rate=1.375)

@@ -4,7 +4,7 @@ usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] 
                          [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--heads 4] [--threads N]
                          [--device cpu|cuda]
                          [--cl-packing auto|collators|packing] [--cl-attention segments|mask]
-                         [--cl-head trained|all] [--profile OUT.prof]
+                         [--cl-head trained|all] [--profile OUT.prof] [--count-flops]
 METHOD: hf_padded hf_grouped hf_flattening hf_flattening_seg trl_padded trl_grouped
         trl_padding_free trl_padding_free_seg trl_packing_bfd raw_padding_free cl_padded cl_grouped
         cl_packed cl_padding_free cl_padding_free_all cl_padding_free_all_no_accuracy (methods.py)
@@ -60,6 +60,8 @@ def parse(argv=None):
     ap.add_argument("--profile", default=None)
     ap.add_argument("--torch-profile", default=None,
                     help="write the framework call's op events (torch.profiler) as JSON (profile_split.py)")
+    ap.add_argument("--count-flops", action="store_true",
+                    help="record the framework call's FLOPs (work.py; torch's FLOP counter: the times are no figures)")
     return ap.parse_args(argv)
 
 
@@ -167,6 +169,10 @@ def main() -> None:
         prof = cProfile.Profile()
     elif a.torch_profile:
         prof = TorchProfile(a.torch_profile)
+    elif a.count_flops:
+        from work import FlopCount
+
+        prof = FlopCount()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t = clock.started()
     try:
@@ -180,7 +186,8 @@ def main() -> None:
     finally:
         if prof:
             prof.disable()
-            prof.dump_stats(a.profile or a.torch_profile)
+            if a.profile or a.torch_profile:
+                prof.dump_stats(a.profile or a.torch_profile)
     steps = clock.times(t)
     wall = time.perf_counter() - t
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -192,6 +199,8 @@ def main() -> None:
     later = sum(probe.trained_per_forward[1:])
     steady = round(later / (steps[-1] - steps[0]), 1) if len(steps) > 1 and steps[-1] > steps[0] else None
     rec.update(fed)
+    if a.count_flops:
+        rec.update(flops=prof.split())
     rec.update(
         train_call_s=round(wall, 3), page_faults=faults, system_cpu_s=system_s, user_cpu_s=round(ru1.ru_utime - ru0.ru_utime, 3), to_last_step_s=round(last_step[0] - t, 3),
         data_prep_s=round(prep, 3) if prep else None,
