@@ -64,7 +64,9 @@ def test_a_step_that_times_out_keeps_the_rows_it_finished(tmp_path):
     assert proc.returncode == 1
     res = summary["results"]["sft_chat_peers_bf16"]
     assert res["error"] == "timed out after 45 s" and res["partial"] is True
-    assert 1 <= len(res["table"]) < 7 and all(r["trained_tok_per_s"] > 0 for r in res["table"])
+    # whether the cut falls in the first repetition or a later one depends on this machine's speed;
+    # either way the rows done are kept (without write_partial the result is the error alone)
+    assert res["table"] and all(r["trained_tok_per_s"] > 0 for r in res["table"])
 
 
 def test_a_row_that_runs_away_is_cut_and_recorded(tmp_path):
