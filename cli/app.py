@@ -85,7 +85,7 @@ def fail(exc: BaseException, show_traceback: bool) -> None:
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a rank under torchrun: name it to the launcher
         from corelooper.cli.launch import record_child_error, under_launcher
 
-        recorded = record_child_error(exc) and under_launcher()
+        recorded = record_child_error(exc, code) and under_launcher()
     if not recorded:
         prefix = "error" if isinstance(exc, CorelooperError) else f"unexpected error ({type(exc).__name__})"
         world = os.environ.get("WORLD_SIZE", "1")

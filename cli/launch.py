@@ -45,6 +45,9 @@ LAUNCHER_PID = "CORELOOPER_LAUNCHER_PID"
 #: How long torchrun lets the ranks finish their step and save after a stop signal, before SIGKILL.
 SHUTDOWN_TIMEOUT = 600
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+#: The key of a rank's torchelastic error file that holds the code it exits with: a rank can still
+#: die of SIGABRT after writing it ("terminate called without an active exception" at exit).
+REPORTED_CODE = "corelooper_exit_code"
 
 
 def child_argv(config: str, overrides: list[str] | None, plugin_options: list[str] | None,
@@ -98,14 +101,35 @@ def launch(nproc: int, argv: list[str]) -> None:
     except SignalException as e:  # torchrun forwarded it to the ranks and waited for them
         raise Stopped(128 + int(e.sigval)) from None
     except ChildFailedError as e:
-        code = stop_code(e)
-        if code:
-            raise Stopped(code) from None
-        error = LaunchError(describe_failure(e, nproc))
-        first = root_failure(e)[1].exitcode
-        if 2 <= first <= 6:  # a reported corelooper error (bad config, data, checkpoint, ...)
-            error.exit_code = first
-        raise error from None
+        raise launch_error(e, nproc) from None
+
+
+def launch_error(error, nproc: int) -> CorelooperError:
+    """What the launcher raises for torchrun's ``ChildFailedError``: ``Stopped`` (130 / 143) or a
+    ``LaunchError`` naming the rank that caused it, with that rank's code when it was a reported
+    corelooper error (2-6: bad config, data, checkpoint, plugin, ...), else 7."""
+    code = stop_code(error)
+    if code:
+        return Stopped(code)
+    failed = LaunchError(describe_failure(error, nproc))
+    first = exit_code_of(root_failure(error)[1])
+    if 2 <= first <= 6:
+        failed.exit_code = first
+    return failed
+
+
+def reported_code(failure) -> int | None:
+    """The code a rank meant to exit with, as its error file records it (``record_child_error``)."""
+    data = getattr(failure, "error_file_data", None)
+    code = data.get(REPORTED_CODE) if isinstance(data, dict) else None
+    return code if isinstance(code, int) else None
+
+
+def exit_code_of(failure) -> int:
+    """The rank's exit code; for a rank that reported its error and then died of a signal while
+    shutting down (a C++ thread's abort at exit), the code it reported."""
+    reported = reported_code(failure)
+    return reported if failure.exitcode < 0 and reported is not None else failure.exitcode
 
 
 def quiet_launcher_logs() -> None:
@@ -156,7 +180,7 @@ def root_failure(error):
     comes before the others (collective failures, deaths by signal); the earliest among equals."""
     def key(item):
         message = _message(item[1])
-        raised = item[1].exitcode > 0 and not message.startswith("To enable traceback") and "PeerLostError" not in message
+        raised = exit_code_of(item[1]) > 0 and not message.startswith("To enable traceback") and "PeerLostError" not in message
         return not raised, item[1].timestamp
 
     return min(error.failures.items(), key=key)
@@ -164,10 +188,13 @@ def root_failure(error):
 
 def describe_failure(error, nproc: int) -> str:
     rank, failure = root_failure(error)
-    if failure.exitcode < 0:
+    code = exit_code_of(failure)
+    if code < 0:
         how = f"was killed by signal {failure.signal_name()}"
+    elif failure.exitcode < 0:  # the error below is what failed; the signal came while shutting down
+        how = f"failed with code {code} (then died of {failure.signal_name()} while shutting down)"
     else:
-        how = f"exited with code {failure.exitcode}"
+        how = f"exited with code {code}"
     message = _message(failure)
     if message.startswith("To enable traceback"):
         message = "see its output above"
@@ -179,15 +206,16 @@ def describe_failure(error, nproc: int) -> str:
     )
 
 
-def record_child_error(exc: BaseException) -> bool:
-    """Write ``exc`` to this rank's torchelastic error file, so the launcher can name it.
-    Returns whether it was written."""
+def record_child_error(exc: BaseException, exit_code: int) -> bool:
+    """Write ``exc`` and the code this rank exits with to its torchelastic error file, so the
+    launcher can name it. Returns whether it was written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return False
     try:
         with open(path, "w") as f:
-            json.dump({"message": f"{type(exc).__name__}: {exc}", "timestamp": int(time.time())}, f)
+            json.dump({"message": f"{type(exc).__name__}: {exc}", "timestamp": int(time.time()),
+                       REPORTED_CODE: exit_code}, f)
     except OSError:  # reporting must never hide the error itself
         print(f"corelooper: could not write {path}", file=sys.stderr)
         return False

@@ -73,6 +73,28 @@ def test_a_failing_rank_shows_no_launcher_line(tmp_path):
     assert_quiet(err)
 
 
+def test_a_rank_that_reported_its_error_and_then_aborted_at_exit_keeps_its_code(tmp_path):
+    """Seen in CI: the failing rank wrote its PluginError, then died of SIGABRT while the
+    interpreter shut down ("terminate called without an active exception"), and the launcher
+    exited 7 with "killed by signal SIGABRT". Here the rank aborts at exit on purpose (an atexit
+    handler of the failing plugin, registered on rank 1 only), through the real launcher."""
+    root = quiet_project(tmp_path)
+    (root / "ctl" / "go").touch()  # no pause
+    (root / "crash.py").write_text(
+        "import atexit\nimport os\n\n\ndef on_step_end(state):\n"
+        "    if os.environ.get('RANK') == '1' and state.global_step == 2:\n"
+        "        atexit.register(os.abort)\n"
+        "        raise RuntimeError('rank one breaks on purpose')\n")
+    proc = start(root, "-p", "crash.py")
+    code, out, err = finish(proc)
+    assert code == 3, err[-3000:]
+    paragraph = [line for line in err.splitlines() if line.startswith("corelooper: error")]
+    assert len(paragraph) == 1, err[-3000:]
+    assert "rank 1 of 2" in paragraph[0] and "failed with code 3 (then died of SIGABRT while shutting down)" \
+        in paragraph[0] and "rank one breaks on purpose" in paragraph[0], err[-3000:]
+    assert_quiet(err)
+
+
 def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after(tmp_path):
     """torchrun's first failure is the earliest by whole-second timestamps: the rank whose collective
     failed because the other rank raised can tie with it (the flaky case of the test above, seen
@@ -100,3 +122,27 @@ def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after
     assert root_failure(timed_out)[0] == 0  # a collective timed out, then the hung rank was killed
     earliest = ChildFailedError("run", {0: failure(0, 3, "ValueError: a", 5), 1: failure(1, 3, "ValueError: b", 4)})
     assert root_failure(earliest)[0] == 1
+
+
+def test_the_code_a_rank_reported_outlives_its_abort_at_exit(tmp_path, monkeypatch):
+    """Both ranks died of SIGABRT: rank 0 after its collective failed, rank 1 after it wrote its
+    own error (record_child_error, the real error file). The launcher names rank 1 and exits
+    with the code rank 1 reported; a rank killed before reporting anything still gives 7."""
+    from corelooper.cli.launch import launch_error, record_child_error
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from corelooper.errors import PluginError
+
+    files = {rank: tmp_path / f"error-{rank}.json" for rank in (0, 1)}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[1]))
+    assert record_child_error(PluginError("Plugin 'crash.py' raised in hook 'on_step_end'"), PluginError.exit_code)
+    files[0].write_text('{"message": "PeerLostError: a collective between the processes failed", "timestamp": 1}')
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=-6, error_file=str(files[rank]))
+                for rank in (0, 1)}
+    error = launch_error(ChildFailedError("run", failures), 2)
+    assert error.exit_code == PluginError.exit_code
+    assert str(error).startswith(f"rank 1 of 2 (local rank 1, pid 101) failed with code {PluginError.exit_code} "
+                                 "(then died of SIGABRT while shutting down) (ranks [0] failed too): PluginError: ")
+    unreported = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    killed = launch_error(ChildFailedError("run", {1: unreported}), 2)
+    assert killed.exit_code == 7 and "was killed by signal SIGKILL" in str(killed)

@@ -182,7 +182,7 @@ class Watchdog:
 
             from corelooper.errors import TrainingError
 
-            record_child_error(TrainingError(message))
+            record_child_error(TrainingError(message), EXIT_CODE)
         except Exception:
             pass
 
