@@ -59,15 +59,20 @@ def test_a_rank_killed_mid_step_is_one_paragraph(tmp_path):
     assert_quiet(err)
 
 
-def test_a_failing_rank_shows_no_launcher_line(tmp_path):
+def run_with_a_crashing_rank(tmp_path, then: str = ""):
+    """A 2-rank run whose local plugin raises on rank 1 at step 2 (after running ``then`` there)."""
     root = quiet_project(tmp_path)
     (root / "ctl" / "go").touch()  # no pause
     (root / "crash.py").write_text(
-        "import os\n\n\ndef on_step_end(state):\n"
+        "import atexit\nimport os\n\n\ndef on_step_end(state):\n"
         "    if os.environ.get('RANK') == '1' and state.global_step == 2:\n"
+        f"        {then or 'pass'}\n"
         "        raise RuntimeError('rank one breaks on purpose')\n")
-    proc = start(root, "-p", "crash.py")
-    code, out, err = finish(proc)
+    return finish(start(root, "-p", "crash.py"))
+
+
+def test_a_failing_rank_shows_no_launcher_line(tmp_path):
+    code, out, err = run_with_a_crashing_rank(tmp_path)
     assert code == 3, err[-3000:]
     assert err.count("rank one breaks on purpose") == 1, err[-3000:]
     assert_quiet(err)
@@ -78,15 +83,7 @@ def test_a_rank_that_reported_its_error_and_then_aborted_at_exit_keeps_its_code(
     interpreter shut down ("terminate called without an active exception"), and the launcher
     exited 7 with "killed by signal SIGABRT". Here the rank aborts at exit on purpose (an atexit
     handler of the failing plugin, registered on rank 1 only), through the real launcher."""
-    root = quiet_project(tmp_path)
-    (root / "ctl" / "go").touch()  # no pause
-    (root / "crash.py").write_text(
-        "import atexit\nimport os\n\n\ndef on_step_end(state):\n"
-        "    if os.environ.get('RANK') == '1' and state.global_step == 2:\n"
-        "        atexit.register(os.abort)\n"
-        "        raise RuntimeError('rank one breaks on purpose')\n")
-    proc = start(root, "-p", "crash.py")
-    code, out, err = finish(proc)
+    code, out, err = run_with_a_crashing_rank(tmp_path, then="atexit.register(os.abort)")
     assert code == 3, err[-3000:]
     paragraph = [line for line in err.splitlines() if line.startswith("corelooper: error")]
     assert len(paragraph) == 1, err[-3000:]
