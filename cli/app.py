@@ -93,6 +93,7 @@ def fail(exc: BaseException, show_traceback: bool) -> None:
         typer.echo(f"corelooper: {prefix}{rank}: {exc}", err=True)
         if not show_traceback and code not in INPUT_ERRORS:
             typer.echo("(run with --traceback for the full traceback)", err=True)
+    _exit_if_distributed(code)
     raise typer.Exit(code)
 
 
@@ -156,19 +157,24 @@ def run(
     except Exception as e:
         fail(e, traceback_)
     if preempted_exit:
+        _exit_if_distributed(preempted_exit)
         raise typer.Exit(preempted_exit)
     _exit_if_distributed()
 
 
-def _exit_if_distributed() -> None:
-    """A rank of a finished multi-process command: everything is written and the process group is
-    down. Skip interpreter teardown: when rank 0 hosts the rendezvous store (accelerate launch,
-    torchrun), destroying its server thread at exit can abort ("terminate called without an
-    active exception") a finished run."""
+def _exit_if_distributed(code: int = 0) -> None:
+    """A rank of a multi-process command that is done (finished, or its error reported): run the
+    exit handlers, then skip the interpreter's teardown. Threads left by the process group (a
+    failed rank cannot take it down: the others may be inside a collective) or by rank 0's
+    rendezvous store can abort a teardown ("terminate called without an active exception"), and
+    the launcher would then report a signal instead of this exit code."""
     if os.environ.get("WORLD_SIZE", "1") != "1":
+        import atexit
+
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
 
 
 class _TrainBegan:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 PAD = -100
 
@@ -110,8 +111,6 @@ def _gather(t: torch.Tensor | None, backend) -> torch.Tensor | None:
     if t is None:
         return None
     if backend.num_processes > 1 and t.dim() > 1:
-        import torch.distributed as dist
-
         shape = torch.tensor(t.shape[1:], device=backend.device)
         dist.all_reduce(shape, op=dist.ReduceOp.MAX)
         t = _pad_to(t, tuple(int(s) for s in shape.tolist()))

@@ -6,11 +6,15 @@ their own from the ``create_backend`` hook.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import time
+from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoints.weights import torch_save
 from ..gradients import parameters_of
@@ -64,12 +68,11 @@ class Backend(Protocol):
     def end(self) -> None: ...
 
 
-def _use_cpu(use_cpu: bool) -> bool:
-    return use_cpu or not torch.cuda.is_available()
-
-
-def env_for_one_process() -> None:
-    """Started with plain ``python`` (no launcher): describe a group of one, on a free port."""
+def prepare_process_group() -> None:
+    """Before ``init_process_group``: settle its threads at exit; then, started with plain
+    ``python`` (no launcher), describe a group of one on a free port."""
+    atexit.unregister(settle_process_group_threads)  # once, however many Loops
+    atexit.register(settle_process_group_threads)
     if "RANK" in os.environ:
         return
     import socket
@@ -78,6 +81,26 @@ def env_for_one_process() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def settle_process_group_threads(timeout: float = 2.0) -> None:
+    """At exit, while Python runs: wait until gloo's threads sleep. One that drops a finished
+    collective's tensors in the interpreter's teardown aborts the process ("terminate called without
+    an active exception"); they cannot be joined, as anything may keep their backend alive past
+    ``destroy_process_group`` (torch._dynamo, DTensor caches, DeepSpeed)."""
+    deadline, quiet = time.monotonic() + timeout, 0
+    while quiet < 3 and time.monotonic() < deadline:  # the sleep hands them the GIL they may need
+        time.sleep(0.005)
+        quiet = quiet + 1 if all(state == "S" for state in gloo_thread_states()) else 0
+
+
+def gloo_thread_states(tasks: Path = Path("/proc/self/task")) -> list[str]:
+    """The scheduler state (``R`` running, ``S`` asleep, ...) of each gloo thread (Linux)."""
+    try:
+        gloo = [t for t in tasks.iterdir() if "gloo" in (t / "comm").read_text()] if tasks.is_dir() else []
+        return [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in gloo]
+    except OSError:  # a thread ended while listed: look again
+        return ["?"]
 
 
 class TorchDistributedCollectives:
@@ -89,8 +112,6 @@ class TorchDistributedCollectives:
 
     def _set_rank_attributes(self, on_cuda: bool) -> None:
         """Rank facts from the joined process group; one CUDA device per local rank."""
-        import torch.distributed as dist
-
         self.local_process_index = int(os.environ.get("LOCAL_RANK", 0))
         self.process_index = dist.get_rank()
         self.num_processes = dist.get_world_size()
@@ -105,8 +126,6 @@ class TorchDistributedCollectives:
     def reduce_sum(self, tensor):
         if self.num_processes == 1:
             return tensor
-        import torch.distributed as dist
-
         tensor = tensor.clone()
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
@@ -124,14 +143,14 @@ class TorchDistributedCollectives:
 
     def wait_for_everyone(self) -> None:
         if self.num_processes > 1:
-            import torch.distributed as dist
-
             dist.barrier()
 
 
 class WholeModel:
     """Model and optimizer steps of a backend whose every rank holds the whole model (DDP, one
     device): the user's module inside the wrappers, its full state dict, a plain optimizer step."""
+
+    scaler = None  # accelerate's GradScaler under fp16
 
     def optimizer_step(self, optimizer):
         optimizer.step()
@@ -144,6 +163,19 @@ class WholeModel:
 
     def load_model_state_dict(self, model, state_dict, strict: bool = True):
         self.unwrap_model(model).load_state_dict(state_dict, strict=strict)
+
+    def save_training_state(self, optimizer, directory) -> None:
+        if self.is_main_process:
+            torch_save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
+            if self.scaler is not None:  # fp16's loss scale
+                torch_save(self.scaler.state_dict(), os.path.join(directory, "scaler.pt"))
+
+    def load_training_state(self, optimizer, directory) -> None:
+        state = torch.load(os.path.join(directory, "optimizer.pt"), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(state)
+        path = os.path.join(directory, "scaler.pt")
+        if self.scaler is not None and os.path.exists(path):
+            self.scaler.load_state_dict(torch.load(path, weights_only=True))
 
 
 class AccelerateBackend(WholeModel, TorchDistributedCollectives):
@@ -166,7 +198,9 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
 
         # Several Loops in one process (tests, notebooks) may ask for different precisions.
         AcceleratorState._reset_state()
-        cpu = _use_cpu(use_cpu)
+        if os.environ.get("WORLD_SIZE", "1") != "1":  # accelerate starts the group
+            prepare_process_group()
+        cpu = use_cpu or not torch.cuda.is_available()
         if cpu and mixed_precision == "fp16":
             from ..errors import ConfigError
 
@@ -179,14 +213,11 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
             from accelerate.utils import DistributedDataParallelKwargs
 
             handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
-        acc = self.accelerator
-        self.device = acc.device
-        self.process_index = acc.process_index
-        self.local_process_index = acc.local_process_index
-        self.num_processes = acc.num_processes
-        self.is_main_process = acc.is_main_process
-        self.is_local_main_process = acc.is_local_main_process
+        self.accelerator = acc = Accelerator(cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
+        self.scaler = acc.scaler
+        for fact in ("device", "process_index", "local_process_index", "num_processes", "is_main_process",
+                     "is_local_main_process"):
+            setattr(self, fact, getattr(acc, fact))
         self.mixed_precision = mixed_precision
         self._on_cpu = self.device.type == "cpu"
         if self.num_processes > 1 and str(acc.distributed_type) == "DistributedType.NO":
@@ -232,30 +263,9 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
         # torch's own clip: accelerate's walks every module per call looking for FSDP/DTensors
         return torch.nn.utils.clip_grad_norm_(parameters_of(model), max_norm)
 
-    def save_training_state(self, optimizer, directory) -> None:
-        if self.is_main_process:
-            torch_save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and self.is_main_process:
-            torch_save(scaler.state_dict(), os.path.join(directory, "scaler.pt"))
-
-    def load_training_state(self, optimizer, directory) -> None:
-        state = torch.load(os.path.join(directory, "optimizer.pt"), map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(state)
-        scaler = getattr(self.accelerator, "scaler", None)
-        path = os.path.join(directory, "scaler.pt")
-        if scaler is not None and os.path.exists(path):
-            scaler.load_state_dict(torch.load(path, weights_only=True))
-
     def end(self):
-        """After the last collective: tear the process group down before the interpreter exits
-        (gloo/NCCL threads left running at exit can abort the process)."""
+        """After the last collective: trackers closed and the process group down (accelerate's)."""
         self.accelerator.end_training()
-        import torch.distributed as dist
-
-        if self.num_processes > 1 and dist.is_available() and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
 
 
 def unwrap(model):
@@ -272,8 +282,6 @@ def unwrap(model):
 
 def gather_varlen(tensor: torch.Tensor, device) -> torch.Tensor:
     """all_gather along dim 0 when ranks hold different numbers of rows."""
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     n = torch.tensor([tensor.shape[0]], device=device)
     sizes = [torch.zeros_like(n) for _ in range(world)]

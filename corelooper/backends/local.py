@@ -15,7 +15,6 @@ import os
 
 import torch
 
-from ..checkpoints.weights import torch_save
 from ..gradients import clip_grad_norm_, parameters_of
 from .base import TorchDistributedCollectives, WholeModel
 
@@ -67,13 +66,6 @@ class LocalBackend(WholeModel, TorchDistributedCollectives):
 
     def clip_grad_norm(self, model, max_norm: float):
         return clip_grad_norm_(parameters_of(model), max_norm)  # torch's result, less of its Python
-
-    def save_training_state(self, optimizer, directory) -> None:
-        torch_save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
-
-    def load_training_state(self, optimizer, directory) -> None:
-        state = torch.load(os.path.join(directory, "optimizer.pt"), map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(state)
 
     def end(self) -> None:
         pass

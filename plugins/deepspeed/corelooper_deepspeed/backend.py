@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from corelooper.backends.base import TorchDistributedCollectives, env_for_one_process
+from corelooper.backends.base import TorchDistributedCollectives, prepare_process_group
 from corelooper.errors import CheckpointError, ConfigError
 
 from . import ds_config
@@ -69,7 +69,7 @@ class DeepSpeedBackend(TorchDistributedCollectives):
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         import deepspeed
 
-        env_for_one_process()  # without a launcher's environment DeepSpeed looks for MPI
+        prepare_process_group()  # without a launcher's environment DeepSpeed looks for MPI
         deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
         self._set_rank_attributes(on_cuda)
         self.mixed_precision = args.mixed_precision

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from corelooper.backends.base import TorchDistributedCollectives, env_for_one_process
+from corelooper.backends.base import TorchDistributedCollectives, prepare_process_group
 from corelooper.errors import CheckpointError, ConfigError
 
 SHARDED_DIR = "fsdp_state"  # torch.distributed.checkpoint folder inside a checkpoint
@@ -25,7 +25,7 @@ def ensure_process_group(on_cuda: bool) -> None:
     script was started with plain ``python``)."""
     if dist.is_initialized():
         return
-    env_for_one_process()
+    prepare_process_group()
     dist.init_process_group(backend="nccl" if on_cuda else "gloo")
 
 

@@ -1,0 +1,50 @@
+"""A finished rank must exit 0, not abort in the interpreter's teardown.
+
+gloo's worker thread drops a collective's tensors just after the caller sees the collective finish.
+A tensor whose Python object outlived its last Python reference needs the GIL to be freed; if the
+interpreter is already tearing down, the thread is killed inside C++ and the process aborts
+("terminate called without an active exception", SIGABRT): the launcher reports a finished run as
+failed. CI saw it twice (a DDP test's worker, a launcher test's rank). This test makes the race
+likely on purpose: the gloo threads share the main thread's CPU at SCHED_IDLE, so they run only
+when the main thread sleeps. Without ``settle_process_group_threads`` (registered by ``prepare_process_group``, which every
+backend calls before starting the group) 21 of 40 such jobs aborted on this machine (5 of 10 idle, 16
+of 30 beside a busy process); with it, 0 of 40.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import os, torch, torch.distributed as dist
+from corelooper.backends.base import prepare_process_group
+
+prepare_process_group()
+dist.init_process_group("gloo")
+cpu = int(os.environ["LOCAL_RANK"]) % os.cpu_count()
+os.sched_setaffinity(0, {cpu})
+for task in os.listdir("/proc/self/task"):
+    if "gloo" in open(f"/proc/self/task/{task}/comm").read():
+        os.sched_setaffinity(int(task), {cpu})
+        os.sched_setscheduler(int(task), os.SCHED_IDLE, os.sched_param(0))
+for _ in range(3):
+    dist.all_reduce(torch.ones(1000))
+dist.all_reduce(torch.ones(4_000_000))  # its tensor's last reference is the gloo thread's
+"""
+
+
+def test_a_finished_rank_exits_0_when_gloo_drops_its_last_tensor_late(tmp_path):
+    script = tmp_path / "last_collective.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for attempt in range(8):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+            env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "terminate called" not in proc.stderr, (
+            f"attempt {attempt}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
