@@ -469,11 +469,14 @@ def test_eval_without_eval_data_and_an_impossible_best_metric_fail_at_startup(tm
 
 def _check_finite_on_rank(rank: int, port: int, out: str) -> None:
     """One of two gloo processes: rank 1's weights hold a NaN, rank 0's are finite."""
+    import atexit
+
     import torch.distributed as dist
 
-    from corelooper.backends.base import TorchDistributedCollectives
+    from corelooper.backends.base import TorchDistributedCollectives, settle_process_group_threads
     from corelooper.checkpoints.checkpoint import NonFiniteWeights, check_finite
 
+    atexit.register(settle_process_group_threads)  # as every backend does (a spawned child exits through teardown)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     backend = TorchDistributedCollectives()
     backend._set_rank_attributes(on_cuda=False)
