@@ -156,10 +156,9 @@ def run(
         raise typer.Exit(76) from None
     except Exception as e:
         fail(e, traceback_)
+    _exit_if_distributed(preempted_exit)  # a rank of several processes ends here
     if preempted_exit:
-        _exit_if_distributed(preempted_exit)
         raise typer.Exit(preempted_exit)
-    _exit_if_distributed()
 
 
 def _exit_if_distributed(code: int = 0) -> None:

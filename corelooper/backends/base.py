@@ -87,15 +87,16 @@ def settle_process_group_threads(timeout: float = 2.0) -> None:
     """At exit, while Python runs: wait until gloo's threads sleep. One that drops a finished
     collective's tensors in the interpreter's teardown aborts the process ("terminate called without
     an active exception"); they cannot be joined, as anything may keep their backend alive past
-    ``destroy_process_group`` (torch._dynamo, DTensor caches, DeepSpeed)."""
+    ``destroy_process_group`` (torch._dynamo imported late, DTensor's caches)."""
     deadline, quiet = time.monotonic() + timeout, 0
     while quiet < 3 and time.monotonic() < deadline:  # the sleep hands them the GIL they may need
         time.sleep(0.005)
         quiet = quiet + 1 if all(state == "S" for state in gloo_thread_states()) else 0
 
 
-def gloo_thread_states(tasks: Path = Path("/proc/self/task")) -> list[str]:
+def gloo_thread_states() -> list[str]:
     """The scheduler state (``R`` running, ``S`` asleep, ...) of each gloo thread (Linux)."""
+    tasks = Path("/proc/self/task")
     try:
         gloo = [t for t in tasks.iterdir() if "gloo" in (t / "comm").read_text()] if tasks.is_dir() else []
         return [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in gloo]
