@@ -102,13 +102,27 @@ class Costly(torch.utils.data.Dataset):
 def save(loop: Loop) -> Path:
     """The public API, as the loop calls it."""
     return checkpoint.save_checkpoint(
-        Path(loop.args.output_dir), model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
-        scheduler=loop.scheduler, config=loop.config, state=loop.state, plugin_states={})
+        Path(loop.args.output_dir),
+        model=loop.model,
+        backend=loop.backend,
+        optimizer=loop.optimizer,
+        scheduler=loop.scheduler,
+        config=loop.config,
+        state=loop.state,
+        plugin_states={},
+    )
 
 
 def load(loop: Loop, ckpt: Path) -> None:
-    checkpoint.load_checkpoint(ckpt, model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
-                               scheduler=loop.scheduler, config=loop.config, state=loop.state).apply(loop.state)
+    checkpoint.load_checkpoint(
+        ckpt,
+        model=loop.model,
+        backend=loop.backend,
+        optimizer=loop.optimizer,
+        scheduler=loop.scheduler,
+        config=loop.config,
+        state=loop.state,
+    ).apply(loop.state)
 
 
 def hash_time(ckpt: Path, algorithm: str) -> float:
@@ -127,16 +141,25 @@ def median(xs):
 def bench_save_load(root: Path, mb: int, reps: int) -> dict:
     out = root / "run"
     torch.manual_seed(0)
-    args = TrainArgs(output_dir=str(out), max_steps=1, save_strategy="no", per_device_train_batch_size=8,
-                     learning_rate=1e-4)
+    args = TrainArgs(
+        output_dir=str(out),
+        max_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        learning_rate=1e-4,
+    )
     loop = Loop(Wide(mb), args, train_dataset=Small(), blocked_plugins=["console"])
     loop.train()  # one step: AdamW moments exist (the optimizer state is 2x the weights)
     weights_mb = sum(t.numel() * t.element_size() for t in loop.model.state_dict().values()) / 2**20
     plain = root / "plain.pt"
 
     def plain_save(fsync: bool):
-        state = {"model": loop.model.state_dict(), "optimizer": loop.optimizer.state_dict(),
-                 "scheduler": loop.scheduler.state_dict(), "rng": rng_state()}
+        state = {
+            "model": loop.model.state_dict(),
+            "optimizer": loop.optimizer.state_dict(),
+            "scheduler": loop.scheduler.state_dict(),
+            "rng": rng_state(),
+        }
         torch.save(state, plain)
         if fsync:
             with open(plain, "rb") as f:
@@ -149,8 +172,18 @@ def bench_save_load(root: Path, mb: int, reps: int) -> dict:
         loop.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 
-    rows = {k: [] for k in ("corelooper_save", "torch_save", "torch_save_fsync", "corelooper_load", "torch_load",
-                            "xxh3_128_hash", "blake2b_hash")}
+    rows = {
+        k: []
+        for k in (
+            "corelooper_save",
+            "torch_save",
+            "torch_save_fsync",
+            "corelooper_load",
+            "torch_load",
+            "xxh3_128_hash",
+            "blake2b_hash",
+        )
+    }
     ratios = {"save_vs_torch_save": [], "save_vs_torch_save_fsync": [], "load_vs_torch_load": []}
     for rep in range(reps):
         loop.state.global_step = 100 + rep
@@ -189,8 +222,14 @@ def bench_resume(root: Path, samples: int, reps: int) -> dict:
 
     def make(max_steps: int) -> Loop:
         torch.manual_seed(0)
-        args = TrainArgs(output_dir=str(out), max_steps=max_steps, save_strategy="no",
-                         per_device_train_batch_size=batch, learning_rate=1e-3, overwrite_output_dir=True)
+        args = TrainArgs(
+            output_dir=str(out),
+            max_steps=max_steps,
+            save_strategy="no",
+            per_device_train_batch_size=batch,
+            learning_rate=1e-3,
+            overwrite_output_dir=True,
+        )
         return Loop(Tiny(), args, train_dataset=Costly(samples), blocked_plugins=["console"])
 
     steps_per_epoch = -(-samples // batch)
@@ -242,7 +281,9 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     try:
         results = {
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "reps": a.reps,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "reps": a.reps,
             "save_load": bench_save_load(root, a.mb, a.reps),
             "resume": bench_resume(root, a.samples, a.reps),
         }

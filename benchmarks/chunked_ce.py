@@ -48,13 +48,31 @@ def child(impl: str, tokens: int, vocab: int, hidden: int, chunk: int) -> dict:
     (loss / (y != -100).sum()).backward()
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"impl": impl, "peak_mib": (after - before) / 1024, "seconds": round(seconds, 2),
-            "loss": loss.item(), "grad_w_norm": w.grad.norm().item(), "grad_h_norm": h.grad.norm().item()}
+    return {
+        "impl": impl,
+        "peak_mib": (after - before) / 1024,
+        "seconds": round(seconds, 2),
+        "loss": loss.item(),
+        "grad_w_norm": w.grad.norm().item(),
+        "grad_h_norm": h.grad.norm().item(),
+    }
 
 
 def measure(impl: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", impl, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
-           "--hidden", str(args.hidden), "--chunk", str(args.chunk)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        impl,
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--chunk",
+        str(args.chunk),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -65,7 +83,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128_256)  # Llama 3's vocabulary
     ap.add_argument("--hidden", type=int, default=128)  # small: the logits dominate either way
-    ap.add_argument("--chunk", type=int, default=0, help="tokens per chunk (0: the default, ~256 MiB of logits)")
+    ap.add_argument(
+        "--chunk", type=int, default=0, help="tokens per chunk (0: the default, ~256 MiB of logits)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", choices=["full", "chunked"])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chunked_ce.json")
@@ -76,18 +96,32 @@ def main() -> None:
     rows = [measure("chunked", args), measure("full", args)]
     full, chunked = rows[1], rows[0]
     logits_mib = args.tokens * args.vocab * 4 / 2**20
-    print(f"tokens {args.tokens}, vocab {args.vocab}, hidden {args.hidden}, chunk {args.chunk} "
-          f"(one float32 logits tensor: {logits_mib:.0f} MiB)")
+    print(
+        f"tokens {args.tokens}, vocab {args.vocab}, hidden {args.hidden}, chunk {args.chunk} "
+        f"(one float32 logits tensor: {logits_mib:.0f} MiB)"
+    )
     print("| loss | peak MiB (loss fwd+bwd) | seconds | loss value | grad_w norm |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['impl']} | {r['peak_mib']:.0f} | {r['seconds']} | {r['loss']:.4f} | {r['grad_w_norm']:.6g} |")
+        print(
+            f"| {r['impl']} | {r['peak_mib']:.0f} | {r['seconds']} | {r['loss']:.4f} | {r['grad_w_norm']:.6g} |"
+        )
     ratio = full["peak_mib"] / max(chunked["peak_mib"], 1e-9)
-    print(f"full / chunked peak memory: {ratio:.1f}x; |loss difference| "
-          f"{abs(full['loss'] - chunked['loss']):.3g} (relative {abs(full['loss'] - chunked['loss']) / full['loss']:.2g})")
+    print(
+        f"full / chunked peak memory: {ratio:.1f}x; |loss difference| "
+        f"{abs(full['loss'] - chunked['loss']):.3g} (relative {abs(full['loss'] - chunked['loss']) / full['loss']:.2g})"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"date": time.strftime("%Y-%m-%d"), "load_avg": os.getloadavg(), "tokens": args.tokens,
-              "vocab": args.vocab, "hidden": args.hidden, "chunk": args.chunk, "rows": rows, "ratio": ratio}
+    record = {
+        "date": time.strftime("%Y-%m-%d"),
+        "load_avg": os.getloadavg(),
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        "chunk": args.chunk,
+        "rows": rows,
+        "ratio": ratio,
+    }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -65,9 +65,13 @@ def main() -> None:
             continue
         base = t if base is None else base
         print(f"{name:36s} {t * 1000:7.1f} ms  (+{(t - base) * 1000:6.1f} ms over the interpreter)")
-    exe = shutil.which("corelooper") or str(__import__("pathlib").Path(sys.executable).with_name("corelooper"))
+    exe = shutil.which("corelooper") or str(
+        __import__("pathlib").Path(sys.executable).with_name("corelooper")
+    )
     t = best_of([exe, "--help"], repeat)
-    print(f"{'corelooper --help (whole command)':36s} {t * 1000:7.1f} ms" if t else "corelooper --help failed")
+    print(
+        f"{'corelooper --help (whole command)':36s} {t * 1000:7.1f} ms" if t else "corelooper --help failed"
+    )
 
 
 if __name__ == "__main__":

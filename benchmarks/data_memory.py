@@ -54,8 +54,10 @@ def write_jsonl(path: Path, megabytes: int) -> int:
     with path.open("w", encoding="utf-8") as fh:
         while size < megabytes * 2**20:
             turn = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(8, 200)))  # noqa: E731
-            row = {"messages": [{"role": "user", "content": turn()}, {"role": "assistant", "content": turn()}],
-                   "difficulty_score": rng.random() * 5}
+            row = {
+                "messages": [{"role": "user", "content": turn()}, {"role": "assistant", "content": turn()}],
+                "difficulty_score": rng.random() * 5,
+            }
             line = json.dumps(row, ensure_ascii=False) + "\n"
             fh.write(line)
             size += len(line.encode())
@@ -65,8 +67,9 @@ def write_jsonl(path: Path, megabytes: int) -> int:
 
 def child(method: str, path: Path, cache: Path) -> dict:
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache)}
-    out = subprocess.run([sys.executable, "-c", CHILD, method, str(path)], capture_output=True, text=True,
-                         env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, method, str(path)], capture_output=True, text=True, env=env, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -82,9 +85,18 @@ def main() -> None:
             cache = tmp / f"cache-{mb}"
             for method in ("datasets-first-load", "datasets-cached", "list"):
                 result = child("list" if method == "list" else "datasets", path, cache)
-                print(json.dumps({"method": method, "file_mb": mb, "rows": rows, **{
-                    k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()},
-                    "load": round(os.getloadavg()[0], 2)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "method": method,
+                            "file_mb": mb,
+                            "rows": rows,
+                            **{k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()},
+                            "load": round(os.getloadavg()[0], 2),
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

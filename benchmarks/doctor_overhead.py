@@ -40,13 +40,30 @@ def make_loop(workload: str, steps: int, doctor: bool, outdir: str):
     from corelooper.config import Config
 
     cfg = C.WORKLOADS[workload]
-    config = Config.from_dict({"train": dict(
-        output_dir=outdir, max_steps=steps, per_device_train_batch_size=cfg["batch_size"],
-        learning_rate=C.LR, lr_scheduler_type="linear", max_grad_norm=C.MAX_GRAD_NORM,
-        logging_steps=min(cfg["log_every"], max(1, steps // 5)), save_strategy="no", seed=C.SEED,
-        disable_tqdm=True, use_cpu=True)})
-    return Loop(C.make_model(workload), config, train_dataset=C.make_dataset(workload),
-                plugins=[corelooper_doctor] if doctor else [], blocked_plugins=["console"])
+    config = Config.from_dict(
+        {
+            "train": dict(
+                output_dir=outdir,
+                max_steps=steps,
+                per_device_train_batch_size=cfg["batch_size"],
+                learning_rate=C.LR,
+                lr_scheduler_type="linear",
+                max_grad_norm=C.MAX_GRAD_NORM,
+                logging_steps=min(cfg["log_every"], max(1, steps // 5)),
+                save_strategy="no",
+                seed=C.SEED,
+                disable_tqdm=True,
+                use_cpu=True,
+            )
+        }
+    )
+    return Loop(
+        C.make_model(workload),
+        config,
+        train_dataset=C.make_dataset(workload),
+        plugins=[corelooper_doctor] if doctor else [],
+        blocked_plugins=["console"],
+    )
 
 
 def one_run(workload: str, steps: int, doctor: bool) -> tuple[float, float]:
@@ -60,8 +77,15 @@ def one_run(workload: str, steps: int, doctor: bool) -> tuple[float, float]:
 
 
 #: The events that fire inside every optimizer step (the rest: per log, epoch, run).
-STEP_HOOKS = {"on_step_begin", "on_before_backward", "on_after_backward", "on_substep_end",
-              "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"}
+STEP_HOOKS = {
+    "on_step_begin",
+    "on_before_backward",
+    "on_after_backward",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+}
 
 
 def doctor_hooks(workload: str, steps: int) -> dict:
@@ -77,11 +101,17 @@ def doctor_hooks(workload: str, steps: int) -> dict:
     shutil.rmtree(outdir, ignore_errors=True)
     mine = {k: v for k, v in profiler.seconds.items() if k[0].startswith("doctor")}
     in_steps = sum(v for (_, h), v in mine.items() if h in STEP_HOOKS)
-    return {"doctor_hook_us_per_step": round(sum(mine.values()) / steps * 1e6, 1),
-            "doctor_step_hooks_us_per_step": round(in_steps / steps * 1e6, 1),
-            "doctor_hooks": {f"{p}.{h}": {"calls_per_step": round(profiler.calls[(p, h)] / steps, 3),
-                                          "us_per_call": round(v / profiler.calls[(p, h)] * 1e6, 1)}
-                             for (p, h), v in sorted(mine.items())}}
+    return {
+        "doctor_hook_us_per_step": round(sum(mine.values()) / steps * 1e6, 1),
+        "doctor_step_hooks_us_per_step": round(in_steps / steps * 1e6, 1),
+        "doctor_hooks": {
+            f"{p}.{h}": {
+                "calls_per_step": round(profiler.calls[(p, h)] / steps, 3),
+                "us_per_call": round(v / profiler.calls[(p, h)] * 1e6, 1),
+            }
+            for (p, h), v in sorted(mine.items())
+        },
+    }
 
 
 def measure(workload: str, steps: int, reps: int) -> dict:
@@ -97,18 +127,30 @@ def measure(workload: str, steps: int, reps: int) -> dict:
         off_cpu.append(c_off)
     pairs = list(zip(on, off, strict=True))
     cpu_pairs = list(zip(on_cpu, off_cpu, strict=True))
-    return {"workload": workload, "steps": steps, "reps": reps,
-            "median_ratio_on_off": round(statistics.median(a / b for a, b in pairs), 4),
-            "median_cpu_ratio_on_off": round(statistics.median(a / b for a, b in cpu_pairs), 4),
-            "median_us_per_step_on_minus_off": round(statistics.median((a - b) / steps * 1e6 for a, b in pairs), 1),
-            "median_cpu_us_per_step_on_minus_off": round(
-                statistics.median((a - b) / steps * 1e6 for a, b in cpu_pairs), 1),
-            "median_ms_per_step_off": round(statistics.median(off) / steps * 1e3, 3),
-            "ratios": [round(a / b, 4) for a, b in pairs], "cpu_ratios": [round(a / b, 4) for a, b in cpu_pairs],
-            "on_s": on, "off_s": off, "on_cpu_s": on_cpu, "off_cpu_s": off_cpu,
-            **doctor_hooks(workload, steps),
-            "load_average_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-            "note": "paired runs in one process; on a loaded machine read the paired ratio, not the times"}
+    return {
+        "workload": workload,
+        "steps": steps,
+        "reps": reps,
+        "median_ratio_on_off": round(statistics.median(a / b for a, b in pairs), 4),
+        "median_cpu_ratio_on_off": round(statistics.median(a / b for a, b in cpu_pairs), 4),
+        "median_us_per_step_on_minus_off": round(
+            statistics.median((a - b) / steps * 1e6 for a, b in pairs), 1
+        ),
+        "median_cpu_us_per_step_on_minus_off": round(
+            statistics.median((a - b) / steps * 1e6 for a, b in cpu_pairs), 1
+        ),
+        "median_ms_per_step_off": round(statistics.median(off) / steps * 1e3, 3),
+        "ratios": [round(a / b, 4) for a, b in pairs],
+        "cpu_ratios": [round(a / b, 4) for a, b in cpu_pairs],
+        "on_s": on,
+        "off_s": off,
+        "on_cpu_s": on_cpu,
+        "off_cpu_s": off_cpu,
+        **doctor_hooks(workload, steps),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+        "note": "paired runs in one process; on a loaded machine read the paired ratio, not the times",
+    }
 
 
 def main() -> None:
@@ -120,17 +162,20 @@ def main() -> None:
     a = p.parse_args()
     C.preload_torch()
     a.out.mkdir(parents=True, exist_ok=True)
-    for workload in (["A", "B"] if a.workload == "both" else [a.workload]):
+    for workload in ["A", "B"] if a.workload == "both" else [a.workload]:
         result = measure(workload, a.steps or C.WORKLOADS[workload]["steps"], a.reps)
         out = a.out / f"doctor_overhead_{workload}.json"
         out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"workload {workload}, {result['steps']} steps, {a.reps} pairs: doctor on / off = "
-              f"{result['median_ratio_on_off']:.3f} wall, {result['median_cpu_ratio_on_off']:.3f} CPU time; "
-              f"{result['median_us_per_step_on_minus_off']:+.1f} µs wall, "
-              f"{result['median_cpu_us_per_step_on_minus_off']:+.1f} µs CPU per step "
-              f"(off: {result['median_ms_per_step_off']:.3f} ms/step; medians; wall pairs {result['ratios']}); "
-              f"inside the doctor's hooks: {result['doctor_hook_us_per_step']:.1f} µs per step, "
-              f"{result['doctor_step_hooks_us_per_step']:.1f} of them in its per-step hooks -> {out}", flush=True)
+        print(
+            f"workload {workload}, {result['steps']} steps, {a.reps} pairs: doctor on / off = "
+            f"{result['median_ratio_on_off']:.3f} wall, {result['median_cpu_ratio_on_off']:.3f} CPU time; "
+            f"{result['median_us_per_step_on_minus_off']:+.1f} µs wall, "
+            f"{result['median_cpu_us_per_step_on_minus_off']:+.1f} µs CPU per step "
+            f"(off: {result['median_ms_per_step_off']:.3f} ms/step; medians; wall pairs {result['ratios']}); "
+            f"inside the doctor's hooks: {result['doctor_hook_us_per_step']:.1f} µs per step, "
+            f"{result['doctor_step_hooks_us_per_step']:.1f} of them in its per-step hooks -> {out}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

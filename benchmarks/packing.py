@@ -38,8 +38,6 @@ def trl_plan(ls, capacity):
     return len(out), time.perf_counter() - t
 
 
-
-
 def timed(fn, ls, capacity, reps):
     times, rows = [], 0
     for _ in range(reps):
@@ -65,9 +63,22 @@ def main() -> None:
         ls = lengths(n)
         for name, fn in methods:
             med, lo, hi, rows = timed(fn, ls, args.capacity, args.reps)
-            print(json.dumps({"method": name, "n": n, "capacity": args.capacity, "median_s": round(med, 4),
-                              "min_s": round(lo, 4), "max_s": round(hi, 4), "rows": rows,
-                              "tokens": sum(ls), "reps": args.reps, "load": round(os.getloadavg()[0], 2)}))
+            print(
+                json.dumps(
+                    {
+                        "method": name,
+                        "n": n,
+                        "capacity": args.capacity,
+                        "median_s": round(med, 4),
+                        "min_s": round(lo, 4),
+                        "max_s": round(hi, 4),
+                        "rows": rows,
+                        "tokens": sum(ls),
+                        "reps": args.reps,
+                        "load": round(os.getloadavg()[0], 2),
+                    }
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -33,14 +33,25 @@ sys.path.append(str(HERE.parent))  # for benchmarks.*; an installed corelooper (
 
 import common as C  # noqa: E402
 
-EVENTS = ("on_step_begin", "on_before_backward", "on_after_backward", "on_pre_optimizer_step",
-          "on_optimizer_step", "on_step_end", "on_log", "on_epoch_begin", "on_epoch_end",
-          "on_train_begin", "on_train_end")
+EVENTS = (
+    "on_step_begin",
+    "on_before_backward",
+    "on_after_backward",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_log",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_train_begin",
+    "on_train_end",
+)
 PER_STEP_EVENTS = 6
 
 
 def noop_plugin(i: int):
     """An object with a no-op method per event (each takes ``state``, as a typical plugin does)."""
+
     def noop(self, state):
         return None
 
@@ -62,13 +73,33 @@ def run_once(n_plugins: int, steps: int, probe_holder: list) -> dict:
     probe_holder[0] = probe  # the global optimizer hook (registered once) reports to this run's probe
     ds = C.make_dataset("A")
     out = tempfile.mkdtemp(prefix="cl_scaling_")
-    config = Config.from_dict({"train": dict(
-        output_dir=out, max_steps=steps, per_device_train_batch_size=cfg["batch_size"],
-        learning_rate=C.LR, weight_decay=C.WEIGHT_DECAY, lr_scheduler_type="linear", warmup_steps=0,
-        max_grad_norm=C.MAX_GRAD_NORM, logging_steps=cfg["log_every"], save_strategy="no",
-        eval_strategy="no", seed=C.SEED, disable_tqdm=True, use_cpu=True)})
-    loop = Loop(model, config, train_dataset=ds, plugins=[noop_plugin(i) for i in range(n_plugins)],
-                blocked_plugins=["console"])
+    config = Config.from_dict(
+        {
+            "train": dict(
+                output_dir=out,
+                max_steps=steps,
+                per_device_train_batch_size=cfg["batch_size"],
+                learning_rate=C.LR,
+                weight_decay=C.WEIGHT_DECAY,
+                lr_scheduler_type="linear",
+                warmup_steps=0,
+                max_grad_norm=C.MAX_GRAD_NORM,
+                logging_steps=cfg["log_every"],
+                save_strategy="no",
+                eval_strategy="no",
+                seed=C.SEED,
+                disable_tqdm=True,
+                use_cpu=True,
+            )
+        }
+    )
+    loop = Loop(
+        model,
+        config,
+        train_dataset=ds,
+        plugins=[noop_plugin(i) for i in range(n_plugins)],
+        blocked_plugins=["console"],
+    )
     t = time.perf_counter()
     loop.train()
     loop_s = time.perf_counter() - t
@@ -77,8 +108,11 @@ def run_once(n_plugins: int, steps: int, probe_holder: list) -> dict:
     del torch
     st = probe.step_t
     diffs = sorted(b - a for a, b in zip(st, st[1:], strict=False))
-    return {"loop_s": loop_s, "step_us_median": 1e6 * diffs[len(diffs) // 2],
-            "step_us_mean": 1e6 * (st[-1] - st[0]) / (len(st) - 1)}
+    return {
+        "loop_s": loop_s,
+        "step_us_median": 1e6 * diffs[len(diffs) // 2],
+        "step_us_mean": 1e6 * (st[-1] - st[0]) / (len(st) - 1),
+    }
 
 
 def install_probe_hook(probe_holder: list) -> None:
@@ -90,20 +124,34 @@ def install_probe_hook(probe_holder: list) -> None:
 def summarize(runs: dict[int, list[dict]], counts: list[int]) -> list[dict]:
     base = runs[counts[0]]
     table = []
-    print(f"{'plugins':>7s} {'step_us':>9s} {'x none':>7s} {'[min-max]':>11s} {'us/step/plugin':>14s} {'loop_s':>7s}")
+    print(
+        f"{'plugins':>7s} {'step_us':>9s} {'x none':>7s} {'[min-max]':>11s} {'us/step/plugin':>14s} {'loop_s':>7s}"
+    )
     for n in counts:
         ratios = [r["step_us_median"] / b["step_us_median"] for r, b in zip(runs[n], base, strict=True)]
         step = statistics.median(r["step_us_median"] for r in runs[n])
-        per_plugin = [(r["step_us_median"] - b["step_us_median"]) / n for r, b in zip(runs[n], base, strict=True)] if n else []
-        row = dict(plugins=n, step_us_median=round(step, 1), over_none=round(statistics.median(ratios), 4),
-                   over_none_range=[round(min(ratios), 4), round(max(ratios), 4)],
-                   us_per_step_per_plugin=round(statistics.median(per_plugin), 2) if per_plugin else None,
-                   us_per_event_call=round(statistics.median(per_plugin) / PER_STEP_EVENTS, 3) if per_plugin else None,
-                   loop_s=round(statistics.median(r["loop_s"] for r in runs[n]), 4))
+        per_plugin = (
+            [(r["step_us_median"] - b["step_us_median"]) / n for r, b in zip(runs[n], base, strict=True)]
+            if n
+            else []
+        )
+        row = dict(
+            plugins=n,
+            step_us_median=round(step, 1),
+            over_none=round(statistics.median(ratios), 4),
+            over_none_range=[round(min(ratios), 4), round(max(ratios), 4)],
+            us_per_step_per_plugin=round(statistics.median(per_plugin), 2) if per_plugin else None,
+            us_per_event_call=round(statistics.median(per_plugin) / PER_STEP_EVENTS, 3)
+            if per_plugin
+            else None,
+            loop_s=round(statistics.median(r["loop_s"] for r in runs[n]), 4),
+        )
         table.append(row)
         pp = f"{row['us_per_step_per_plugin']:14.2f}" if per_plugin else f"{'-':>14s}"
-        print(f"{n:7d} {step:9.1f} {row['over_none']:7.3f} "
-              f"{'{:.2f}-{:.2f}'.format(*row['over_none_range']):>11s} {pp} {row['loop_s']:7.3f}")
+        print(
+            f"{n:7d} {step:9.1f} {row['over_none']:7.3f} "
+            f"{'{:.2f}-{:.2f}'.format(*row['over_none_range']):>11s} {pp} {row['loop_s']:7.3f}"
+        )
     return table
 
 
@@ -128,17 +176,30 @@ def main() -> None:
         k = rep % len(counts)
         for n in counts[k:] + counts[:k]:
             runs[n].append(run_once(n, a.steps, holder))
-        print(f"rep {rep}: " + " ".join(f"{n}:{runs[n][-1]['step_us_median']:.0f}us" for n in counts),
-              file=sys.stderr, flush=True)
+        print(
+            f"rep {rep}: " + " ".join(f"{n}:{runs[n][-1]['step_us_median']:.0f}us" for n in counts),
+            file=sys.stderr,
+            flush=True,
+        )
     table = summarize(runs, counts)
     row20 = next((r for r in table if r["plugins"] == 20), None)
     if row20:
-        print(f"goal: 20 plugins <= 1.05x none: {row20['over_none']:.3f} "
-              f"({'met' if row20['over_none'] <= 1.05 else 'NOT met'})")
-    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, steps=a.steps, cpus=os.cpu_count(),
-               loadavg_start=[round(x, 2) for x in load_start], loadavg_end=[round(x, 2) for x in os.getloadavg()],
-               events_per_plugin=list(EVENTS), per_step_events=PER_STEP_EVENTS, table=table,
-               all_runs={str(n): v for n, v in runs.items()})
+        print(
+            f"goal: 20 plugins <= 1.05x none: {row20['over_none']:.3f} "
+            f"({'met' if row20['over_none'] <= 1.05 else 'NOT met'})"
+        )
+    out = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reps=a.reps,
+        steps=a.steps,
+        cpus=os.cpu_count(),
+        loadavg_start=[round(x, 2) for x in load_start],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        events_per_plugin=list(EVENTS),
+        per_step_events=PER_STEP_EVENTS,
+        table=table,
+        all_runs={str(n): v for n, v in runs.items()},
+    )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -40,8 +40,14 @@ def make(root: Path, samples: int, max_steps: int):
     from corelooper.loop import Loop
 
     torch.manual_seed(0)
-    args = TrainArgs(output_dir=str(root / "resume"), max_steps=max_steps, save_strategy="no",
-                     per_device_train_batch_size=BATCH, learning_rate=1e-3, overwrite_output_dir=True)
+    args = TrainArgs(
+        output_dir=str(root / "resume"),
+        max_steps=max_steps,
+        save_strategy="no",
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-3,
+        overwrite_output_dir=True,
+    )
     return Loop(Tiny(), args, train_dataset=Costly(samples), blocked_plugins=["console"])
 
 
@@ -102,17 +108,27 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {f"{k}_over_start": round(med[k] / med["start"], 3) for k in ("middle", "end")}
-    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, samples_per_epoch=a.samples,
-               steps_per_epoch=-(-a.samples // BATCH), position_step=steps,
-               loadavg_start=[round(x, 2) for x in load_start],
-               loadavg_end=[round(x, 2) for x in os.getloadavg()],
-               median_s={k: round(v, 4) for k, v in med.items()},
-               range_s={k: [round(min(v), 4), round(max(v), 4)] for k, v in times.items()}, **ratio,
-               rereading_skipped_batches_at_end_would_take_s=round(reread_cost(a.samples, steps["end"]), 1))
+    out = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reps=a.reps,
+        samples_per_epoch=a.samples,
+        steps_per_epoch=-(-a.samples // BATCH),
+        position_step=steps,
+        loadavg_start=[round(x, 2) for x in load_start],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        median_s={k: round(v, 4) for k, v in med.items()},
+        range_s={k: [round(min(v), 4), round(max(v), 4)] for k, v in times.items()},
+        **ratio,
+        rereading_skipped_batches_at_end_would_take_s=round(reread_cost(a.samples, steps["end"]), 1),
+    )
     for k in POSITIONS:
-        print(f"resume at {k:6s} (step {steps[k]:>8d}): {med[k]:.3f} s  (min-max {min(times[k]):.3f}-{max(times[k]):.3f})")
-    print(f"middle/start {ratio['middle_over_start']}, end/start {ratio['end_over_start']}; re-reading the "
-          f"skipped batches would take ~{out['rereading_skipped_batches_at_end_would_take_s']} s")
+        print(
+            f"resume at {k:6s} (step {steps[k]:>8d}): {med[k]:.3f} s  (min-max {min(times[k]):.3f}-{max(times[k]):.3f})"
+        )
+    print(
+        f"middle/start {ratio['middle_over_start']}, end/start {ratio['end_over_start']}; re-reading the "
+        f"skipped batches would take ~{out['rereading_skipped_batches_at_end_would_take_s']} s"
+    )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -67,8 +67,13 @@ def make_loop(root: Path, mb: int):
     from corelooper.loop import Loop
 
     torch.manual_seed(0)
-    args = TrainArgs(output_dir=str(root / "run"), max_steps=1, save_strategy="no",
-                     per_device_train_batch_size=8, learning_rate=1e-4)
+    args = TrainArgs(
+        output_dir=str(root / "run"),
+        max_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        learning_rate=1e-4,
+    )
     loop = Loop(Wide(mb), args, train_dataset=Small(), blocked_plugins=["console"])
     loop.train()  # one step: the AdamW moments exist
     return loop
@@ -76,8 +81,12 @@ def make_loop(root: Path, mb: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=int, default=256,
-                    help="MiB of fp32 weights, in 16 MiB layers (checkpoint ~3x: + AdamW moments)")
+    ap.add_argument(
+        "--mb",
+        type=int,
+        default=256,
+        help="MiB of fp32 weights, in 16 MiB layers (checkpoint ~3x: + AdamW moments)",
+    )
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of one save (top 25)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None)
@@ -111,28 +120,41 @@ def main() -> None:
                     rows["disk_s"].append(fsync_write(root / "disk.bin", nbytes, buf))
                     (root / "disk.bin").unlink()
             share.append(rows["disk_s"][-1] / rows["corelooper_s"][-1])
-            print(f"rep {rep}: corelooper {rows['corelooper_s'][-1]:.3f}s disk {rows['disk_s'][-1]:.3f}s "
-                  f"share {share[-1]:.2%}", file=sys.stderr, flush=True)
+            print(
+                f"rep {rep}: corelooper {rows['corelooper_s'][-1]:.3f}s disk {rows['disk_s'][-1]:.3f}s "
+                f"share {share[-1]:.2%}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         if not a.dir:
             shutil.rmtree(root, ignore_errors=True)
     mib = nbytes / 2**20
     med = {k: statistics.median(v) for k, v in rows.items()}
     weights = sum(t.numel() * t.element_size() for t in loop.model.state_dict().values()) / 2**20
-    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, weights_MiB=round(weights, 1),
-               checkpoint_MiB=round(mib, 1), dir=str(root),
-               loadavg_start=[round(x, 2) for x in load_start],
-               loadavg_end=[round(x, 2) for x in os.getloadavg()],
-               median_s={k: round(v, 4) for k, v in med.items()},
-               disk_MiB_per_s=round(mib / med["disk_s"], 1),
-               corelooper_MiB_per_s=round(mib / med["corelooper_s"], 1),
-               corelooper_share_of_disk=round(statistics.median(share), 4),
-               corelooper_share_of_disk_range=[round(min(share), 4), round(max(share), 4)],
-               goal_share=0.8, met=statistics.median(share) >= 0.8, all=rows)
-    print(f"checkpoint {mib:.0f} MiB: disk (write+fsync) {out['disk_MiB_per_s']} MiB/s, corelooper save "
-          f"{out['corelooper_MiB_per_s']} MiB/s = {out['corelooper_share_of_disk']:.0%} of the disk "
-          f"(min-max {share and min(share):.0%}-{share and max(share):.0%}; goal >= 80%: "
-          f"{'met' if out['met'] else 'NOT met'})")
+    out = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reps=a.reps,
+        weights_MiB=round(weights, 1),
+        checkpoint_MiB=round(mib, 1),
+        dir=str(root),
+        loadavg_start=[round(x, 2) for x in load_start],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        median_s={k: round(v, 4) for k, v in med.items()},
+        disk_MiB_per_s=round(mib / med["disk_s"], 1),
+        corelooper_MiB_per_s=round(mib / med["corelooper_s"], 1),
+        corelooper_share_of_disk=round(statistics.median(share), 4),
+        corelooper_share_of_disk_range=[round(min(share), 4), round(max(share), 4)],
+        goal_share=0.8,
+        met=statistics.median(share) >= 0.8,
+        all=rows,
+    )
+    print(
+        f"checkpoint {mib:.0f} MiB: disk (write+fsync) {out['disk_MiB_per_s']} MiB/s, corelooper save "
+        f"{out['corelooper_MiB_per_s']} MiB/s = {out['corelooper_share_of_disk']:.0%} of the disk "
+        f"(min-max {share and min(share):.0%}-{share and max(share):.0%}; goal >= 80%: "
+        f"{'met' if out['met'] else 'NOT met'})"
+    )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     if a.profile:

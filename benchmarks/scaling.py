@@ -88,13 +88,23 @@ def worker_corelooper(kind: str, steps: int, warmup: int) -> float:
                 marks[state.global_step] = time.perf_counter()
 
     out = tempfile.mkdtemp()
-    cfg = Config.from_dict({
-        "train": {"output_dir": out, "max_steps": steps, "per_device_train_batch_size": BATCH,
-                  "save_strategy": "no", "eval_strategy": "no", "logging_steps": 10**6,
-                  "disable_tqdm": True, "max_grad_norm": 1.0, "learning_rate": 1e-3},
-        "plugins": {"disable": ["console", "jsonl", "tensorboard", "wandb"]},
-        **SECTIONS[kind],
-    })
+    cfg = Config.from_dict(
+        {
+            "train": {
+                "output_dir": out,
+                "max_steps": steps,
+                "per_device_train_batch_size": BATCH,
+                "save_strategy": "no",
+                "eval_strategy": "no",
+                "logging_steps": 10**6,
+                "disable_tqdm": True,
+                "max_grad_norm": 1.0,
+                "learning_rate": 1e-3,
+            },
+            "plugins": {"disable": ["console", "jsonl", "tensorboard", "wandb"]},
+            **SECTIONS[kind],
+        }
+    )
     loop = Loop(build_model(), cfg, train_dataset=dataset(BATCH * world * (steps + 1)), plugins=[Timer()])
     loop.train()
     return BATCH * world * (steps - warmup) / (marks[steps] - marks[warmup])
@@ -115,7 +125,7 @@ def worker_raw(steps: int, warmup: int) -> float:
     for step in range(1, steps + 1):
         if step == warmup + 1:
             start = time.perf_counter()
-        batch = ids[(step - 1) * BATCH * world:][rank * BATCH:(rank + 1) * BATCH]
+        batch = ids[(step - 1) * BATCH * world :][rank * BATCH : (rank + 1) * BATCH]
         logits = model(batch)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
         loss.backward()
@@ -130,10 +140,25 @@ def worker_raw(steps: int, warmup: int) -> float:
 def run_config(kind: str, nproc: int, threads: int, steps: int, warmup: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "rate.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TMPDIR": tmp,
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               __file__, "--worker", kind, str(steps), str(warmup), str(result)]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "TMPDIR": tmp,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            __file__,
+            "--worker",
+            kind,
+            str(steps),
+            str(warmup),
+            str(result),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise SystemExit(f"{kind} x{nproc} failed:\n{proc.stderr[-3000:]}")
@@ -155,9 +180,13 @@ def main() -> None:
                 rates.setdefault(key, []).append(run_config(kind, nproc, threads, steps, warmup))
                 print(f"{key}: {rates[key][-1]:.1f} samples/s", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"\nworkload: LM dim {DIM}, {BLOCKS} blocks, seq {SEQ}, batch {BATCH}/process, "
-          f"steps {warmup}..{steps}, median of {repeats}")
-    print("| backend | 1 proc x 1 thread | 1 proc x 2 threads | 2 procs x 1 thread | 2p / 1p(1t) | 2p / 1p(2t) | vs raw DDP (2p) |")
+    print(
+        f"\nworkload: LM dim {DIM}, {BLOCKS} blocks, seq {SEQ}, batch {BATCH}/process, "
+        f"steps {warmup}..{steps}, median of {repeats}"
+    )
+    print(
+        "| backend | 1 proc x 1 thread | 1 proc x 2 threads | 2 procs x 1 thread | 2p / 1p(1t) | 2p / 1p(2t) | vs raw DDP (2p) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for kind in kinds:
         a, b, c = (med[f"{kind} {n}p x {t}t"] for n, t in layouts)
@@ -166,8 +195,9 @@ def main() -> None:
         print(f"| {kind} | {a:.1f} | {b:.1f} | {c:.1f} | {c / a:.2f} | {c / b:.2f} | {vs_raw} |")
     out = HERE / "results" / "scaling.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"samples_per_second": rates, "median": med, "steps": steps,
-                               "warmup": warmup}, indent=1))
+    out.write_text(
+        json.dumps({"samples_per_second": rates, "median": med, "steps": steps, "warmup": warmup}, indent=1)
+    )
     print(f"wrote {out}")
 
 

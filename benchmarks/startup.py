@@ -53,7 +53,8 @@ def main() -> None:
         "corelooper --help": lambda: wall([str(BIN / "corelooper"), "--help"]),
         "raw script: first step": lambda: to_first_step([py, "benchmarks/startup/raw_first_step.py"], env),
         "corelooper run: first step": lambda: to_first_step(
-            [str(BIN / "corelooper"), "run", "benchmarks/startup/config.toml"], env),
+            [str(BIN / "corelooper"), "run", "benchmarks/startup/config.toml"], env
+        ),
         "HF Trainer: first step": lambda: to_first_step([py, "benchmarks/startup/hf_first_step.py"], env),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
@@ -70,14 +71,29 @@ def main() -> None:
         extra = f"{v - torch_s:20.3f}" if "first step" in k else ""
         print(f"{k:32s} {v:9.3f} {extra}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    later = [c - r for c, r in zip(times["corelooper run: first step"], times["raw script: first step"], strict=False)]
+    later = [
+        c - r
+        for c, r in zip(times["corelooper run: first step"], times["raw script: first step"], strict=False)
+    ]
     if later:
-        print(f"corelooper's first step after the hand-written one's: median {statistics.median(later):.3f} s "
-              f"(min-max {min(later):.3f}-{max(later):.3f}; goal <= 0.5 s)")
-    Path(a.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "reps": a.reps, "lean": a.lean,
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "median_s": med, "all_s": times,
-        "corelooper_first_step_later_s": statistics.median(later) if later else None}, indent=1))
+        print(
+            f"corelooper's first step after the hand-written one's: median {statistics.median(later):.3f} s "
+            f"(min-max {min(later):.3f}-{max(later):.3f}; goal <= 0.5 s)"
+        )
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "reps": a.reps,
+                "lean": a.lean,
+                "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                "median_s": med,
+                "all_s": times,
+                "corelooper_first_step_later_s": statistics.median(later) if later else None,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

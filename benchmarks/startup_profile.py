@@ -45,8 +45,13 @@ def help_times(reps: int) -> list[float]:
     out = []
     for _ in range(reps):
         t = time.perf_counter()
-        subprocess.run([str(BIN / "corelooper"), "--help"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=True)
+        subprocess.run(
+            [str(BIN / "corelooper"), "--help"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=True,
+        )
         out.append(time.perf_counter() - t)
     return out
 
@@ -55,9 +60,12 @@ def importtime(argv: list[str]) -> tuple[dict[str, float], dict[str, float], flo
     """Run argv under -X importtime; return (top-level package -> cumulative s, module -> self s,
     seconds from process start to the FIRST_STEP line)."""
     start = time.time()
-    p = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=ROOT, env=env(),
-                       capture_output=True, text=True)
-    first = next((float(x.split()[1]) - start for x in p.stdout.splitlines() if x.startswith("FIRST_STEP ")), None)
+    p = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv], cwd=ROOT, env=env(), capture_output=True, text=True
+    )
+    first = next(
+        (float(x.split()[1]) - start for x in p.stdout.splitlines() if x.startswith("FIRST_STEP ")), None
+    )
     if first is None:
         raise RuntimeError(f"{argv} printed no FIRST_STEP (rc {p.returncode}):\n{p.stderr[-3000:]}")
     top: dict[str, float] = {}
@@ -114,12 +122,17 @@ def report_profile(path: str, top: int) -> dict:
 
     st = pstats.Stats(path)
     total = max(ct for (_, _, _, ct, _) in st.stats.values())
-    print(f"\ncProfile of `corelooper run` to the first optimizer step (total {total:.3f} s), top {top} cumulative:")
+    print(
+        f"\ncProfile of `corelooper run` to the first optimizer step (total {total:.3f} s), top {top} cumulative:"
+    )
     st.sort_stats("cumulative").print_stats(top)
     phases = {}
     for label, needle in PHASES.items():
-        hits = [ct for (file, line, name), (_, _, _, ct, _) in st.stats.items()
-                if needle in f"{file}:{line}({name})"]
+        hits = [
+            ct
+            for (file, line, name), (_, _, _, ct, _) in st.stats.items()
+            if needle in f"{file}:{line}({name})"
+        ]
         if hits:
             phases[label] = round(max(hits), 4)
     print("named phases (cumulative s, overlapping):")
@@ -139,18 +152,29 @@ def main() -> None:
     if a.profile_child:
         profile_child(a.profile_child)
         return
-    out: dict = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), cpus=os.cpu_count(),
-                     loadavg_start=[round(x, 2) for x in os.getloadavg()])
+    out: dict = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        cpus=os.cpu_count(),
+        loadavg_start=[round(x, 2) for x in os.getloadavg()],
+    )
     h = help_times(a.help_reps)
-    out["help_s"] = dict(median=round(statistics.median(h), 4), range=[round(min(h), 4), round(max(h), 4)],
-                         reps=a.help_reps, goal=0.3)
-    print(f"corelooper --help: median {statistics.median(h):.3f} s over {a.help_reps} (min-max "
-          f"{min(h):.3f}-{max(h):.3f}; goal < 0.3 s)")
+    out["help_s"] = dict(
+        median=round(statistics.median(h), 4),
+        range=[round(min(h), 4), round(max(h), 4)],
+        reps=a.help_reps,
+        goal=0.3,
+    )
+    print(
+        f"corelooper --help: median {statistics.median(h):.3f} s over {a.help_reps} (min-max "
+        f"{min(h):.3f}-{max(h):.3f}; goal < 0.3 s)"
+    )
 
     cl_top, cl_self, cl_first = importtime(["-m", "corelooper", "run", CONFIG])
     raw_top, raw_self, raw_first = importtime([RAW])
-    print(f"\nfirst step from process start under -X importtime: corelooper run {cl_first:.3f} s, "
-          f"hand-written {raw_first:.3f} s (importtime itself slows both)")
+    print(
+        f"\nfirst step from process start under -X importtime: corelooper run {cl_first:.3f} s, "
+        f"hand-written {raw_first:.3f} s (importtime itself slows both)"
+    )
     out["importtime"] = {
         "first_step_s": {"corelooper": round(cl_first, 4), "raw": round(raw_first, 4)},
         "corelooper_top": print_top("corelooper run: top-level imports by cumulative time", cl_top, a.top),
@@ -161,18 +185,26 @@ def main() -> None:
     out["importtime"]["only_corelooper_self_total_s"] = round(sum(only.values()), 4)
     out["importtime"]["only_corelooper"] = print_top(
         f"modules only corelooper's run imports ({sum(only.values()):.3f} s of self time in all), by self time",
-        only, a.top)
+        only,
+        a.top,
+    )
     by_pkg: dict[str, float] = {}
     for m, s in only.items():
         by_pkg[m.split(".")[0]] = by_pkg.get(m.split(".")[0], 0.0) + s
     out["importtime"]["only_corelooper_by_package"] = print_top(
-        "... grouped by top-level package", by_pkg, a.top)
+        "... grouped by top-level package", by_pkg, a.top
+    )
 
     if not a.no_profile:
         with tempfile.TemporaryDirectory() as tmp:
             stats = os.path.join(tmp, "run.prof")
-            subprocess.run([sys.executable, __file__, "--profile-child", stats], cwd=ROOT, env=env(),
-                           stdout=subprocess.DEVNULL, check=False)
+            subprocess.run(
+                [sys.executable, __file__, "--profile-child", stats],
+                cwd=ROOT,
+                env=env(),
+                stdout=subprocess.DEVNULL,
+                check=False,
+            )
             if os.path.exists(stats):
                 out["profile"] = report_profile(stats, a.top)
             else:

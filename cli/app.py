@@ -27,15 +27,29 @@ INPUT_ERRORS = (2, 4, 5)
 
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a config value: --set train.learning_rate=3e-4 (repeatable)."),
+    typer.Option(
+        "--set",
+        "-s",
+        metavar="KEY=VALUE",
+        help="Override a config value: --set train.learning_rate=3e-4 (repeatable).",
+    ),
 ]
 PluginOpt = Annotated[
     list[str] | None,
-    typer.Option("-p", metavar="NAME", help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one."),
+    typer.Option(
+        "-p",
+        metavar="NAME",
+        help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one.",
+    ),
 ]
 TracebackOpt = Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")]
 VerboseOpt = Annotated[
-    bool, typer.Option("--verbose", "-v", help="Also show third-party warnings, banners, launcher logs, and every log key on the console (plugins' namespaced details, e.g. doctor/...)."),
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Also show third-party warnings, banners, launcher logs, and every log key on the console (plugins' namespaced details, e.g. doctor/...).",
+    ),
 ]
 
 
@@ -111,12 +125,19 @@ def run(
     set_: SetOpt = None,
     p: PluginOpt = None,
     resume_from_checkpoint: Annotated[
-        str | None, typer.Option("--resume-from-checkpoint", metavar="latest|auto|PATH",
-                                   help="'latest', a checkpoint folder, or 'auto' (latest if any, else start fresh).")
+        str | None,
+        typer.Option(
+            "--resume-from-checkpoint",
+            metavar="latest|auto|PATH",
+            help="'latest', a checkpoint folder, or 'auto' (latest if any, else start fresh).",
+        ),
     ] = None,
     traceback_: TracebackOpt = False,
     nproc: Annotated[
-        int | None, typer.Option("--nproc", metavar="N", help="Start N local processes (torchrun); each runs this command.")
+        int | None,
+        typer.Option(
+            "--nproc", metavar="N", help="Start N local processes (torchrun); each runs this command."
+        ),
     ] = None,
     profile_plugins: Annotated[
         bool, typer.Option("--profile-plugins", help="Print the time spent in each plugin's hooks.")
@@ -209,14 +230,19 @@ def _train_and_evaluate(loop, began: _TrainBegan, profile_plugins: bool) -> int:
     state = loop.train()
     if not began.began:  # resumed at its last step: train() returned before anything was written
         if state.is_world_process_zero:
-            typer.echo(f"corelooper: {loop.args.output_dir} already finished at step {state.global_step}: "
-                       "nothing to do.")
+            typer.echo(
+                f"corelooper: {loop.args.output_dir} already finished at step {state.global_step}: "
+                "nothing to do."
+            )
         return 0
     preempted_exit = 0
     if state.preempted:  # SIGTERM/SIGINT: a checkpoint was saved; exit 143 / 130 (128 + signal)
         if state.is_world_process_zero:
-            typer.echo(f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
-                       f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.", err=True)
+            typer.echo(
+                f"corelooper: stopped at step {state.global_step}; checkpoint saved in "
+                f"{loop.args.output_dir}. Resume with --resume-from-checkpoint latest.",
+                err=True,
+            )
         preempted_exit = 128 + (state.stop_signal or 15)
     elif loop.eval_dataset is not None and loop.args.eval_strategy == "no":
         loop.evaluate()
@@ -228,7 +254,9 @@ def _train_and_evaluate(loop, began: _TrainBegan, profile_plugins: bool) -> int:
 
 @app.command()
 def plugins(
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="Show what is active for this config.")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="Show what is active for this config.")
+    ] = None,
     set_: SetOpt = None,
     p: PluginOpt = None,
     traceback_: TracebackOpt = False,
@@ -283,8 +311,17 @@ def hooks() -> None:
     for name in names:
         fn = getattr(hookspecs, name)
         opts = getattr(fn, "corelooper_spec", {}) or {}
-        kind = "provider, firstresult" if opts.get("firstresult") else (
-            "event" if name.startswith("on_") else "transform" if name in hookspecs.TRANSFORMS else "declaration")
+        kind = (
+            "provider, firstresult"
+            if opts.get("firstresult")
+            else (
+                "event"
+                if name.startswith("on_")
+                else "transform"
+                if name in hookspecs.TRANSFORMS
+                else "declaration"
+            )
+        )
         sig = str(inspect.signature(fn)).split(" ->")[0].replace("'", "")  # postponed annotations
         typer.echo(f"{name}{sig}  [{kind}]")
         if getattr(fn, "corelooper_returns", None):  # what the dispatcher checks every answer against
@@ -293,7 +330,10 @@ def hooks() -> None:
 
 
 CheckpointOpt = Annotated[
-    str, typer.Option("--checkpoint", help="A checkpoint folder, an output_dir with model.safetensors, or 'latest'.")
+    str,
+    typer.Option(
+        "--checkpoint", help="A checkpoint folder, an output_dir with model.safetensors, or 'latest'."
+    ),
 ]
 
 
@@ -302,7 +342,12 @@ def predict(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
     checkpoint: CheckpointOpt,
     output: Annotated[
-        str | None, typer.Option("--output", "-o", help="FILE.safetensors or FILE.jsonl (default: output_dir/predictions.safetensors).")
+        str | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="FILE.safetensors or FILE.jsonl (default: output_dir/predictions.safetensors).",
+        ),
     ] = None,
     set_: SetOpt = None,
     p: PluginOpt = None,
@@ -312,6 +357,7 @@ def predict(
     """Predict on data.test (else data.eval) with a checkpoint's weights; write the outputs in dataset order.
 
     The training run's files (metrics.jsonl, tensorboard/) are left as they were."""
+
     def action(cfg, blocked):
         from corelooper.cli.evaluate import predict as run_predict
 
@@ -333,6 +379,7 @@ def eval_(
     """Evaluate a checkpoint's weights on data.eval; print the metrics as JSON.
 
     The training run's files (metrics.jsonl, tensorboard/) are left as they were."""
+
     def action(cfg, blocked):
         from corelooper.cli.evaluate import evaluate
 
@@ -406,7 +453,9 @@ def verify(
 @app.command()
 def plot(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run folders (output_dir) holding metrics.jsonl.")],
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="The PNG to write (default: RUN_DIR/metrics.png).")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="The PNG to write (default: RUN_DIR/metrics.png).")
+    ] = None,
     traceback_: TracebackOpt = False,
 ) -> None:
     """Plot loss, learning rate, grad norm and eval metrics of one or more runs into a PNG."""
@@ -421,8 +470,12 @@ def plot(
 
 @app.command("new-plugin")
 def new_plugin(
-    name: Annotated[str, typer.Argument(help="The plugin's name: entry point and config section (e.g. grad_stats).")],
-    dir_: Annotated[Path | None, typer.Option("--dir", help="Where to write it (default: ./corelooper-NAME).")] = None,
+    name: Annotated[
+        str, typer.Argument(help="The plugin's name: entry point and config section (e.g. grad_stats).")
+    ],
+    dir_: Annotated[
+        Path | None, typer.Option("--dir", help="Where to write it (default: ./corelooper-NAME).")
+    ] = None,
     traceback_: TracebackOpt = False,
 ) -> None:
     """Write a working plugin package: pyproject with entry point, module, README, passing tests."""
@@ -430,8 +483,10 @@ def new_plugin(
         from corelooper.cli.scaffold import write_plugin
 
         path = write_plugin(name, dir_)
-        typer.echo(f"wrote {path}/\nnext: pip install -e '{path}[test]' && python -m pytest {path}"
-                   "   # [test] brings pytest and corelooper-testing")
+        typer.echo(
+            f"wrote {path}/\nnext: pip install -e '{path}[test]' && python -m pytest {path}"
+            "   # [test] brings pytest and corelooper-testing"
+        )
     except Exception as e:
         fail(e, traceback_)
 

@@ -20,8 +20,9 @@ def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
 
     loop = Loop(config=config, blocked_plugins=blocked)
     # "auto" would mean "none yet" when there is none; evaluating needs one: same as "latest"
-    directory = ckpt.resolve("latest" if checkpoint == "auto" else checkpoint, Path(loop.args.output_dir),
-                             for_training=False)
+    directory = ckpt.resolve(
+        "latest" if checkpoint == "auto" else checkpoint, Path(loop.args.output_dir), for_training=False
+    )
     loop.prepare_for_evaluation()
     ckpt.load_weights(directory, model=loop.model, backend=loop.backend)
     state = directory / "loop_state.json"
@@ -60,7 +61,8 @@ def run_checkpoint(config, checkpoint: str, blocked, split: str, prefix: str, ke
     with loop:  # corelooper_unconfigure once the outputs are out
         dataset = _dataset(loop, split)
         metrics, preds, labels = loop.plugins.call_provider(
-            "evaluation_loop", loop=loop, dataset=dataset, metric_key_prefix=prefix, keep_outputs=keep_outputs)[0]
+            "evaluation_loop", loop=loop, dataset=dataset, metric_key_prefix=prefix, keep_outputs=keep_outputs
+        )[0]
     return loop, metrics, preds, labels
 
 

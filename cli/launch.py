@@ -50,8 +50,14 @@ STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 REPORTED_CODE = "corelooper_exit_code"
 
 
-def child_argv(config: str, overrides: list[str] | None, plugin_options: list[str] | None,
-               resume: str | None, traceback: bool, verbose: bool = False) -> list[str]:
+def child_argv(
+    config: str,
+    overrides: list[str] | None,
+    plugin_options: list[str] | None,
+    resume: str | None,
+    traceback: bool,
+    verbose: bool = False,
+) -> list[str]:
     """The ``corelooper run`` arguments each child gets: the same command, without --nproc."""
     argv = ["run", str(config)]
     for item in overrides or []:
@@ -81,8 +87,7 @@ def launch(nproc: int, argv: list[str]) -> None:
     from torch.distributed.run import config_from_args, get_args_parser
 
     args = get_args_parser().parse_args(
-        [f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.2",
-         "-m", "corelooper", *argv]
+        [f"--nproc_per_node={nproc}", "--max_restarts=0", "--monitor_interval=0.2", "-m", "corelooper", *argv]
     )
     # What torchrun --standalone does: a local c10d rendezvous on a free port (no fixed
     # MASTER_PORT, so several runs on one machine do not collide).
@@ -178,9 +183,14 @@ def root_failure(error):
     timestamp (whole seconds): a rank whose collective failed because another rank raised
     (``PeerLostError``) can be first within the same second, so a rank that raised its own error
     comes before the others (collective failures, deaths by signal); the earliest among equals."""
+
     def key(item):
         message = _message(item[1])
-        raised = exit_code_of(item[1]) > 0 and not message.startswith("To enable traceback") and "PeerLostError" not in message
+        raised = (
+            exit_code_of(item[1]) > 0
+            and not message.startswith("To enable traceback")
+            and "PeerLostError" not in message
+        )
         return not raised, item[1].timestamp
 
     return min(error.failures.items(), key=key)
@@ -214,8 +224,14 @@ def record_child_error(exc: BaseException, exit_code: int) -> bool:
         return False
     try:
         with open(path, "w") as f:
-            json.dump({"message": f"{type(exc).__name__}: {exc}", "timestamp": int(time.time()),
-                       REPORTED_CODE: exit_code}, f)
+            json.dump(
+                {
+                    "message": f"{type(exc).__name__}: {exc}",
+                    "timestamp": int(time.time()),
+                    REPORTED_CODE: exit_code,
+                },
+                f,
+            )
     except OSError:  # reporting must never hide the error itself
         print(f"corelooper: could not write {path}", file=sys.stderr)
         return False

@@ -104,7 +104,7 @@ def plot_runs(run_dirs: list[Path], output: Path | None = None) -> Path:
             ax.set_yscale("log")
         if name == "learning_rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     if len(runs) > 1:
         handles, labels = axes.flat[0].get_legend_handles_labels()

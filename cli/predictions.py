@@ -19,8 +19,12 @@ FORMATS = (".safetensors", ".jsonl")
 LARGE_JSON = 10_000_000  # numbers: ~100 MB of JSON
 
 
-def write_predictions(path: str | Path, predictions: torch.Tensor | None, label_ids: torch.Tensor | None,
-                      metrics: dict[str, Any]) -> Path:
+def write_predictions(
+    path: str | Path,
+    predictions: torch.Tensor | None,
+    label_ids: torch.Tensor | None,
+    metrics: dict[str, Any],
+) -> Path:
     """``.safetensors``: tensors ``predictions`` and ``label_ids`` (metrics in the metadata);
     ``.jsonl``: one line per sample ``{"index", "prediction", "label_ids"}``. Metrics also go to
     ``<name>.metrics.json`` next to the file when there are any."""
@@ -42,9 +46,13 @@ def write_predictions(path: str | Path, predictions: torch.Tensor | None, label_
         if predictions.is_floating_point() and predictions.numel() >= LARGE_JSON:  # logits over a vocabulary
             logging.getLogger("corelooper").warning(
                 "--output %s: the predictions are %s floats (%.0f million numbers; about %.0f MB as JSON, "
-                "slow to write and read); --output with .safetensors holds them exactly in %.0f MB.", path.name,
-                list(predictions.shape), predictions.numel() / 1e6, predictions.numel() * 10 / 1e6,
-                predictions.numel() * predictions.element_size() / 1e6)
+                "slow to write and read); --output with .safetensors holds them exactly in %.0f MB.",
+                path.name,
+                list(predictions.shape),
+                predictions.numel() / 1e6,
+                predictions.numel() * 10 / 1e6,
+                predictions.numel() * predictions.element_size() / 1e6,
+            )
         with open(tmp, "w") as f:
             for i in range(predictions.shape[0]):
                 row = {"index": i, "prediction": _plain(predictions[i])}

@@ -51,15 +51,24 @@ class PluginProfiler:
         per_plugin: dict[str, float] = defaultdict(float)
         for (plugin, _), s in self.seconds.items():
             per_plugin[plugin] += s
-        lines = [f"plugin hook time (run: {total:.3f} s; 'first ms': the first call, with the imports it "
-                 "triggers: torch's first optimizer imports torch._dynamo, ~1.5 s)",
-                 f"  {'plugin':24s} {'hook':24s} {'calls':>7s} {'total ms':>10s} {'share':>7s} {'first ms':>10s}"]
+        lines = [
+            f"plugin hook time (run: {total:.3f} s; 'first ms': the first call, with the imports it "
+            "triggers: torch's first optimizer imports torch._dynamo, ~1.5 s)",
+            f"  {'plugin':24s} {'hook':24s} {'calls':>7s} {'total ms':>10s} {'share':>7s} {'first ms':>10s}",
+        ]
         for plugin in sorted(per_plugin, key=per_plugin.get, reverse=True):
-            rows = sorted(((h, s) for (p, h), s in self.seconds.items() if p == plugin),
-                          key=lambda r: r[1], reverse=True)
+            rows = sorted(
+                ((h, s) for (p, h), s in self.seconds.items() if p == plugin),
+                key=lambda r: r[1],
+                reverse=True,
+            )
             for hook, s in rows:
-                lines.append(f"  {plugin:24s} {hook:24s} {self.calls[(plugin, hook)]:7d} "
-                             f"{1000 * s:10.2f} {100 * s / total:6.2f}% {1000 * self.first[(plugin, hook)]:10.2f}")
-            lines.append(f"  {plugin:24s} {'(all hooks)':24s} {'':7s} {1000 * per_plugin[plugin]:10.2f} "
-                         f"{100 * per_plugin[plugin] / total:6.2f}%")
+                lines.append(
+                    f"  {plugin:24s} {hook:24s} {self.calls[(plugin, hook)]:7d} "
+                    f"{1000 * s:10.2f} {100 * s / total:6.2f}% {1000 * self.first[(plugin, hook)]:10.2f}"
+                )
+            lines.append(
+                f"  {plugin:24s} {'(all hooks)':24s} {'':7s} {1000 * per_plugin[plugin]:10.2f} "
+                f"{100 * per_plugin[plugin] / total:6.2f}%"
+            )
         return "\n".join(lines)

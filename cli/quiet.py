@@ -49,8 +49,11 @@ def quiet_third_party(verbose: bool = False) -> None:
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=_QUIET_MODULES)
     # torch.distributed's own deprecation notices, attributed to the calling library's line
-    warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor|"
-                            r"_reduce_scatter_base|_all_gather_base).*")
+    warnings.filterwarnings(
+        "ignore",
+        message=r".*(reduce_scatter_tensor|all_gather_into_tensor|"
+        r"_reduce_scatter_base|_all_gather_base).*",
+    )
     # (workers run this too: their CLI gets --verbose passed on.) Filters, not levels: DeepSpeed
     # resets its logger's level when it is imported.
     for name in LAUNCHER_LOGGERS:

@@ -15,7 +15,7 @@ from corelooper.errors import CorelooperError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
-PYPROJECT = '''\
+PYPROJECT = """\
 [build-system]
 requires = ["setuptools>=68"]
 build-backend = "setuptools.build_meta"
@@ -37,7 +37,7 @@ test = ["pytest>=8", "corelooper-testing>=0.2,<0.3"]
 
 [tool.setuptools]
 packages = ["{module}"]
-'''
+"""
 
 MODULE = '''\
 """{dist}: a corelooper plugin.
@@ -125,7 +125,7 @@ def test_can_be_switched_off(run_loop):
     assert tracker(loop) is None and "{name}" in loop.plugins.inactive
 '''
 
-README = '''\
+README = """\
 # {dist}
 
 A [corelooper](https://pypi.org/project/corelooper/) plugin.
@@ -144,7 +144,7 @@ enabled = true
 ```
 
 Turn it off for one project with `[plugins] disable = ["{name}"]`, or for one run with `-p no:{name}`.
-'''
+"""
 
 
 def write_plugin(name: str, dest: Path | None = None) -> Path:
@@ -166,8 +166,14 @@ def write_plugin(name: str, dest: Path | None = None) -> Path:
             f"{str(dest)!r} already exists and is not an empty folder: choose another with --dir."
         )
     major, minor = (int(x) for x in __version__.split(".")[:2])
-    values = dict(name=name, dist=dist, module=module, klass=klass, core_version=f"{major}.{minor}",
-                  next_minor=f"{major}.{minor + 1}")
+    values = dict(
+        name=name,
+        dist=dist,
+        module=module,
+        klass=klass,
+        core_version=f"{major}.{minor}",
+        next_minor=f"{major}.{minor + 1}",
+    )
     files = {
         "pyproject.toml": PYPROJECT,
         f"{module}/__init__.py": MODULE,

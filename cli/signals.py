@@ -25,8 +25,10 @@ class StartupStop(BaseException):  # noqa: N818 - like KeyboardInterrupt: not an
         self.exit_code = NO_CHECKPOINT_EXIT.get(signum, 75)
 
     def __str__(self) -> str:
-        return (f"{signal.Signals(self.signum).name} received outside training: stopped, no checkpoint "
-                "written by this stop")
+        return (
+            f"{signal.Signals(self.signum).name} received outside training: stopped, no checkpoint "
+            "written by this stop"
+        )
 
 
 def _startup_handler(signum: int, frame) -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 __version__ = "0.2.0"
 
 __all__ = [
-    "Config", "Control", "Loop", "LoopState", "TrainArgs", "hookimpl", "__version__",
+    "Config",
+    "Control",
+    "Loop",
+    "LoopState",
+    "TrainArgs",
+    "hookimpl",
+    "__version__",
 ]
 
 

@@ -53,8 +53,14 @@ class Resume:
         world = world_size_now()
         try:
             settled, _ = plugins.call_provider(
-                "resume_config", config=config, plugins=plugins, directory=self.directory, world_size=world,
-                dataset=lambda: self.dataset(config), announce=int(os.environ.get("RANK", "0")) == 0)
+                "resume_config",
+                config=config,
+                plugins=plugins,
+                directory=self.directory,
+                world_size=world,
+                dataset=lambda: self.dataset(config),
+                announce=int(os.environ.get("RANK", "0")) == 0,
+            )
         except Exception as exc:  # before the Loop exists: name the plugin whose code raised
             named = explain_failure(exc, plugins, 0, config.train.output_dir)
             if isinstance(named, PluginError):
@@ -78,7 +84,8 @@ class Resume:
             raise ConfigError(
                 f"Resuming {self.directory}: its batch geometry was settled for {self.world_size} "
                 f"processes (WORLD_SIZE), but the backend runs {backend.num_processes}. Start the "
-                "run with a launcher that sets WORLD_SIZE to the number of processes.")
+                "run with a launcher that sets WORLD_SIZE to the number of processes."
+            )
 
 
 def plan_steps(args, state, loader) -> int:
@@ -92,7 +99,8 @@ def plan_steps(args, state, loader) -> int:
     if batches_per_epoch == 0 and a.max_steps <= 0:
         raise DataError(
             "The training data has no length (or is empty): set train.max_steps, or give a "
-            "dataset with samples.")
+            "dataset with samples."
+        )
     s.steps_per_epoch = math.ceil(batches_per_epoch / a.gradient_accumulation_steps)
     s.max_steps = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * s.steps_per_epoch)
     s.num_train_epochs = math.ceil(s.max_steps / s.steps_per_epoch) if s.steps_per_epoch else 1
@@ -111,9 +119,13 @@ def batch_error(exc: Exception, global_step: int, config: Config, collator=None)
 
     data, raised = config.data.train or "train_dataset", user_frame(exc, {"collator": collator})
     name = config.data.collator or getattr(collator, "__qualname__", type(collator).__name__)
-    fix = (f"the collator {name} ({raised[1]}) raised {type(exc).__name__}: {exc}. Check it against the "
-           f"dataset's rows ({data})" if raised else f"{type(exc).__name__}: {exc}. Check the dataset ({data}) "
-           f"and the collator ({config.data.collator or 'default'})")
+    fix = (
+        f"the collator {name} ({raised[1]}) raised {type(exc).__name__}: {exc}. Check it against the "
+        f"dataset's rows ({data})"
+        if raised
+        else f"{type(exc).__name__}: {exc}. Check the dataset ({data}) "
+        f"and the collator ({config.data.collator or 'default'})"
+    )
     return DataError(f"Loading a training batch failed at global_step {global_step}: {fix}.")
 
 
@@ -124,7 +136,9 @@ def resume_directory(loop, asked, settled: Path | None) -> Path | None:
 
     output_dir, configured = Path(loop.args.output_dir), loop.args.resume_from_checkpoint
     if not asked:
-        return settled if settled is not None or not configured else checkpoint.resolve(configured, output_dir)
+        return (
+            settled if settled is not None or not configured else checkpoint.resolve(configured, output_dir)
+        )
     directory = checkpoint.resolve(asked, output_dir)
     if directory is not None:
         _check_settled(loop, directory)
@@ -135,11 +149,19 @@ def _check_settled(loop, directory: Path) -> None:
     """``train(resume_from_checkpoint=...)``: refuse a checkpoint that needs another batch
     geometry than the config the plugins were configured with (it is never replaced)."""
     need, _ = loop.plugins.call_provider(
-        "resume_config", config=loop.config, plugins=loop.plugins, directory=directory,
-        world_size=loop.state.world_size, dataset=lambda: loop.train_dataset, announce=False)
+        "resume_config",
+        config=loop.config,
+        plugins=loop.plugins,
+        directory=directory,
+        world_size=loop.state.world_size,
+        dataset=lambda: loop.train_dataset,
+        announce=False,
+    )
     a, b = loop.args, need.train if need is not None else loop.args
     if (b.per_device_train_batch_size, b.gradient_accumulation_steps) == (
-            a.per_device_train_batch_size, a.gradient_accumulation_steps):
+        a.per_device_train_batch_size,
+        a.gradient_accumulation_steps,
+    ):
         return
     raise ConfigError(
         f"Cannot resume {directory} from Loop.train(resume_from_checkpoint=...): on "
@@ -148,7 +170,8 @@ def _check_settled(loop, directory: Path) -> None:
         "but the run's config is final once plugins are configured. Name the checkpoint in the "
         "config instead: train.resume_from_checkpoint (TrainArgs(resume_from_checkpoint=...), or "
         "--resume-from-checkpoint on the command line), and the Loop settles the geometry before it "
-        "configures the plugins.")
+        "configures the plugins."
+    )
 
 
 def count_step(loop, epoch: int, micro_batches: list, step_loss, batches_per_epoch: int) -> None:
@@ -177,11 +200,20 @@ def failure(loop, exc: BaseException, action: str = "Training") -> BaseException
         try:
             call_impl(impl, kwargs)
         except Exception as e:
-            logging.getLogger("corelooper").warning("Plugin %r raised in hook 'on_exception' (%s: %s); the "
-                                                    "error it was reporting follows.", impl.plugin_name,
-                                                    type(e).__name__, e)
-    return explain_failure(exc, loop.plugins, loop.state.global_step, loop.args.output_dir, action,
-                           user_code={"compute_metrics": loop.compute_metrics_fn})
+            logging.getLogger("corelooper").warning(
+                "Plugin %r raised in hook 'on_exception' (%s: %s); the error it was reporting follows.",
+                impl.plugin_name,
+                type(e).__name__,
+                e,
+            )
+    return explain_failure(
+        exc,
+        loop.plugins,
+        loop.state.global_step,
+        loop.args.output_dir,
+        action,
+        user_code={"compute_metrics": loop.compute_metrics_fn},
+    )
 
 
 @contextmanager

@@ -30,10 +30,12 @@ def build_model(plugins, config: Config) -> torch.nn.Module:
         raise ConfigError(
             f"model.name_or_path = {config.model.name_or_path!r}: no installed plugin loads a model "
             "named this way (the create_model hook). Install the plugin that loads Hugging Face model "
-            "folders (docs/plugins.md lists the first-party plugins), or set model.factory.")
+            "folders (docs/plugins.md lists the first-party plugins), or set model.factory."
+        )
     raise ConfigError(
         "No model: pass one to Loop(model=...), or set model.factory (a 'module:callable') or "
-        "model.name_or_path (a Hugging Face model folder).")
+        "model.name_or_path (a Hugging Face model folder)."
+    )
 
 
 def model_from_factory(config: Config) -> torch.nn.Module | None:
@@ -47,7 +49,8 @@ def model_from_factory(config: Config) -> torch.nn.Module | None:
     except Exception as e:
         raise ConfigError(
             f"model.factory = {ref!r} raised {type(e).__name__}: {e} (called with "
-            f"model.args = {config.model.args!r}).") from e
+            f"model.args = {config.model.args!r})."
+        ) from e
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model.factory = {ref!r} returned {type(model).__name__}, not a torch.nn.Module.")
     return model
@@ -65,7 +68,8 @@ def build_dataset(plugins, config: Config, split: str):
         raise ConfigError(
             f"{what}: no installed plugin reads data named this way (the create_dataset hook). Name a "
             "'module:callable' returning a dataset, or install the plugin that reads data files by "
-            "path (docs/plugins.md lists the first-party plugins).")
+            "path (docs/plugins.md lists the first-party plugins)."
+        )
     return None
 
 
@@ -97,11 +101,13 @@ def check_dataset(dataset, what: str) -> None:
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         raise DataError(
             f"{what} returned {type(dataset).__name__}, which is not a dataset: it needs "
-            "__len__ and __getitem__ (a map-style torch Dataset), or must be an IterableDataset.")
+            "__len__ and __getitem__ (a map-style torch Dataset), or must be an IterableDataset."
+        )
     if len(dataset) == 0:
         raise DataError(f"{what} returned an empty dataset.")
     sample = dataset[0]
     if not (isinstance(sample, (dict, tuple, list)) or torch.is_tensor(sample)):
         raise DataError(
             f"{what}: sample 0 is a {type(sample).__name__}; samples must be dicts of tensors "
-            "(e.g. {'input': ..., 'labels': ...}), tuples (inputs..., label) or tensors.")
+            "(e.g. {'input': ..., 'labels': ...}), tuples (inputs..., label) or tensors."
+        )

@@ -117,8 +117,16 @@ class TrainArgs:
     max_skipped_steps: int = 10
     """With on_nonfinite = "skip_step": stop after this many skipped steps in a row."""
     lr_scheduler_type: Literal[
-        "linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial",
-        "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay", "reduce_lr_on_plateau",
+        "linear",
+        "cosine",
+        "constant",
+        "constant_with_warmup",
+        "cosine_with_restarts",
+        "polynomial",
+        "inverse_sqrt",
+        "cosine_with_min_lr",
+        "warmup_stable_decay",
+        "reduce_lr_on_plateau",
     ] = "linear"
     lr_scheduler_kwargs: dict = field(default_factory=dict)
     """Options of the schedule, e.g. ``{ num_cycles = 2 }`` (corelooper/hf/schedules.py)."""
@@ -265,17 +273,21 @@ def _train_values(raw: dict[str, Any]) -> tuple[dict[str, Any], Translation]:
                 hint = _did_you_mean(key, sorted(names))
             raise ConfigError(f"Unknown key train.{key}.{hint}")
         if value is None and key == "max_grad_norm":  # not "unset": never the default's 1.0
-            raise ConfigError("train.max_grad_norm = None: HF's Trainer fails on it at the first step. Use "
-                              "0 for no clipping (the gradient norm is still computed and logged) or a "
-                              "positive norm such as 1.0.")
+            raise ConfigError(
+                "train.max_grad_norm = None: HF's Trainer fails on it at the first step. Use "
+                "0 for no clipping (the gradient norm is still computed and logged) or a "
+                "positive norm such as 1.0."
+            )
         if value is not None or _matches(None, hints[key]):  # HF passes None for "unset": the default
             values[key] = _checked("train", key, value, hints[key])
     if "report_to" in values and not isinstance(values["report_to"], str):
         values["report_to"] = list(values["report_to"])
     if values.get("logging_nan_inf_filter"):  # HF's default: every HF script passes it
-        tr.notes.append("train.logging_nan_inf_filter = true (HF's default) has no effect: corelooper logs "
-                        "the true loss; a non-finite step is handled by train.on_nonfinite (stop, or "
-                        "skip_step).")
+        tr.notes.append(
+            "train.logging_nan_inf_filter = true (HF's default) has no effect: corelooper logs "
+            "the true loss; a non-finite step is handled by train.on_nonfinite (stop, or "
+            "skip_step)."
+        )
     return values, tr
 
 
@@ -301,8 +313,10 @@ class Config:
             given = sections.setdefault(name, {})
             for key, value in values.items():
                 if key in given and given[key] != value:
-                    raise ConfigError(f"[{name}] {key} = {given[key]!r} contradicts the HF name in [train] "
-                                      f"that sets it to {value!r}: set only one.")
+                    raise ConfigError(
+                        f"[{name}] {key} = {given[key]!r} contradicts the HF name in [train] "
+                        f"that sets it to {value!r}: set only one."
+                    )
                 given[key] = value
         object.__setattr__(self, "sections", _read_only(sections))
         object.__setattr__(self, "_defaults", _read_only(self._defaults))
@@ -332,8 +346,10 @@ class Config:
             kwargs[name] = TrainArgs(**raw) if klass is TrainArgs else build_dataclass(klass, raw, name)
         for name, raw in data.items():
             if not isinstance(raw, dict):
-                raise ConfigError(f"Top-level key {name!r} = {raw!r} is not a section. Keys belong in a "
-                                  f"section such as [train].{_did_you_mean(name, list(cls.CORE))}")
+                raise ConfigError(
+                    f"Top-level key {name!r} = {raw!r} is not a section. Keys belong in a "
+                    f"section such as [train].{_did_you_mean(name, list(cls.CORE))}"
+                )
         cfg = cls(**kwargs, sections={k: dict(v) for k, v in data.items()}, source=source)
         check_model_and_data(cfg.model, cfg.data)
         return cfg
@@ -366,8 +382,10 @@ class Config:
                     raise ConfigError(f"Unknown key {name}.{key}.{_did_you_mean(key, list(defaults[name]))}")
                 default = defaults[name][key]
                 if default is not None and not _matches(value, type(default)):
-                    raise ConfigError(f"{name}.{key} must be of type {type(default).__name__} "
-                                      f"(like its default {default!r}), got {value!r}.")
+                    raise ConfigError(
+                        f"{name}.{key} must be of type {type(default).__name__} "
+                        f"(like its default {default!r}), got {value!r}."
+                    )
         return dataclasses.replace(self, _defaults=defaults)
 
     def write(self, path: str | Path) -> None:
@@ -379,8 +397,10 @@ class ReadOnlyDict(dict):
     and an HPO study or a spawned worker copies configs)."""
 
     def _refuse(self, *args, **kwargs):
-        raise TypeError("the config is read-only after validation: use Config.replace(...) or "
-                        "dataclasses.replace(...) for a changed copy")
+        raise TypeError(
+            "the config is read-only after validation: use Config.replace(...) or "
+            "dataclasses.replace(...) for a changed copy"
+        )
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
 
@@ -463,11 +483,13 @@ def build_dataclass(klass: type, raw: dict[str, Any], section: str):
 def check_model_and_data(m: ModelConfig, d: DataConfig) -> None:
     """Cross-field checks of [model] and [data], named by key path."""
     if m.factory and m.name_or_path:
-        raise ConfigError(f"Set model.factory ({m.factory!r}) or model.name_or_path ({m.name_or_path!r}), "
-                          "not both.")
+        raise ConfigError(
+            f"Set model.factory ({m.factory!r}) or model.name_or_path ({m.name_or_path!r}), not both."
+        )
     if d.eval_split < 0 or (d.eval_split >= 1 and not float(d.eval_split).is_integer()):
-        raise ConfigError(f"data.eval_split = {d.eval_split!r}: use a share 0 < x < 1 or a whole number "
-                          "of samples.")
+        raise ConfigError(
+            f"data.eval_split = {d.eval_split!r}: use a share 0 < x < 1 or a whole number of samples."
+        )
     if d.eval_split and d.eval:
         raise ConfigError("Set data.eval or data.eval_split, not both.")
     for key in ("train", "eval"):
@@ -476,14 +498,37 @@ def check_model_and_data(m: ModelConfig, d: DataConfig) -> None:
 
 
 # Float settings that can only produce NaN (or no training) when not finite.
-_FINITE = ("learning_rate", "weight_decay", "max_grad_norm", "num_train_epochs", "warmup_steps",
-           "adam_beta1", "adam_beta2", "adam_epsilon", "label_smoothing_factor", "eval_delay", "peak_flops",
-           "logging_steps", "eval_steps", "save_steps")
+_FINITE = (
+    "learning_rate",
+    "weight_decay",
+    "max_grad_norm",
+    "num_train_epochs",
+    "warmup_steps",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "label_smoothing_factor",
+    "eval_delay",
+    "peak_flops",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",
+)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -492,8 +537,10 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int) and size > 0:
         return size
     if not m or float(m.group(1)) <= 0:
-        raise ConfigError(f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int > 0) or a "
-                          "string like '5GB', '500MB', '2GiB'.")
+        raise ConfigError(
+            f"train.save_max_shard_size = {size!r} is not a size: use bytes (an int > 0) or a "
+            "string like '5GB', '500MB', '2GiB'."
+        )
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
@@ -508,16 +555,31 @@ def check_train_args(a: TrainArgs) -> dict[str, Any]:
     for key in _FINITE:
         v = getattr(a, key)
         if v is not None and not math.isfinite(v):
-            raise ConfigError(f"train.{key} = {v!r} is not a finite number: training could only produce NaN. "
-                              "Give a finite value.")
+            raise ConfigError(
+                f"train.{key} = {v!r} is not a finite number: training could only produce NaN. "
+                "Give a finite value."
+            )
     _check_counts(a)
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "logging_steps", "eval_steps", "save_steps", "max_skipped_steps"):
+    for key in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "max_skipped_steps",
+    ):
         v = getattr(a, key)
         if v is not None and v <= 0:
             raise ConfigError(f"train.{key} must be > 0, got {v!r}.")
-    for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon",
-                "eval_delay"):
+    for key in (
+        "learning_rate",
+        "weight_decay",
+        "max_grad_norm",
+        "warmup_steps",
+        "adam_epsilon",
+        "eval_delay",
+    ):
         if getattr(a, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(a, key)!r}.")
     for key in ("adam_beta1", "adam_beta2", "label_smoothing_factor"):
@@ -539,15 +601,19 @@ def check_train_args(a: TrainArgs) -> dict[str, Any]:
 def _check_counts(a: TrainArgs) -> None:
     """Integers whose wrong values torch or the loop would only report mid-run (or never)."""
     if a.max_steps != -1 and a.max_steps <= 0:
-        raise ConfigError(f"train.max_steps = {a.max_steps}: use a number of optimizer steps > 0, or -1 "
-                          "(HF's default) to train for train.num_train_epochs.")
+        raise ConfigError(
+            f"train.max_steps = {a.max_steps}: use a number of optimizer steps > 0, or -1 "
+            "(HF's default) to train for train.num_train_epochs."
+        )
     for key in ("seed", "data_seed"):
         v = getattr(a, key)
         if v is not None and not 0 <= v < 2**32:
             raise ConfigError(f"train.{key} = {v}: a seed is an int in [0, 2**32 - 1] (numpy's range).")
     if a.dataloader_num_workers < 0:
-        raise ConfigError(f"train.dataloader_num_workers = {a.dataloader_num_workers}: use 0 (load in the "
-                          "training process) or the number of worker processes (> 0).")
+        raise ConfigError(
+            f"train.dataloader_num_workers = {a.dataloader_num_workers}: use 0 (load in the "
+            "training process) or the number of worker processes (> 0)."
+        )
     parse_size(a.save_max_shard_size)
 
 
@@ -555,22 +621,30 @@ def _best_model(a: TrainArgs) -> dict[str, Any]:
     """Checks of what picks the best model; returns HF's defaults of its metric and direction."""
     needs_metric = a.load_best_model_at_end or a.save_strategy == "best"
     if needs_metric and a.eval_strategy == "no":
-        raise ConfigError("train.load_best_model_at_end / save_strategy = 'best' need evaluations: set "
-                          "train.eval_strategy to 'steps' or 'epoch'.")
+        raise ConfigError(
+            "train.load_best_model_at_end / save_strategy = 'best' need evaluations: set "
+            "train.eval_strategy to 'steps' or 'epoch'."
+        )
     if a.load_best_model_at_end and a.save_strategy != "best":
         if a.save_strategy != a.eval_strategy:
-            raise ConfigError(f"train.load_best_model_at_end needs train.save_strategy ({a.save_strategy!r}) "
-                              f"to match train.eval_strategy ({a.eval_strategy!r}), so that every evaluated "
-                              "model is saved.")
+            raise ConfigError(
+                f"train.load_best_model_at_end needs train.save_strategy ({a.save_strategy!r}) "
+                f"to match train.eval_strategy ({a.eval_strategy!r}), so that every evaluated "
+                "model is saved."
+            )
         eval_steps = a.eval_steps or a.logging_steps
         ratios = a.save_steps < 1 or eval_steps < 1  # checked once max_steps is known
         if a.save_strategy == "steps" and not ratios and a.save_steps % eval_steps:
-            raise ConfigError(f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
-                              f"multiple of train.eval_steps ({eval_steps}).")
+            raise ConfigError(
+                f"train.load_best_model_at_end needs train.save_steps ({a.save_steps}) to be a "
+                f"multiple of train.eval_steps ({eval_steps})."
+            )
     if a.lr_scheduler_type == "reduce_lr_on_plateau":
         if a.eval_strategy == "no":
-            raise ConfigError("train.lr_scheduler_type = 'reduce_lr_on_plateau' is driven by the evaluation "
-                              "metric: set train.eval_strategy to 'steps' or 'epoch' (and give eval data).")
+            raise ConfigError(
+                "train.lr_scheduler_type = 'reduce_lr_on_plateau' is driven by the evaluation "
+                "metric: set train.eval_strategy to 'steps' or 'epoch' (and give eval data)."
+            )
         needs_metric = True
     out: dict[str, Any] = {}
     metric = a.metric_for_best_model
@@ -613,8 +687,10 @@ def import_object(ref: str, key: str, base: Path | None = None) -> Any:
     for part in attr.split("."):
         if not hasattr(obj, part):
             names = [n for n in dir(module) if not n.startswith("_")]
-            raise ConfigError(f"{key} = {ref!r}: module {module_ref!r} has no attribute {part!r}."
-                              f"{_did_you_mean(part, names)}")
+            raise ConfigError(
+                f"{key} = {ref!r}: module {module_ref!r} has no attribute {part!r}."
+                f"{_did_you_mean(part, names)}"
+            )
         obj = getattr(obj, part)
     return obj
 
@@ -646,8 +722,10 @@ def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleT
     except ConfigError:
         raise
     except ModuleNotFoundError as e:
-        raise ConfigError(f"{key}: cannot import {ref!r} ({e}). Check the spelling, and that the module is "
-                          "installed or lies under the current folder.") from None
+        raise ConfigError(
+            f"{key}: cannot import {ref!r} ({e}). Check the spelling, and that the module is "
+            "installed or lies under the current folder."
+        ) from None
     except Exception as e:  # the module itself raised while importing
         raise ConfigError(f"{key}: importing {ref!r} failed: {type(e).__name__}: {e}") from e
 

@@ -50,10 +50,12 @@ def _dataset(value) -> bool:
 CHECKS: dict[str, Any] = {  # hook -> check(result, kwargs of the call) -> bool
     "create_model": lambda r, kw: _module(r),
     "create_dataset": lambda r, kw: _dataset(r),
-    "compute_loss": lambda r, kw: _loss(r) or bool(
-        kw.get("return_outputs") and type(r) is tuple and len(r) == 2 and _loss(r[0])),
-    "training_step": lambda r, kw: (type(r) is tuple and len(r) == 2 and _tensor(r[0])) or _tensor(
-        getattr(r, "loss", None)),
+    "compute_loss": lambda r, kw: (
+        _loss(r) or bool(kw.get("return_outputs") and type(r) is tuple and len(r) == 2 and _loss(r[0]))
+    ),
+    "training_step": lambda r, kw: (
+        (type(r) is tuple and len(r) == 2 and _tensor(r[0])) or _tensor(getattr(r, "loss", None))
+    ),
     "create_optimizer": lambda r, kw: _has(r, "step", "zero_grad") and hasattr(r, "param_groups"),
     "create_scheduler": lambda r, kw: _has(r, "step", "get_last_lr"),
     "train_dataloader": lambda r, kw: isinstance(r, Iterable),
@@ -85,11 +87,13 @@ def wrong_result(plugins, hook: str, impl, result) -> PluginError:
     expected = getattr(getattr(hookspecs, hook, None), "corelooper_returns", "another type")
     if hook == "create_backend":
         expected += f" (missing: {', '.join(_backend_missing(result))})"
-    fix = "Fix the plugin" + ("" if info is not None and info.kind == "builtin" else
-                              f", or disable it with `-p no:{base}`")
+    fix = "Fix the plugin" + (
+        "" if info is not None and info.kind == "builtin" else f", or disable it with `-p no:{base}`"
+    )
     return PluginError(
         f"Plugin {name!r} returned {describe(result)} from hook {hook!r}; expected {expected}. "
-        f"{fix} (`corelooper hooks` shows what each provider returns).")
+        f"{fix} (`corelooper hooks` shows what each provider returns)."
+    )
 
 
 def refuse_wrappers(name: str, impls) -> None:
@@ -102,4 +106,5 @@ def refuse_wrappers(name: str, impls) -> None:
                 f"Plugin {name!r} declares a hook wrapper on the provider {hook!r}; corelooper "
                 "refuses wrappers on providers (hook wrappers work on events). Implement "
                 f"{hook!r} as a provider instead, calling the next one with "
-                f"`plugins.call_next({hook!r}, self, **kwargs)` (see docs/hooks.md).")
+                f"`plugins.call_next({hook!r}, self, **kwargs)` (see docs/hooks.md)."
+            )

@@ -44,8 +44,17 @@ class PeerLostError(CorelooperError):
 
 
 # What torch's process groups say when the other end of a collective is gone (gloo, NCCL, the store).
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-              "NCCL error", "ProcessGroupNCCL", "ProcessGroupGloo", "third_party/gloo", "Socket Timeout")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "NCCL error",
+    "ProcessGroupNCCL",
+    "ProcessGroupGloo",
+    "third_party/gloo",
+    "Socket Timeout",
+)
 
 
 def peer_lost(exc: BaseException) -> bool:
@@ -77,8 +86,14 @@ def user_frame(exc: BaseException, user_code: dict) -> tuple[str, str] | None:
     return hit
 
 
-def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
-                    action: str = "Training", user_code: dict | None = None) -> BaseException:
+def explain_failure(
+    exc: BaseException,
+    plugins,
+    global_step: int,
+    output_dir,
+    action: str = "Training",
+    user_code: dict | None = None,
+) -> BaseException:
     """An exception from training turned into one that names where it came from: the plugin and
     hook whose code raised (``plugins.blame``), a callable the user gave the Loop (``user_code``:
     ``{"compute_metrics": fn}``), else the model or its loss."""
@@ -90,7 +105,8 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
             f"({type(exc).__name__}: {_first_line(exc)}). Another process of the run stopped (killed, "
             "crashed, or its node was lost) or the network between them failed: its own output names "
             f"the first failure. The last complete checkpoint in {str(output_dir)!r} is untouched; "
-            "resume with --resume-from-checkpoint latest (on fewer processes if a node is gone).")
+            "resume with --resume-from-checkpoint latest (on fewer processes if a node is gone)."
+        )
     blamed = plugins.blame(exc)
     if blamed:
         plugin, hook = blamed
@@ -99,10 +115,12 @@ def explain_failure(exc: BaseException, plugins, global_step: int, output_dir,
         name = plugin.rsplit(".", 1)[0] if info is not None and info.kind == "run" else plugin
         return PluginError(
             f"Plugin {plugin!r} raised in hook {hook!r} at global_step {global_step}: "
-            f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`.")
+            f"{type(exc).__name__}: {exc}. Fix the plugin, or disable it with `-p no:{name}`."
+        )
     user = user_frame(exc, user_code or {})
     where = f"the run's {user[0]} ({user[1]}) raised " if user else ""
     blame = "Fix it there" if user else "The error came from the model or its loss"
     return TrainingError(
         f"{action} failed at global_step {global_step}: {where}{type(exc).__name__}: {exc}. {blame}; "
-        f"the last complete checkpoint in {str(output_dir)!r} is untouched.")
+        f"the last complete checkpoint in {str(output_dir)!r} is untouched."
+    )

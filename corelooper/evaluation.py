@@ -21,15 +21,23 @@ from .outputs import LogitsWanted, OutputAccumulator, Preprocessed
 
 
 @torch.no_grad()
-def run_evaluation(loop, dataset, metric_key_prefix: str = "eval", keep_outputs: bool = False,
-                   batch_transform: Callable | None = None):
+def run_evaluation(
+    loop,
+    dataset,
+    metric_key_prefix: str = "eval",
+    keep_outputs: bool = False,
+    batch_transform: Callable | None = None,
+):
     """``(metrics, predictions, label_ids)`` over ``dataset``; ``batch_transform`` may cut each
     batch into pieces (a list of batches with the same samples in the same order)."""
     loop.prepare_for_evaluation()
     backend, model = loop.backend, loop.model
     metric = _batch_metric(loop)  # per batch: no outputs are kept for it
-    want_outputs = keep_outputs or metric is None and (
-        loop.plugins.implemented_by_others("compute_metrics") or loop.compute_metrics_fn is not None)
+    want_outputs = (
+        keep_outputs
+        or metric is None
+        and (loop.plugins.implemented_by_others("compute_metrics") or loop.compute_metrics_fn is not None)
+    )
     # Without a use for the outputs, compute_loss is asked for the loss alone: an LM loss may then
     # skip the logits of positions that do not count (a language-model head over trained positions only).
     others_read = any("outputs" in impl.argnames for impl in loop.hook.on_prediction_step.get_hookimpls())
@@ -79,7 +87,8 @@ def _batch_metric(loop):
             f"The per-batch evaluation metric ({type(metric).__name__}) has no sync(reduce_sum) method, so its "
             f"states cannot be summed over the {loop.backend.num_processes} processes: give it one (replace each "
             "state tensor t by reduce_sum(t)). HF's compute_metrics(eval_pred, compute_result) "
-            "(train.batch_eval_metrics) keeps its state in the function: it runs on one process only.")
+            "(train.batch_eval_metrics) keeps its state in the function: it runs on one process only."
+        )
     if metric is not None and callable(getattr(metric, "reset", None)):
         metric.reset()
     return metric
@@ -93,8 +102,13 @@ def _eval_batch(loop, batch, totals, need_outputs: bool, answered):
     if has_labels:
         n = count_loss_items(batch, loss_type)
         result, answered = loop.plugins.call_provider(
-            "compute_loss", loop=loop, model=loop.model, batch=batch, num_items_in_batch=n,
-            return_outputs=need_outputs)
+            "compute_loss",
+            loop=loop,
+            model=loop.model,
+            batch=batch,
+            num_items_in_batch=n,
+            return_outputs=need_outputs,
+        )
         # a provider may ignore return_outputs and give the loss alone
         loss, outputs = result if isinstance(result, tuple) else (result, None)
         totals[0] += loss.detach().double() * n
@@ -121,7 +135,11 @@ def _metrics(loop, totals, collected, prefix: str, answered, metric=None):
         metrics[f"{prefix}_loss"] = round(loss_sum / items, 6)
         # exp(loss) is a perplexity for a token-normalised causal-LM loss (a compute_loss that
         # takes num_items_in_batch), not for e.g. a per-pair DPO loss.
-        if loop.loss_type == "causal_lm" and answered is not None and "num_items_in_batch" in answered.argnames:
+        if (
+            loop.loss_type == "causal_lm"
+            and answered is not None
+            and "num_items_in_batch" in answered.argnames
+        ):
             metrics[f"{prefix}_perplexity"] = round(math.exp(min(metrics[f"{prefix}_loss"], 700)), 4)
     # dataset order, padded with -100
     predictions, label_ids = collected.gather(loop.backend) if collected else (None, None)
@@ -131,8 +149,9 @@ def _metrics(loop, totals, collected, prefix: str, answered, metric=None):
             metric.sync(loop.backend.reduce_sum)
         extra = metric.compute()
     elif label_ids is not None:  # as HF: metrics need labels
-        extra, _ = loop.plugins.call_provider("compute_metrics", loop=loop, predictions=predictions,
-                                              label_ids=label_ids)
+        extra, _ = loop.plugins.call_provider(
+            "compute_metrics", loop=loop, predictions=predictions, label_ids=label_ids
+        )
     for k, v in (extra or {}).items():
         metrics[metric_key(k, prefix)] = _scalar(v)
     return metrics, predictions, label_ids

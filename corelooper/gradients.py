@@ -79,7 +79,8 @@ def _one_foreach_group(grads: list[torch.Tensor]) -> bool:
     device, dtype = grads[0].device, grads[0].dtype
     return _device_has_foreach_support(device) and all(
         type(g) is torch.Tensor and g.layout is torch.strided and g.device == device and g.dtype == dtype
-        for g in grads)
+        for g in grads
+    )
 
 
 def zero_grad(optimizer, model: torch.nn.Module | None = None) -> None:

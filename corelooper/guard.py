@@ -48,7 +48,9 @@ class NonFiniteGuard:
         # overflowing gradients (it skips those steps and lowers the scale): the loss only then.
         fp16 = loop.args.mixed_precision == "fp16"
         if self.on_cpu and not self.deferred and loop.backend.num_processes == 1:  # reads, no kernel
-            if math.isfinite(float(step_loss)) and (grad_norm is None or fp16 or math.isfinite(float(grad_norm))):
+            if math.isfinite(float(step_loss)) and (
+                grad_norm is None or fp16 or math.isfinite(float(grad_norm))
+            ):
                 self.skipped_in_row = 0
                 return True
             return self._handle(loop, loop.state.global_step + 1, micro_batches, losses, grad_norm)
@@ -87,8 +89,14 @@ class NonFiniteGuard:
         if action == "skip_step" and self.skipped_in_row + 1 > self.max_skipped:
             action = "stop"
         indices = sample_indices(loop, len(micro_batches))
-        loop.events.fire("on_nonfinite", micro_batches=[loop.backend.to_device(b) for b in micro_batches],
-                         sample_indices=indices, loss=torch.stack(losses).sum(), grad_norm=grad_norm, action=action)
+        loop.events.fire(
+            "on_nonfinite",
+            micro_batches=[loop.backend.to_device(b) for b in micro_batches],
+            sample_indices=indices,
+            loss=torch.stack(losses).sum(),
+            grad_norm=grad_norm,
+            action=action,
+        )
         if action == "stop":
             raise NonFiniteError(stop_message(loop, step, losses, grad_norm, indices, self.skipped_in_row))
         self.skipped_in_row += 1
@@ -108,18 +116,25 @@ def sample_indices(loop, n: int) -> list[list[int]] | None:
 
 def stop_message(loop, step: int, losses, grad_norm, indices, skipped: int) -> str:
     bad = [i for i, loss in enumerate(losses) if not torch.isfinite(loss)]
-    where = (f"the loss of micro-batch {bad[0]} of {len(losses)}" if bad else
-             f"the gradient norm ({float(grad_norm)}) with finite losses")
+    where = (
+        f"the loss of micro-batch {bad[0]} of {len(losses)}"
+        if bad
+        else f"the gradient norm ({float(grad_norm)}) with finite losses"
+    )
     samples = f" (samples {indices[bad[0] if bad else 0][:16]})" if indices else ""
     from .checkpoints.run_dir import last_finite_checkpoint
 
     found = last_finite_checkpoint(Path(loop.args.output_dir))
-    last = (f"the last checkpoint, {found}, was saved before it, verifies and is finite" if found else
-            "no checkpoint was written yet")
+    last = (
+        f"the last checkpoint, {found}, was saved before it, verifies and is finite"
+        if found
+        else "no checkpoint was written yet"
+    )
     after = f" after {skipped} skipped steps in a row (train.max_skipped_steps)" if skipped else ""
     return (
         f"Non-finite values at global_step {step}{after}: {where}{samples} is NaN/Inf. Nothing "
         f"non-finite was saved; {last}. Lower train.learning_rate, set train.max_grad_norm, use "
         "bf16 instead of fp16, check the data of those samples, or set train.on_nonfinite = "
         '"skip_step" to skip such steps. A diagnosis plugin (on_nonfinite; `corelooper plugins`) can '
-        "name the module.")
+        "name the module."
+    )

@@ -242,7 +242,7 @@ def create_backend(loop):
 
 
 @hookspec(firstresult=True)
-@returns('a torch.optim.Optimizer (or an object with step(), zero_grad() and param_groups)')
+@returns("a torch.optim.Optimizer (or an object with step(), zero_grad() and param_groups)")
 def create_optimizer(loop, model):
     """Return the ``torch.optim.Optimizer`` for ``model`` (already on its device).
 
@@ -254,7 +254,7 @@ def create_optimizer(loop, model):
 
 
 @hookspec(firstresult=True)
-@returns('a learning-rate scheduler (an object with step() and get_last_lr())')
+@returns("a learning-rate scheduler (an object with step() and get_last_lr())")
 def create_scheduler(loop, optimizer, num_training_steps: int):
     """Return a learning-rate scheduler for ``optimizer`` (stepped once per optimizer step).
 
@@ -265,7 +265,7 @@ def create_scheduler(loop, optimizer, num_training_steps: int):
 
 
 @hookspec(firstresult=True)
-@returns('an iterable of batches')
+@returns("an iterable of batches")
 def train_dataloader(loop, dataset):
     """Return an iterable of training batches for one epoch, for this process.
 
@@ -281,14 +281,14 @@ def train_dataloader(loop, dataset):
 
 
 @hookspec(firstresult=True)
-@returns('an iterable of batches')
+@returns("an iterable of batches")
 def eval_dataloader(loop, dataset):
     """Return an iterable of evaluation batches for this process (no shuffling, no padding
     duplicates across processes)."""
 
 
 @hookspec(firstresult=True)
-@returns('a scalar torch.Tensor (or (loss, outputs) when return_outputs is true)')
+@returns("a scalar torch.Tensor (or (loss, outputs) when return_outputs is true)")
 def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     """Return the loss of one micro-batch (a scalar tensor), or ``(loss, outputs)`` when
     ``return_outputs`` is true.
@@ -308,7 +308,7 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
 
 
 @hookspec(firstresult=True)
-@returns('(loss, grad_norm) with loss a torch.Tensor, or a result with a tensor .loss')
+@returns("(loss, grad_norm) with loss a torch.Tensor, or a result with a tensor .loss")
 def training_step(loop, micro_batches: list):
     """Run one whole optimizer step over ``micro_batches``; return a ``corelooper.step.StepResult``.
 
@@ -330,7 +330,7 @@ def training_step(loop, micro_batches: list):
 
 
 @hookspec(firstresult=True)
-@returns('a tuple (metrics, predictions, label_ids) with metrics a dict')
+@returns("a tuple (metrics, predictions, label_ids) with metrics a dict")
 def evaluation_loop(loop, dataset, metric_key_prefix: str, keep_outputs: bool):
     """Run the model over ``dataset``; return ``(metrics, predictions, label_ids)``.
 
@@ -344,7 +344,7 @@ def evaluation_loop(loop, dataset, metric_key_prefix: str, keep_outputs: bool):
 
 
 @hookspec(firstresult=True)
-@returns('a dict of metrics (or None to let the next provider answer)')
+@returns("a dict of metrics (or None to let the next provider answer)")
 def compute_metrics(loop, predictions, label_ids):
     """Return a dict of metrics (without the ``eval_`` prefix) from the whole evaluation set.
 
@@ -355,7 +355,7 @@ def compute_metrics(loop, predictions, label_ids):
 
 
 @hookspec(firstresult=True)
-@returns('an object with update(predictions, label_ids) and compute() -> dict (or None)')
+@returns("an object with update(predictions, label_ids) and compute() -> dict (or None)")
 def eval_metric(loop):
     """A per-batch metric for ``evaluate()``/``predict()``: no outputs are kept for it.
 
@@ -526,8 +526,9 @@ def on_train_end(loop, state, control) -> None:
 
 
 @hookspec
-def on_nonfinite(loop, state, control, micro_batches: list, sample_indices, loss, grad_norm,
-                 action: str) -> None:
+def on_nonfinite(
+    loop, state, control, micro_batches: list, sample_indices, loss, grad_norm, action: str
+) -> None:
     """The step's loss or gradient norm is not finite (the non-finite guard, ``train.on_nonfinite``).
 
     Fires before the loop acts, with the step's ``micro_batches`` (on the device),
@@ -547,9 +548,7 @@ def on_exception(loop, state, control, exception: BaseException) -> None:
     when a plugin's code raised)."""
 
 
-EVENTS = tuple(
-    name for name, obj in list(globals().items()) if name.startswith("on_") and callable(obj)
-)
+EVENTS = tuple(name for name, obj in list(globals().items()) if name.startswith("on_") and callable(obj))
 PROVIDERS = (
     "create_model",
     "create_dataset",
@@ -567,7 +566,10 @@ PROVIDERS = (
     "resume_position",
 )
 DECLARATIONS = (
-    "corelooper_config_sections", "corelooper_settings", "corelooper_configure", "corelooper_unconfigure",
+    "corelooper_config_sections",
+    "corelooper_settings",
+    "corelooper_configure",
+    "corelooper_unconfigure",
     "corelooper_add_commands",
 )
 TRANSFORMS = ("transform_model", "transform_data")

@@ -61,8 +61,13 @@ class LogWindow:
     def state_dict(self) -> dict[str, Any] | None:
         if not self.steps:
             return None
-        return {"loss": float(self.loss), "steps": self.steps, "samples": self.samples, "tokens": self.tokens,
-                "skipped": self.skipped}
+        return {
+            "loss": float(self.loss),
+            "steps": self.steps,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "skipped": self.skipped,
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.reset()
@@ -94,7 +99,9 @@ class TokensSeen:
         if not self.token_data:
             first = micro_batches[0] if micro_batches else None
             self.token_data = isinstance(first, dict) and self.main_input in first
-        self.pending += int(count_tokens_seen(micro_batches, self.mode, None, self.pad_token_id, self.main_input))
+        self.pending += int(
+            count_tokens_seen(micro_batches, self.mode, None, self.pad_token_id, self.main_input)
+        )
 
     def flush(self, backend, state) -> None:
         pending, self.pending = self.pending, 0

@@ -52,16 +52,24 @@ class Loop:
     ``Loop(config=Config.load("config.toml"))`` to build model and data from the config.
     """
 
-    config = _public("config", "The run's validated Config: final before corelooper_configure, never replaced.")
+    config = _public(
+        "config", "The run's validated Config: final before corelooper_configure, never replaced."
+    )
     args = _public("args", "``config.train``: the HF TrainingArguments names.")
     plugins = _public("plugins", "The run's plugin registry (corelooper.plugins.Plugins).")
     hook = _public("hook", "``plugins.hook``: call a hook by name.")
     state, control = _public("state", "The LoopState."), _public("control", "The Control flags.")
     events = _public("events", "``events.fire(name, **kwargs)``: fire an event.")
     model = _public("model", "The model: transformed, then wrapped by the backend in train().")
-    optimizer, scheduler = _public("optimizer", "None before train()."), _public("scheduler", "Its LR schedule.")
+    optimizer, scheduler = (
+        _public("optimizer", "None before train()."),
+        _public("scheduler", "Its LR schedule."),
+    )
     backend = _public("backend", "The backend (None while transform_model runs).")
-    train_dataset, eval_dataset = _public("train_dataset", "After transform_data."), _public("eval_dataset", "Too.")
+    train_dataset, eval_dataset = (
+        _public("train_dataset", "After transform_data."),
+        _public("eval_dataset", "Too."),
+    )
     data_collator = _public("data_collator", "The collator, after transform_data.")
     train_loader = _public("train_loader", "This run's training loader (None before train()).")
     loss_type = _public("loss_type", "train.loss_type; 'auto' until resolve_loss_type() sees a batch.")
@@ -86,16 +94,20 @@ class Loop:
         blocked_plugins: Iterable[str] = (),
     ):
         resume = Resume(train_dataset)  # its batch geometry is settled before plugins are configured
-        self._plugins = load_plugins(as_config(config), objects=plugins, blocked=blocked_plugins,
-                                     settle=resume.settle)
+        self._plugins = load_plugins(
+            as_config(config), objects=plugins, blocked=blocked_plugins, settle=resume.settle
+        )
         self._config = self._plugins.config  # validated, with the plugins' section defaults; final
         self._args, self._hook, self._resume_dir = self._config.train, self._plugins.hook, resume.directory
         set_seed(self._args.seed)  # before the model is built: same init every run
         self._model = model if model is not None else build_model(self._plugins, self._config)
-        data = {"train_dataset": resume.dataset(self._config),
-                "eval_dataset": eval_dataset if eval_dataset is not None else build_dataset(
-                    self._plugins, self._config, "eval"),
-                "data_collator": data_collator or build_collator(self._config)}
+        data = {
+            "train_dataset": resume.dataset(self._config),
+            "eval_dataset": eval_dataset
+            if eval_dataset is not None
+            else build_dataset(self._plugins, self._config, "eval"),
+            "data_collator": data_collator or build_collator(self._config),
+        }
         self._train_dataset, self._eval_dataset, self._data_collator = data.values()
         self._compute_metrics_fn = compute_metrics
         self._state, self._control = LoopState(), Control()
@@ -111,14 +123,20 @@ class Loop:
         resume.check_world_size(self._backend)
         s, b = self._state, self._backend
         s.world_size, s.is_world_process_zero, s.is_local_process_zero = (
-            b.num_processes, b.is_main_process, b.is_local_main_process)
+            b.num_processes,
+            b.is_main_process,
+            b.is_local_main_process,
+        )
         data = transforms.transform_data(self._plugins, self, self._model, data)  # before any loader
-        self._train_dataset, self._eval_dataset, self._data_collator = (data[k] for k in transforms.DATA_PARTS)
+        self._train_dataset, self._eval_dataset, self._data_collator = (
+            data[k] for k in transforms.DATA_PARTS
+        )
         self._log_window = LogWindow(self._backend.device)
         self._tokens_seen = TokensSeen("no", None, "input_ids")  # set up by train()
         on_cpu = self._backend.device.type == "cpu"
-        self._guard = NonFiniteGuard(self._args.on_nonfinite, self._args.max_skipped_steps,
-                                     deferred=not on_cpu, on_cpu=on_cpu)
+        self._guard = NonFiniteGuard(
+            self._args.on_nonfinite, self._args.max_skipped_steps, deferred=not on_cpu, on_cpu=on_cpu
+        )
         self._events.fire("on_init_end")
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -130,12 +148,16 @@ class Loop:
         self._batches_per_epoch = plan_steps(self.args, self.state, loader)
         self._model = apply_model_options(self, self.model)
         optimizer = self._provide("create_optimizer", model=self.model)
-        self._scheduler = self._provide("create_scheduler", optimizer=optimizer,
-                                        num_training_steps=self.state.max_steps)
+        self._scheduler = self._provide(
+            "create_scheduler", optimizer=optimizer, num_training_steps=self.state.max_steps
+        )
         self._model, self._optimizer = self.backend.prepare(self.model, optimizer)
         self._forward_signature = forward_signature(self.backend.unwrap_model(self.model))
-        self._tokens_seen = TokensSeen(self.args.tokens_seen_mode, pad_token_id_of(self.data_collator),
-                                       getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids"))
+        self._tokens_seen = TokensSeen(
+            self.args.tokens_seen_mode,
+            pad_token_id_of(self.data_collator),
+            getattr(self.backend.unwrap_model(self.model), "main_input_name", "input_ids"),
+        )
         return loader
 
     def prepare_for_evaluation(self) -> None:
@@ -173,9 +195,15 @@ class Loop:
             output_dir = Path(a.output_dir)
             resume_dir = resume_directory(self, resume_from_checkpoint, self._resume_dir)
             loader = self._setup_train()
-            check_run(a, has_eval_data=self.eval_dataset is not None, has_compute_metrics=(
-                self.compute_metrics_fn is not None or self.plugins.implemented_by_others("compute_metrics")
-                or self.plugins.implemented_by_others("eval_metric")))
+            check_run(
+                a,
+                has_eval_data=self.eval_dataset is not None,
+                has_compute_metrics=(
+                    self.compute_metrics_fn is not None
+                    or self.plugins.implemented_by_others("compute_metrics")
+                    or self.plugins.implemented_by_others("eval_metric")
+                ),
+            )
             if self.backend.is_main_process:  # one run per output_dir, for the run's life
                 lock = RunLock.acquire(output_dir)
             if loop_checkpoints.finished_run(self, resume_from_checkpoint, resume_dir):
@@ -185,8 +213,9 @@ class Loop:
                 if self.state.global_step >= self.state.max_steps:
                     return self.state  # a finished run: nothing to do, nothing written
             if self.backend.is_main_process:
-                checkpoint.prepare_output_dir(output_dir, self.config, resuming=resume_dir is not None,
-                                              overwrite=a.overwrite_output_dir)
+                checkpoint.prepare_output_dir(
+                    output_dir, self.config, resuming=resume_dir is not None, overwrite=a.overwrite_output_dir
+                )
             clear_gradients(self.model)  # as HF: gradients left by earlier work are not the first step's
             self.events.fire("on_train_begin")
             if a.eval_on_start:  # as HF: once, before the first step (also on resume)
@@ -225,8 +254,9 @@ class Loop:
             self._log_logging_window()
         self.guard.poll(self, wait=True)
         runtime = time.perf_counter() - started
-        summary = run_summary(s.log_history, runtime, s.global_step - steps_before,
-                              s.total_samples_seen - samples_before)
+        summary = run_summary(
+            s.log_history, runtime, s.global_step - steps_before, s.total_samples_seen - samples_before
+        )
         loop_checkpoints.finish(self)
         self.tokens_seen.flush(self.backend, self.state)
         self.log({**summary, "epoch": round(s.epoch, 4)})  # HF's run summary log has it too
@@ -302,7 +332,9 @@ class Loop:
 
     def log(self, logs: dict) -> None:
         """Record ``logs`` at the current step (``log_history``) and fire ``on_log``."""
-        if self.tokens_seen.logged or (self.args.tokens_seen_mode != "no" and self.state.num_input_tokens_seen):
+        if self.tokens_seen.logged or (
+            self.args.tokens_seen_mode != "no" and self.state.num_input_tokens_seen
+        ):
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen  # (all processes)
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
@@ -318,8 +350,9 @@ class Loop:
         if dataset is None:
             raise CorelooperError("No evaluation data: pass eval_dataset= or set data.eval.")
         with reported(self, "Evaluation"):
-            metrics, _, _ = self._provide("evaluation_loop", dataset=dataset,
-                                          metric_key_prefix=metric_key_prefix, keep_outputs=False)
+            metrics, _, _ = self._provide(
+                "evaluation_loop", dataset=dataset, metric_key_prefix=metric_key_prefix, keep_outputs=False
+            )
             # As HF: the metrics are logged (on_log, rank 0) before on_evaluate, which fires on
             # every process: early stopping must decide the same on all ranks.
             self.tokens_seen.flush(self.backend, self.state)
@@ -330,8 +363,12 @@ class Loop:
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
         """Model outputs for every sample, in dataset order: ``(predictions, label_ids, metrics)``."""
         with reported(self, "Prediction"):
-            metrics, preds, labels = self._provide("evaluation_loop", dataset=test_dataset,
-                                                   metric_key_prefix=metric_key_prefix, keep_outputs=True)
+            metrics, preds, labels = self._provide(
+                "evaluation_loop",
+                dataset=test_dataset,
+                metric_key_prefix=metric_key_prefix,
+                keep_outputs=True,
+            )
             self.events.fire("on_predict", metrics=metrics)
         return preds, labels, metrics
 

@@ -80,8 +80,9 @@ def predictions_of(outputs):
     return kept[0] if len(kept) == 1 else tuple(kept)
 
 
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor, loss_type: str,
-                label_smoothing: float = 0.0) -> torch.Tensor:
+def summed_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_type: str, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Sum (not mean) of the item losses, so the caller can normalise over a whole step.
 
     ``label_smoothing`` (HF's ``label_smoothing_factor``): each item's loss is
@@ -91,8 +92,13 @@ def summed_loss(logits: torch.Tensor, labels: torch.Tensor, loss_type: str,
         return F.mse_loss(logits.float().view_as(labels), labels.float(), reduction="sum")
     if loss_type == "causal_lm":
         logits, labels = logits[..., :-1, :], labels[..., 1:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
-                           ignore_index=-100, reduction="sum", label_smoothing=label_smoothing)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1).long(),
+        ignore_index=-100,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
 
 
 def reads_num_items(loop, batch, whole_step: bool) -> bool:
@@ -132,9 +138,11 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
     args, kwargs, labels = split_batch(batch)
     outputs = call_model(loop, model, args, kwargs)
     if labels is None:
-        raise DataError("The batch has no labels (a 'labels' key, or a last element of a tuple sample), "
-                        "and the model does not compute its own loss. Add labels to the dataset, or "
-                        "implement the compute_loss hook in a plugin.")
+        raise DataError(
+            "The batch has no labels (a 'labels' key, or a last element of a tuple sample), "
+            "and the model does not compute its own loss. Add labels to the dataset, or "
+            "implement the compute_loss hook in a plugin."
+        )
     logits = logits_of(outputs)
     total = summed_loss(logits, labels, loop.loss_type, smoothing)
     if num_items_in_batch is None:

@@ -63,7 +63,9 @@ def metric_value(metrics: dict[str, Any], name: str, setting: str, prefix: str =
     if key not in metrics:
         from .errors import ConfigError
 
-        raise ConfigError(f"{setting} = {name!r} watches {key!r}, but the evaluation returned only "
-                          f"{sorted(metrics)}. Set {setting} to one of those names (with or without the "
-                          f"{prefix}_ prefix).")
+        raise ConfigError(
+            f"{setting} = {name!r} watches {key!r}, but the evaluation returned only "
+            f"{sorted(metrics)}. Set {setting} to one of those names (with or without the "
+            f"{prefix}_ prefix)."
+        )
     return float(metrics[key])

@@ -115,4 +115,3 @@ def _gather(t: torch.Tensor | None, backend) -> torch.Tensor | None:
         dist.all_reduce(shape, op=dist.ReduceOp.MAX)
         t = _pad_to(t, tuple(int(s) for s in shape.tolist()))
     return backend.gather(t.to(backend.device)).cpu()
-

@@ -32,6 +32,7 @@ ENTRY_POINT_GROUP = "corelooper"
 AUTOLOAD_ENV = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN = "builtin"
 
+
 @dataclass
 class PluginInfo:
     name: str
@@ -119,7 +120,8 @@ class Plugins:
             detail = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
             raise PluginError(
                 f"Plugin {name!r} is invalid: {detail}. See `corelooper hooks` for each hook's "
-                "arguments (an implementation may take any subset of them, by name).") from None
+                "arguments (an implementation may take any subset of them, by name)."
+            ) from None
         except ValueError as e:
             raise PluginError(f"Plugin {name!r} could not be registered: {e}") from None
         try:
@@ -144,7 +146,8 @@ class Plugins:
             raise PluginError(
                 f"Plugin {name!r} declares config sections (corelooper_config_sections) but was "
                 "registered after the config was validated: pass it to Loop(plugins=[...]) or install "
-                "it as an entry point, so that its sections are checked and their defaults filled in.")
+                "it as an entry point, so that its sections are checked and their defaults filled in."
+            )
         if "corelooper_configure" in impls:
             _configure_one(self, impls["corelooper_configure"], self.config)
 
@@ -161,7 +164,8 @@ class Plugins:
             if not callable(getattr(obj, method, None)):
                 raise PluginError(
                     f"register_for_checkpointing({name!r}, ...): {type(obj).__name__} has no "
-                    f"{method}() method; both state_dict() and load_state_dict() are needed.")
+                    f"{method}() method; both state_dict() and load_state_dict() are needed."
+                )
         if name in self.stateful and self.stateful[name] is not obj:
             raise PluginError(f"register_for_checkpointing: the name {name!r} is already taken.")
         self.stateful[name] = obj
@@ -211,7 +215,8 @@ class Plugins:
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise PluginError(
                     f"Plugin {name!r} implements {attr!r}, which is not a corelooper hook."
-                    f"{hint} See `corelooper hooks`.")
+                    f"{hint} See `corelooper hooks`."
+                )
 
     # -- queries -------------------------------------------------------------------------------
     def provider_order(self, hook_name: str) -> list[str]:
@@ -240,7 +245,7 @@ class Plugins:
         mine = next((n for n, impl in enumerate(impls) if impl.plugin is after), None)
         if mine is None:
             raise PluginError(f"call_next({hook_name!r}, {after!r}): that object provides no {hook_name!r}.")
-        return self._dispatch(hook_name, impls[mine + 1:], kwargs)
+        return self._dispatch(hook_name, impls[mine + 1 :], kwargs)
 
     def _dispatch(self, hook_name: str, impls: list, kwargs: dict) -> tuple[Any, Any]:
         check = CHECKS.get(hook_name)
@@ -297,9 +302,13 @@ class Plugins:
         return found
 
 
-def load_plugins(config: Config | None = None, objects: Iterable[Any] = (), blocked: Iterable[str] = (),
-                 autoload: bool | None = None,
-                 settle: Callable[[Config, Plugins], Config] | None = None) -> Plugins:
+def load_plugins(
+    config: Config | None = None,
+    objects: Iterable[Any] = (),
+    blocked: Iterable[str] = (),
+    autoload: bool | None = None,
+    settle: Callable[[Config, Plugins], Config] | None = None,
+) -> Plugins:
     """Build the plugin manager for one run (or for ``corelooper plugins``). ``settle(config,
     plugins)``: the Loop makes the validated config final (a resume's batch geometry) before
     any plugin is configured."""
@@ -314,8 +323,12 @@ def load_plugins(config: Config | None = None, objects: Iterable[Any] = (), bloc
     objects = list(objects)
     # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
     # stateful ones are new objects for every run.
-    policies = {"console": Console(), "jsonl": MetricsLog(), "preemption": PreemptionPlugin(),
-                "best_metric": best_metric}
+    policies = {
+        "console": Console(),
+        "jsonl": MetricsLog(),
+        "preemption": PreemptionPlugin(),
+        "best_metric": best_metric,
+    }
     blocked = set(blocked) | set(cfg.disable)
     if BUILTIN in blocked:
         raise ConfigError("The builtin plugin cannot be disabled; override its hooks instead.")
@@ -362,11 +375,13 @@ def check_blocked(blocked: Iterable[str], known: list[str]) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
             f"-p no:{name} / [plugins] disable names {name!r}, which is not an installed plugin nor a "
-            f"builtin policy.{hint} Known: {', '.join(sorted(set(known)))}. See `corelooper plugins`.")
+            f"builtin policy.{hint} Known: {', '.join(sorted(set(known)))}. See `corelooper plugins`."
+        )
 
 
-def _register_installed(plugins: Plugins, cfg: PluginsConfig, blocked: set[str], autoload: bool,
-                        config: Config | None) -> None:
+def _register_installed(
+    plugins: Plugins, cfg: PluginsConfig, blocked: set[str], autoload: bool, config: Config | None
+) -> None:
     """Installed plugins (entry points), minus the disabled ones and the logging plugins (they
     declare ``report_to`` names, HF's report_to integrations) that ``train.report_to`` leaves
     out; the first name is asked first."""
@@ -377,7 +392,8 @@ def _register_installed(plugins: Plugins, cfg: PluginsConfig, blocked: set[str],
         raise ConfigError(
             f"plugins.enable names {unknown}, which are not installed plugins. "
             f"Installed: {[ep.name for ep in installed] or 'none'}. Install the plugin's package "
-            f"(first-party ones are named like corelooper-{unknown[0].replace('_', '-')}).")
+            f"(first-party ones are named like corelooper-{unknown[0].replace('_', '-')})."
+        )
     reporters: list[str] = []
     for ep in reversed(installed):  # first name registered last -> asked first
         if not autoload:
@@ -415,8 +431,10 @@ def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -
     """A ``[train]`` setting that asks for a plugin (``corelooper_settings``) while no plugin
     answering to it is loaded is refused: the run would silently go without the feature."""
     answered = {key for name in plugins.info for key in _settings(plugins.get(name), name).get("train", {})}
-    train = {**config.train.plugin_values,
-             **{f: getattr(config.train, f) for f in config.train.__dataclass_fields__}}
+    train = {
+        **config.train.plugin_values,
+        **{f: getattr(config.train, f) for f in config.train.__dataclass_fields__},
+    }
     unloaded = {n: obj for n, obj in policies.items() if n not in plugins.info}
     for name, ep in plugins.unloaded.items():
         with contextlib.suppress(Exception):  # not loaded for this run anyway: its import error shows then
@@ -429,7 +447,8 @@ def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -
             raise ConfigError(
                 f"train.{key} = {train[key]!r} needs the plugin {name!r}, which answers to it but is not "
                 f"loaded for this run ({why}: -p no:{name}, [plugins] disable / enable, or report_to). "
-                f"Load the plugin, or remove train.{key}.")
+                f"Load the plugin, or remove train.{key}."
+            )
 
 
 def check_report_to(config: Config, known: list[str]) -> None:
@@ -442,7 +461,8 @@ def check_report_to(config: Config, known: list[str]) -> None:
         raise ConfigError(
             f"train.report_to names {unknown}, which no installed logging plugin provides "
             f"(installed: {sorted(known) or 'none'}). Install the plugin (e.g. pip install "
-            f"corelooper-{unknown[0]}), or use \"all\" / \"none\".")
+            f'corelooper-{unknown[0]}), or use "all" / "none".'
+        )
 
 
 def _load_entry_point(ep, dist: str | None, version: str | None):
@@ -452,11 +472,13 @@ def _load_entry_point(ep, dist: str | None, version: str | None):
         raise PluginError(
             f"Plugin {ep.name!r} (package {dist or '?'} {version or ''}, entry point {ep.value!r}) "
             f"failed to import: {type(e).__name__}: {e}. Fix or uninstall the package, or skip it with "
-            f"`-p no:{ep.name}` or [plugins] disable = [{ep.name!r}].") from e
+            f"`-p no:{ep.name}` or [plugins] disable = [{ep.name!r}]."
+        ) from e
     if isinstance(obj, type):
         raise PluginError(
             f"Plugin {ep.name!r} (package {dist}): its entry point names the class "
-            f"{obj.__name__}; it must name a module or an instance.")
+            f"{obj.__name__}; it must name a module or an instance."
+        )
     return obj
 
 
@@ -491,9 +513,13 @@ def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) 
         if section in declared or section in plugins.skipped:  # skipped: installed, disabled for this run
             continue
         close = difflib.get_close_matches(section, list(declared) + list(Config.CORE), n=1)
-        hint = (f" Did you mean [{close[0]}]?" if close else
-                f" If a plugin package provides it, install it (`pip install "
-                f"corelooper-{section.replace('_', '-')}` for a first-party one), or remove the section.")
+        hint = (
+            f" Did you mean [{close[0]}]?"
+            if close
+            else f" If a plugin package provides it, install it (`pip install "
+            f"corelooper-{section.replace('_', '-')}` for a first-party one), or remove the section."
+        )
         raise ConfigError(
             f"Unknown config section [{section}]: no loaded plugin declares it.{hint} "
-            "Run `corelooper plugins` to see the sections each plugin declares.")
+            "Run `corelooper plugins` to see the sections each plugin declares."
+        )

@@ -16,7 +16,8 @@ def check_run(args, *, has_eval_data: bool, has_compute_metrics: bool) -> None:
     if evaluates and not has_eval_data:
         raise ConfigError(
             f"train.eval_strategy = {args.eval_strategy!r}, but there is no evaluation data: set "
-            "data.eval (or pass eval_dataset=), or set train.eval_strategy = \"no\".")
+            'data.eval (or pass eval_dataset=), or set train.eval_strategy = "no".'
+        )
     name = args.metric_for_best_model
     if name is None or not evaluates:
         return
@@ -24,4 +25,5 @@ def check_run(args, *, has_eval_data: bool, has_compute_metrics: bool) -> None:
         raise ConfigError(
             f"train.metric_for_best_model = {name!r}: an evaluation here produces only "
             f"{', '.join('eval_' + m for m in LOOP_METRICS)} (no compute_metrics is set). Use "
-            "\"loss\", or give compute_metrics (Loop(compute_metrics=...) or a plugin) that returns it.")
+            '"loss", or give compute_metrics (Loop(compute_metrics=...) or a plugin) that returns it.'
+        )

@@ -25,8 +25,11 @@ def set_seed(seed: int) -> None:
 
 def _has_accelerator() -> bool:
     mps, xpu = getattr(torch.backends, "mps", None), getattr(torch, "xpu", None)
-    return (torch.cuda.is_available() or (mps is not None and mps.is_available())
-            or (xpu is not None and xpu.is_available()))
+    return (
+        torch.cuda.is_available()
+        or (mps is not None and mps.is_available())
+        or (xpu is not None and xpu.is_available())
+    )
 
 
 def rng_state() -> dict[str, Any]:

@@ -78,8 +78,14 @@ def default_training_step(loop, micro_batches: list) -> StepResult:
 def micro_batch_loss(loop, batch, num_items, num_micro_batches: int) -> torch.Tensor:
     """The ``compute_loss`` provider's loss of one micro-batch, as its share of the step's
     gradient (the sum/mean rule; auto batch size's probe applies it too)."""
-    loss, answered = loop.plugins.call_provider("compute_loss", loop=loop, model=loop.model, batch=batch,
-                                                num_items_in_batch=num_items, return_outputs=False)
+    loss, answered = loop.plugins.call_provider(
+        "compute_loss",
+        loop=loop,
+        model=loop.model,
+        batch=batch,
+        num_items_in_batch=num_items,
+        return_outputs=False,
+    )
     if "num_items_in_batch" not in answered.argnames:
         return loss / num_micro_batches  # the provider that answered returns a mean
     if loop.backend.num_processes > 1:

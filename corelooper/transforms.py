@@ -45,7 +45,8 @@ def ordered_impls(plugins, hook_name: str) -> list:
             raise PluginError(
                 f"Plugin {impl.plugin_name!r} implements {hook_name} as a hook wrapper: transforms "
                 "are called one after the other with the previous result, there is nothing to wrap. "
-                "Implement it as a plain transform with an order (corelooper.transforms.order).")
+                "Implement it as a plain transform with an order (corelooper.transforms.order)."
+            )
     return sorted(impls, key=lambda i: (getattr(i.function, "order", DEFAULT_ORDER), i.plugin_name))
 
 
@@ -57,7 +58,8 @@ def _call(impl, hook_name: str, kwargs: dict[str, Any]) -> Any:
     except Exception as e:
         raise PluginError(
             f"Plugin {impl.plugin_name!r} failed in {hook_name}: {type(e).__name__}: {e}. Fix or "
-            f"update the plugin, or disable it (-p no:{impl.plugin_name.split('.')[0]}).") from e
+            f"update the plugin, or disable it (-p no:{impl.plugin_name.split('.')[0]})."
+        ) from e
 
 
 def transform_model(plugins, loop, model):
@@ -71,7 +73,8 @@ def transform_model(plugins, loop, model):
         if not isinstance(result, torch.nn.Module):
             raise PluginError(
                 f"Plugin {impl.plugin_name!r}: transform_model returned {type(result).__name__}, "
-                "expected a torch.nn.Module (or None to keep the model).")
+                "expected a torch.nn.Module (or None to keep the model)."
+            )
         model = result
     return model
 
@@ -88,6 +91,7 @@ def transform_data(plugins, loop, model, data: dict[str, Any]) -> dict[str, Any]
             got = f"the keys {unknown}" if unknown else type(result).__name__
             raise PluginError(
                 f"Plugin {impl.plugin_name!r}: transform_data returned {got}, expected a dict with "
-                f"some of {list(DATA_PARTS)} (or None to keep the data).")
+                f"some of {list(DATA_PARTS)} (or None to keep the data)."
+            )
         data.update(result)
     return data

@@ -72,8 +72,13 @@ ELASTIC = ["-p", "corelooper_streaming", "-p", "corelooper_elastic_resume"]
 
 def env(tmp_path: Path) -> dict[str, str]:
     """One thread per process, torchrun's debris in the test's folder, installed plugins off."""
-    return {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
-            "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    return {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "PYTHONHASHSEED": "0",
+        "OMP_NUM_THREADS": "1",
+        "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
 
 
 def free_port() -> int:

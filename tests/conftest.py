@@ -54,8 +54,21 @@ def _thirdparty_site(tmp_path_factory) -> Path:
     shutil.copytree(TESTS / "third_party_plugin", src, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     site = tmp / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-         str(site), str(src)], capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"installing tests/third_party_plugin failed:\n{proc.stderr[-3000:]}"
     return site
@@ -66,6 +79,7 @@ def thirdparty_plugin(_thirdparty_site, monkeypatch) -> Path:
     """Make the third-party test plugin installed for one test: found through its entry points
     in this process (sys.path) and in the CLI subprocesses the test starts (PYTHONPATH)."""
     monkeypatch.syspath_prepend(str(_thirdparty_site))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(_thirdparty_site),
-                                                                   os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(_thirdparty_site), os.environ.get("PYTHONPATH")]))
+    )
     return _thirdparty_site

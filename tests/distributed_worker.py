@@ -90,9 +90,18 @@ def tiny_llama():
     """A 1-layer ``LlamaForCausalLM`` from a config (an HF model computing its own loss)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                        attn_implementation="eager"))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attn_implementation="eager",
+        )
+    )
 
 
 class MetricsProbe:
@@ -119,14 +128,23 @@ def run_one(spec: dict) -> dict:
     task = spec.get("task", "classify")
     lm = task in ("lm", "llama")
     dropout = spec.get("dropout", 0.0)
-    model = tiny_llama() if task == "llama" else TinyLM(dropout=dropout) if lm else Classifier(dropout=dropout)
+    model = (
+        tiny_llama() if task == "llama" else TinyLM(dropout=dropout) if lm else Classifier(dropout=dropout)
+    )
     n_train, n_eval = spec.get("n_train", 48), spec.get("n_eval", 13)
     make = lm_samples if lm else classification
-    train = {"disable_tqdm": True, "logging_steps": 1, "save_strategy": "no", "learning_rate": 1e-2,
-             "max_grad_norm": 0.0, **spec["train"]}
+    train = {
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "learning_rate": 1e-2,
+        "max_grad_norm": 0.0,
+        **spec["train"],
+    }
     cfg = Config.from_dict({"train": train, **spec.get("sections", {})})
-    loop = Loop(model, cfg, train_dataset=make(n_train, 1), eval_dataset=make(n_eval, 2),
-                plugins=[MetricsProbe()])
+    loop = Loop(
+        model, cfg, train_dataset=make(n_train, 1), eval_dataset=make(n_eval, 2), plugins=[MetricsProbe()]
+    )
     if spec.get("evaluate_first"):  # HF habit: evaluate the untrained model, then train
         loop.evaluate()
     if not spec.get("eval_only"):
@@ -138,15 +156,21 @@ def run_one(spec: dict) -> dict:
             m.reshard()
     # FSDP2: this rank's shard of each parameter (copied: a later gather may free its storage)
     # (DeepSpeed ZeRO-3: the partition in ds_tensor)
-    flat = [(p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p))
-            .detach().float().reshape(-1).clone() for p in local.parameters()]
+    flat = [
+        (p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p))
+        .detach()
+        .float()
+        .reshape(-1)
+        .clone()
+        for p in local.parameters()
+    ]
     full = loop.backend.model_state_dict(loop.model)  # collective: gathered to the main rank
     result = {
         "full_params": torch.cat([full[k].float().reshape(-1) for k in sorted(full)]).tolist()
-        if loop.backend.is_main_process else None,
+        if loop.backend.is_main_process
+        else None,
         "losses": {str(h["step"]): h["loss"] for h in loop.state.log_history if "loss" in h},
-        "grad_norms": {str(h["step"]): h["grad_norm"] for h in loop.state.log_history
-                       if "grad_norm" in h},
+        "grad_norms": {str(h["step"]): h["grad_norm"] for h in loop.state.log_history if "grad_norm" in h},
         "metrics": metrics,
         "world_size": loop.backend.num_processes,
         "rank": loop.backend.process_index,
@@ -166,11 +190,24 @@ def torchrun(runs: list[dict], tmp_path: Path, nproc: int = 2, timeout: float = 
         run.setdefault("result", str(tmp_path / f"result{i}"))
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"runs": runs}))
-    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                          os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, str(spec)]
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONHASHSEED": "0",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        str(spec),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     return [

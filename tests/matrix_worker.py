@@ -36,8 +36,11 @@ BACKENDS = {
     "zero2": {"deepspeed": {"zero_stage": 2}},
     "zero3": {"deepspeed": {"zero_stage": 3}},
 }
-LORA = {"method": "lora", "merge_on_export": True,
-        "config": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}}
+LORA = {
+    "method": "lora",
+    "merge_on_export": True,
+    "config": {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
+}
 
 
 def hashed_dropout(module, inputs, output):
@@ -55,9 +58,17 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      use_cache=False, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        use_cache=False,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg)
     model.get_input_embeddings().register_forward_hook(hashed_dropout)
     return model
@@ -105,16 +116,33 @@ class TrainingAwareLoss:
 def make_loop(spec: dict, kind: str, output_dir: Path, world: int):
     from corelooper import Loop
 
-    train = {"output_dir": str(output_dir), "max_steps": STEPS, "per_device_train_batch_size": 4 // world,
-             "per_device_eval_batch_size": 3, "gradient_accumulation_steps": 2, "learning_rate": 1e-2,
-             "max_grad_norm": 1.0, "logging_steps": 1, "eval_strategy": "steps", "eval_steps": EVAL_STEPS,
-             "save_strategy": "steps", "save_steps": SAVE_STEPS, "disable_tqdm": True, "seed": 3}
+    train = {
+        "output_dir": str(output_dir),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 4 // world,
+        "per_device_eval_batch_size": 3,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-2,
+        "max_grad_norm": 1.0,
+        "logging_steps": 1,
+        "eval_strategy": "steps",
+        "eval_steps": EVAL_STEPS,
+        "save_strategy": "steps",
+        "save_steps": SAVE_STEPS,
+        "disable_tqdm": True,
+        "seed": 3,
+    }
     sections = dict(BACKENDS[spec["backend"]])
     if kind == "lora":
         sections["peft"] = LORA
     loss = TrainingAwareLoss()
-    loop = Loop(tiny_llama(), {"train": train, **sections}, train_dataset=samples(24, 1),
-                eval_dataset=samples(10, 2), plugins=[loss])
+    loop = Loop(
+        tiny_llama(),
+        {"train": train, **sections},
+        train_dataset=samples(24, 1),
+        eval_dataset=samples(10, 2),
+        plugins=[loss],
+    )
     return loop, loss
 
 
@@ -136,15 +164,19 @@ def run_kind(spec: dict, kind: str, world: int) -> dict:
     result = {
         "losses": {str(h["step"]): h["loss"] for h in loop.state.log_history if "loss" in h},
         "evals": {str(h["step"]): h["eval_loss"] for h in loop.state.log_history if "eval_loss" in h},
-        "eval_loss": metrics["eval_loss"], "modes": modes,
-        "predictions": preds.tolist(), "label_ids": labels.tolist(),
-        "weights": full_weights(loop), "backend": type(loop.backend).__name__,
+        "eval_loss": metrics["eval_loss"],
+        "modes": modes,
+        "predictions": preds.tolist(),
+        "label_ids": labels.tolist(),
+        "weights": full_weights(loop),
+        "backend": type(loop.backend).__name__,
         "wrapped": type(loop.model).__name__,
     }
     resumed, _ = make_loop(spec, kind, out / "resumed", world)
     resumed.train(resume_from_checkpoint=str(out / "run" / f"checkpoint-{RESUME_AT}"))
-    result["resumed_losses"] = {str(h["step"]): h["loss"] for h in resumed.state.log_history
-                                if "loss" in h and h["step"] > RESUME_AT}
+    result["resumed_losses"] = {
+        str(h["step"]): h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > RESUME_AT
+    }
     result["resumed_weights"] = full_weights(resumed)
     return result
 

@@ -15,5 +15,7 @@ def blobs_37(**_) -> Blobs:
 
 
 def compute_metrics(predictions, label_ids):
-    return {"accuracy": (predictions.argmax(-1) == label_ids).float().mean().item(),
-            "count": predictions.shape[0]}
+    return {
+        "accuracy": (predictions.argmax(-1) == label_ids).float().mean().item(),
+        "count": predictions.shape[0],
+    }

@@ -73,7 +73,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -101,8 +101,11 @@ def test_the_layout_shows_the_layers():
     lines = sum(len(p.read_text().splitlines()) for p in CORE.rglob("*.py"))
     assert lines <= MAX_CORE_LINES, f"the core is {lines} lines"
     design = (REPO / "docs" / "design.md").read_text()
-    missing = [str(p.relative_to(CORE)) for p in CORE.rglob("*.py")
-               if p.stem not in ("__init__", "__main__") and str(p.relative_to(CORE)) not in design]
+    missing = [
+        str(p.relative_to(CORE))
+        for p in CORE.rglob("*.py")
+        if p.stem not in ("__init__", "__main__") and str(p.relative_to(CORE)) not in design
+    ]
     assert missing == [], f"docs/design.md does not list {missing}"
 
 
@@ -120,8 +123,12 @@ def test_nothing_outside_the_loop_uses_a_private_loop_attribute(root):
         if path == CORE / "loop.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id == "loop" and node.attr.startswith("_")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "loop"
+                and node.attr.startswith("_")
+            ):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} loop.{node.attr}")
     assert offenders == []
 
@@ -135,13 +142,29 @@ def test_nothing_outside_the_loop_assigns_to_the_loop(root):
         if path == CORE / "loop.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = (node.targets if isinstance(node, ast.Assign) else
-                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
-            targets = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
-            offenders += [f"{path.relative_to(REPO)}:{node.lineno} loop.{t.attr} = ..." for t in targets
-                          if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "loop"]
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                    and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "loop"):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            targets = [
+                t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+            ]
+            offenders += [
+                f"{path.relative_to(REPO)}:{node.lineno} loop.{t.attr} = ..."
+                for t in targets
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "loop"
+            ]
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr"
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id == "loop"
+            ):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} setattr(loop, ...)")
     assert offenders == []
 
@@ -150,10 +173,16 @@ def test_the_core_and_the_cli_import_no_plugin_package():
     offenders = []
     for path in python_files("corelooper", "cli"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names
-                          if n.startswith("corelooper_")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names if n.startswith("corelooper_")
+            ]
     assert offenders == []
 
 
@@ -167,7 +196,9 @@ def first_party_plugins() -> set[str]:
         project = tomllib.loads(toml.read_text())["project"]
         names.add(project["name"])  # corelooper-auto-batch-size
         for entry, target in project.get("entry-points", {}).get("corelooper", {}).items():
-            names.update((entry, target.split(":")[0].split(".")[0]))  # auto_batch_size, corelooper_auto_batch_size
+            names.update(
+                (entry, target.split(":")[0].split(".")[0])
+            )  # auto_batch_size, corelooper_auto_batch_size
     return names
 
 
@@ -180,15 +211,23 @@ def test_the_core_names_no_plugin():
     # The entry name of a plugin that is also a layer of the core (corelooper/hf/: the HF
     # TrainingArguments names, formats) is that layer's name there; its packages still count.
     names = first_party_plugins() - {p.name for p in CORE.iterdir() if p.is_dir()}
-    assert {"tensorboard", "corelooper-wandb", "corelooper_doctor", "corelooper_hf"} <= names  # the collection works
-    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
-                         + r")(?![\w-])")
+    assert {
+        "tensorboard",
+        "corelooper-wandb",
+        "corelooper_doctor",
+        "corelooper_hf",
+    } <= names  # the collection works
+    pattern = re.compile(
+        r"(?<![\w-])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?![\w-])"
+    )
     offenders = []
     for path in sorted(CORE.rglob("*")):
         if path.is_file() and path.suffix in (".py", ".md", ".toml", ".txt", ".json"):
             for n, line in enumerate(path.read_text().splitlines(), 1):
-                offenders += [f"{path.relative_to(REPO)}:{n} {m.group(1)!r}: {line.strip()}"
-                              for m in pattern.finditer(line)]
+                offenders += [
+                    f"{path.relative_to(REPO)}:{n} {m.group(1)!r}: {line.strip()}"
+                    for m in pattern.finditer(line)
+                ]
     assert offenders == [], "\n".join(offenders)
 
 

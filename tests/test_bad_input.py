@@ -76,8 +76,12 @@ def test_unknown_key_with_did_you_mean(cli, tmp_path):
     assert_clean_error(cli("run", str(path)), "train.save_only_model = True", "exact resume")
     # a misspelt HF name is offered the HF name and what it is here (not an unrelated field)
     path = write_config(tmp_path, train='deepspeeed = "ds.json"')
-    assert_clean_error(cli("run", str(path)), "train.deepspeeed", "Did you mean 'deepspeed'?",
-                       "the plugin 'deepspeed' answers to it")
+    assert_clean_error(
+        cli("run", str(path)),
+        "train.deepspeeed",
+        "Did you mean 'deepspeed'?",
+        "the plugin 'deepspeed' answers to it",
+    )
     # and a --set override is checked the same way
     path = write_config(tmp_path)
     r = cli("run", str(path), "--set", "train.num_train_epoch=3")
@@ -95,20 +99,23 @@ def test_factory_that_does_not_import(cli, tmp_path):
     path = write_config(tmp_path, model='factory = "no_such_package.models:build"')
     assert_clean_error(cli("run", str(path)), "model.factory", "no_such_package.models")
     path = write_config(tmp_path, model=f'factory = "{TOYS}:mpl"')
-    assert_clean_error(cli("run", str(path)), "model.factory", "has no attribute 'mpl'", "Did you mean 'mlp'?")
+    assert_clean_error(
+        cli("run", str(path)), "model.factory", "has no attribute 'mpl'", "Did you mean 'mlp'?"
+    )
 
 
 def test_dataset_factory_returning_the_wrong_thing(cli, tmp_path):
     (tmp_path / "bad_data.py").write_text(
-        "def numbers(**_):\n    return 123\n\n"
-        "def strings(**_):\n    return ['a', 'b']\n"
+        "def numbers(**_):\n    return 123\n\ndef strings(**_):\n    return ['a', 'b']\n"
     )
     path = write_config(tmp_path, data='train = "bad_data.py:numbers"')
-    assert_clean_error(cli("run", str(path)), "data.train = 'bad_data.py:numbers'", "returned int",
-                       "not a dataset", code=4)
+    assert_clean_error(
+        cli("run", str(path)), "data.train = 'bad_data.py:numbers'", "returned int", "not a dataset", code=4
+    )
     path = write_config(tmp_path, data='train = "bad_data.py:strings"')
-    assert_clean_error(cli("run", str(path)), "data.train = 'bad_data.py:strings'", "sample 0 is a str",
-                       code=4)
+    assert_clean_error(
+        cli("run", str(path)), "data.train = 'bad_data.py:strings'", "sample 0 is a str", code=4
+    )
 
 
 def test_local_plugin_that_fails_to_import(cli, tmp_path):
@@ -128,26 +135,37 @@ def test_installed_plugin_that_fails_to_import(cli, tmp_path):
     env = {"PYTHONPATH": str(site), "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
     path = write_config(tmp_path, plugins='enable = ["broken"]')  # load only this one
     r = cli("run", str(path), env=env)
-    assert_clean_error(r, "Plugin 'broken'", "broken-ep 1.0", "failed to import", "needs libfoo 2",
-                       "-p no:broken", code=3)
+    assert_clean_error(
+        r, "Plugin 'broken'", "broken-ep 1.0", "failed to import", "needs libfoo 2", "-p no:broken", code=3
+    )
     # the hint works: skipped, everything else still loads
     r = cli("plugins", "--config", str(path), "-p", "no:broken", env=env)
     assert r.returncode == 0, r.stderr
     assert "broken [installed, inactive: disabled]" in r.stdout
 
 
-@pytest.mark.parametrize(("hook", "body"), [
-    ("on_step_end", "def on_step_end(state):\n    raise ValueError('bad value at step %d' % state.global_step)\n"),
-    ("compute_loss", "def compute_loss(batch, num_items_in_batch):\n    raise KeyError('weights')\n"),
-])
+@pytest.mark.parametrize(
+    ("hook", "body"),
+    [
+        (
+            "on_step_end",
+            "def on_step_end(state):\n    raise ValueError('bad value at step %d' % state.global_step)\n",
+        ),
+        ("compute_loss", "def compute_loss(batch, num_items_in_batch):\n    raise KeyError('weights')\n"),
+    ],
+)
 def test_plugin_that_raises_in_a_hook(cli, tmp_path, hook, body):
     (tmp_path / "raising_plugin.py").write_text(body)
     path = write_config(tmp_path, plugins='local = ["raising_plugin.py"]')
     r = cli("run", str(path))
-    message = assert_clean_error(r, "Plugin 'raising_plugin.py'", f"raised in hook {hook!r}",
-                                 "-p no:raising_plugin.py", code=3)
-    assert ("ValueError: bad value at step 1" in message) if hook == "on_step_end" else (
-        "KeyError: 'weights'" in message and "global_step 0" in message)
+    message = assert_clean_error(
+        r, "Plugin 'raising_plugin.py'", f"raised in hook {hook!r}", "-p no:raising_plugin.py", code=3
+    )
+    assert (
+        ("ValueError: bad value at step 1" in message)
+        if hook == "on_step_end"
+        else ("KeyError: 'weights'" in message and "global_step 0" in message)
+    )
 
 
 def test_traceback_flag_shows_the_traceback(cli, tmp_path):
@@ -156,8 +174,9 @@ def test_traceback_flag_shows_the_traceback(cli, tmp_path):
     assert r.returncode == 2 and "Traceback" in r.stderr and "train.learning_rat" in r.stderr
 
 
-@pytest.mark.parametrize("line", ["learning_rate = inf", "weight_decay = inf", "max_grad_norm = nan",
-                                  "num_train_epochs = nan"])
+@pytest.mark.parametrize(
+    "line", ["learning_rate = inf", "weight_decay = inf", "max_grad_norm = nan", "num_train_epochs = nan"]
+)
 def test_values_that_can_only_give_nan_fail_at_start_up(cli, tmp_path, line):
     path = write_config(tmp_path, train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\n{line}')
     key = line.split(" = ")[0]
@@ -170,5 +189,11 @@ def test_plugin_that_returns_the_wrong_type_is_blamed(cli, tmp_path):
     (tmp_path / "sched_plugin.py").write_text("def create_scheduler(optimizer):\n    return 'cosine'\n")
     path = write_config(tmp_path, plugins='local = ["sched_plugin.py"]')
     r = cli("run", str(path))
-    assert_clean_error(r, "Plugin 'sched_plugin.py' returned a str from hook 'create_scheduler'",
-                       "expected a learning-rate scheduler", "get_last_lr()", "-p no:sched_plugin.py", code=3)
+    assert_clean_error(
+        r,
+        "Plugin 'sched_plugin.py' returned a str from hook 'create_scheduler'",
+        "expected a learning-rate scheduler",
+        "get_last_lr()",
+        "-p no:sched_plugin.py",
+        code=3,
+    )

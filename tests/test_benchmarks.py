@@ -33,14 +33,27 @@ def test_a_goal_whose_interval_crosses_it_is_inconclusive(run_bench, capsys):
     assert run_bench.verdict(1.00, 1.02, [0.98, 1.02]) == "met"
     assert run_bench.verdict(1.05, 1.02, [1.03, 1.07]) == "NOT met"
     assert run_bench.verdict(1.00, 1.02) == "met" and run_bench.verdict(None, 1.02) == "not measured"
-    row = dict(workload="A", n=5, loop_over_base=1.01, loop_over_base_ci95=[0.99, 1.03], proc_over_base=1.0,
-               first_step_later_s=0.01, loop_median_over_base_median=1.01)
-    table = [dict(row, config="corelooper"), dict(row, config="corelooper (vs the limit)", loop_over_base_ci95=[0.97, 1.0])]
+    row = dict(
+        workload="A",
+        n=5,
+        loop_over_base=1.01,
+        loop_over_base_ci95=[0.99, 1.03],
+        proc_over_base=1.0,
+        first_step_later_s=0.01,
+        loop_median_over_base_median=1.01,
+    )
+    table = [
+        dict(row, config="corelooper"),
+        dict(row, config="corelooper (vs the limit)", loop_over_base_ci95=[0.97, 1.0]),
+    ]
     goals = run_bench.goals(table)
     printed = capsys.readouterr().out
     assert goals["loop_over_base"]["verdict"] == "inconclusive" and goals["loop_over_base"]["met"] is None
     assert goals["vs_limit"]["loop_over_base"]["verdict"] == "met"
-    assert "goals (A, corelooper vs raw --fused): loop_over_base 1.01 [95% 0.990-1.030] (goal <= 1.02: inconclusive)" in printed
+    assert (
+        "goals (A, corelooper vs raw --fused): loop_over_base 1.01 [95% 0.990-1.030] (goal <= 1.02: inconclusive)"
+        in printed
+    )
     assert "goals (A, corelooper (vs the limit) vs raw --fused --helpers): loop_over_base 1.01" in printed
 
 
@@ -49,8 +62,13 @@ def test_the_physical_limit_row_trains_bit_for_bit_as_the_hand_written_loop():
     # same final weights, bit for bit, or it would not be the same work.
     out = {}
     for flags in ([], ["--helpers"]):
-        proc = subprocess.run([sys.executable, "raw.py", "A", "--fused", *flags], cwd=BENCH / "overhead",
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "raw.py", "A", "--fused", *flags],
+            cwd=BENCH / "overhead",
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[tuple(flags)] = json.loads(proc.stdout.strip().splitlines()[-1])
     plain, helpers = out[()], out[("--helpers",)]
@@ -61,12 +79,32 @@ def test_the_physical_limit_row_trains_bit_for_bit_as_the_hand_written_loop():
 
 def test_sft_best_is_the_best_documented_row_and_goals_are_judged_on_intervals(capsys):
     sft = load("sft")
-    speeds = {"cl_padding_free": [300, 310, 290, 305, 295], "trl_grouped": [140, 150, 145, 150, 140],
-              "trl_padding_free": [120, 125, 118, 121, 119], "trl_padding_free_seg": [200, 210, 190, 205, 195],
-              "hf_flattening": [190, 200, 195, 205, 185], "raw_padding_free": [280, 280, 275, 285, 290]}
-    runs = {m: [dict(method=m, seed=r, trained_tok_per_s=v, trained_tok_per_s_steady=v, eval_loss=5.0,
-                     padding_share=0.0, peak_rss_mib=1, forwards=8, train_call_s=1, same_trained_tokens=True)
-                for r, v in enumerate(vs)] for m, vs in speeds.items()}
+    speeds = {
+        "cl_padding_free": [300, 310, 290, 305, 295],
+        "trl_grouped": [140, 150, 145, 150, 140],
+        "trl_padding_free": [120, 125, 118, 121, 119],
+        "trl_padding_free_seg": [200, 210, 190, 205, 195],
+        "hf_flattening": [190, 200, 195, 205, 185],
+        "raw_padding_free": [280, 280, 275, 285, 290],
+    }
+    runs = {
+        m: [
+            dict(
+                method=m,
+                seed=r,
+                trained_tok_per_s=v,
+                trained_tok_per_s_steady=v,
+                eval_loss=5.0,
+                padding_share=0.0,
+                peak_rss_mib=1,
+                forwards=8,
+                train_call_s=1,
+                same_trained_tokens=True,
+            )
+            for r, v in enumerate(vs)
+        ]
+        for m, vs in speeds.items()
+    }
     goals = sft.compare(sft.summarize(runs), runs)
     out = capsys.readouterr().out
     trl = goals["corelooper_leak_free_over_trl_best"]
@@ -82,12 +120,16 @@ def test_the_per_step_ratio_compares_the_same_steps_and_shrugs_off_a_slow_phase(
     sft = load("sft")
     hand = [0.125] * 40  # the hand-written loop: 1.25x corelooper's step time on every batch
     ours = [[0.1] * 40, [0.1] * 30 + [0.3] * 10, [0.2] * 5 + [0.1] * 35]  # a slow phase in seeds 1 and 2
-    runs = {"cl_padding_free": [dict(seed=s, step_times_s=t) for s, t in enumerate(ours)],
-            "raw_padding_free": [dict(seed=s, step_times_s=hand) for s in range(3)]
-            + [dict(seed=3, step_times_s=hand)]}  # seed 3: corelooper's run is missing
+    runs = {
+        "cl_padding_free": [dict(seed=s, step_times_s=t) for s, t in enumerate(ours)],
+        "raw_padding_free": [dict(seed=s, step_times_s=hand) for s in range(3)]
+        + [dict(seed=3, step_times_s=hand)],
+    }  # seed 3: corelooper's run is missing
     runs["cl_padding_free"].append(dict(seed=4, step_times_s=[0.1] * 39))  # another number of steps
     runs["raw_padding_free"].append(dict(seed=4, step_times_s=hand))
-    assert sft.per_step_ratios(runs, "cl_padding_free", "raw_padding_free") == pytest.approx([1.25, 1.25, 1.25])
+    assert sft.per_step_ratios(runs, "cl_padding_free", "raw_padding_free") == pytest.approx(
+        [1.25, 1.25, 1.25]
+    )
     step = sft.per_step(runs, "cl_padding_free", "raw_padding_free")
     assert step["ratio"] == 1.25 and step["ci95"] == [1.25, 1.25] and "verdict" not in step
     # over the whole call seed 1 would be 5.0 s / 6.0 s = 0.83x; step by step it is 1.25x
@@ -99,13 +141,34 @@ def test_the_sft_profile_split_accounts_for_the_whole_call(tmp_path):
     """profile_split.py on a tiny real run: every kind is there, the LM head is told apart from
     the other matmuls by the vocabulary dimension, and the shares add up to the call's wall time."""
     out = tmp_path / "split.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "profile_split.py"), "cl_padding_free_all",
-                           "--samples", "16", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "sft" / "profile_split.py"),
+            "cl_padding_free_all",
+            "--samples",
+            "16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(out.read_text())["rows"]["cl_padding_free_all"]
     split = row["split"]
-    assert set(split) == {"lm_head", "linear", "attention", "loss", "optimizer", "elementwise", "memory",
-                          "other", "python"}
+    assert set(split) == {
+        "lm_head",
+        "linear",
+        "attention",
+        "loss",
+        "optimizer",
+        "elementwise",
+        "memory",
+        "other",
+        "python",
+    }
     assert split["lm_head"]["s"] > 0 and split["linear"]["s"] > 0 and split["attention"]["s"] > 0
     assert sum(v["share"] for v in split.values()) == pytest.approx(1.0, abs=0.01)
     assert "cl_padding_free_all" in proc.stdout  # the printed table
@@ -129,8 +192,12 @@ def test_the_timed_sft_call_imports_no_corelooper_module():
     """The SFT rows' window rule: each framework's modules are imported before the clock (the HF
     Trainer's and TRL's are); corelooper's Loop() imports its plugins' modules, so
     import_framework imports them first and the timed call imports none."""
-    proc = subprocess.run([sys.executable, "-c", IMPORTS_IN_THE_CALL, str(BENCH / "sft")], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORTS_IN_THE_CALL, str(BENCH / "sft")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
@@ -152,8 +219,12 @@ def test_profile_split_kinds():
 
 def test_eval_benchmark_smoke_runs_every_row_on_the_same_model_and_batches(tmp_path):
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "eval" / "run_bench.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "eval" / "run_bench.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
     table = {t["row"]: t for t in summary["table"]}
@@ -161,14 +232,20 @@ def test_eval_benchmark_smoke_runs_every_row_on_the_same_model_and_batches(tmp_p
     assert set(table) == set(load.ROWS) and not [r for r, t in table.items() if "failed" in t]
     hf_loss = table["hf_loss"]["eval_loss"]
     for row in ("cl_loss", "cl_stream", "cl_batch_hf"):
-        assert table[row]["loss_hf_way"] == pytest.approx(hf_loss, abs=1e-5)  # the same model, the same batches
+        assert table[row]["loss_hf_way"] == pytest.approx(
+            hf_loss, abs=1e-5
+        )  # the same model, the same batches
         # a metric does not change the loss (to float rounding: the rows compute the output layer
         # over other slices of rows; eval_loss is rounded to 6 decimals)
         assert abs(table[row]["eval_loss"] - table["cl_loss"]["eval_loss"]) <= 1e-6 + 1e-9
-    accuracies = {r: table[r]["accuracy"] for r in ("cl_stream", "cl_batch_hf", "hf_argmax", "hf_batch", "hf_naive")}
+    accuracies = {
+        r: table[r]["accuracy"] for r in ("cl_stream", "cl_batch_hf", "hf_argmax", "hf_batch", "hf_naive")
+    }
     assert len({round(a, 9) for a in accuracies.values()}) == 1, accuracies
     assert set(summary["goals"]) == {f"{o}_vs_{t}_{k}" for o, t in load.PAIRS for k in load.GOALS}
-    assert {g["verdict"] for g in summary["goals"].values()} == {"inconclusive"}  # one repetition: no interval
+    assert {g["verdict"] for g in summary["goals"].values()} == {
+        "inconclusive"
+    }  # one repetition: no interval
     assert "goal cl_stream vs hf_argmax tok_per_s:" in proc.stdout
 
 
@@ -182,8 +259,21 @@ def load_eval():
 
 
 def test_warm_growth_measures_each_call_in_a_fresh_process():
-    proc = subprocess.run([sys.executable, str(BENCH / "eval" / "warm_growth.py"), "--rows", "cl_loss,hf_loss",
-                           "--calls", "2", "--samples", "24"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "eval" / "warm_growth.py"),
+            "--rows",
+            "cl_loss,hf_loss",
+            "--calls",
+            "2",
+            "--samples",
+            "24",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["row"] for r in rows] == ["cl_loss", "hf_loss"]
@@ -194,9 +284,23 @@ def test_warm_growth_measures_each_call_in_a_fresh_process():
 
 def test_preprocessing_benchmark_smoke_times_both_and_the_cached_second_start(tmp_path):
     out = tmp_path / "preprocess.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "preprocess.py"), "--sizes", "300", "--reps", "1",
-                           "--work", str(tmp_path / "work"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "sft" / "preprocess.py"),
+            "--sizes",
+            "300",
+            "--reps",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     runs = {r["method"]: r for r in result["runs"]}
@@ -213,8 +317,22 @@ def test_the_lean_forward_computes_the_model_s_loss():
     """benchmarks/sft/lean_forward.py's figure in the README compares the same maths: its
     hand-written forward gives the model's own loss on the first micro-batch."""
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "lean_forward.py"), "--samples", "16", "--reps", "1",
-                           "--threads", "1"], cwd=BENCH / "sft", capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "sft" / "lean_forward.py"),
+            "--samples",
+            "16",
+            "--reps",
+            "1",
+            "--threads",
+            "1",
+        ],
+        cwd=BENCH / "sft",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["first_loss"]["model"] == pytest.approx(out["first_loss"]["lean"], rel=1e-6)
@@ -277,23 +395,46 @@ def test_lockstep_trains_every_row_as_a_run_alone(tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "lockstep.json"
     small = ["--samples", "16", "--eval-samples", "8"]
-    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "lockstep.py"), "--reps", "1", *small, "--methods",
-                           "cl_padding_free,raw_padding_free,hf_grouped", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "sft" / "lockstep.py"),
+            "--reps",
+            "1",
+            *small,
+            "--methods",
+            "cl_padding_free,raw_padding_free,hf_grouped",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    alone = subprocess.run([sys.executable, str(BENCH / "sft" / "run_one.py"), "hf_grouped", *small, "--seed", "0"],
-                           capture_output=True, text=True, timeout=600)
+    alone = subprocess.run(
+        [sys.executable, str(BENCH / "sft" / "run_one.py"), "hf_grouped", *small, "--seed", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert alone.returncode == 0, alone.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["runs"][0]["rows"]
-    assert {m: r["optimizer_steps"] for m, r in rows.items()} == {"cl_padding_free": 2, "raw_padding_free": 2,
-                                                                    "hf_grouped": 2}
+    assert {m: r["optimizer_steps"] for m, r in rows.items()} == {
+        "cl_padding_free": 2,
+        "raw_padding_free": 2,
+        "hf_grouped": 2,
+    }
     assert not any(r["error"] for r in rows.values())
     assert rows["hf_grouped"]["eval_loss"] == json.loads(alone.stdout.strip().splitlines()[-1])["eval_loss"]
     assert rows["cl_padding_free"]["eval_loss"] == rows["raw_padding_free"]["eval_loss"]
     goals = result["goals"]
-    assert set(goals) == {f"{g}/{k}" for g in ("hf_best", "raw_padding_free")
-                          for k in ("trained_tok_per_s", "trained_tok_per_s_steady")}
+    assert set(goals) == {
+        f"{g}/{k}"
+        for g in ("hf_best", "raw_padding_free")
+        for k in ("trained_tok_per_s", "trained_tok_per_s_steady")
+    }
     assert {g["verdict"] for g in goals.values()} == {"inconclusive"}
     assert "cl_padding_free over raw_padding_free" in proc.stdout
 
@@ -314,9 +455,21 @@ def test_the_work_count_is_every_product_the_rows_compute(tmp_path):
     less, and no product-like op goes uncounted."""
     pytest.importorskip("trl")
     out = tmp_path / "work.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "sft" / "work.py"), "--samples", "24", "--methods",
-                           "cl_padding_free,raw_padding_free,hf_grouped,trl_grouped", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "sft" / "work.py"),
+            "--samples",
+            "24",
+            "--methods",
+            "cl_padding_free,raw_padding_free,hf_grouped,trl_grouped",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     sys.path.insert(0, str(BENCH / "sft"))
@@ -327,7 +480,9 @@ def test_the_work_count_is_every_product_the_rows_compute(tmp_path):
     linear = layers * (4 * hidden * hidden + 3 * hidden * inter) + hidden * m["vocab_size"]
     for row in ("raw_padding_free", "hf_grouped"):
         assert rows[row]["flops"]["matmul"] == 6 * linear * rows[row]["positions_computed"], row
-    assert rows["hf_grouped"]["positions_computed"] > rows["raw_padding_free"]["positions_computed"]  # padding
+    assert (
+        rows["hf_grouped"]["positions_computed"] > rows["raw_padding_free"]["positions_computed"]
+    )  # padding
     assert rows["trl_grouped"]["flops"]["matmul"] >= rows["hf_grouped"]["flops"]["matmul"]
     assert rows["cl_padding_free"]["flops"]["matmul"] < 0.9 * rows["raw_padding_free"]["flops"]["matmul"]
     assert all(r["flops"]["attention"] > 0 and r["flops"]["uncounted"] == [] for r in rows.values())
@@ -339,10 +494,23 @@ def test_a_speed_ratio_splits_into_work_and_flop_rate():
     loop's FLOP rate (the peer over the hand-written loop's speed, times the work it spares)."""
     work = work_module()
     flops = {"cl_padding_free": 100, "raw_padding_free": 125, "hf_grouped": 150}
-    speed = {"cl_padding_free/raw_padding_free": 1.2, "cl_padding_free/hf_grouped": 1.4,
-             "raw_padding_free/hf_grouped": 1.1}
+    speed = {
+        "cl_padding_free/raw_padding_free": 1.2,
+        "cl_padding_free/hf_grouped": 1.4,
+        "raw_padding_free/hf_grouped": 1.1,
+    }
     rows = {r["over"]: r for r in work.decompose(flops, speed)}
-    assert rows["raw_padding_free"] == dict(over="raw_padding_free", work_ratio=1.25, speed_ratio=1.2,
-                                            flop_rate_ratio=0.96, at_hand_written_flop_rate=1.25)
-    assert rows["hf_grouped"] == dict(over="hf_grouped", work_ratio=1.5, speed_ratio=1.4, flop_rate_ratio=0.933,
-                                      at_hand_written_flop_rate=1.375)
+    assert rows["raw_padding_free"] == dict(
+        over="raw_padding_free",
+        work_ratio=1.25,
+        speed_ratio=1.2,
+        flop_rate_ratio=0.96,
+        at_hand_written_flop_rate=1.25,
+    )
+    assert rows["hf_grouped"] == dict(
+        over="hf_grouped",
+        work_ratio=1.5,
+        speed_ratio=1.4,
+        flop_rate_ratio=0.933,
+        at_hand_written_flop_rate=1.375,
+    )

@@ -21,10 +21,18 @@ STEPS = 30
 
 def overrides(out: Path) -> list[str]:
     return [
-        f"train.output_dir={out}", f"train.max_steps={STEPS}", "train.logging_steps=10",
-        f"train.eval_steps={STEPS}", f"train.save_steps={STEPS}", "train.per_device_train_batch_size=16",
-        "model.args.vocab_size=512", "data.args.vocab_size=512", "data.args.seq_len=64",
-        "model.args.hidden_size=64", "train.peak_flops=1e12", "data.args.max_eval_blocks=96",
+        f"train.output_dir={out}",
+        f"train.max_steps={STEPS}",
+        "train.logging_steps=10",
+        f"train.eval_steps={STEPS}",
+        f"train.save_steps={STEPS}",
+        "train.per_device_train_batch_size=16",
+        "model.args.vocab_size=512",
+        "data.args.vocab_size=512",
+        "data.args.seq_len=64",
+        "model.args.hidden_size=64",
+        "train.peak_flops=1e12",
+        "data.args.max_eval_blocks=96",
     ]
 
 
@@ -44,8 +52,14 @@ def test_causal_lm_example_learns_and_reloads(tmp_path):
     cmd = [sys.executable, "-m", "corelooper", "run", str(CONFIG)]
     for s in sets:
         cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "difficulty_score" in proc.stderr  # the unused column is named once, not passed to the model
 
@@ -62,7 +76,9 @@ def test_causal_lm_example_learns_and_reloads(tmp_path):
     last = logs[-1]
     assert last["num_input_tokens_seen"] == STEPS * 16 * 64
     assert last["model_flops_per_token"] > 0
-    assert last["mfu"] == pytest.approx(last["model_flops_per_token"] * last["tokens_per_second"] / 1e12, rel=0.02)
+    assert last["mfu"] == pytest.approx(
+        last["model_flops_per_token"] * last["tokens_per_second"] / 1e12, rel=0.02
+    )
 
     # The final model and tokenizer load back with from_pretrained and give the logged eval loss.
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -53,12 +53,24 @@ class Counter:
 
 
 def make_loop(out, plugins=(), model=None, eval_dataset=None, compute_metrics=None, **overrides) -> Loop:
-    args = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=8, logging_steps=1,
-                save_steps=2, learning_rate=1e-2)
+    args = dict(
+        output_dir=str(out),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        save_steps=2,
+        learning_rate=1e-2,
+    )
     torch.manual_seed(0)
-    return Loop(model or toys.mlp(), TrainArgs(**{**args, **overrides}), train_dataset=toys.Blobs(64),
-                eval_dataset=eval_dataset, compute_metrics=compute_metrics, plugins=plugins,
-                blocked_plugins=["console"])
+    return Loop(
+        model or toys.mlp(),
+        TrainArgs(**{**args, **overrides}),
+        train_dataset=toys.Blobs(64),
+        eval_dataset=eval_dataset,
+        compute_metrics=compute_metrics,
+        plugins=plugins,
+        blocked_plugins=["console"],
+    )
 
 
 def test_checkpoint_contents(tmp_path):
@@ -66,11 +78,22 @@ def test_checkpoint_contents(tmp_path):
     loop.train()
     out = tmp_path / "out"
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]  # no temp folder
+    assert not [
+        p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"
+    ]  # no temp folder
     ckpt = out / "checkpoint-4"
     names = {p.name for p in ckpt.iterdir()}
-    assert names == {WEIGHTS, "optimizer.pt", "scheduler.pt", "rng_state_0.pth", "loop_state.json",
-                     "plugins.json", "config.toml", "process_state_0.json", MANIFEST}
+    assert names == {
+        WEIGHTS,
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "loop_state.json",
+        "plugins.json",
+        "config.toml",
+        "process_state_0.json",
+        MANIFEST,
+    }
     # everything loads without unpickling arbitrary objects
     optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert len(optim["state"]) == len(list(loop.model.parameters()))
@@ -89,8 +112,11 @@ def test_checkpoint_contents(tmp_path):
 
     manifest = json.loads((ckpt / MANIFEST).read_text())
     assert manifest["algorithm"] == "xxh3_128" and manifest["finite"] is True
-    assert manifest["files"] == {p.name: {"size": p.stat().st_size, "checksum": xxhash.xxh3_128_hexdigest(p.read_bytes())}
-                                 for p in ckpt.iterdir() if p.name != MANIFEST}
+    assert manifest["files"] == {
+        p.name: {"size": p.stat().st_size, "checksum": xxhash.xxh3_128_hexdigest(p.read_bytes())}
+        for p in ckpt.iterdir()
+        if p.name != MANIFEST
+    }
     # weights of the last checkpoint and of the final model are the trained ones
     trained = loop.model.state_dict()
     for path in (out / "checkpoint-6" / WEIGHTS, out / WEIGHTS):
@@ -103,12 +129,14 @@ def test_plugin_state_restored_on_resume(tmp_path):
     make_loop(tmp_path / "out", plugins=[Counter()], max_steps=4).train()
     counter = Counter()
     make_loop(tmp_path / "out", plugins=[counter], max_steps=6).train(
-        resume_from_checkpoint=tmp_path / "out" / "checkpoint-2")
+        resume_from_checkpoint=tmp_path / "out" / "checkpoint-2"
+    )
     assert counter.steps == 6  # 2 restored + 4 more
 
 
-@pytest.mark.parametrize("size, bytes_", [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), (1234, 1234),
-                                           ("1.5KB", 1500)])
+@pytest.mark.parametrize(
+    "size, bytes_", [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), (1234, 1234), ("1.5KB", 1500)]
+)
 def test_parse_size(size, bytes_):
     assert parse_size(size) == bytes_
 
@@ -146,9 +174,17 @@ def test_sharded_weights_and_resume(tmp_path):
 def _tiny_tied_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=toys.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=toys.VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -158,8 +194,15 @@ def test_hf_model_saved_with_save_pretrained(tmp_path):
     from transformers import LlamaForCausalLM
 
     out = tmp_path / "out"
-    args = TrainArgs(output_dir=str(out), max_steps=4, save_steps=2, per_device_train_batch_size=4,
-                     logging_steps=1, learning_rate=1e-2, save_max_shard_size=3000)
+    args = TrainArgs(
+        output_dir=str(out),
+        max_steps=4,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-2,
+        save_max_shard_size=3000,
+    )
     loop = Loop(_tiny_tied_llama(), args, train_dataset=toys.lm_samples(16), blocked_plugins=["console"])
     loop.train()
     ckpt = out / "checkpoint-4"
@@ -171,8 +214,12 @@ def test_hf_model_saved_with_save_pretrained(tmp_path):
         assert all(torch.equal(got[k], ref[k]) for k in ref)
     # resume: lm_head.weight is tied to embed_tokens.weight, and save_pretrained stores it once
     model = _tiny_tied_llama()
-    resumed = Loop(model, TrainArgs(**{**args.__dict__, "max_steps": 6}), train_dataset=toys.lm_samples(16),
-                   blocked_plugins=["console"])
+    resumed = Loop(
+        model,
+        TrainArgs(**{**args.__dict__, "max_steps": 6}),
+        train_dataset=toys.lm_samples(16),
+        blocked_plugins=["console"],
+    )
     resumed.train(resume_from_checkpoint=out / "checkpoint-2")
     assert resumed.state.global_step == 6
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -188,8 +235,13 @@ def test_save_pretrained_bar_only_when_verbose(tmp_path, capfd, monkeypatch, ver
     monkeypatch.delenv("CORELOOPER_VERBOSE", raising=False)
     if verbose:
         monkeypatch.setenv("CORELOOPER_VERBOSE", "1")
-    args = TrainArgs(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
-                     save_steps=1, disable_tqdm=True)
+    args = TrainArgs(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        save_steps=1,
+        disable_tqdm=True,
+    )
     Loop(_tiny_tied_llama(), args, train_dataset=toys.lm_samples(8), blocked_plugins=["console"]).train()
     printed = capfd.readouterr()
     assert ("Writing model shards" in printed.err + printed.out) is verbose
@@ -225,17 +277,31 @@ def test_rotation_keeps_best_and_latest_and_loads_best(tmp_path, caplog):
             kept.append([p.name for p in list_checkpoints(out)])
 
     saved, kept = [], []
-    loop = make_loop(out, eval_dataset=toys.Blobs(16, seed=1), compute_metrics=metrics, max_steps=10,
-                     eval_strategy="steps", eval_steps=2, save_total_limit=1, load_best_model_at_end=True,
-                     metric_for_best_model="accuracy", plugins=[Grab()])
+    loop = make_loop(
+        out,
+        eval_dataset=toys.Blobs(16, seed=1),
+        compute_metrics=metrics,
+        max_steps=10,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="accuracy",
+        plugins=[Grab()],
+    )
     state = loop.train()
     assert metrics.calls == 5
     assert state.best_metric == 0.9 and state.best_global_step == 4
     assert state.best_model_checkpoint == str(out / "checkpoint-4")
     # during training the best and the newest were kept; at the end, with save_total_limit = 1,
     # only the best stays (HF 5.x _finalize_training)
-    assert [c.name for c in saved] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8",
-                                       "checkpoint-10"]
+    assert [c.name for c in saved] == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+        "checkpoint-10",
+    ]
     assert kept[-1] == ["checkpoint-4", "checkpoint-10"]
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4"]
     final = load_file(out / WEIGHTS)  # the best model, loaded at the end, is the final one
@@ -247,8 +313,15 @@ def test_rotation_keeps_best_and_latest_and_loads_best(tmp_path, caplog):
 
 def test_rotation_lower_is_better_keeps_latest_best(tmp_path):
     out = tmp_path / "out"
-    loop = make_loop(out, eval_dataset=toys.Blobs(16, seed=1), max_steps=8, eval_strategy="steps",
-                     eval_steps=2, save_total_limit=2, load_best_model_at_end=True)  # eval_loss, lower
+    loop = make_loop(
+        out,
+        eval_dataset=toys.Blobs(16, seed=1),
+        max_steps=8,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+    )  # eval_loss, lower
     state = loop.train()
     losses = {h["step"]: h["eval_loss"] for h in state.log_history if "eval_loss" in h}
     best_step = min(losses, key=losses.get)
@@ -257,11 +330,14 @@ def test_rotation_lower_is_better_keeps_latest_best(tmp_path):
     assert f"checkpoint-{best_step}" in kept and "checkpoint-8" in kept and len(kept) <= 2
 
 
-@pytest.mark.parametrize("strategy, expected", [
-    ("no", []),
-    ("epoch", ["checkpoint-8", "checkpoint-16"]),  # 64 samples / 8 = 8 steps per epoch
-    ("steps", ["checkpoint-5", "checkpoint-10", "checkpoint-15", "checkpoint-16"]),
-])
+@pytest.mark.parametrize(
+    "strategy, expected",
+    [
+        ("no", []),
+        ("epoch", ["checkpoint-8", "checkpoint-16"]),  # 64 samples / 8 = 8 steps per epoch
+        ("steps", ["checkpoint-5", "checkpoint-10", "checkpoint-15", "checkpoint-16"]),
+    ],
+)
 def test_save_strategies(tmp_path, strategy, expected):
     out = tmp_path / "out"
     make_loop(out, save_strategy=strategy, save_steps=5, max_steps=16).train()
@@ -272,9 +348,16 @@ def test_save_strategies(tmp_path, strategy, expected):
 def test_save_strategy_best_saves_only_improvements(tmp_path):
     out = tmp_path / "out"
     metrics = Scripted([0.5, 0.4, 0.7, 0.6])
-    make_loop(out, eval_dataset=toys.Blobs(16, seed=1), compute_metrics=metrics, max_steps=8,
-              eval_strategy="steps", eval_steps=2, save_strategy="best",
-              metric_for_best_model="accuracy").train()
+    make_loop(
+        out,
+        eval_dataset=toys.Blobs(16, seed=1),
+        compute_metrics=metrics,
+        max_steps=8,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="best",
+        metric_for_best_model="accuracy",
+    ).train()
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-6"]
 
 
@@ -341,7 +424,11 @@ def test_crash_keeps_last_checkpoint_and_names_the_source(tmp_path, where):
         error, match = DataError, "disk went away"
         data = BadData(64)
     elif where == "plugin hook":
-        plugins, error, match = [BrokenPlugin(hook_at=3)], PluginError, "'broken' raised in hook 'on_step_end'"
+        plugins, error, match = (
+            [BrokenPlugin(hook_at=3)],
+            PluginError,
+            "'broken' raised in hook 'on_step_end'",
+        )
     else:
         plugins, error, match = [BrokenPlugin(state_at=4)], PluginError, "'broken' failed in state_dict"
 
@@ -359,10 +446,12 @@ def test_crash_keeps_last_checkpoint_and_names_the_source(tmp_path, where):
         def on_save(self, checkpoint_dir):
             saved[checkpoint_dir.name] = _snapshot(checkpoint_dir)
 
-    args = TrainArgs(output_dir=str(out), max_steps=6, save_steps=2, per_device_train_batch_size=8,
-                     learning_rate=1e-2)
-    loop = Loop(model, args, train_dataset=data, plugins=[*plugins, Arm(), Keep()],
-                blocked_plugins=["console"])
+    args = TrainArgs(
+        output_dir=str(out), max_steps=6, save_steps=2, per_device_train_batch_size=8, learning_rate=1e-2
+    )
+    loop = Loop(
+        model, args, train_dataset=data, plugins=[*plugins, Arm(), Keep()], blocked_plugins=["console"]
+    )
     with pytest.raises(error, match=match):
         loop.train()
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
@@ -370,7 +459,12 @@ def test_crash_keeps_last_checkpoint_and_names_the_source(tmp_path, where):
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]
     # and it resumes
     torch.manual_seed(0)
-    again = Loop(Boom(at=-1) if where == "model" else toys.mlp(), args, train_dataset=toys.Blobs(64), blocked_plugins=["console"])
+    again = Loop(
+        Boom(at=-1) if where == "model" else toys.mlp(),
+        args,
+        train_dataset=toys.Blobs(64),
+        blocked_plugins=["console"],
+    )
     assert again.train(resume_from_checkpoint="latest").global_step == 6
 
 
@@ -387,4 +481,6 @@ def test_rotation_after_a_resume_from_an_earlier_step_deletes_the_stale_future_f
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-5"]
     # without a resume the order is the steps': oldest first, the newest kept
     (tmp_path / "checkpoint-7").mkdir()
-    assert [p.name for p in rotate_checkpoints(tmp_path, 2, keep=tmp_path / "checkpoint-7")] == ["checkpoint-4"]
+    assert [p.name for p in rotate_checkpoints(tmp_path, 2, keep=tmp_path / "checkpoint-7")] == [
+        "checkpoint-4"
+    ]

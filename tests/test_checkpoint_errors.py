@@ -18,7 +18,7 @@ from corelooper.config import Config
 from corelooper.errors import CheckpointError
 from corelooper.loop import Loop
 
-TASK = '''
+TASK = """
 import torch
 from torch import nn
 
@@ -47,7 +47,7 @@ def build(hidden=16):
 
 def train_set(**_):
     return Samples()
-'''
+"""
 
 
 def config_text(out: Path) -> str:
@@ -96,14 +96,23 @@ def project(finished, tmp_path) -> Path:
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file's bytes, except the run lock's (it names the PID of the last run to open the folder)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".corelooper.lock"}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".corelooper.lock"
+    }
 
 
 def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    return subprocess.run([sys.executable, "-m", "corelooper", "run", "config.toml", *args], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "corelooper", "run", "config.toml", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_paragraph(result: subprocess.CompletedProcess, *needles: str, code: int = 5) -> None:
@@ -132,8 +141,14 @@ def test_cli_checkpoint_path_that_does_not_exist(project):
 def test_cli_output_dir_holding_another_run(project):
     before = snapshot(project / "out")
     result = cli(project)  # no --resume-from-checkpoint: would mix two runs
-    assert_one_paragraph(result, "already holds a run", "checkpoint-4", "--resume-from-checkpoint latest",
-                         "overwrite_output_dir", code=2)  # a usage problem, not a bad checkpoint
+    assert_one_paragraph(
+        result,
+        "already holds a run",
+        "checkpoint-4",
+        "--resume-from-checkpoint latest",
+        "overwrite_output_dir",
+        code=2,
+    )  # a usage problem, not a bad checkpoint
     assert snapshot(project / "out") == before
 
 
@@ -151,8 +166,11 @@ def test_cli_truncated_weights(project):
 def test_resume_with_another_model_config(project):
     before = snapshot(project / "out")
     loop = loop_for(project, **{"model.args.hidden": 32})
-    with pytest.raises(CheckpointError, match=r"belongs to a different run \(model.args: checkpoint "
-                                              r"\{'hidden': 16\} vs config \{'hidden': 32\}\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"belongs to a different run \(model.args: checkpoint "
+        r"\{'hidden': 16\} vs config \{'hidden': 32\}\)",
+    ):
         loop.train(resume_from_checkpoint="latest")
     assert snapshot(project / "out") == before
 
@@ -173,8 +191,17 @@ def _rewrite_manifest(ckpt: Path) -> None:
     write_manifest(ckpt)
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
-                                  "loop_state.json", "plugins.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "loop_state.json",
+        "plugins.json",
+    ],
+)
 def test_truncated_file_is_named(project, name):
     ckpt = project / "out" / "checkpoint-4"
     path = ckpt / name
@@ -252,24 +279,69 @@ def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_p
     again = cli(root)
     assert again.returncode == 2 and "no checkpoint to resume" in again.stderr, again.stderr
     assert "--resume-from-checkpoint latest" not in again.stderr and "overwrite_output_dir" in again.stderr
-    before = {p: p.read_bytes() for p in (root / "out").rglob("*") if p.is_file() and p.name != ".corelooper.lock"}
+    before = {
+        p: p.read_bytes() for p in (root / "out").rglob("*") if p.is_file() and p.name != ".corelooper.lock"
+    }
     for resume in ("latest", "auto"):  # a finished run, not a start: nothing to do, nothing written
         resumed = cli(root, "--resume-from-checkpoint", resume)
-        assert resumed.returncode == 0 and "already finished at step 4: nothing to do" in resumed.stdout, resumed
+        assert resumed.returncode == 0 and "already finished at step 4: nothing to do" in resumed.stdout, (
+            resumed
+        )
     assert {p: p.read_bytes() for p in before} == before
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    verify = subprocess.run([sys.executable, "-m", "corelooper", "verify", str(root / "out")], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert verify.returncode == 0 and verify.stdout.strip() == "no checkpoints; the final model: model.safetensors (step 4)"
-    ev = subprocess.run([sys.executable, "-m", "corelooper", "eval", "config.toml", "--checkpoint", "latest",
-                         "--set", 'data.eval = "task.py:train_set"'], cwd=root, env=env, capture_output=True,
-                        text=True, timeout=120)
+    verify = subprocess.run(
+        [sys.executable, "-m", "corelooper", "verify", str(root / "out")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        verify.returncode == 0
+        and verify.stdout.strip() == "no checkpoints; the final model: model.safetensors (step 4)"
+    )
+    ev = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corelooper",
+            "eval",
+            "config.toml",
+            "--checkpoint",
+            "latest",
+            "--set",
+            'data.eval = "task.py:train_set"',
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ev.returncode == 0 and "eval_loss" in ev.stdout, ev.stderr
     (root / "out" / "model.safetensors").unlink()
-    ev = subprocess.run([sys.executable, "-m", "corelooper", "eval", "config.toml", "--checkpoint", "latest",
-                         "--set", 'data.eval = "task.py:train_set"'], cwd=root, env=env, capture_output=True,
-                        text=True, timeout=120)
-    assert ev.returncode == 5 and "--checkpoint latest: there is no complete checkpoint" in ev.stderr, ev.stderr
+    ev = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corelooper",
+            "eval",
+            "config.toml",
+            "--checkpoint",
+            "latest",
+            "--set",
+            'data.eval = "task.py:train_set"',
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ev.returncode == 5 and "--checkpoint latest: there is no complete checkpoint" in ev.stderr, (
+        ev.stderr
+    )
     assert "--resume-from-checkpoint" not in ev.stderr
 
 
@@ -284,5 +356,7 @@ def test_resume_lines_write_values_as_the_config_does(tmp_path):
     Config(train=TrainArgs(output_dir=str(tmp_path), num_train_epochs=1)).write(tmp_path / "config.toml")
     now = Config(train=TrainArgs(output_dir=str(tmp_path), num_train_epochs=2, learning_rate=2.5e-5))
     lines = resume_settings.compare(now, tmp_path, {"world_size": 1}, LoopState())
-    assert sorted(lines) == ["resume: train.learning_rate 5e-05 -> 2.5e-05 (applied)",
-                             "resume: train.num_train_epochs 1 -> 2 (applied)"]
+    assert sorted(lines) == [
+        "resume: train.learning_rate 5e-05 -> 2.5e-05 (applied)",
+        "resume: train.num_train_epochs 1 -> 2 (applied)",
+    ]

@@ -21,8 +21,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def test_digits_example_reaches_the_accuracy_bar(cli, tmp_path):
     out = tmp_path / "digits"
-    r = cli("run", "examples/digits/config.toml", "--set", f"train.output_dir={out}",
-            "--set", "train.logging_steps=25", "-p", "no:tensorboard")
+    r = cli(
+        "run",
+        "examples/digits/config.toml",
+        "--set",
+        f"train.output_dir={out}",
+        "--set",
+        "train.logging_steps=25",
+        "-p",
+        "no:tensorboard",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     records = read_jsonl(out / "metrics.jsonl")
     evals = [rec for rec in records if rec["event"] == "eval"]
@@ -83,12 +91,15 @@ def test_hooks_lists_every_hook_with_its_doc(cli):
         doc_first_line = getattr(hookspecs, name).__doc__.strip().splitlines()[0].strip()
         assert f"\n{name}(" in "\n" + r.stdout, name
         assert doc_first_line in r.stdout, name
-    assert "compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool)  [provider, firstresult]" in r.stdout
+    assert (
+        "compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool)  [provider, firstresult]"
+        in r.stdout
+    )
 
 
 def test_set_override_of_a_plugin_section_and_bad_set_syntax(cli, tmp_path, thirdparty_plugin):
     config = tmp_path / "c.toml"
-    config.write_text("[thirdparty]\nmarker = \"\"\n")
+    config.write_text('[thirdparty]\nmarker = ""\n')
     r = cli("plugins", "--config", str(config), "--set", "thirdparty.optimizer=sgd")
     assert r.returncode == 0, r.stderr
     r = cli("plugins", "--config", str(config), "--set", "optimizer")
@@ -108,8 +119,13 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     )
     primary, secondary = pty.openpty()
     env = {**os.environ, "COLUMNS": "120", "TERM": "xterm", "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "corelooper", "run", str(config)], stdout=secondary,
-                            stderr=secondary, cwd=REPO, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corelooper", "run", str(config)],
+        stdout=secondary,
+        stderr=secondary,
+        cwd=REPO,
+        env=env,
+    )
     os.close(secondary)
     chunks = []
     while True:
@@ -132,15 +148,18 @@ def test_console_leaves_namespaced_log_keys_to_the_loggers_unless_verbose(cli, t
     --verbose."""
     toys = REPO / "tests" / "toys.py"
     plugin = tmp_path / "detail_plugin.py"
-    plugin.write_text("from corelooper.hookspecs import hookimpl\n\n\n@hookimpl(tryfirst=True)\n"
-                      "def on_log(logs):\n    if 'loss' in logs:\n"
-                      "        logs.update({'demo/detail': 1.5, 'demo_plain': 2.5})\n")
+    plugin.write_text(
+        "from corelooper.hookspecs import hookimpl\n\n\n@hookimpl(tryfirst=True)\n"
+        "def on_log(logs):\n    if 'loss' in logs:\n"
+        "        logs.update({'demo/detail': 1.5, 'demo_plain': 2.5})\n"
+    )
     for name, extra in (("quiet", ()), ("verbose", ("--verbose",))):
         config = tmp_path / f"{name}.toml"
         config.write_text(
             f'[model]\nfactory = "{toys}:mlp"\n[data]\ntrain = "{toys}:blobs_train"\n'
             f'[train]\noutput_dir = "{tmp_path / name}"\nmax_steps = 4\nsave_strategy = "no"\nlogging_steps = 2\n'
-            f'[plugins]\nlocal = ["{plugin}"]\n')
+            f'[plugins]\nlocal = ["{plugin}"]\n'
+        )
         r = cli("run", str(config), *extra, env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"})
         assert r.returncode == 0, r.stderr
         lines = [x for x in r.stdout.splitlines() if x.startswith("[step ") and " loss=" in x]

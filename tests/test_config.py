@@ -59,7 +59,9 @@ def example(tmp_path) -> Path:
 
 def test_load_sections_and_hf_names(example):
     cfg = Config.load(example)
-    assert cfg.model == ModelConfig(factory="mypkg.model:build", args={"hidden": 64, "layers": [1, 2], "act": "gelu"})
+    assert cfg.model == ModelConfig(
+        factory="mypkg.model:build", args={"hidden": 64, "layers": [1, 2], "act": "gelu"}
+    )
     assert cfg.data == DataConfig(train="mypkg.data:train", eval="mypkg.data:eval", args={"root": "/data"})
     t = cfg.train
     assert (t.learning_rate, t.num_train_epochs, t.gradient_accumulation_steps) == (3e-4, 2.0, 4)
@@ -74,9 +76,17 @@ def test_the_same_config_built_in_python(example):
     built = Config(
         model=ModelConfig(factory="mypkg.model:build", args={"hidden": 64, "layers": [1, 2], "act": "gelu"}),
         data=DataConfig(train="mypkg.data:train", eval="mypkg.data:eval", args={"root": "/data"}),
-        train=TrainArgs(output_dir="runs/x", learning_rate=3e-4, num_train_epochs=2.0,
-                        per_device_train_batch_size=16, gradient_accumulation_steps=4, warmup_steps=0.1,
-                        lr_scheduler_type="cosine", eval_strategy="steps", eval_steps=50),
+        train=TrainArgs(
+            output_dir="runs/x",
+            learning_rate=3e-4,
+            num_train_epochs=2.0,
+            per_device_train_batch_size=16,
+            gradient_accumulation_steps=4,
+            warmup_steps=0.1,
+            lr_scheduler_type="cosine",
+            eval_strategy="steps",
+            eval_steps=50,
+        ),
         plugins=PluginsConfig(disable=["wandb"], local=["my_plugin.py"]),
         sections={"tensorboard": {"log_dir": "tb"}},
     )
@@ -84,10 +94,18 @@ def test_the_same_config_built_in_python(example):
 
 
 def test_set_overrides(example):
-    cfg = Config.load(example, [
-        "train.learning_rate=1e-3", "train.lr_scheduler_type=linear", "train.logging_first_step=true",
-        "model.args.hidden=128", "plugins.disable=[]", "tensorboard.log_dir=other", "train.run_name=a=b",
-    ])
+    cfg = Config.load(
+        example,
+        [
+            "train.learning_rate=1e-3",
+            "train.lr_scheduler_type=linear",
+            "train.logging_first_step=true",
+            "model.args.hidden=128",
+            "plugins.disable=[]",
+            "tensorboard.log_dir=other",
+            "train.run_name=a=b",
+        ],
+    )
     assert cfg.train.learning_rate == 1e-3 and cfg.train.lr_scheduler_type == "linear"
     assert cfg.train.logging_first_step is True
     assert cfg.model.args == {"hidden": 128, "layers": [1, 2], "act": "gelu"}
@@ -95,29 +113,35 @@ def test_set_overrides(example):
     assert cfg.train.run_name == "a=b"  # split at the first "=" only
 
 
-@pytest.mark.parametrize(("item", "message"), [
-    ("learning_rate=1", "the key needs a section"),
-    ("train.learning_rate", "expected KEY=VALUE"),
-    ("train.learning_rate.x=1", "'learning_rate' is not a section"),
-])
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("learning_rate=1", "the key needs a section"),
+        ("train.learning_rate", "expected KEY=VALUE"),
+        ("train.learning_rate.x=1", "'learning_rate' is not a section"),
+    ],
+)
 def test_bad_set_syntax(item, message):
     data = {"train": {"learning_rate": 0.1}}
     with pytest.raises(ConfigError, match=message):
         apply_override(data, item)
 
 
-@pytest.mark.parametrize(("train", "message"), [
-    ({"learning_rat": 1e-3}, r"Unknown key train.learning_rat. Did you mean 'learning_rate'\?"),
-    ({"evaluation_strategy": "steps", "eval_strategy": "epoch"}, r"contradicts train.eval_strategy"),
-    ({"lr": 0.1}, r"Unknown key train.lr. Did you mean learning_rate\?"),
-    ({"seed": "1"}, r"train.seed must be int, got '1' \(str\)"),
-    ({"learning_rate": True}, r"train.learning_rate must be float"),
-    ({"eval_strategy": "step"}, r"train.eval_strategy must be one of 'no', 'steps', 'epoch'"),
-    ({"per_device_train_batch_size": 0}, r"train.per_device_train_batch_size must be > 0"),
-    ({"warmup_steps": 2.5}, r"train.warmup_steps = 2.5: use an int number of steps or a ratio < 1"),
-    ({"max_steps": -1, "num_train_epochs": 0}, r"nothing to train"),
-    ({"load_best_model_at_end": True}, r"need evaluations: set train.eval_strategy"),
-])
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ({"learning_rat": 1e-3}, r"Unknown key train.learning_rat. Did you mean 'learning_rate'\?"),
+        ({"evaluation_strategy": "steps", "eval_strategy": "epoch"}, r"contradicts train.eval_strategy"),
+        ({"lr": 0.1}, r"Unknown key train.lr. Did you mean learning_rate\?"),
+        ({"seed": "1"}, r"train.seed must be int, got '1' \(str\)"),
+        ({"learning_rate": True}, r"train.learning_rate must be float"),
+        ({"eval_strategy": "step"}, r"train.eval_strategy must be one of 'no', 'steps', 'epoch'"),
+        ({"per_device_train_batch_size": 0}, r"train.per_device_train_batch_size must be > 0"),
+        ({"warmup_steps": 2.5}, r"train.warmup_steps = 2.5: use an int number of steps or a ratio < 1"),
+        ({"max_steps": -1, "num_train_epochs": 0}, r"nothing to train"),
+        ({"load_best_model_at_end": True}, r"need evaluations: set train.eval_strategy"),
+    ],
+)
 def test_invalid_train_values_name_the_key(train, message):
     with pytest.raises(ConfigError, match=message):
         Config.from_dict({"train": train})
@@ -133,8 +157,9 @@ def test_other_structural_errors():
 
 
 def test_metric_for_best_model_defaults_like_hf():
-    cfg = Config.from_dict({"train": {"eval_strategy": "epoch", "save_strategy": "epoch",
-                                      "load_best_model_at_end": True}})
+    cfg = Config.from_dict(
+        {"train": {"eval_strategy": "epoch", "save_strategy": "epoch", "load_best_model_at_end": True}}
+    )
     assert cfg.train.metric_for_best_model == "loss" and cfg.train.greater_is_better is False
     cfg = Config.from_dict({"train": {"metric_for_best_model": "accuracy"}})
     assert cfg.train.greater_is_better is True
@@ -150,7 +175,9 @@ def test_write_and_load_round_trip(tmp_path, example):
     # unset (None) keys are left out: TOML has no null
     assert "eval_steps = 50" in out.read_text() and "data_seed" not in out.read_text()
     data = {"s": {"inf": float("inf"), "unset": None, "path": Path("a/b"), "nested": {"a": [1, 2.5, "x"]}}}
-    assert tomllib.loads(dumps_toml(data)) == {"s": {"inf": float("inf"), "path": "a/b", "nested": {"a": [1, 2.5, "x"]}}}
+    assert tomllib.loads(dumps_toml(data)) == {
+        "s": {"inf": float("inf"), "path": "a/b", "nested": {"a": [1, 2.5, "x"]}}
+    }
 
 
 def test_import_object_relative_to_the_config_folder(tmp_path):

@@ -32,8 +32,12 @@ class Wrong:
 WRONG = [  # (hook, what the plugin returns, how the message names it, words of the expectation)
     ("compute_loss", lambda model, batch: 0.5, "a float", "a scalar torch.Tensor"),
     ("compute_loss", lambda model, batch: {"loss": _ce(model, batch)}, "a dict", "(loss, outputs)"),
-    ("compute_loss", lambda model, batch: _ce(model, batch).reshape(1), "a torch.Tensor of shape (1,)",
-     "a scalar torch.Tensor"),
+    (
+        "compute_loss",
+        lambda model, batch: _ce(model, batch).reshape(1),
+        "a torch.Tensor of shape (1,)",
+        "a scalar torch.Tensor",
+    ),
     ("create_optimizer", lambda model: list(model.parameters()), "a list", "torch.optim.Optimizer"),
     ("train_dataloader", lambda: 3, "an int", "an iterable of batches"),
     ("create_scheduler", lambda: "cosine", "a str", "get_last_lr()"),
@@ -44,8 +48,12 @@ WRONG = [  # (hook, what the plugin returns, how the message names it, words of 
 
 @pytest.mark.parametrize(("hook", "make", "got", "expected"), WRONG)
 def test_a_wrong_type_from_a_training_provider_names_the_plugin(train_args, hook, make, got, expected):
-    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8),
-                train_dataset=toys.Blobs(16), plugins=[Wrong(hook, make)])
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=2, per_device_train_batch_size=8),
+        train_dataset=toys.Blobs(16),
+        plugins=[Wrong(hook, make)],
+    )
     with pytest.raises(PluginError) as e:
         loop.train()
     msg = str(e.value)
@@ -58,15 +66,24 @@ EVAL_WRONG = [
     ("eval_dataloader", lambda: 7, "an int", "an iterable of batches"),
     ("compute_metrics", lambda: 0.75, "a float", "a dict of metrics"),
     ("evaluation_loop", lambda: {"eval_loss": 1.0}, "a dict", "(metrics, predictions, label_ids)"),
-    ("compute_loss", lambda model, batch, return_outputs: (_ce(model, batch), None, None),
-     "a tuple of 3 (Tensor, NoneType, NoneType)", "(loss, outputs)"),
+    (
+        "compute_loss",
+        lambda model, batch, return_outputs: (_ce(model, batch), None, None),
+        "a tuple of 3 (Tensor, NoneType, NoneType)",
+        "(loss, outputs)",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("hook", "make", "got", "expected"), EVAL_WRONG)
 def test_a_wrong_type_from_an_evaluation_provider_names_the_plugin(train_args, hook, make, got, expected):
-    loop = Loop(toys.mlp(), train_args(), eval_dataset=toys.Blobs(8), compute_metrics=toys.accuracy,
-                plugins=[Wrong(hook, make)])
+    loop = Loop(
+        toys.mlp(),
+        train_args(),
+        eval_dataset=toys.Blobs(8),
+        compute_metrics=toys.accuracy,
+        plugins=[Wrong(hook, make)],
+    )
     with pytest.raises(PluginError) as e:
         loop.evaluate()
     assert f"Plugin 'wrong' returned {got} from hook {hook!r}; expected " in str(e.value), str(e.value)
@@ -77,8 +94,10 @@ def test_a_backend_that_is_not_one_names_the_plugin(train_args):
     with pytest.raises(PluginError) as e:
         Loop(toys.mlp(), train_args(), plugins=[Wrong("create_backend", lambda: "cuda")])
     msg = str(e.value)
-    assert "Plugin 'wrong' returned a str from hook 'create_backend'; expected an object with the " \
-           "Backend protocol's methods" in msg, msg
+    assert (
+        "Plugin 'wrong' returned a str from hook 'create_backend'; expected an object with the "
+        "Backend protocol's methods" in msg
+    ), msg
     assert "missing: device, num_processes, is_main_process, prepare, prepare_model, to_device" in msg
 
 
@@ -111,8 +130,14 @@ def test_right_answers_pass_the_checks(train_args):
             loss = F.cross_entropy(logits, batch["labels"], reduction="sum") / num_items_in_batch
             return (loss, logits) if return_outputs else loss
 
-    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8), train_dataset=toys.Blobs(16),
-                eval_dataset=toys.Blobs(8), compute_metrics=toys.accuracy, plugins=[Fine()])
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=2, per_device_train_batch_size=8),
+        train_dataset=toys.Blobs(16),
+        eval_dataset=toys.Blobs(8),
+        compute_metrics=toys.accuracy,
+        plugins=[Fine()],
+    )
     loop.train()
     metrics = loop.evaluate()
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_loss"] > 0
@@ -178,10 +203,16 @@ def test_a_plugin_error_in_evaluate_or_predict_alone_is_blamed_and_on_exception_
 
 def test_an_error_in_evaluation_during_train_fires_on_exception_once(train_args):
     plugin = Raises("compute_metrics")
-    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8, eval_strategy="steps",
-                                       eval_steps=1), train_dataset=toys.Blobs(16), eval_dataset=toys.Blobs(8),
-                plugins=[plugin])
-    with pytest.raises(PluginError, match="Plugin 'raiser' raised in hook 'compute_metrics' at global_step 1"):
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=2, per_device_train_batch_size=8, eval_strategy="steps", eval_steps=1),
+        train_dataset=toys.Blobs(16),
+        eval_dataset=toys.Blobs(8),
+        plugins=[plugin],
+    )
+    with pytest.raises(
+        PluginError, match="Plugin 'raiser' raised in hook 'compute_metrics' at global_step 1"
+    ):
         loop.train()
     assert len(plugin.exceptions) == 1
 
@@ -197,8 +228,11 @@ def test_a_model_error_in_predict_alone_is_blamed_on_the_model_and_on_exception_
 
     plugin = Raises("on_log")  # only to record on_exception
     loop = Loop(Broken(), train_args(), plugins=[plugin])
-    with pytest.raises(TrainingError, match="Prediction failed at global_step 0: RuntimeError: bad weights. "
-                       "The error came from the model or its loss"):
+    with pytest.raises(
+        TrainingError,
+        match="Prediction failed at global_step 0: RuntimeError: bad weights. "
+        "The error came from the model or its loss",
+    ):
         loop.predict(toys.Blobs(8))
     assert [str(x) for x in plugin.exceptions] == ["bad weights"]
 
@@ -217,9 +251,13 @@ class _BadStreamingMetric:
 
 @pytest.mark.parametrize("metric", [_bad_accuracy, _BadStreamingMetric()], ids=["function", "streaming"])
 def test_an_error_in_the_users_compute_metrics_names_it_not_the_model(train_args, metric):
-    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8, eval_strategy="steps",
-                                       eval_steps=1), train_dataset=toys.Blobs(16), eval_dataset=toys.Blobs(8),
-                compute_metrics=metric)
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=2, per_device_train_batch_size=8, eval_strategy="steps", eval_steps=1),
+        train_dataset=toys.Blobs(16),
+        eval_dataset=toys.Blobs(8),
+        compute_metrics=metric,
+    )
     with pytest.raises(TrainingError) as info:
         loop.train()
     message = str(info.value)
@@ -232,9 +270,16 @@ def test_an_error_in_the_users_data_collator_names_it(train_args):
     def collate(rows):
         raise KeyError("input_ids")
 
-    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8), train_dataset=toys.Blobs(16),
-                data_collator=collate)
-    with pytest.raises(DataError, match=r"Loading a training batch failed at global_step 0: the collator "
-                                        r"test_an_error_in_the_users_data_collator_names_it.<locals>.collate "
-                                        r"\(.*test_dispatch.py:\d+\) raised KeyError: 'input_ids'. Check it against"):
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=2, per_device_train_batch_size=8),
+        train_dataset=toys.Blobs(16),
+        data_collator=collate,
+    )
+    with pytest.raises(
+        DataError,
+        match=r"Loading a training batch failed at global_step 0: the collator "
+        r"test_an_error_in_the_users_data_collator_names_it.<locals>.collate "
+        r"\(.*test_dispatch.py:\d+\) raised KeyError: 'input_ids'. Check it against",
+    ):
         loop.train()

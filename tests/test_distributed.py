@@ -34,19 +34,49 @@ def ddp_runs(tmp_path_factory):
         # 2 ranks x batch 4 (reference: 1 x batch 8); 48 samples: 6 steps, one epoch
         {"train": {"per_device_train_batch_size": 4, "max_steps": 6, "output_dir": str(tmp / "plain")}},
         # GA 2 on variable-length sequences with -100 padding, clipping on
-        {"task": "lm", "train": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-                                 "max_steps": 5, "max_grad_norm": 0.5,
-                                 "output_dir": str(tmp / "lm")}},
+        {
+            "task": "lm",
+            "train": {
+                "per_device_train_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "max_steps": 5,
+                "max_grad_norm": 0.5,
+                "output_dir": str(tmp / "lm"),
+            },
+        },
         # with dropout (per-rank RNG), checkpoints every 3 steps, then a resume from step 3
-        {"dropout": 0.2, "train": {"per_device_train_batch_size": 4, "max_steps": 8, "save_strategy": "steps",
-                                   "save_steps": 3, "num_train_epochs": 2,
-                                   "output_dir": str(tmp / "full")}},
-        {"dropout": 0.2, "resume": str(tmp / "full" / "checkpoint-3"),
-         "train": {"per_device_train_batch_size": 4, "max_steps": 8, "save_strategy": "steps",
-                   "save_steps": 3, "num_train_epochs": 2, "output_dir": str(tmp / "resumed")}},
+        {
+            "dropout": 0.2,
+            "train": {
+                "per_device_train_batch_size": 4,
+                "max_steps": 8,
+                "save_strategy": "steps",
+                "save_steps": 3,
+                "num_train_epochs": 2,
+                "output_dir": str(tmp / "full"),
+            },
+        },
+        {
+            "dropout": 0.2,
+            "resume": str(tmp / "full" / "checkpoint-3"),
+            "train": {
+                "per_device_train_batch_size": 4,
+                "max_steps": 8,
+                "save_strategy": "steps",
+                "save_steps": 3,
+                "num_train_epochs": 2,
+                "output_dir": str(tmp / "resumed"),
+            },
+        },
         # evaluate() before train() must not leave the model unwrapped (each rank on its own)
-        {"evaluate_first": True,
-         "train": {"per_device_train_batch_size": 4, "max_steps": 6, "output_dir": str(tmp / "eval_first")}},
+        {
+            "evaluate_first": True,
+            "train": {
+                "per_device_train_batch_size": 4,
+                "max_steps": 6,
+                "output_dir": str(tmp / "eval_first"),
+            },
+        },
     ]
     return tmp, runs, dw.torchrun([dict(r) for r in runs], tmp)
 

@@ -10,26 +10,47 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "examples/digits/config.toml"
-SHORT = ["--set", "train.num_train_epochs=1", "--set", "model.args.dropout=0.0",
-         "--set", "train.logging_steps=4"]
+SHORT = [
+    "--set",
+    "train.num_train_epochs=1",
+    "--set",
+    "model.args.dropout=0.0",
+    "--set",
+    "train.logging_steps=4",
+]
 
 
 def corelooper(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "corelooper", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "corelooper", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path):
     from safetensors.torch import load_file
 
-    two = corelooper(tmp_path, "run", CONFIG, "--nproc", "2", *SHORT,
-                     "--set", f"train.output_dir={tmp_path / 'two'}")
+    two = corelooper(
+        tmp_path, "run", CONFIG, "--nproc", "2", *SHORT, "--set", f"train.output_dir={tmp_path / 'two'}"
+    )
     assert two.returncode == 0, two.stderr[-4000:]
     assert "batch 64 x 1 accumulation x 2 processes" in two.stdout
     assert two.stdout.count("corelooper: training") == 1  # only the main process reports
-    one = corelooper(tmp_path, "run", CONFIG, *SHORT, "--set", "train.per_device_train_batch_size=128",
-                     "--set", f"train.output_dir={tmp_path / 'one'}")
+    one = corelooper(
+        tmp_path,
+        "run",
+        CONFIG,
+        *SHORT,
+        "--set",
+        "train.per_device_train_batch_size=128",
+        "--set",
+        f"train.output_dir={tmp_path / 'one'}",
+    )
     assert one.returncode == 0, one.stderr[-4000:]
 
     def logs(run):
@@ -39,14 +60,23 @@ def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path):
     assert [x["step"] for x in logs("two")] == [4, 8, 12]  # one line per step: one writer
     for a, b in zip(logs("two"), logs("one"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
-    w2, w1 = load_file(str(tmp_path / "two" / "model.safetensors")), load_file(str(tmp_path / "one" / "model.safetensors"))
+    w2, w1 = (
+        load_file(str(tmp_path / "two" / "model.safetensors")),
+        load_file(str(tmp_path / "one" / "model.safetensors")),
+    )
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) <= 1e-5
     ckpt = tmp_path / "two" / "checkpoint-12"
     assert sorted(p.name for p in ckpt.glob("rng_state_*")) == ["rng_state_0.pth", "rng_state_1.pth"]
-    evals = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
-             if "eval_accuracy" in x]
-    one_evals = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
-                 if "eval_accuracy" in x]
+    evals = [
+        json.loads(x)
+        for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+        if "eval_accuracy" in x
+    ]
+    one_evals = [
+        json.loads(x)
+        for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+        if "eval_accuracy" in x
+    ]
     assert len(evals) == 1 and abs(evals[0]["eval_accuracy"] - one_evals[0]["eval_accuracy"]) < 1e-6
 
 
@@ -58,10 +88,25 @@ def test_a_crash_in_one_rank_ends_all_ranks_naming_it(tmp_path):
         "    if os.environ.get('RANK') == '1' and state.global_step == 3:\n"
         "        raise RuntimeError('rank one breaks on purpose')\n"
     )
-    proc = corelooper(tmp_path, "run", CONFIG, "--nproc", "2", *SHORT, "-p", str(plugin),
-                      "--set", "train.load_best_model_at_end=false", "--set", "train.save_strategy=steps",
-                      "--set", "train.save_steps=2", "--set", f"train.output_dir={tmp_path / 'out'}",
-                      timeout=120)
+    proc = corelooper(
+        tmp_path,
+        "run",
+        CONFIG,
+        "--nproc",
+        "2",
+        *SHORT,
+        "-p",
+        str(plugin),
+        "--set",
+        "train.load_best_model_at_end=false",
+        "--set",
+        "train.save_strategy=steps",
+        "--set",
+        "train.save_steps=2",
+        "--set",
+        f"train.output_dir={tmp_path / 'out'}",
+        timeout=120,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]  # the rank's own code: a plugin failed
     last = proc.stderr.strip().splitlines()
     error = next(line for line in last if line.startswith("corelooper: error: rank"))
@@ -79,17 +124,61 @@ def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
     same losses as one process with twice the batch."""
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    steps = ["--set", "train.max_steps=4", "--set", "train.logging_steps=1", "--set", "train.eval_strategy='no'",
-             "--set", "train.save_strategy='no'", "--set", "train.load_best_model_at_end=false",
-             "--set", "model.args.dropout=0.0", "-p", "no:tensorboard"]
-    two = subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "corelooper", "run", CONFIG,
-                          *steps, "--set", f"train.output_dir={tmp_path / 'two'}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    steps = [
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.logging_steps=1",
+        "--set",
+        "train.eval_strategy='no'",
+        "--set",
+        "train.save_strategy='no'",
+        "--set",
+        "train.load_best_model_at_end=false",
+        "--set",
+        "model.args.dropout=0.0",
+        "-p",
+        "no:tensorboard",
+    ]
+    two = subprocess.run(
+        [
+            str(accelerate),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "corelooper",
+            "run",
+            CONFIG,
+            *steps,
+            "--set",
+            f"train.output_dir={tmp_path / 'two'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert two.returncode == 0, two.stderr[-4000:]
     assert "x 2 processes" in two.stdout and two.stdout.count("corelooper: training") == 1
-    one = corelooper(tmp_path, "run", CONFIG, *steps, "--set", "train.per_device_train_batch_size=128",
-                     "--set", f"train.output_dir={tmp_path / 'one'}")
+    one = corelooper(
+        tmp_path,
+        "run",
+        CONFIG,
+        *steps,
+        "--set",
+        "train.per_device_train_batch_size=128",
+        "--set",
+        f"train.output_dir={tmp_path / 'one'}",
+    )
     assert one.returncode == 0, one.stderr[-4000:]
 
     def losses(run):
@@ -103,9 +192,21 @@ def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
 def test_a_bad_checkpoint_under_nproc_exits_5_and_is_said_once(tmp_path):
     """Every rank finds the checkpoint bad: the launcher reports it once, with exit 5 (not 7)."""
     missing = tmp_path / "no-such-checkpoint"
-    proc = corelooper(tmp_path, "run", CONFIG, "--nproc", "2", *SHORT, "-p", "no:tensorboard",
-                      "--set", f"train.output_dir={tmp_path / 'out'}", "--resume-from-checkpoint", str(missing),
-                      timeout=120)
+    proc = corelooper(
+        tmp_path,
+        "run",
+        CONFIG,
+        "--nproc",
+        "2",
+        *SHORT,
+        "-p",
+        "no:tensorboard",
+        "--set",
+        f"train.output_dir={tmp_path / 'out'}",
+        "--resume-from-checkpoint",
+        str(missing),
+        timeout=120,
+    )
     assert proc.returncode == 5, proc.stderr[-3000:]
     assert proc.stderr.count(f"Checkpoint {str(missing)!r} does not exist") == 1, proc.stderr[-3000:]
     assert "corelooper: error: rank " in proc.stderr and "Traceback" not in proc.stderr

@@ -24,13 +24,28 @@ from corelooper.errors import CheckpointError, ConfigError
 
 
 def _run(tmp_path, config, nproc: int, stop: int = 0, resume: bool = False):
-    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp_path / "stop_at.py"), *ELASTIC]
+    args = [
+        sys.executable,
+        "-m",
+        "corelooper",
+        "run",
+        str(config),
+        "-p",
+        str(tmp_path / "stop_at.py"),
+        *ELASTIC,
+    ]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     if resume:
         args += ["--resume-from-checkpoint", "latest"]
-    return subprocess.run(args, cwd=REPO, env={**env(tmp_path), "STOP_AT_STEP": str(stop)},
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        args,
+        cwd=REPO,
+        env={**env(tmp_path), "STOP_AT_STEP": str(stop)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _step_losses(run_dir) -> dict[int, float]:
@@ -53,8 +68,10 @@ def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     assert not (tmp_path / "run" / "checkpoint-9").exists()
     one = _run(tmp_path, cfg, 1, stop=9, resume=True)
     assert one.returncode == 143, one.stderr[-3000:]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
-            "4 per device x 2 accumulation x 1 processes = 8") in one.stdout
+    assert (
+        "saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
+        "4 per device x 2 accumulation x 1 processes = 8"
+    ) in one.stdout
     assert "continuing after sample 48 of epoch 0" in one.stdout
     assert "batch 4 x 2 accumulation x 1 processes" in one.stdout
     last = _run(tmp_path, cfg, 2, resume=True)
@@ -103,12 +120,26 @@ def test_a_plugin_is_configured_with_the_config_the_resumed_run_uses(tmp_path):
     record = tmp_path / "record.jsonl"
 
     def run(nproc: int, stop: int, resume: bool):
-        args = [sys.executable, "-m", "corelooper", "run", str(cfg), "-p", str(tmp_path / "stop_at.py"), *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "corelooper",
+            "run",
+            str(cfg),
+            "-p",
+            str(tmp_path / "stop_at.py"),
+            *extra,
+        ]
         args += ["--nproc", str(nproc)] if nproc > 1 else []
         args += ["--resume-from-checkpoint", "latest"] if resume else []
-        return subprocess.run(args, cwd=REPO, env={**env(tmp_path), "STOP_AT_STEP": str(stop),
-                                                    "CONFIG_RECORD": str(record)},
-                              capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            args,
+            cwd=REPO,
+            env={**env(tmp_path), "STOP_AT_STEP": str(stop), "CONFIG_RECORD": str(record)},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     first = run(2, stop=3, resume=False)
     assert first.returncode != 0 and (tmp_path / "run" / "checkpoint-3").is_dir(), first.stderr[-3000:]
@@ -135,8 +166,9 @@ def test_the_global_position_continues_the_order_on_another_world_size():
     assert seen + rest == BatchLoader(data, 64, seed=5).batch_indices()[0]  # the epoch's order
 
 
-def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(run_loop, make_loop, tmp_path,
-                                                                               capsys):
+def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(
+    run_loop, make_loop, tmp_path, capsys
+):
     run_loop(max_steps=8)
     claim_two_processes(tmp_path / "run" / "checkpoint-4")
     elastic = [corelooper_elastic_resume]
@@ -146,16 +178,21 @@ def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(ru
     # The config is final once plugins are configured: train(resume_from_checkpoint=...) cannot
     # change its geometry, and says how to resume (the checkpoint named in the config).
     late = make_loop(elastic, max_steps=8)
-    with pytest.raises(ConfigError, match=r"needs per_device_train_batch_size = 8 and "
-                                          r"gradient_accumulation_steps = 2.*train.resume_from_checkpoint"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs per_device_train_batch_size = 8 and "
+        r"gradient_accumulation_steps = 2.*train.resume_from_checkpoint",
+    ):
         late.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert late.args.gradient_accumulation_steps == 1
     loop = make_loop(elastic, max_steps=8, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     config = loop.config
     assert (loop.args.per_device_train_batch_size, loop.args.gradient_accumulation_steps) == (8, 2)
     out = capsys.readouterr().out
-    assert "was saved with 8 per device x 1 accumulation x 2 processes = 16; on 1 processes: " \
-           "8 per device x 2 accumulation x 1 processes = 16 (global batch kept)" in out
+    assert (
+        "was saved with 8 per device x 1 accumulation x 2 processes = 16; on 1 processes: "
+        "8 per device x 2 accumulation x 1 processes = 16 (global batch kept)" in out
+    )
     loop.train()
     assert loop.config is config and loop.state.global_step == 8
 
@@ -167,9 +204,12 @@ def test_without_the_plugin_another_world_size_is_refused_naming_both(run_loop, 
     run_loop(max_steps=8)
     claim_two_processes(tmp_path / "run" / "checkpoint-4")
     loop = make_loop(max_steps=8)  # no elastic plugin: no provider answers resume_position
-    with pytest.raises(CheckpointError, match=r"checkpoint-4 was saved on 2 processes and this run has 1.*no "
-                                              r"loaded plugin adapts it.*`resume_position`.*Resume on 2 "
-                                              r"processes.*ignore_data_skip = true"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint-4 was saved on 2 processes and this run has 1.*no "
+        r"loaded plugin adapts it.*`resume_position`.*Resume on 2 "
+        r"processes.*ignore_data_skip = true",
+    ):
         loop.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     restarted = make_loop(max_steps=8, ignore_data_skip=True)  # the fix the message names
     restarted.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
@@ -182,9 +222,14 @@ def test_without_the_plugin_the_cli_exits_5_and_the_same_world_size_resumes(tmp_
     base = [sys.executable, "-m", "corelooper", "run", str(cfg), "-p", str(tmp_path / "stop_at.py")]
 
     def run(*extra, stop=0):  # installed plugins loaded, as a user has them; elastic_resume blocked
-        return subprocess.run([*base, "-p", "no:elastic_resume", *extra], cwd=REPO,
-                              env={**env(tmp_path), "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "",
-                                   "STOP_AT_STEP": str(stop)}, capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            [*base, "-p", "no:elastic_resume", *extra],
+            cwd=REPO,
+            env={**env(tmp_path), "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "", "STOP_AT_STEP": str(stop)},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     first = run(stop=3)
     assert first.returncode != 0 and (tmp_path / "run" / "checkpoint-3").is_dir(), first.stderr[-3000:]

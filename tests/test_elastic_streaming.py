@@ -45,8 +45,9 @@ def _ids(batch) -> list[int]:
 
 
 def _loaders(world: int, batch: int, make, **kw) -> list[StreamingLoader]:
-    return [StreamingLoader(make(), batch, rank=r, num_replicas=world, split="global", **kw)
-            for r in range(world)]
+    return [
+        StreamingLoader(make(), batch, rank=r, num_replicas=world, split="global", **kw) for r in range(world)
+    ]
 
 
 def _take(loaders, micro_batches: int) -> list[int]:
@@ -59,7 +60,9 @@ def _take(loaders, micro_batches: int) -> list[int]:
 # -- the position arithmetic, in one process --------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [lambda: StatefulStream(40), lambda: Stream(40)], ids=["stateful", "stateless"])
+@pytest.mark.parametrize(
+    "make", [lambda: StatefulStream(40), lambda: Stream(40)], ids=["stateful", "stateless"]
+)
 def test_the_global_position_continues_on_another_world_size(make):
     """2 ranks x 3 per device read 4 micro-batches (24 samples); their positions are one and the
     same number, and 3 ranks x 2 per device, loaded with it, continue the stream at sample 24:
@@ -70,7 +73,12 @@ def test_the_global_position_continues_on_another_world_size(make):
     assert two[0].state_dict() == {**two[1].state_dict()}  # the same position on every rank
     state = two[0].state_dict()
     assert (state["split"], state["epoch"], state["position"], state["micro_batch"], state["batches"]) == (
-        "global", 0, 24, 6, 4)
+        "global",
+        0,
+        24,
+        6,
+        4,
+    )
     three = _loaders(3, 2, make)
     for loader in three:
         loader.load_state_dict(json.loads(json.dumps(state)))  # as the checkpoint stores it
@@ -148,11 +156,16 @@ def test_a_hugging_face_stream_that_reads_only_a_part_is_refused():
 
     from corelooper.errors import DataError
 
-    with pytest.raises(DataError, match="split by datasets.distributed.split_dataset_by_node.*Pass the dataset "
-                                        "before that split"):
+    with pytest.raises(
+        DataError,
+        match="split by datasets.distributed.split_dataset_by_node.*Pass the dataset before that split",
+    ):
         StreamingLoader(split_dataset_by_node(_hf_stream(), rank=0, world_size=2), 2, split="global")
-    with pytest.raises(DataError, match="splits its shards among DataLoader workers by itself \\(2 asked\\).*"
-                                        "dataloader_num_workers = 0"):
+    with pytest.raises(
+        DataError,
+        match="splits its shards among DataLoader workers by itself \\(2 asked\\).*"
+        "dataloader_num_workers = 0",
+    ):
         StreamingLoader(_hf_stream(), 2, split="global", num_workers=2)
     # shards (and "auto", which picks it here): each worker reads its own shards (tests/test_streaming.py)
     StreamingLoader(_hf_stream(), 2, split="shards", num_workers=2)
@@ -163,8 +176,14 @@ def test_a_hugging_face_stream_that_reads_only_a_part_is_refused():
 
 
 def _args(tmp_path, **kw) -> TrainArgs:
-    base = dict(output_dir=str(tmp_path / "run"), max_steps=6, save_steps=3, per_device_train_batch_size=2,
-                logging_steps=3, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        max_steps=6,
+        save_steps=3,
+        per_device_train_batch_size=2,
+        logging_steps=3,
+        disable_tqdm=True,
+    )
     return TrainArgs(**{**base, **kw})
 
 
@@ -174,22 +193,32 @@ def test_a_stream_split_by_shards_refuses_another_world_size_naming_what_works(t
     Loop(Recorder(), _args(tmp_path, **shards), train_dataset=StatefulStream(64)).train()
     ckpt = tmp_path / "run" / "checkpoint-3"
     claim_two_processes(ckpt)
-    with pytest.raises(ConfigError, match=r'on 1 processes: it was saved on 2, and its training stream is split '
-                                          r'into shards \(train.stream_split = "shards", as configured\).*Resume on '
-                                          r'2 processes.*ignore_data_skip = true.*if you set train.stream_split = '
-                                          r'"auto" or "global"'):
+    with pytest.raises(
+        ConfigError,
+        match=r"on 1 processes: it was saved on 2, and its training stream is split "
+        r'into shards \(train.stream_split = "shards", as configured\).*Resume on '
+        r"2 processes.*ignore_data_skip = true.*if you set train.stream_split = "
+        r'"auto" or "global"',
+    ):
         Loop(Recorder(), _args(tmp_path, **shards), train_dataset=StatefulStream(64)).train(
-            resume_from_checkpoint=str(ckpt))
+            resume_from_checkpoint=str(ckpt)
+        )
     # the default ("auto") would read this stream globally, but the checkpoint's is in shards
-    with pytest.raises(ConfigError, match=r'split into shards \(train.stream_split = "shards", as the run that '
-                                          r'saved it split its stream\).*Resume on 2 processes.*ignore_data_skip'
-                                          r'.*New runs of this configuration read their stream globally'):
-        Loop(Recorder(), _args(tmp_path), train_dataset=StatefulStream(64)).train(resume_from_checkpoint=str(ckpt))
+    with pytest.raises(
+        ConfigError,
+        match=r'split into shards \(train.stream_split = "shards", as the run that '
+        r"saved it split its stream\).*Resume on 2 processes.*ignore_data_skip"
+        r".*New runs of this configuration read their stream globally",
+    ):
+        Loop(Recorder(), _args(tmp_path), train_dataset=StatefulStream(64)).train(
+            resume_from_checkpoint=str(ckpt)
+        )
     # what the message names works: ignore_data_skip restarts the stream (with a warning)
     model = Recorder()
     with pytest.warns(UserWarning, match="not with the batches an uninterrupted run would have seen"):
         Loop(model, _args(tmp_path, ignore_data_skip=True, **shards), train_dataset=StatefulStream(64)).train(
-            resume_from_checkpoint=str(ckpt))
+            resume_from_checkpoint=str(ckpt)
+        )
     assert model.seen == [[0, 1], [2, 3], [4, 5]]  # steps 4-6, from the stream's beginning
 
 
@@ -207,33 +236,52 @@ class OwnShards(StatefulStream):
                 yield i
 
 
-def test_auto_splits_a_stream_that_shards_itself_and_the_refusal_names_what_reads_it_globally(tmp_path, monkeypatch):
+def test_auto_splits_a_stream_that_shards_itself_and_the_refusal_names_what_reads_it_globally(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
     Loop(Recorder(), _args(tmp_path), train_dataset=OwnShards(64)).train()
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "data_state_0.json").read_text())
     assert "split" not in state and state["num_shards"] == 1  # the shards format
     claim_two_processes(tmp_path / "run" / "checkpoint-3")
-    with pytest.raises(ConfigError, match=r'\(train.stream_split = "shards", "auto": OwnShards sets shards_itself = '
-                                          r'True and reads only its shard\).*Resume on 2 processes.*if you set '
-                                          r'train.stream_split = "global" \(every process and worker then reads'):
+    with pytest.raises(
+        ConfigError,
+        match=r'\(train.stream_split = "shards", "auto": OwnShards sets shards_itself = '
+        r"True and reads only its shard\).*Resume on 2 processes.*if you set "
+        r'train.stream_split = "global" \(every process and worker then reads',
+    ):
         Loop(Recorder(), _args(tmp_path), train_dataset=OwnShards(64)).train(
-            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3")
+        )
 
 
 def test_switching_the_split_on_resume_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
     Loop(Recorder(), _args(tmp_path, stream_split="shards"), train_dataset=StatefulStream(64)).train()
-    with pytest.raises(CheckpointError, match=r'for train.stream_split = "shards", this run has "global".*'
-                                              r'Resume with train.stream_split = "shards" \(or "auto"\)'):
+    with pytest.raises(
+        CheckpointError,
+        match=r'for train.stream_split = "shards", this run has "global".*'
+        r'Resume with train.stream_split = "shards" \(or "auto"\)',
+    ):
         Loop(Recorder(), _args(tmp_path, stream_split="global"), train_dataset=StatefulStream(64)).train(
-            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
-    Loop(Recorder(), _args(tmp_path, stream_split="global", output_dir=str(tmp_path / "g")),
-         train_dataset=StatefulStream(64)).train()
-    with pytest.raises(CheckpointError, match=r'for a stream read globally \(train.stream_split = "global"\), this '
-                                              r'run splits it by shards \(as configured\).*set train.stream_split = '
-                                              r'"auto" or "global", or set train.ignore_data_skip'):
-        Loop(Recorder(), _args(tmp_path, stream_split="shards", output_dir=str(tmp_path / "g")),
-             train_dataset=StatefulStream(64)).train(resume_from_checkpoint=str(tmp_path / "g" / "checkpoint-3"))
+            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3")
+        )
+    Loop(
+        Recorder(),
+        _args(tmp_path, stream_split="global", output_dir=str(tmp_path / "g")),
+        train_dataset=StatefulStream(64),
+    ).train()
+    with pytest.raises(
+        CheckpointError,
+        match=r'for a stream read globally \(train.stream_split = "global"\), this '
+        r"run splits it by shards \(as configured\).*set train.stream_split = "
+        r'"auto" or "global", or set train.ignore_data_skip',
+    ):
+        Loop(
+            Recorder(),
+            _args(tmp_path, stream_split="shards", output_dir=str(tmp_path / "g")),
+            train_dataset=StatefulStream(64),
+        ).train(resume_from_checkpoint=str(tmp_path / "g" / "checkpoint-3"))
 
 
 def test_a_checkpoint_of_the_old_default_resumes_in_shards_mode_with_auto(tmp_path, monkeypatch):
@@ -243,8 +291,11 @@ def test_a_checkpoint_of_the_old_default_resumes_in_shards_mode_with_auto(tmp_pa
     2 workers, saved after 3 batches: the next one comes from the second worker."""
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
     first = Recorder()
-    Loop(first, _args(tmp_path, stream_split="shards", dataloader_num_workers=2),
-         train_dataset=StatefulStream(64)).train()
+    Loop(
+        first,
+        _args(tmp_path, stream_split="shards", dataloader_num_workers=2),
+        train_dataset=StatefulStream(64),
+    ).train()
     ckpt = tmp_path / "run" / "checkpoint-3"
     path = ckpt / "data_state_0.json"
     state = json.loads(path.read_text())
@@ -257,7 +308,8 @@ def test_a_checkpoint_of_the_old_default_resumes_in_shards_mode_with_auto(tmp_pa
     assert set(json.loads(path.read_text())) == {"num_shards", "rank", "batches", "shards"}
     resumed = Recorder()
     Loop(resumed, _args(tmp_path, dataloader_num_workers=2), train_dataset=StatefulStream(64)).train(
-        resume_from_checkpoint=str(ckpt))
+        resume_from_checkpoint=str(ckpt)
+    )
     assert resumed.seen == first.seen[3:] == [[5, 7], [8, 10], [9, 11]]  # shards: evens | odds
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), resumed.parameters(), strict=True))
     assert "split" not in json.loads((tmp_path / "run" / "checkpoint-6" / "data_state_0.json").read_text())
@@ -271,10 +323,17 @@ def test_in_process_resume_of_a_global_stream(tmp_path, monkeypatch):
     Loop(first, _args(tmp_path, stream_split="global"), train_dataset=StatefulStream(64)).train()
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "data_state_0.json").read_text())
     assert {k: state[k] for k in ("split", "epoch", "position", "micro_batch")} == {
-        "split": "global", "epoch": 0, "position": 6, "micro_batch": 2}
+        "split": "global",
+        "epoch": 0,
+        "position": 6,
+        "micro_batch": 2,
+    }
     resumed = Recorder()
-    Loop(resumed, _args(tmp_path, stream_split="global", dataloader_num_workers=2),
-         train_dataset=StatefulStream(64)).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    Loop(
+        resumed,
+        _args(tmp_path, stream_split="global", dataloader_num_workers=2),
+        train_dataset=StatefulStream(64),
+    ).train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
     assert resumed.seen == first.seen[3:] == [[6, 7], [8, 9], [10, 11]]
     assert all(torch.equal(a, b) for a, b in zip(first.parameters(), resumed.parameters(), strict=True))
 
@@ -283,12 +342,27 @@ def test_in_process_resume_of_a_global_stream(tmp_path, monkeypatch):
 
 
 def _write_config(tmp_path: Path, name: str, output_dir: Path, **train) -> Path:
-    settings = {"max_steps": 12, "per_device_train_batch_size": 4, "learning_rate": 0.05, "logging_steps": 1,
-                "save_strategy": "steps", "save_steps": 3, "eval_strategy": "no", "seed": 3,
-                "output_dir": str(output_dir), **train}  # stream_split: the default, "auto"
+    settings = {
+        "max_steps": 12,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 0.05,
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "eval_strategy": "no",
+        "seed": 3,
+        "output_dir": str(output_dir),
+        **train,
+    }  # stream_split: the default, "auto"
     toml = lambda v: f'"{v}"' if isinstance(v, str) else repr(v)  # noqa: E731
-    lines = ["[model]", f'factory = "{TASK}:recording_mlp"', "[data]", f'train = "{TASK}:shuffled_stream"',
-             "[train]", *(f"{k} = {toml(v)}" for k, v in settings.items())]
+    lines = [
+        "[model]",
+        f'factory = "{TASK}:recording_mlp"',
+        "[data]",
+        f'train = "{TASK}:shuffled_stream"',
+        "[train]",
+        *(f"{k} = {toml(v)}" for k, v in settings.items()),
+    ]
     path = tmp_path / name
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -296,14 +370,28 @@ def _write_config(tmp_path: Path, name: str, output_dir: Path, **train) -> Path:
 
 def _run(tmp_path, config, nproc: int, record: Path, stop: int = 0, resume: bool = False):
     record.mkdir(exist_ok=True)
-    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", str(tmp_path / "record.py"), *ELASTIC]
+    args = [
+        sys.executable,
+        "-m",
+        "corelooper",
+        "run",
+        str(config),
+        "-p",
+        str(tmp_path / "record.py"),
+        *ELASTIC,
+    ]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     if resume:
         args += ["--resume-from-checkpoint", "latest"]
-    return subprocess.run(args, cwd=REPO, env={**env(tmp_path), "STOP_AT_STEP": str(stop),
-                                                "RECORD_DIR": str(record)},
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        args,
+        cwd=REPO,
+        env={**env(tmp_path), "STOP_AT_STEP": str(stop), "RECORD_DIR": str(record)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _step_losses(run_dir: Path) -> dict[int, float]:
@@ -338,33 +426,56 @@ def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     run = tmp_path / "run"
-    first = _run(tmp_path, _write_config(tmp_path, "a.toml", run, dataloader_num_workers=2), 2,
-                 tmp_path / "seen", stop=6)
+    first = _run(
+        tmp_path,
+        _write_config(tmp_path, "a.toml", run, dataloader_num_workers=2),
+        2,
+        tmp_path / "seen",
+        stop=6,
+    )
     assert first.returncode != 0 and (run / "checkpoint-6").is_dir(), first.stderr[-3000:]
     assert not (run / "checkpoint-9").exists()
-    one = _run(tmp_path, _write_config(tmp_path, "b.toml", run, dataloader_num_workers=3), 1,
-               tmp_path / "seen", stop=9, resume=True)
+    one = _run(
+        tmp_path,
+        _write_config(tmp_path, "b.toml", run, dataloader_num_workers=3),
+        1,
+        tmp_path / "seen",
+        stop=9,
+        resume=True,
+    )
     assert one.returncode == 143, one.stderr[-3000:]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
-            "4 per device x 2 accumulation x 1 processes = 8") in one.stdout
+    assert (
+        "saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
+        "4 per device x 2 accumulation x 1 processes = 8"
+    ) in one.stdout
     assert "continuing the stream after sample 48 of its epoch 0" in one.stdout
-    last = _run(tmp_path, _write_config(tmp_path, "c.toml", run, dataloader_num_workers=1), 2,
-                tmp_path / "seen", resume=True)
+    last = _run(
+        tmp_path,
+        _write_config(tmp_path, "c.toml", run, dataloader_num_workers=1),
+        2,
+        tmp_path / "seen",
+        resume=True,
+    )
     assert last.returncode == 0, last.stderr[-3000:]
     assert "continuing the stream after sample 8 of its epoch 1" in last.stdout  # step 9: 1 step into epoch 1
 
     # the samples: step s consumed the stream's samples 8(s-1) .. 8s-1, epoch after epoch
     order = epoch_order(64, 7, 0) + epoch_order(64, 7, 1)
-    expected = {s: sorted(order[8 * (s - 1): 8 * s]) for s in range(1, 13)}
+    expected = {s: sorted(order[8 * (s - 1) : 8 * s]) for s in range(1, 13)}
     assert _samples_per_step(tmp_path / "ref_seen") == expected
     got_samples = _samples_per_step(tmp_path / "seen")
     assert got_samples == expected  # each step once: no sample repeated, none skipped
     assert sorted(i for s in range(1, 9) for i in got_samples[s]) == list(range(64))  # epoch 0 exactly once
     # who consumed them: steps 1-6 two processes (4 + 4), 7-9 one process (8), 10-12 two again
-    per_file = {p.name: [(e["step"], len(e["idx"])) for e in map(json.loads, p.read_text().splitlines())]
-                for p in (tmp_path / "seen").glob("seen.*.jsonl")}
-    assert sorted(per_file.values()) == sorted([[(s, 4) for s in range(1, 7)]] * 2 + [[(s, 8) for s in range(7, 10)]]
-                                               + [[(s, 4) for s in range(10, 13)]] * 2)
+    per_file = {
+        p.name: [(e["step"], len(e["idx"])) for e in map(json.loads, p.read_text().splitlines())]
+        for p in (tmp_path / "seen").glob("seen.*.jsonl")
+    }
+    assert sorted(per_file.values()) == sorted(
+        [[(s, 4) for s in range(1, 7)]] * 2
+        + [[(s, 8) for s in range(7, 10)]]
+        + [[(s, 4) for s in range(10, 13)]] * 2
+    )
 
     got, want = _step_losses(run), _step_losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, 13)) == sorted(want)

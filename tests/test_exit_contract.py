@@ -25,14 +25,20 @@ def cli():
     return run
 
 
-@pytest.mark.parametrize(("setting", "needles"), [
-    ("train.dataloader_num_workers=-1", ["train.dataloader_num_workers = -1", "worker processes"]),
-    ("train.max_steps=-5", ["train.max_steps = -5", "-1 (HF's default)"]),
-    ("train.max_steps=0", ["train.max_steps = 0"]),
-    ("train.seed=-1", ["train.seed = -1", "[0, 2**32 - 1]"]),
-    ("train.data_seed=-3", ["train.data_seed = -3"]),
-    ('train.save_max_shard_size="5 gigs"', ["train.save_max_shard_size = '5 gigs' is not a size", "'5GB'"]),
-])
+@pytest.mark.parametrize(
+    ("setting", "needles"),
+    [
+        ("train.dataloader_num_workers=-1", ["train.dataloader_num_workers = -1", "worker processes"]),
+        ("train.max_steps=-5", ["train.max_steps = -5", "-1 (HF's default)"]),
+        ("train.max_steps=0", ["train.max_steps = 0"]),
+        ("train.seed=-1", ["train.seed = -1", "[0, 2**32 - 1]"]),
+        ("train.data_seed=-3", ["train.data_seed = -3"]),
+        (
+            'train.save_max_shard_size="5 gigs"',
+            ["train.save_max_shard_size = '5 gigs' is not a size", "'5GB'"],
+        ),
+    ],
+)
 def test_bad_integers_and_sizes_exit_2_naming_the_key(cli, tmp_path, setting, needles):
     path = write_config(tmp_path)
     r = cli("run", str(path), "--set", setting)
@@ -42,13 +48,16 @@ def test_bad_integers_and_sizes_exit_2_naming_the_key(cli, tmp_path, setting, ne
 def test_hf_max_steps_minus_1_still_means_use_the_epochs(tmp_path, train_args):
     from toys import blobs_train, mlp
 
-    loop = Loop(mlp(), train_args(max_steps=-1, num_train_epochs=1, per_device_train_batch_size=32),
-                train_dataset=blobs_train())
+    loop = Loop(
+        mlp(),
+        train_args(max_steps=-1, num_train_epochs=1, per_device_train_batch_size=32),
+        train_dataset=blobs_train(),
+    )
     loop.train()
     assert loop.state.global_step == loop.state.steps_per_epoch > 0
 
 
-_MODELS = '''
+_MODELS = """
 import torch
 from torch import nn
 
@@ -76,7 +85,7 @@ class Images(nn.Module):
 
 def images():
     return Images()
-'''
+"""
 
 
 def _module(tmp_path: Path) -> Path:
@@ -89,8 +98,15 @@ def test_a_text_column_exits_4_naming_the_dataset_and_column(cli, tmp_path):
     module = _module(tmp_path)
     path = write_config(tmp_path, data=f'train = "{module}:words"')
     r = cli("run", str(path))
-    message = assert_clean_error(r, "Column 'x'", f"data.train = '{module}:words'", "holds strings",
-                                 "'sample number", "Tokenize", code=4)
+    message = assert_clean_error(
+        r,
+        "Column 'x'",
+        f"data.train = '{module}:words'",
+        "holds strings",
+        "'sample number",
+        "Tokenize",
+        code=4,
+    )
     assert "must be Tensor, not list" in message  # what the model said, kept in the paragraph
 
 
@@ -98,9 +114,14 @@ def test_forward_that_does_not_take_the_columns_names_both(cli, tmp_path):
     module = _module(tmp_path)
     path = write_config(tmp_path, model=f'factory = "{module}:images"')
     r = cli("run", str(path))
-    assert_clean_error(r, "Images.forward cannot be called with the batch", "missing 1 required positional",
-                       "The batch's columns: ['x', 'labels']", "forward's arguments: ['pixel_values', 'labels']",
-                       code=4)
+    assert_clean_error(
+        r,
+        "Images.forward cannot be called with the batch",
+        "missing 1 required positional",
+        "The batch's columns: ['x', 'labels']",
+        "forward's arguments: ['pixel_values', 'labels']",
+        code=4,
+    )
 
 
 # -- skip_step: skipped steps are counted, not averaged ----------------------------------------------
@@ -134,9 +155,16 @@ class _Linear(torch.nn.Module):
 def _skip_run(train_args, tmp_path, logging_steps: int):
     torch.manual_seed(0)
     model = _Linear()
-    args = train_args(output_dir=str(tmp_path / f"out{logging_steps}"), per_device_train_batch_size=1,
-                      max_steps=6, logging_steps=logging_steps, on_nonfinite="skip_step",
-                      train_sampling_strategy="sequential", optim="sgd", learning_rate=0.01)
+    args = train_args(
+        output_dir=str(tmp_path / f"out{logging_steps}"),
+        per_device_train_batch_size=1,
+        max_steps=6,
+        logging_steps=logging_steps,
+        on_nonfinite="skip_step",
+        train_sampling_strategy="sequential",
+        optim="sgd",
+        learning_rate=0.01,
+    )
     loop = Loop(model, args, train_dataset=_NanAt(6, bad=2), blocked_plugins=["console"])
     loop.train()
     return loop.state.log_history
@@ -154,7 +182,9 @@ def test_skip_step_logs_skipped_steps_and_averages_only_the_applied_ones(tmp_pat
     # a window of 2 steps, one skipped: the applied step's loss alone
     by_two = _skip_run(train_args, tmp_path, logging_steps=2)
     assert [h["step"] for h in by_two[:-1]] == [2, 4, 6]
-    assert by_two[1]["loss"] == pytest.approx(windows[3]["loss"], abs=1e-6) and by_two[1]["skipped_steps"] == 1
+    assert (
+        by_two[1]["loss"] == pytest.approx(windows[3]["loss"], abs=1e-6) and by_two[1]["skipped_steps"] == 1
+    )
     assert by_two[-1]["train_loss"] == pytest.approx(summary["train_loss"], rel=1e-6)
 
 
@@ -162,8 +192,11 @@ def test_skip_step_logs_skipped_steps_and_averages_only_the_applied_ones(tmp_pat
 
 
 def _run_with_checkpoints(cli, tmp_path) -> Path:
-    path = write_config(tmp_path, train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 3\nsave_steps = 1\n'
-                                        "logging_steps = 1\nper_device_train_batch_size = 8")
+    path = write_config(
+        tmp_path,
+        train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 3\nsave_steps = 1\n'
+        "logging_steps = 1\nper_device_train_batch_size = 8",
+    )
     r = cli("run", str(path))
     assert r.returncode == 0, r.stderr
     return path
@@ -188,8 +221,16 @@ def test_a_checkpoint_whose_optimizer_does_not_load_weights_only_is_skipped_by_l
     message = assert_clean_error(r, str(newest / "optimizer.pt"), "weights_only", "latest skips it", code=5)
     assert "Weights only load failed" in message and "Planted" not in r.stderr.split(message)[-1]
     # a resume from latest continues from checkpoint-2 and says why checkpoint-3 was skipped
-    r = cli("run", str(config), "--set", "train.max_steps=4", "--set", "train.overwrite_output_dir=false",
-            "--resume-from-checkpoint", "latest")
+    r = cli(
+        "run",
+        str(config),
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.overwrite_output_dir=false",
+        "--resume-from-checkpoint",
+        "latest",
+    )
     assert r.returncode == 0, r.stderr
     assert "skipped newer checkpoint-3 (optimizer.pt does not load with weights_only" in r.stdout + r.stderr
     assert "Weights only load failed" not in r.stdout + r.stderr  # torch's paragraphs stay out
@@ -229,7 +270,7 @@ def test_planted_pickle_in_optimizer_is_not_run(tmp_path):
 
 # -- two stop signals during start-up: one paragraph, one exit code ----------------------------------
 
-_TWO_SIGNALS = '''
+_TWO_SIGNALS = """
 import os
 import subprocess
 import time
@@ -239,7 +280,7 @@ def model():
     # two SIGTERMs {gap} s apart, from outside, while the model is built (start-up)
     subprocess.Popen(["sh", "-c", "kill -TERM {{0}}; sleep {gap}; kill -TERM {{0}}".format(os.getpid())])
     time.sleep(30)
-'''
+"""
 
 
 @pytest.mark.parametrize("gap", ["0.001", "0.005", "0.02"])
@@ -267,8 +308,12 @@ def test_a_collective_that_fails_because_a_process_left_is_not_blamed_on_the_wai
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     task = str(REPO / "tests" / "peer_lost_task.py")
-    procs = [subprocess.Popen([sys.executable, task, str(r), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, task, str(r), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
     out0, err0 = procs[0].communicate(timeout=120)
     procs[1].communicate(timeout=30)
     assert out0.startswith("PeerLostError 7 "), out0 + err0[-2000:]
@@ -285,12 +330,18 @@ def test_a_closed_pipe_ends_nothing_but_the_output(tmp_path):
 
     from conftest import CORELOOPER
 
-    path = write_config(tmp_path, train='output_dir = "{}"\nmax_steps = 30\nsave_strategy = "steps"\n'
-                        'save_steps = 10\nlogging_steps = 1'.format(tmp_path / "out"))
+    path = write_config(
+        tmp_path,
+        train='output_dir = "{}"\nmax_steps = 30\nsave_strategy = "steps"\n'
+        "save_steps = 10\nlogging_steps = 1".format(tmp_path / "out"),
+    )
     for both in (True, False):  # stdout and stderr into the pipe; stdout alone
-        run = subprocess.Popen([*CORELOOPER, "run", str(path), "--set", f'train.output_dir="{tmp_path / str(both)}"'],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT if both else subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONHASHSEED": "0"})
+        run = subprocess.Popen(
+            [*CORELOOPER, "run", str(path), "--set", f'train.output_dir="{tmp_path / str(both)}"'],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if both else subprocess.DEVNULL,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+        )
         assert run.stdout.readline()
         run.stdout.close()
         assert run.wait(timeout=120) == 0
@@ -305,4 +356,6 @@ def test_the_start_line_counts_the_steps_that_run(cli, tmp_path):
     head = next(line for line in r.stdout.splitlines() if line.startswith("corelooper: training"))
     steps_per_epoch = int(head.split(" epochs of ")[1].split(" steps")[0])
     epochs = float(head.split("(")[1].split(" epochs")[0])
-    assert head.startswith("corelooper: training 3 steps (") and epochs == pytest.approx(3 / steps_per_epoch, rel=1e-2)
+    assert head.startswith("corelooper: training 3 steps (") and epochs == pytest.approx(
+        3 / steps_per_epoch, rel=1e-2
+    )

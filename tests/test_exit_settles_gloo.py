@@ -45,7 +45,19 @@ def test_a_finished_rank_exits_0_when_gloo_drops_its_last_tensor_late(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     for attempt in range(8):
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-            env=env, capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(script),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (
-            f"attempt {attempt}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+            f"attempt {attempt}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+        )

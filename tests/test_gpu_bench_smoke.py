@@ -16,9 +16,24 @@ STEPS = "cl_bf16_full,cl_bf16_trained_head,cl_fp16_scaler,cl_packing_segment_sdp
 
 def smoke(tmp_path, steps, budget_s=1200, **env):
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--cpu-smoke", "--steps", steps, "--out", str(out),
-                           "--budget-s", str(budget_s)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, **env})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "bench.py"),
+            "--cpu-smoke",
+            "--steps",
+            steps,
+            "--out",
+            str(out),
+            "--budget-s",
+            str(budget_s),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env={**os.environ, **env},
+    )
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -28,7 +43,9 @@ def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
     results = summary["results"]
     assert not [n for n, r in results.items() if "error" in r]
     # the one skip here is true: corelooper refuses fp16 on a CPU
-    assert results["cl_fp16_scaler"] == {"skipped": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)"}
+    assert results["cl_fp16_scaler"] == {
+        "skipped": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)"
+    }
     assert "not merged" not in proc.stdout + proc.stderr
     for step in ("cl_bf16_full", "cl_bf16_trained_head", "cl_packing_segment_sdpa"):
         assert results[step]["tokens_per_s"] > 0 and results[step]["final_loss"] is not None
@@ -38,7 +55,9 @@ def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
     ev = results["eval_cl_vs_hf"]
     assert abs(ev["corelooper"]["eval_loss"] - ev["hf_trainer"]["eval_loss"]) < 1e-4  # the same eval loss
     assert ev["hf_trainer_compute_metrics"]["eval_loss"] == ev["hf_trainer"]["eval_loss"]
-    assert ev["corelooper_streaming_metric"]["eval_loss"] == ev["corelooper"]["eval_loss"]  # a metric adds no loss work
+    assert (
+        ev["corelooper_streaming_metric"]["eval_loss"] == ev["corelooper"]["eval_loss"]
+    )  # a metric adds no loss work
 
 
 def test_cpu_smoke_runs_the_chat_sft_rows_of_the_gpu_step(tmp_path):
@@ -49,8 +68,15 @@ def test_cpu_smoke_runs_the_chat_sft_rows_of_the_gpu_step(tmp_path):
     res = summary["results"]["sft_chat_peers_bf16"]
     assert res["failed_rows"] == {} and res["reps"] >= 1
     rows = {r["method"]: r for r in res["table"]}
-    assert set(rows) == {"hf_grouped", "hf_flattening", "trl_grouped", "trl_padding_free", "raw_padding_free",
-                         "cl_padding_free", "cl_grouped"}
+    assert set(rows) == {
+        "hf_grouped",
+        "hf_flattening",
+        "trl_grouped",
+        "trl_padding_free",
+        "raw_padding_free",
+        "cl_padding_free",
+        "cl_grouped",
+    }
     assert all(r["same_trained_tokens"] and r["trained_tok_per_s"] > 0 for r in rows.values())
     # the same layout and batches: the hand-written loop and corelooper's padding-free row learn the same
     assert abs(rows["cl_padding_free"]["eval_loss"] - rows["raw_padding_free"]["eval_loss"]) < 1e-3
@@ -91,13 +117,20 @@ def test_without_torch_the_smoke_names_what_it_needs(tmp_path):
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     py = str(bare / "bin" / "python")
-    proc = subprocess.run([py, str(BENCH / "bench.py"), "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [py, str(BENCH / "bench.py"), "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert "lacks what every step needs: torch (pip install torch)" in proc.stderr
     assert "No module named 'torch'" not in proc.stdout + proc.stderr
     # run.sh from a clone without .venv, told not to install: exit 2 and the same kind of sentence
-    proc = subprocess.run(["bash", str(BENCH / "run.sh"), "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PY": py, "SKIP_INSTALL": "1"})
+    proc = subprocess.run(
+        ["bash", str(BENCH / "run.sh"), "--cpu-smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PY": py, "SKIP_INSTALL": "1"},
+    )
     assert proc.returncode == 2
     assert "lacks torch, transformers or corelooper" in proc.stderr and "scripts/setup" in proc.stderr

@@ -36,7 +36,8 @@ class MeanLoss:
             return (out.loss, out) if return_outputs else out.loss
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            batch["labels"][:, 1:].reshape(-1),
             ignore_index=-100,
         )
         return (loss, logits) if return_outputs else loss
@@ -44,12 +45,17 @@ class MeanLoss:
 
 def train(model, samples, train_args, batch, ga, plugins=(), max_steps=-1, epochs=1.0, clip=0.0):
     args = train_args(
-        per_device_train_batch_size=batch, gradient_accumulation_steps=ga, max_steps=max_steps,
-        num_train_epochs=epochs, lr_scheduler_type="constant", max_grad_norm=clip,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=ga,
+        max_steps=max_steps,
+        num_train_epochs=epochs,
+        lr_scheduler_type="constant",
+        max_grad_norm=clip,
         output_dir=train_args().output_dir + f"-{batch}x{ga}-{len(plugins)}",
     )
-    loop = Loop(copy.deepcopy(model), args, train_dataset=samples, plugins=plugins,
-                blocked_plugins=["console"])
+    loop = Loop(
+        copy.deepcopy(model), args, train_dataset=samples, plugins=plugins, blocked_plugins=["console"]
+    )
     loop.train()
     losses = [h["loss"] for h in loop.state.log_history if "loss" in h]
     params = {k: v.detach().clone() for k, v in loop.backend.unwrap_model(loop.model).state_dict().items()}
@@ -75,8 +81,9 @@ def test_plain_module_ga_matches_big_batch_naive_does_not(lm_data, train_args):
     # clipping on (max_grad_norm 0.5): the norm is taken over the whole step's gradient
     base_losses, base_params, base_loop = train(model, lm_data, train_args, batch=8, ga=1, clip=0.5)
     ga_losses, ga_params, loop = train(model, lm_data, train_args, batch=2, ga=4, clip=0.5)
-    naive_losses, naive_params, _ = train(model, lm_data, train_args, batch=2, ga=4, clip=0.5,
-                                          plugins=[MeanLoss()])
+    naive_losses, naive_params, _ = train(
+        model, lm_data, train_args, batch=2, ga=4, clip=0.5, plugins=[MeanLoss()]
+    )
 
     assert len(base_losses) == 6 and loop.state.global_step == 6  # a loss logged every step
     assert max_loss_diff(base_losses, ga_losses) < TOL
@@ -103,14 +110,16 @@ def test_hf_llama_gets_num_items_in_batch_and_matches(lm_data, train_args):
     spied = copy.deepcopy(model)
     spied.register_forward_pre_hook(spy, with_kwargs=True)
     ga_losses, ga_params, _ = train(spied, lm_data, train_args, batch=2, ga=4, max_steps=3, clip=1.0)
-    naive_losses, naive_params, _ = train(model, lm_data, train_args, batch=2, ga=4, max_steps=3, clip=1.0,
-                                          plugins=[MeanLoss()])
+    naive_losses, naive_params, _ = train(
+        model, lm_data, train_args, batch=2, ga=4, max_steps=3, clip=1.0, plugins=[MeanLoss()]
+    )
 
     # the model computed its own loss with the step's token count: same number for the 4
     # micro-batches of a step, and equal to the label tokens after the causal shift
     order = epoch_permutation(len(lm_data), 42, 0, True)
-    expected = [int(sum((lm_data[i]["labels"][1:] != -100).sum() for i in order[s * 8 : s * 8 + 8]))
-                for s in range(3)]
+    expected = [
+        int(sum((lm_data[i]["labels"][1:] != -100).sum() for i in order[s * 8 : s * 8 + 8])) for s in range(3)
+    ]
     assert [int(n) for n in seen] == [n for n in expected for _ in range(4)]
     assert max_loss_diff(base_losses, ga_losses) < TOL
     assert max_param_diff(base_params, ga_params) < TOL
@@ -123,8 +132,9 @@ def test_micro_batch_without_loss_tokens(train_args):
     samples = toys.lm_samples(16, seed=3)
     order = epoch_permutation(16, 42, 0, True)
     empty = set(order[2:4])  # the 2nd micro-batch of the first step
-    samples = [dict(s, labels=torch.full_like(s["labels"], -100)) if i in empty else s
-               for i, s in enumerate(samples)]
+    samples = [
+        dict(s, labels=torch.full_like(s["labels"], -100)) if i in empty else s for i, s in enumerate(samples)
+    ]
     model = toys.tiny_lm(seed=1)
     base_losses, base_params, _ = train(model, samples, train_args, batch=8, ga=1)
     ga_losses, ga_params, _ = train(model, samples, train_args, batch=2, ga=4)
@@ -141,8 +151,9 @@ def test_step_without_any_loss_tokens_is_zero_not_nan(train_args):
     assert max_param_diff(params, model.state_dict()) == 0.0  # zero gradient, no weight decay
 
 
-def hand_training(model, samples, steps: list[list[int]], lr: float, mean_of_means: bool = False,
-                  micro: int = 2):
+def hand_training(
+    model, samples, steps: list[list[int]], lr: float, mean_of_means: bool = False, micro: int = 2
+):
     """The reference: a plain torch loop, normalising each step by hand."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

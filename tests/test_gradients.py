@@ -202,6 +202,7 @@ def test_parameters_of_sees_a_new_submodule_a_replaced_parameter_and_a_parametri
 
 def test_parameters_of_sees_lora_layers_injected_by_peft():
     import peft  # installed with corelooper-peft by scripts/setup, as tests/test_matrix.py relies on
+
     model = _mlp()
     parameters_of(model)
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"])
@@ -228,13 +229,17 @@ def test_clip_over_parameters_of_matches_torch_after_the_model_grows():
     x = torch.randn(3, 4)
     for m in (model, reference):
         m(x).sum().backward()
-    assert torch.equal(clip_grad_norm_(parameters_of(model), 0.1),
-                       torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    assert torch.equal(
+        clip_grad_norm_(parameters_of(model), 0.1),
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1),
+    )
     for m in (model, reference):
         torch.manual_seed(1)
         m.add_module("extra", torch.nn.Linear(2, 2))
         m.zero_grad()
         m.extra(m(x)).sum().backward()
-    assert torch.equal(clip_grad_norm_(parameters_of(model), 0.1),
-                       torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    assert torch.equal(
+        clip_grad_norm_(parameters_of(model), 0.1),
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1),
+    )
     _same(list(model.parameters()), list(reference.parameters()))

@@ -33,23 +33,38 @@ from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 from corelooper import Loop, TrainArgs  # noqa: E402
 from corelooper.hookspecs import EVENTS  # noqa: E402
 
-COMMON = dict(seed=0, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
-              train_sampling_strategy="sequential")
+COMMON = dict(
+    seed=0, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, train_sampling_strategy="sequential"
+)
 HF_ONLY = dict(report_to="none")
 
 
-def hf_trainer(model, out, train, eval_dataset=None, callbacks=(), compute_metrics=None,
-               processing_class=None, **kw) -> Trainer:
+def hf_trainer(
+    model, out, train, eval_dataset=None, callbacks=(), compute_metrics=None, processing_class=None, **kw
+) -> Trainer:
     args = TrainingArguments(output_dir=str(out), **COMMON, **HF_ONLY, **kw)
-    return Trainer(model=model, args=args, train_dataset=train, eval_dataset=eval_dataset,
-                   callbacks=list(callbacks), compute_metrics=compute_metrics,
-                   processing_class=processing_class)
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=eval_dataset,
+        callbacks=list(callbacks),
+        compute_metrics=compute_metrics,
+        processing_class=processing_class,
+    )
 
 
 def cl_loop(model, out, train, eval_dataset=None, plugins=(), compute_metrics=None, **kw) -> Loop:
     args = TrainArgs(output_dir=str(out), **COMMON, **kw)
-    return Loop(model, args, train_dataset=train, eval_dataset=eval_dataset, plugins=list(plugins),
-                compute_metrics=compute_metrics, blocked_plugins=["console"])
+    return Loop(
+        model,
+        args,
+        train_dataset=train,
+        eval_dataset=eval_dataset,
+        plugins=list(plugins),
+        compute_metrics=compute_metrics,
+        blocked_plugins=["console"],
+    )
 
 
 # -- numbers: tiny Llama, GA 1 and 4, AdamW with weight decay, linear warmup, clipping -------------
@@ -60,9 +75,19 @@ def test_same_losses_grad_norms_learning_rates_and_final_weights_as_hf(tmp_path,
     data = toys.lm_samples(32, seed=3)
     hf_model = toys.tiny_llama(seed=1)
     cl_model = copy.deepcopy(hf_model)
-    kw = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=ga, num_train_epochs=2,
-              learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=2,
-              max_grad_norm=0.5, optim="adamw_torch", logging_steps=1, save_strategy="no")
+    kw = dict(
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=ga,
+        num_train_epochs=2,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+    )
     hf = hf_trainer(hf_model, tmp_path / "hf", data, **kw)
     hf.train()
     loop = cl_loop(cl_model, tmp_path / "cl", data, **kw)
@@ -96,8 +121,15 @@ def _same_run_as_hf(hf, hf_model, loop):
         assert torch.equal(p.detach(), hf_params[name].detach()), name
 
 
-ZERO_GRAD_RUN = dict(per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, max_grad_norm=0.5,
-                     optim="adamw_torch", logging_steps=1, save_strategy="no")
+ZERO_GRAD_RUN = dict(
+    per_device_train_batch_size=4,
+    max_steps=4,
+    learning_rate=1e-2,
+    max_grad_norm=0.5,
+    optim="adamw_torch",
+    logging_steps=1,
+    save_strategy="no",
+)
 
 
 def test_gradients_left_before_train_are_not_the_first_steps_as_hf(tmp_path):
@@ -135,8 +167,12 @@ def test_parameters_outside_a_custom_optimizer_do_not_carry_gradients_as_hf(tmp_
     hf_model = toys.tiny_llama(seed=1)
     cl_model = copy.deepcopy(hf_model)
     args = TrainingArguments(output_dir=str(tmp_path / "hf"), **COMMON, **HF_ONLY, **ZERO_GRAD_RUN)
-    hf = Trainer(model=hf_model, args=args, train_dataset=data,
-                 optimizers=(torch.optim.AdamW(_all_but_embeddings(hf_model), lr=1e-2), None))
+    hf = Trainer(
+        model=hf_model,
+        args=args,
+        train_dataset=data,
+        optimizers=(torch.optim.AdamW(_all_but_embeddings(hf_model), lr=1e-2), None),
+    )
     hf.train()
     loop = cl_loop(cl_model, tmp_path / "cl", data, plugins=[LeaveOutEmbeddings()], **ZERO_GRAD_RUN)
     loop.train()
@@ -152,8 +188,14 @@ def test_gradient_accumulation_matches_the_big_batch_as_hf_requires(tmp_path):
     kw = dict(num_train_epochs=1, learning_rate=1e-3, logging_steps=1, save_strategy="no", max_grad_norm=0.0)
     big = cl_loop(copy.deepcopy(base), tmp_path / "a", data, per_device_train_batch_size=8, **kw)
     big.train()
-    acc = cl_loop(copy.deepcopy(base), tmp_path / "b", data, per_device_train_batch_size=2,
-                  gradient_accumulation_steps=4, **kw)
+    acc = cl_loop(
+        copy.deepcopy(base),
+        tmp_path / "b",
+        data,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        **kw,
+    )
     acc.train()
     losses = [[h["loss"] for h in loop.state.log_history if "loss" in h] for loop in (big, acc)]
     diff = max(abs(a - b) for a, b in zip(*losses, strict=True))
@@ -227,8 +269,9 @@ def regression_data(n: int, seed: int = 0):
     return [{"input_x": x[i], "labels": y[i]} for i in range(n)]
 
 
-def documented_differences(events: list[tuple[str, int]], kw: dict, max_steps: int,
-                           last_step: int) -> list[tuple[str, int]]:
+def documented_differences(
+    events: list[tuple[str, int]], kw: dict, max_steps: int, last_step: int
+) -> list[tuple[str, int]]:
     """HF's sequence with corelooper's documented difference applied (docs/hooks.md): with
     logging_strategy "steps", the last, partial logging window is logged rather than dropped --
     one on_log right after the last on_step_end when training reaches max_steps, or just before
@@ -265,10 +308,18 @@ FLOWS = [
 
 
 @pytest.mark.parametrize("ga", [1, 2])
-@pytest.mark.parametrize("flow", FLOWS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "defaults")
+@pytest.mark.parametrize(
+    "flow", FLOWS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "defaults"
+)
 def test_event_flow_is_hfs(tmp_path, flow, ga):
-    kw = {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "num_train_epochs": 2,
-          "gradient_accumulation_steps": ga, "learning_rate": 0.1, **flow}
+    kw = {
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "num_train_epochs": 2,
+        "gradient_accumulation_steps": ga,
+        "learning_rate": 0.1,
+        **flow,
+    }
     stop_at = kw.pop("stop_at", None)
     train, evaluation = regression_data(24), regression_data(8, seed=1)
     model = Regression()
@@ -286,8 +337,15 @@ def test_event_flow_is_hfs(tmp_path, flow, ga):
 
 def test_logging_first_step_and_end_of_training_eval_as_hf(tmp_path):
     """HF 5.x evaluates once more at the end when the last step is not an eval step."""
-    kw = {"per_device_train_batch_size": 4, "max_steps": 7, "eval_strategy": "steps", "eval_steps": 3,
-          "logging_steps": 3, "logging_first_step": True, "save_strategy": "no"}
+    kw = {
+        "per_device_train_batch_size": 4,
+        "max_steps": 7,
+        "eval_strategy": "steps",
+        "eval_steps": 3,
+        "logging_steps": 3,
+        "logging_first_step": True,
+        "save_strategy": "no",
+    }
     train, evaluation = regression_data(24), regression_data(8, seed=1)
     loop = cl_loop(Regression(), tmp_path, train, evaluation, **kw)
     loop.train()
@@ -300,9 +358,18 @@ def test_logging_first_step_and_end_of_training_eval_as_hf(tmp_path):
 
 def test_save_total_limit_1_with_best_model_keeps_only_the_best_as_hf(tmp_path):
     # greater_is_better on the loss: the first evaluation (highest loss) is the best, not the last
-    kw = {"per_device_train_batch_size": 4, "num_train_epochs": 2, "eval_strategy": "steps", "eval_steps": 2,
-          "save_steps": 2, "save_total_limit": 1, "load_best_model_at_end": True,
-          "metric_for_best_model": "loss", "greater_is_better": True, "learning_rate": 0.1}
+    kw = {
+        "per_device_train_batch_size": 4,
+        "num_train_epochs": 2,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "save_steps": 2,
+        "save_total_limit": 1,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "loss",
+        "greater_is_better": True,
+        "learning_rate": 0.1,
+    }
     train, evaluation = regression_data(24), regression_data(8, seed=1)
     model = Regression()
     hf = hf_trainer(copy.deepcopy(model), tmp_path / "hf", train, evaluation, **kw)
@@ -328,23 +395,32 @@ class PadInfo:
     pad_token_id = 0
 
 
-@pytest.mark.parametrize(("mode", "mask", "pad_info"), [
-    ("all", True, False),
-    ("non_padding", True, False),
-    ("non_padding", False, True),   # no attention mask: ids != pad_token_id
-    ("non_padding", False, False),  # no padding info at all: every token (HF warns)
-    (True, True, False),            # HF's bool form: true is "all"
-    ("no", True, False),
-])
+@pytest.mark.parametrize(
+    ("mode", "mask", "pad_info"),
+    [
+        ("all", True, False),
+        ("non_padding", True, False),
+        ("non_padding", False, True),  # no attention mask: ids != pad_token_id
+        ("non_padding", False, False),  # no padding info at all: every token (HF warns)
+        (True, True, False),  # HF's bool form: true is "all"
+        ("no", True, False),
+    ],
+)
 def test_num_input_tokens_seen_as_hf(tmp_path, mode, mask, pad_info):
     data = toys.lm_samples(8, seed=5)
     if not mask:
         data = [{k: v for k, v in s.items() if k != "attention_mask"} for s in data]
     model = toys.tiny_llama(seed=0)
-    kw = dict(per_device_train_batch_size=4, max_steps=2, save_strategy="no", logging_steps=1,
-              include_num_input_tokens_seen=mode)
-    hf = hf_trainer(copy.deepcopy(model), tmp_path / "hf", data,
-                    processing_class=PadInfo() if pad_info else None, **kw)
+    kw = dict(
+        per_device_train_batch_size=4,
+        max_steps=2,
+        save_strategy="no",
+        logging_steps=1,
+        include_num_input_tokens_seen=mode,
+    )
+    hf = hf_trainer(
+        copy.deepcopy(model), tmp_path / "hf", data, processing_class=PadInfo() if pad_info else None, **kw
+    )
     hf.train()
     from torch.utils.data import default_collate
 
@@ -355,8 +431,9 @@ def test_num_input_tokens_seen_as_hf(tmp_path, mode, mask, pad_info):
             return default_collate(samples)
 
     args = TrainArgs(output_dir=str(tmp_path / "cl"), **COMMON, **kw)
-    loop = Loop(copy.deepcopy(model), args, train_dataset=data, data_collator=Collator(),
-                blocked_plugins=["console"])
+    loop = Loop(
+        copy.deepcopy(model), args, train_dataset=data, data_collator=Collator(), blocked_plugins=["console"]
+    )
     loop.train()
     assert loop.state.num_input_tokens_seen == hf.state.num_input_tokens_seen
     expected = {"all": 8 * toys.SEQ_LEN, True: 8 * toys.SEQ_LEN, "no": 0}.get(mode)
@@ -365,7 +442,9 @@ def test_num_input_tokens_seen_as_hf(tmp_path, mode, mask, pad_info):
         expected = real if (mask or pad_info) else 8 * toys.SEQ_LEN
     assert loop.state.num_input_tokens_seen == expected
     hf_logged = ["num_input_tokens_seen" in h for h in hf.state.log_history]
-    cl_logged = ["num_input_tokens_seen" in h for h in loop.state.log_history if "loss" in h or "train_loss" in h]
+    cl_logged = [
+        "num_input_tokens_seen" in h for h in loop.state.log_history if "loss" in h or "train_loss" in h
+    ]
     assert cl_logged == hf_logged
 
 
@@ -385,8 +464,11 @@ class Classifier(nn.Module):
         if self.kind == "tuple":
             return (loss, logits, extra) if loss is not None else (logits, extra)
         if self.kind == "dict":
-            return {"loss": loss, "logits": logits, "extra": extra} if loss is not None else {
-                "logits": logits, "extra": extra}
+            return (
+                {"loss": loss, "logits": logits, "extra": extra}
+                if loss is not None
+                else {"logits": logits, "extra": extra}
+            )
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=extra)
 
 
@@ -407,7 +489,12 @@ def test_model_outputs_in_eval_predict_and_compute_metrics_as_hf(tmp_path, kind)
             preds, labels = (args[0].predictions, args[0].label_ids) if len(args) == 1 else args
             seen[tag] = (preds, labels)
             first = preds[0] if isinstance(preds, tuple) else preds
-            return {"accuracy": float((torch.as_tensor(first).argmax(-1) == torch.as_tensor(labels)).float().mean())}
+            return {
+                "accuracy": float(
+                    (torch.as_tensor(first).argmax(-1) == torch.as_tensor(labels)).float().mean()
+                )
+            }
+
         return compute
 
     data = class_data(12)
@@ -457,7 +544,9 @@ def test_every_training_arguments_field_has_an_answer(name, tmp_path):
     field = next(f for f in hf_fields() if f.name == name)
     corelooper_names = _train_fields()[1]
     # the core's own field, a mapping or refusal of the core, or a name an installed plugin answers to
-    answered = name in corelooper_names or name in MAPPED or name in UNSUPPORTED or name in declared_train_fields()
+    answered = (
+        name in corelooper_names or name in MAPPED or name in UNSUPPORTED or name in declared_train_fields()
+    )
     assert answered, name
     default = _hf_default(field)
     if name == "output_dir":
@@ -476,28 +565,43 @@ def test_every_training_arguments_field_has_an_answer(name, tmp_path):
         assert "Did you mean" not in text
 
 
-@pytest.mark.parametrize(("kw", "check"), [
-    ({"bf16": True}, lambda a, c: a.mixed_precision == "bf16"),
-    ({"fp16": True}, lambda a, c: a.mixed_precision == "fp16"),
-    ({"warmup_ratio": 0.1}, lambda a, c: a.warmup_steps == 0.1),
-    ({"evaluation_strategy": "epoch"}, lambda a, c: a.eval_strategy == "epoch"),
-    ({"group_by_length": True}, lambda a, c: a.train_sampling_strategy == "group_by_length"),
-    ({"neftune_noise_alpha": 5.0}, lambda a, c: c.sections["neftune"]["noise_alpha"] == 5.0),
-    ({"use_liger_kernel": True, "liger_kernel_config": {"rope": False}},
-     lambda a, c: dict(c.sections["liger"]) == {"enabled": True, "rope": False}),
-    ({"deepspeed": "ds.json"}, lambda a, c: c.sections["deepspeed"]["config"] == "ds.json"),
-    ({"fsdp": "full_shard offload", "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
-     lambda a, c: dict(c.sections["fsdp"]) == {"reshard_after_forward": True, "cpu_offload": True,
-                                               "wrap": ["LlamaDecoderLayer"]}),
-    ({"report_to": ["wandb"]}, lambda a, c: a.reports_to("wandb") and not a.reports_to("tensorboard")),
-    ({"report_to": "none"}, lambda a, c: not a.reports_to("tensorboard")),
-    ({"include_num_input_tokens_seen": False}, lambda a, c: a.tokens_seen_mode == "no"),
-])
+@pytest.mark.parametrize(
+    ("kw", "check"),
+    [
+        ({"bf16": True}, lambda a, c: a.mixed_precision == "bf16"),
+        ({"fp16": True}, lambda a, c: a.mixed_precision == "fp16"),
+        ({"warmup_ratio": 0.1}, lambda a, c: a.warmup_steps == 0.1),
+        ({"evaluation_strategy": "epoch"}, lambda a, c: a.eval_strategy == "epoch"),
+        ({"group_by_length": True}, lambda a, c: a.train_sampling_strategy == "group_by_length"),
+        ({"neftune_noise_alpha": 5.0}, lambda a, c: c.sections["neftune"]["noise_alpha"] == 5.0),
+        (
+            {"use_liger_kernel": True, "liger_kernel_config": {"rope": False}},
+            lambda a, c: dict(c.sections["liger"]) == {"enabled": True, "rope": False},
+        ),
+        ({"deepspeed": "ds.json"}, lambda a, c: c.sections["deepspeed"]["config"] == "ds.json"),
+        (
+            {
+                "fsdp": "full_shard offload",
+                "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            },
+            lambda a, c: (
+                dict(c.sections["fsdp"])
+                == {"reshard_after_forward": True, "cpu_offload": True, "wrap": ["LlamaDecoderLayer"]}
+            ),
+        ),
+        ({"report_to": ["wandb"]}, lambda a, c: a.reports_to("wandb") and not a.reports_to("tensorboard")),
+        ({"report_to": "none"}, lambda a, c: not a.reports_to("tensorboard")),
+        ({"include_num_input_tokens_seen": False}, lambda a, c: a.tokens_seen_mode == "no"),
+    ],
+)
 def test_hf_names_are_mapped(kw, check):
     from corelooper.config import Config
 
-    with pytest.warns() if any(k in ("warmup_ratio", "evaluation_strategy", "group_by_length") for k in kw) \
-            else _no_warning():
+    with (
+        pytest.warns()
+        if any(k in ("warmup_ratio", "evaluation_strategy", "group_by_length") for k in kw)
+        else _no_warning()
+    ):
         args = TrainArgs(**kw)
     assert check(args, Config(train=args))
 
@@ -523,15 +627,25 @@ def test_documented_defaults_differ_from_hf(tmp_path):
     # accepted (an HF script passes it), with a note: the true loss is logged, on_nonfinite acts
     notes = TrainArgs(logging_nan_inf_filter=True).notes
     assert len(notes) == 1 and "has no effect" in notes[0] and "train.on_nonfinite" in notes[0]
-    with pytest.raises(ConfigError, match=r"train.logging_steps = 2.5: use an int number of steps or a ratio"):
+    with pytest.raises(
+        ConfigError, match=r"train.logging_steps = 2.5: use an int number of steps or a ratio"
+    ):
         TrainArgs(logging_steps=2.5)
 
 
-@pytest.mark.parametrize("kw", [
-    {"deepspeeed": "ds.json"}, {"save_only_model": True}, {"lr": 1e-3}, {"seed": "1"},
-    {"learning_rate": float("inf")}, {"eval_strategy": "step"}, {"dataloader_pin_memori": False},
-    {"load_best_model_at_end": True},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"deepspeeed": "ds.json"},
+        {"save_only_model": True},
+        {"lr": 1e-3},
+        {"seed": "1"},
+        {"learning_rate": float("inf")},
+        {"eval_strategy": "step"},
+        {"dataloader_pin_memori": False},
+        {"load_best_model_at_end": True},
+    ],
+)
 def test_python_trainargs_gives_the_toml_message(kw):
     from corelooper.config import Config
     from corelooper.errors import ConfigError
@@ -547,8 +661,9 @@ def test_python_trainargs_gives_the_toml_message(kw):
 def test_config_is_read_only_after_validation(tmp_path):
     from corelooper.config import Config
 
-    args = TrainArgs(output_dir=str(tmp_path), eval_strategy="epoch", save_strategy="epoch",
-                     load_best_model_at_end=True)
+    args = TrainArgs(
+        output_dir=str(tmp_path), eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True
+    )
     assert args.metric_for_best_model == "loss" and args.greater_is_better is False  # HF's defaults
     with pytest.raises(dataclasses.FrozenInstanceError):
         args.learning_rate = 1.0
@@ -584,9 +699,15 @@ def _ddp_run(find_unused):
         import tempfile
 
         data = [{"input_x": torch.randn(2), "labels": torch.randn(())} for _ in range(16)]
-        args = TrainArgs(output_dir=tempfile.mkdtemp(), use_cpu=True, max_steps=3, save_strategy="no",
-                         per_device_train_batch_size=2, ddp_find_unused_parameters=find_unused,
-                         disable_tqdm=True)
+        args = TrainArgs(
+            output_dir=tempfile.mkdtemp(),
+            use_cpu=True,
+            max_steps=3,
+            save_strategy="no",
+            per_device_train_batch_size=2,
+            ddp_find_unused_parameters=find_unused,
+            disable_tqdm=True,
+        )
         loop = Loop(HalfUsed(), args, train_dataset=data, blocked_plugins=["console", "jsonl"])
         assert loop.backend.num_processes == 2
         loop.train()
@@ -602,10 +723,13 @@ def _launch(find_unused: bool):
     import sys
     from pathlib import Path
 
-    code = ("from accelerate import debug_launcher; import test_hf_oracle as t; "
-            f"debug_launcher(t._ddp_run({find_unused}), num_processes=2)")
-    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
-                          text=True, timeout=300)
+    code = (
+        "from accelerate import debug_launcher; import test_hf_oracle as t; "
+        f"debug_launcher(t._ddp_run({find_unused}), num_processes=2)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_ddp_find_unused_parameters_reaches_ddp():
@@ -635,6 +759,7 @@ def hf_batch_metric(calls):
             out = {"token_accuracy": state["hit"] / state["n"], "counted": state["n"]}
             state.update(hit=0, n=0)
             return out
+
     return compute_metrics
 
 
@@ -642,8 +767,12 @@ def test_batch_eval_metrics_calls_compute_metrics_per_batch_as_hf(tmp_path):
     model, data = toys.tiny_llama(), toys.lm_samples(10, seed=3)  # batches of 4, 4, 2
     kw = dict(per_device_eval_batch_size=4, batch_eval_metrics=True)
     hf_calls, cl_calls = [], []
-    hf = hf_trainer(copy.deepcopy(model), tmp_path / "hf", data, data, compute_metrics=hf_batch_metric(hf_calls), **kw)
-    loop = cl_loop(copy.deepcopy(model), tmp_path / "cl", data, data, compute_metrics=hf_batch_metric(cl_calls), **kw)
+    hf = hf_trainer(
+        copy.deepcopy(model), tmp_path / "hf", data, data, compute_metrics=hf_batch_metric(hf_calls), **kw
+    )
+    loop = cl_loop(
+        copy.deepcopy(model), tmp_path / "cl", data, data, compute_metrics=hf_batch_metric(cl_calls), **kw
+    )
     hf_metrics = hf.evaluate()
     for _ in range(2):  # a second evaluate starts from a clean state, as HF's closure resets itself
         cl_calls.clear()
@@ -657,8 +786,14 @@ def test_batch_eval_metrics_calls_compute_metrics_per_batch_as_hf(tmp_path):
 def test_batch_eval_metrics_without_compute_result_is_refused_with_the_fix(tmp_path):
     from corelooper.errors import ConfigError
 
-    loop = cl_loop(toys.tiny_llama(), tmp_path, [], toys.lm_samples(4), batch_eval_metrics=True,
-                   compute_metrics=lambda predictions, label_ids: {})
+    loop = cl_loop(
+        toys.tiny_llama(),
+        tmp_path,
+        [],
+        toys.lm_samples(4),
+        batch_eval_metrics=True,
+        compute_metrics=lambda predictions, label_ids: {},
+    )
     with pytest.raises(ConfigError, match="takes no compute_result argument. Add it"):
         loop.evaluate()
 
@@ -682,8 +817,14 @@ class KeepsNothing:
 
 def test_a_streaming_metric_sees_each_batch_once_and_no_earlier_logits_survive(tmp_path):
     metric = KeepsNothing()
-    loop = cl_loop(toys.tiny_llama(), tmp_path, [], toys.lm_samples(10, seed=3), compute_metrics=metric,
-                   per_device_eval_batch_size=4)
+    loop = cl_loop(
+        toys.tiny_llama(),
+        tmp_path,
+        [],
+        toys.lm_samples(10, seed=3),
+        compute_metrics=metric,
+        per_device_eval_batch_size=4,
+    )
     metrics = loop.evaluate()
     assert metrics["eval_batches"] == 3 and metric.alive == [0, 0, 0]
 
@@ -716,13 +857,20 @@ def test_preprocess_logits_is_hfs_preprocess_logits_for_metrics_per_batch(tmp_pa
         seen["hf"] = torch.as_tensor(eval_pred.predictions)
         return {}
 
-    hf = Trainer(model=copy.deepcopy(model), args=TrainingArguments(
-        output_dir=str(tmp_path / "hf"), **COMMON, **HF_ONLY, per_device_eval_batch_size=4), eval_dataset=data,
-        compute_metrics=hf_metrics, preprocess_logits_for_metrics=lambda logits, _labels: logits.argmax(-1))
+    hf = Trainer(
+        model=copy.deepcopy(model),
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "hf"), **COMMON, **HF_ONLY, per_device_eval_batch_size=4
+        ),
+        eval_dataset=data,
+        compute_metrics=hf_metrics,
+        preprocess_logits_for_metrics=lambda logits, _labels: logits.argmax(-1),
+    )
     hf.evaluate()
     metric = ArgmaxRecorder()
-    loop = cl_loop(copy.deepcopy(model), tmp_path / "cl", [], data, compute_metrics=metric,
-                   per_device_eval_batch_size=4)
+    loop = cl_loop(
+        copy.deepcopy(model), tmp_path / "cl", [], data, compute_metrics=metric, per_device_eval_batch_size=4
+    )
     assert loop.evaluate()["eval_batches"] == 3
     assert torch.equal(torch.cat(metric.seen), seen["hf"]) and seen["hf"].dtype == torch.int64
     predictions, _, _ = loop.predict(data)

@@ -31,14 +31,23 @@ def test_adafactor_is_hfs_adafactor_over_8_steps(tmp_path):
     data = toys.lm_samples(32, seed=3)
     hf_model = toys.tiny_llama(seed=1)
     cl_model, initial = copy.deepcopy(hf_model), copy.deepcopy(hf_model)
-    kw = dict(per_device_train_batch_size=4, max_steps=8, learning_rate=1e-2, weight_decay=0.1,
-              optim="adafactor", logging_steps=1, save_strategy="no", max_grad_norm=1.0)
+    kw = dict(
+        per_device_train_batch_size=4,
+        max_steps=8,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        optim="adafactor",
+        logging_steps=1,
+        save_strategy="no",
+        max_grad_norm=1.0,
+    )
     hf = hf_trainer(hf_model, tmp_path / "hf", data, **kw)
     hf.train()
     loop = cl_loop(cl_model, tmp_path / "cl", data, **kw)
     loop.train()
-    assert type(loop.optimizer.optimizer if hasattr(loop.optimizer, "optimizer") else loop.optimizer) \
-        is type(hf.optimizer.optimizer)
+    assert type(loop.optimizer.optimizer if hasattr(loop.optimizer, "optimizer") else loop.optimizer) is type(
+        hf.optimizer.optimizer
+    )
     hf_logs, cl_logs = _train_logs(hf.state.log_history), _train_logs(loop.state.log_history)
     assert len(hf_logs) == len(cl_logs) == 8
     for h, c in zip(hf_logs, cl_logs, strict=True):
@@ -51,19 +60,29 @@ def test_adafactor_is_hfs_adafactor_over_8_steps(tmp_path):
         assert torch.allclose(p.detach(), hf_params[name].detach(), atol=1e-6), name
 
 
-@pytest.mark.parametrize(("samples", "batch", "ga", "epochs"), [
-    (10, 2, 2, 1),  # 5 micro-batches an epoch, GA 2: HF logs 0.4, 0.8, 1.0
-    (10, 2, 2, 2),
-    (7, 2, 3, 2),
-    (9, 1, 4, 1),
-    (12, 4, 2, 2),  # even: the same either way
-])
+@pytest.mark.parametrize(
+    ("samples", "batch", "ga", "epochs"),
+    [
+        (10, 2, 2, 1),  # 5 micro-batches an epoch, GA 2: HF logs 0.4, 0.8, 1.0
+        (10, 2, 2, 2),
+        (7, 2, 3, 2),
+        (9, 1, 4, 1),
+        (12, 4, 2, 2),  # even: the same either way
+    ],
+)
 def test_logged_epoch_counts_micro_batches_as_hf(tmp_path, samples, batch, ga, epochs):
     data = regression_data(samples)
     hf_model = Regression()
     cl_model = copy.deepcopy(hf_model)
-    kw = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=ga, num_train_epochs=epochs,
-              learning_rate=1e-2, logging_steps=1, save_strategy="no", optim="adamw_torch")
+    kw = dict(
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=ga,
+        num_train_epochs=epochs,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        optim="adamw_torch",
+    )
     hf = hf_trainer(hf_model, tmp_path / "hf", data, **kw)
     hf.train()
     loop = cl_loop(cl_model, tmp_path / "cl", data, **kw)
@@ -92,8 +111,15 @@ def test_max_grad_norm_0_logs_the_grad_norm_as_hf(tmp_path):
     data = toys.lm_samples(16, seed=5)
     hf_model = toys.tiny_llama(seed=1)
     cl_model = copy.deepcopy(hf_model)
-    kw = dict(per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, max_grad_norm=0.0,
-              optim="adamw_torch", logging_steps=1, save_strategy="no")
+    kw = dict(
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+    )
     hf = hf_trainer(hf_model, tmp_path / "hf", data, **kw)
     hf.train()
     for policy in ("stop", "ignore"):
@@ -126,9 +152,15 @@ class _Odd(nn.Module):
         self.final_layernorm_scale = nn.Parameter(torch.ones(4))
         self.ln = nn.RMSNorm(4)
         self.ln_f = nn.LayerNorm(4)
-        self.block = nn.ModuleDict({"input_layernorm": _RMSNorm(4), "attn_norm": _RMSNorm(4),
-                                    "norm": nn.GroupNorm(2, 4), "normalizer": nn.Linear(4, 4),
-                                    "q_norm_proj": nn.Linear(4, 4)})
+        self.block = nn.ModuleDict(
+            {
+                "input_layernorm": _RMSNorm(4),
+                "attn_norm": _RMSNorm(4),
+                "norm": nn.GroupNorm(2, 4),
+                "normalizer": nn.Linear(4, 4),
+                "q_norm_proj": nn.Linear(4, 4),
+            }
+        )
         self.bn = nn.BatchNorm1d(4)
         self.RMSNorm_gain = nn.Parameter(torch.ones(4))
         self.norm = nn.Linear(4, 4)
@@ -144,8 +176,17 @@ def test_no_decay_parameter_names_are_hfs():
     assert names - no_decay_parameter_names(model) == hf_decay
     # the names of the issue, on both sides of the rule
     assert {"ln.weight", "bn.weight", "block.normalizer.weight", "embed.weight"} <= hf_decay
-    assert not {"query_bias_proj.weight", "final_layernorm_scale", "ln_f.weight", "block.attn_norm.weight",
-                "norm.weight", "RMSNorm_gain"} & hf_decay
+    assert (
+        not {
+            "query_bias_proj.weight",
+            "final_layernorm_scale",
+            "ln_f.weight",
+            "block.attn_norm.weight",
+            "norm.weight",
+            "RMSNorm_gain",
+        }
+        & hf_decay
+    )
     groups = parameter_groups(model, weight_decay=0.1)
     by_id = {id(p): n for n, p in model.named_parameters()}
     decayed = {by_id[id(p)] for g in groups if g["weight_decay"] for p in g["params"]}
@@ -162,16 +203,44 @@ def test_trainargs_takes_training_arguments_as_they_are(tmp_path):
     assert TrainArgs.from_hf(hf_default) == ours
 
     hf = TrainingArguments(
-        output_dir=str(tmp_path / "b"), bf16=True, eval_strategy="steps", eval_steps=5, optim="adafactor",
-        lr_scheduler_type="cosine", lr_scheduler_kwargs='{"num_cycles": 2}', report_to="none",
-        max_grad_norm=0.3, gradient_accumulation_steps=4, warmup_steps=0.1, seed=7, use_cpu=True,
-        per_device_train_batch_size=2, weight_decay=0.01, logging_steps=3, save_total_limit=2)
+        output_dir=str(tmp_path / "b"),
+        bf16=True,
+        eval_strategy="steps",
+        eval_steps=5,
+        optim="adafactor",
+        lr_scheduler_type="cosine",
+        lr_scheduler_kwargs='{"num_cycles": 2}',
+        report_to="none",
+        max_grad_norm=0.3,
+        gradient_accumulation_steps=4,
+        warmup_steps=0.1,
+        seed=7,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        weight_decay=0.01,
+        logging_steps=3,
+        save_total_limit=2,
+    )
     args = TrainArgs.from_hf(hf)
-    assert (args.mixed_precision, args.eval_strategy, args.eval_steps, args.optim) == ("bf16", "steps", 5, "adafactor")
+    assert (args.mixed_precision, args.eval_strategy, args.eval_steps, args.optim) == (
+        "bf16",
+        "steps",
+        5,
+        "adafactor",
+    )
     assert args.lr_scheduler_type == "cosine" and args.lr_scheduler_kwargs == {"num_cycles": 2}
-    assert (args.max_grad_norm, args.gradient_accumulation_steps, args.warmup_steps, args.seed) == (0.3, 4, 0.1, 7)
-    assert (args.per_device_train_batch_size, args.weight_decay, args.logging_steps, args.save_total_limit) == \
-        (2, 0.01, 3, 2)
+    assert (args.max_grad_norm, args.gradient_accumulation_steps, args.warmup_steps, args.seed) == (
+        0.3,
+        4,
+        0.1,
+        7,
+    )
+    assert (
+        args.per_device_train_batch_size,
+        args.weight_decay,
+        args.logging_steps,
+        args.save_total_limit,
+    ) == (2, 0.01, 3, 2)
     assert TrainArgs(**hf.to_dict()) == args
     assert TrainArgs.from_hf(hf, output_dir=str(tmp_path / "c")).output_dir == str(tmp_path / "c")
     # JSON text for a dict field, as HF reads it; a value corelooper does not do is still refused
@@ -187,8 +256,9 @@ class _MeanLossLM(toys.TinyLM):
 
     def forward(self, input_ids, attention_mask=None, labels=None):
         logits = super().forward(input_ids, attention_mask)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                 labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
         return {"loss": loss, "logits": logits}
 
 
@@ -198,18 +268,38 @@ def test_token_share_weighting_for_models_without_loss_kwargs_is_the_documented_
     data = toys.lm_samples(16, seed=4)
     torch.manual_seed(2)
     base = _MeanLossLM()
-    kw = dict(max_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", max_grad_norm=0.0,
-              optim="adamw_torch")
+    kw = dict(
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+    )
     runs = {}
     for name, batch, ga in (("big", 8, 1), ("ga", 2, 4)):
-        hf = hf_trainer(copy.deepcopy(base), tmp_path / f"hf-{name}", data, per_device_train_batch_size=batch,
-                        gradient_accumulation_steps=ga, **kw)
+        hf = hf_trainer(
+            copy.deepcopy(base),
+            tmp_path / f"hf-{name}",
+            data,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=ga,
+            **kw,
+        )
         hf.train()
-        loop = cl_loop(copy.deepcopy(base), tmp_path / f"cl-{name}", data, per_device_train_batch_size=batch,
-                       gradient_accumulation_steps=ga, **kw)
+        loop = cl_loop(
+            copy.deepcopy(base),
+            tmp_path / f"cl-{name}",
+            data,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=ga,
+            **kw,
+        )
         loop.train()
-        runs[name] = ([h["loss"] for h in _train_logs(hf.state.log_history)],
-                      [h["loss"] for h in _train_logs(loop.state.log_history)])
+        runs[name] = (
+            [h["loss"] for h in _train_logs(hf.state.log_history)],
+            [h["loss"] for h in _train_logs(loop.state.log_history)],
+        )
     (hf_big, cl_big), (hf_ga, cl_ga) = runs["big"], runs["ga"]
     assert cl_big == pytest.approx(hf_big, abs=1e-6)  # one micro-batch: the same
     assert cl_ga == pytest.approx(cl_big, abs=1e-5)  # corelooper: GA is the big batch

@@ -37,8 +37,9 @@ for _event in hookspecs.EVENTS:
     setattr(Recorder, _event, _make_recorder_method(_event))
 
 
-def expected_train_events(micro_per_step: list[int], epochs: int, logging_steps: int,
-                          eval_batches: int) -> list[tuple[str, int]]:
+def expected_train_events(
+    micro_per_step: list[int], epochs: int, logging_steps: int, eval_batches: int
+) -> list[tuple[str, int]]:
     """The order written in hookspecs' docstring, for epoch eval/save strategies."""
     out = [("on_train_begin", 0)]
     step, max_steps = 0, len(micro_per_step) * epochs
@@ -65,11 +66,23 @@ def expected_train_events(micro_per_step: list[int], epochs: int, logging_steps:
 def test_documented_order_and_counts_with_gradient_accumulation(train_args):
     rec = Recorder()
     # 10 samples, batch 2 -> 5 micro-batches; GA 2 -> steps of 2, 2 and 1 micro-batches
-    args = train_args(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_train_epochs=2,
-                      logging_steps=2, eval_strategy="epoch", save_strategy="epoch",
-                      per_device_eval_batch_size=4)
-    loop = Loop(toys.mlp(), args, train_dataset=toys.Blobs(10), eval_dataset=toys.Blobs(6, seed=1),
-                plugins=[rec], blocked_plugins=["console"])
+    args = train_args(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        logging_steps=2,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        per_device_eval_batch_size=4,
+    )
+    loop = Loop(
+        toys.mlp(),
+        args,
+        train_dataset=toys.Blobs(10),
+        eval_dataset=toys.Blobs(6, seed=1),
+        plugins=[rec],
+        blocked_plugins=["console"],
+    )
     assert rec.calls == [("on_init_end", 0)]
     rec.calls.clear()
     loop.train()
@@ -83,8 +96,14 @@ def test_documented_order_and_counts_with_gradient_accumulation(train_args):
     # resuming: on_load_checkpoint after the restore, before on_train_begin
     rec2 = Recorder()
     args2 = train_args(**{**dataclasses.asdict(args), "num_train_epochs": 3})
-    loop2 = Loop(toys.mlp(), args2, train_dataset=toys.Blobs(10), eval_dataset=toys.Blobs(6, seed=1),
-                 plugins=[rec2], blocked_plugins=["console"])
+    loop2 = Loop(
+        toys.mlp(),
+        args2,
+        train_dataset=toys.Blobs(10),
+        eval_dataset=toys.Blobs(6, seed=1),
+        plugins=[rec2],
+        blocked_plugins=["console"],
+    )
     loop2.train(resume_from_checkpoint="latest")
     names = [c for c, _ in rec2.calls]
     assert names[:4] == ["on_init_end", "on_load_checkpoint", "on_train_begin", "on_epoch_begin"]
@@ -98,8 +117,10 @@ def test_every_event_receives_loop_state_control_and_its_own_arguments(train_arg
     class AllArgs:
         name = "allargs"
 
-    spec_args = {name: getattr(hookspecs, name).__code__.co_varnames[
-        : getattr(hookspecs, name).__code__.co_argcount] for name in hookspecs.EVENTS}
+    spec_args = {
+        name: getattr(hookspecs, name).__code__.co_varnames[: getattr(hookspecs, name).__code__.co_argcount]
+        for name in hookspecs.EVENTS
+    }
     for event, names in spec_args.items():
         assert names[:3] == ("loop", "state", "control"), event
         src = f"def {event}(self, {', '.join(names)}):\n    got[{event!r}] = dict(zip({names!r}, ({', '.join(names)},)))"
@@ -107,10 +128,23 @@ def test_every_event_receives_loop_state_control_and_its_own_arguments(train_arg
         exec(src, ns)
         setattr(AllArgs, event, ns[event])
 
-    args = train_args(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
-                      eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
-    loop = Loop(toys.mlp(), args, train_dataset=toys.Blobs(16), eval_dataset=toys.Blobs(4),
-                plugins=[AllArgs()], blocked_plugins=["console"])
+    args = train_args(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    loop = Loop(
+        toys.mlp(),
+        args,
+        train_dataset=toys.Blobs(16),
+        eval_dataset=toys.Blobs(4),
+        plugins=[AllArgs()],
+        blocked_plugins=["console"],
+    )
     loop.train()
     loop.predict(toys.Blobs(4))
     missing = set(hookspecs.EVENTS) - set(got) - {"on_exception", "on_load_checkpoint", "on_nonfinite"}
@@ -136,8 +170,9 @@ def test_should_training_stop_from_a_plugin_stops_at_that_step(train_args):
                 control.should_training_stop = True
 
     args = train_args(per_device_train_batch_size=4, num_train_epochs=5)  # 4 steps per epoch
-    loop = Loop(toys.mlp(), args, train_dataset=toys.Blobs(16), plugins=[Stopper()],
-                blocked_plugins=["console"])
+    loop = Loop(
+        toys.mlp(), args, train_dataset=toys.Blobs(16), plugins=[Stopper()], blocked_plugins=["console"]
+    )
     loop.train()
     assert seen == [1, 2, 3]
     assert loop.state.global_step == 3
@@ -157,8 +192,13 @@ def test_subset_arguments_and_unmarked_functions(train_args):
     plugin = types.SimpleNamespace(name="plain", on_step_end=on_step_end, on_log=on_log)
     module = types.ModuleType("plain_module")
     module.on_train_end = lambda control: steps.append("end")  # a module plugin, unmarked too
-    loop = Loop(toys.mlp(), train_args(max_steps=2, per_device_train_batch_size=8),
-                train_dataset=toys.Blobs(16), plugins=[plugin, module], blocked_plugins=["console"])
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=2, per_device_train_batch_size=8),
+        train_dataset=toys.Blobs(16),
+        plugins=[plugin, module],
+        blocked_plugins=["console"],
+    )
     loop.train()
     assert steps == [1, 2, "end"]
     assert [entry.get("loss") is not None for entry in logs] == [True, True, False]  # + the summary
@@ -227,8 +267,13 @@ def test_on_exception_gets_the_error_and_replaces_the_rest(train_args):
         def on_exception(self, exception):
             got.append(exception)
 
-    loop = Loop(toys.mlp(), train_args(max_steps=4, per_device_train_batch_size=8), train_dataset=toys.Blobs(16),
-                plugins=[rec, Raiser()], blocked_plugins=["console"])
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=4, per_device_train_batch_size=8),
+        train_dataset=toys.Blobs(16),
+        plugins=[rec, Raiser()],
+        blocked_plugins=["console"],
+    )
     with pytest.raises(PluginError, match=r"Plugin 'raiser' raised in hook 'on_step_end' at global_step 2"):
         loop.train()
     assert [type(e) for e in got] == [ValueError]

@@ -18,8 +18,11 @@ REGENERATE = "run `python tests/test_hooks_documented.py` to rewrite docs/hooks.
 
 
 def all_hookspecs() -> dict[str, object]:
-    return {name: fn for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-            if hasattr(fn, f"{hookspecs.PROJECT}_spec")}
+    return {
+        name: fn
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(fn, f"{hookspecs.PROJECT}_spec")
+    }
 
 
 def signature(fn) -> str:
@@ -28,8 +31,12 @@ def signature(fn) -> str:
 
 def test_hook_lists_cover_every_spec():
     """EVENTS/PROVIDERS drive `corelooper hooks` and the docs: a spec outside them is hidden."""
-    assert set(all_hookspecs()) == {*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.EVENTS,
-                                    *hookspecs.PROVIDERS}
+    assert set(all_hookspecs()) == {
+        *hookspecs.DECLARATIONS,
+        *hookspecs.TRANSFORMS,
+        *hookspecs.EVENTS,
+        *hookspecs.PROVIDERS,
+    }
     for name in hookspecs.PROVIDERS:
         assert getattr(hookspecs, name).corelooper_spec["firstresult"], name
 
@@ -37,7 +44,9 @@ def test_hook_lists_cover_every_spec():
 @pytest.mark.parametrize("name", sorted(all_hookspecs()))
 def test_hookspec_has_a_docstring(name):
     doc = inspect.getdoc(all_hookspecs()[name]) or ""
-    assert len(doc.split()) >= 5, f"hookspec {name} needs a docstring: when it fires, what it gets, what it returns"
+    assert len(doc.split()) >= 5, (
+        f"hookspec {name} needs a docstring: when it fires, what it gets, what it returns"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(all_hookspecs()))
@@ -116,16 +125,20 @@ DIFFERENCES = "## Differences from the HF Trainer"
 def differences_section() -> str:
     """The hand-written tail of docs/hooks.md (kept when the rest is regenerated)."""
     text = DOCS.read_text() if DOCS.exists() else ""
-    return text[text.index(DIFFERENCES):] if DIFFERENCES in text else ""
+    return text[text.index(DIFFERENCES) :] if DIFFERENCES in text else ""
 
 
 def render() -> str:
     module_doc = inspect.getdoc(hookspecs)
-    order = module_doc[module_doc.index("Order of events"):].split("::", 1)[1].strip("\n")
+    order = module_doc[module_doc.index("Order of events") :].split("::", 1)[1].strip("\n")
     out = [INTRO, "## Order of events in `Loop.train()`", "", "```", order, "```", ""]
     specs = all_hookspecs()
-    groups = [("Configuration", list(hookspecs.DECLARATIONS)), ("Transforms", list(hookspecs.TRANSFORMS)),
-              ("Providers", list(hookspecs.PROVIDERS)), ("Events", list(hookspecs.EVENTS))]
+    groups = [
+        ("Configuration", list(hookspecs.DECLARATIONS)),
+        ("Transforms", list(hookspecs.TRANSFORMS)),
+        ("Providers", list(hookspecs.PROVIDERS)),
+        ("Events", list(hookspecs.EVENTS)),
+    ]
     listed = {n for _, names in groups for n in names}
     groups.append(("Other hooks", sorted(set(specs) - listed)))
     for title, names in groups:
@@ -133,9 +146,17 @@ def render() -> str:
             continue
         out += [f"## {title}", ""]
         for name in names:
-            kind = "provider (firstresult)" if specs[name].corelooper_spec.get("firstresult") else (
-                "event" if name.startswith("on_") else "transform" if name in hookspecs.TRANSFORMS
-                else "declaration")
+            kind = (
+                "provider (firstresult)"
+                if specs[name].corelooper_spec.get("firstresult")
+                else (
+                    "event"
+                    if name.startswith("on_")
+                    else "transform"
+                    if name in hookspecs.TRANSFORMS
+                    else "declaration"
+                )
+            )
             out += [f"### `{name}`", "", f"`{signature(specs[name])}` — {kind}", ""]
             if getattr(specs[name], "corelooper_returns", None):
                 out += [f"**Returns** {specs[name].corelooper_returns}.", ""]

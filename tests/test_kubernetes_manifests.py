@@ -31,8 +31,19 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "clusters.md"
 K8S_VERSION = "1.33"  # a release kubernetes-validate ships schemas for
 RESERVED_PET = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
-RDZV_FLAGS = ("--nnodes", "--nproc_per_node", "--nproc-per-node", "--node_rank", "--node-rank", "--rdzv",
-              "--master_addr", "--master-addr", "--master_port", "--master-port", "--standalone")
+RDZV_FLAGS = (
+    "--nnodes",
+    "--nproc_per_node",
+    "--nproc-per-node",
+    "--node_rank",
+    "--node-rank",
+    "--rdzv",
+    "--master_addr",
+    "--master-addr",
+    "--master_port",
+    "--master-port",
+    "--standalone",
+)
 
 
 def doc_manifests() -> list[dict]:
@@ -60,7 +71,8 @@ def round_trip(manifest: dict) -> dict:
         data["spec"]["runPolicy"] = {}
     with training_api.ApiClient() as client:
         written = client.sanitize_for_serialization(
-            client._ApiClient__deserialize(data, "KubeflowOrgV1PyTorchJob"))
+            client._ApiClient__deserialize(data, "KubeflowOrgV1PyTorchJob")
+        )
     if lent:
         assert written["spec"].pop("runPolicy") == {}
     return written
@@ -80,11 +92,19 @@ def differences(want, got, path: tuple = ()) -> list[str]:
     """Where ``got`` (the round trip) differs from ``want`` (the manifest), as key paths."""
     where = "/" + "/".join(map(str, path))
     if isinstance(want, dict) and isinstance(got, dict):
-        return [d for k in sorted(want.keys() | got.keys())
-                for d in (differences(want[k], got[k], (*path, k)) if k in want and k in got
-                          else [f"{where.rstrip('/')}/{k}: {'dropped' if k in want else 'added'}"])]
+        return [
+            d
+            for k in sorted(want.keys() | got.keys())
+            for d in (
+                differences(want[k], got[k], (*path, k))
+                if k in want and k in got
+                else [f"{where.rstrip('/')}/{k}: {'dropped' if k in want else 'added'}"]
+            )
+        ]
     if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
-        return [d for i, (w, g) in enumerate(zip(want, got, strict=True)) for d in differences(w, g, (*path, i))]
+        return [
+            d for i, (w, g) in enumerate(zip(want, got, strict=True)) for d in differences(w, g, (*path, i))
+        ]
     if type(want) is type(got) and want == got or is_number(want) and is_number(got) and want == got:
         return []  # 8 and 8.0 are one JSON number
     if is_number(want) and got == str(want) and is_quantity(path):
@@ -96,8 +116,11 @@ def pod_templates(manifest: dict) -> list[dict]:
     """The pod templates (``{spec: PodSpec}``) a PyTorchJob or TrainJob gives its pods."""
     if manifest["kind"] == "PyTorchJob":
         return [r["template"] for r in manifest["spec"]["pytorchReplicaSpecs"].values()]
-    jobs = [j for p in manifest["spec"]["runtimePatches"]
-            for j in p["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]]
+    jobs = [
+        j
+        for p in manifest["spec"]["runtimePatches"]
+        for j in p["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    ]
     return [j["template"]["spec"]["template"] for j in jobs]
 
 
@@ -118,8 +141,14 @@ def test_core_objects_validate_against_the_kubernetes_schemas():
             if job == "TrainJob":  # a patch: the runtime supplies the image
                 for c in spec["containers"]:
                     c.setdefault("image", "from-the-runtime")
-            validate_core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                           "template": {"spec": spec}})
+            validate_core(
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": "t"},
+                    "template": {"spec": spec},
+                }
+            )
 
 
 def test_a_wrong_field_is_caught_so_the_checks_can_fail():
@@ -148,8 +177,10 @@ def test_a_misspelt_field_deep_in_a_pod_template_is_caught(kind):
     assert found.endswith("/template/spec/terminationGracePeriodSecond: dropped"), found
 
 
-@pytest.mark.parametrize(("kind", "api"), [("PyTorchJob", training_constants.API_VERSION),
-                                           ("TrainJob", "trainer.kubeflow.org/v1alpha1")])
+@pytest.mark.parametrize(
+    ("kind", "api"),
+    [("PyTorchJob", training_constants.API_VERSION), ("TrainJob", "trainer.kubeflow.org/v1alpha1")],
+)
 def test_kubeflow_jobs_validate_against_their_published_schema(kind, api):
     manifest = by_kind(kind)
     assert (manifest["apiVersion"], manifest["kind"]) == (api, kind)
@@ -184,7 +215,7 @@ def test_the_rendezvous_is_left_to_the_operator(kind, container):
         assert not RESERVED_PET & {e["name"] for e in c.get("env", [])}
     env = manifest["spec"].get("trainer", {}).get("env", [])
     assert not RESERVED_PET & {e["name"] for e in env}
-    assert command[0] == "torchrun" and command[command.index("-m") + 1:][:2] == ["corelooper", "run"]
+    assert command[0] == "torchrun" and command[command.index("-m") + 1 :][:2] == ["corelooper", "run"]
     assert not [a for a in command if a.startswith(RDZV_FLAGS)], command
     assert command[command.index("--resume-from-checkpoint") + 1] == "auto"
     shutdown = int(command[command.index("--shutdown_timeout") + 1])

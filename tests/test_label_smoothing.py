@@ -48,8 +48,17 @@ def causal_loop(tmp_path, eps: float) -> Loop:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from toys import tiny_lm
 
-    cfg = Config.from_dict({"train": {"output_dir": str(tmp_path), "label_smoothing_factor": eps,
-                                      "max_steps": 1, "disable_tqdm": True, "loss_type": "causal_lm"}})
+    cfg = Config.from_dict(
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "label_smoothing_factor": eps,
+                "max_steps": 1,
+                "disable_tqdm": True,
+                "loss_type": "causal_lm",
+            }
+        }
+    )
     loop = Loop(tiny_lm(), cfg)
     loop.prepare_for_evaluation()
     return loop
@@ -67,8 +76,13 @@ def test_causal_lm_label_smoothing_is_token_normalised(tmp_path):
     batches = [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels, strict=True)]
     n_items = sum(int((lab[:, 1:] != -100).sum()) for lab in labels)
     step = sum(
-        loop.hook.compute_loss(loop=loop, model=loop.model, batch=b, num_items_in_batch=torch.tensor(n_items),
-                               return_outputs=False)
+        loop.hook.compute_loss(
+            loop=loop,
+            model=loop.model,
+            batch=b,
+            num_items_in_batch=torch.tensor(n_items),
+            return_outputs=False,
+        )
         for b in batches
     )
     total, n = 0.0, 0
@@ -88,8 +102,13 @@ def test_matches_transformers_label_smoother(tmp_path):
     ids = torch.randint(0, 32, (3, 12), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[2, 7:] = -100
-    loss = loop.hook.compute_loss(loop=loop, model=loop.model, batch={"input_ids": ids, "labels": labels},
-                                  num_items_in_batch=None, return_outputs=False)
+    loss = loop.hook.compute_loss(
+        loop=loop,
+        model=loop.model,
+        batch={"input_ids": ids, "labels": labels},
+        num_items_in_batch=None,
+        return_outputs=False,
+    )
     with torch.no_grad():
         hf = LabelSmoother(epsilon=EPS)({"logits": loop.model(ids)}, labels, shift_labels=True)
     assert loss.item() == pytest.approx(hf.item(), rel=1e-6)

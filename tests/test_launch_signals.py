@@ -23,7 +23,7 @@ import pytest
 
 from corelooper.checkpoints.checkpoint import list_checkpoints
 
-TASK = '''
+TASK = """
 import torch
 from torch import nn
 
@@ -53,9 +53,9 @@ def build():
 
 def train_set(**_):
     return Samples()
-'''
+"""
 
-PLUGIN = '''
+PLUGIN = """
 import json
 import os
 import time
@@ -76,9 +76,9 @@ def on_step_end(state):
 def on_train_end(state):
     if state.is_world_process_zero:
         (DIR / "train_end.json").write_text(json.dumps({"preempted": state.preempted, "step": state.global_step}))
-'''
+"""
 
-CONFIG = '''
+CONFIG = """
 [model]
 factory = "task.py:build"
 [data]
@@ -93,7 +93,7 @@ save_steps = 4
 disable_tqdm = true
 [plugins]
 local = ["pause.py"]
-'''
+"""
 
 
 def project(tmp_path: Path, deepspeed: bool) -> Path:
@@ -108,9 +108,25 @@ def project(tmp_path: Path, deepspeed: bool) -> Path:
 def start(root: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(root), "CTL_DIR": str(root / "ctl"), "PYTHONHASHSEED": "0"}
     env.pop("OMP_NUM_THREADS", None)  # torchrun's banner about it must not show
-    return subprocess.Popen([sys.executable, "-m", "corelooper", "run", "config.toml", "--nproc", "2",
-                             "-p", "no:tensorboard", *extra], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "corelooper",
+            "run",
+            "config.toml",
+            "--nproc",
+            "2",
+            "-p",
+            "no:tensorboard",
+            *extra,
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def paused_pids(root: Path, proc: subprocess.Popen, timeout: float = 240) -> list[int]:

@@ -13,8 +13,10 @@ from test_launch_signals import TASK, finish, paused_pids, project, start
 
 LAUNCHER_LINES = ("death signal", "closing signal", "exitcode", "torch.distributed", "elastic")
 # every sample has a column the model's forward does not take: each rank would say so
-TASK_EXTRA_COLUMN = TASK.replace('"labels": torch.randint(0, 3, (), generator=g)}',
-                                 '"labels": torch.randint(0, 3, (), generator=g), "idx": torch.tensor(i)}')
+TASK_EXTRA_COLUMN = TASK.replace(
+    '"labels": torch.randint(0, 3, (), generator=g)}',
+    '"labels": torch.randint(0, 3, (), generator=g), "idx": torch.tensor(i)}',
+)
 
 
 def quiet_project(tmp_path):
@@ -67,7 +69,8 @@ def run_with_a_crashing_rank(tmp_path, then: str = ""):
         "import atexit\nimport os\n\n\ndef on_step_end(state):\n"
         "    if os.environ.get('RANK') == '1' and state.global_step == 2:\n"
         f"        {then or 'pass'}\n"
-        "        raise RuntimeError('rank one breaks on purpose')\n")
+        "        raise RuntimeError('rank one breaks on purpose')\n"
+    )
     return finish(start(root, "-p", "crash.py"))
 
 
@@ -87,8 +90,11 @@ def test_a_rank_that_reported_its_error_and_then_aborted_at_exit_keeps_its_code(
     assert code == 3, err[-3000:]
     paragraph = [line for line in err.splitlines() if line.startswith("corelooper: error")]
     assert len(paragraph) == 1, err[-3000:]
-    assert "rank 1 of 2" in paragraph[0] and "failed with code 3 (then died of SIGABRT while shutting down)" \
-        in paragraph[0] and "rank one breaks on purpose" in paragraph[0], err[-3000:]
+    assert (
+        "rank 1 of 2" in paragraph[0]
+        and "failed with code 3 (then died of SIGABRT while shutting down)" in paragraph[0]
+        and "rank one breaks on purpose" in paragraph[0]
+    ), err[-3000:]
     assert_quiet(err)
 
 
@@ -108,16 +114,24 @@ def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
 
     peer_lost = "PeerLostError: Training stopped at global_step 2: a collective between the processes failed"
-    raised = ChildFailedError("run", {0: failure(0, -6, peer_lost), 1: failure(1, 3, "RuntimeError: rank one breaks")})
+    raised = ChildFailedError(
+        "run", {0: failure(0, -6, peer_lost), 1: failure(1, 3, "RuntimeError: rank one breaks")}
+    )
     assert root_failure(raised)[0] == 1
-    assert describe_failure(raised, 2).startswith("rank 1 of 2 (local rank 1, pid 101) exited with code 3 (ranks [0]")
+    assert describe_failure(raised, 2).startswith(
+        "rank 1 of 2 (local rank 1, pid 101) exited with code 3 (ranks [0]"
+    )
     # no error file (killed): torchrun's order between it and a collective failure, whichever came first
-    far_future = 4_000_000_000  # 2096: after the file-less failure's own timestamp (torch stamps it with the present)
+    far_future = (
+        4_000_000_000  # 2096: after the file-less failure's own timestamp (torch stamps it with the present)
+    )
     killed = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=far_future), 1: failure(1, -9)})
     assert root_failure(killed)[0] == 1 and "SIGKILL" in describe_failure(killed, 2)
     timed_out = ChildFailedError("run", {0: failure(0, 7, peer_lost, timestamp=1), 1: failure(1, -9)})
     assert root_failure(timed_out)[0] == 0  # a collective timed out, then the hung rank was killed
-    earliest = ChildFailedError("run", {0: failure(0, 3, "ValueError: a", 5), 1: failure(1, 3, "ValueError: b", 4)})
+    earliest = ChildFailedError(
+        "run", {0: failure(0, 3, "ValueError: a", 5), 1: failure(1, 3, "ValueError: b", 4)}
+    )
     assert root_failure(earliest)[0] == 1
 
 
@@ -132,14 +146,22 @@ def test_the_code_a_rank_reported_outlives_its_abort_at_exit(tmp_path, monkeypat
 
     files = {rank: tmp_path / f"error-{rank}.json" for rank in (0, 1)}
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[1]))
-    assert record_child_error(PluginError("Plugin 'crash.py' raised in hook 'on_step_end'"), PluginError.exit_code)
-    files[0].write_text('{"message": "PeerLostError: a collective between the processes failed", "timestamp": 1}')
-    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=-6, error_file=str(files[rank]))
-                for rank in (0, 1)}
+    assert record_child_error(
+        PluginError("Plugin 'crash.py' raised in hook 'on_step_end'"), PluginError.exit_code
+    )
+    files[0].write_text(
+        '{"message": "PeerLostError: a collective between the processes failed", "timestamp": 1}'
+    )
+    failures = {
+        rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=-6, error_file=str(files[rank]))
+        for rank in (0, 1)
+    }
     error = launch_error(ChildFailedError("run", failures), 2)
     assert error.exit_code == PluginError.exit_code
-    assert str(error).startswith(f"rank 1 of 2 (local rank 1, pid 101) failed with code {PluginError.exit_code} "
-                                 "(then died of SIGABRT while shutting down) (ranks [0] failed too): PluginError: ")
+    assert str(error).startswith(
+        f"rank 1 of 2 (local rank 1, pid 101) failed with code {PluginError.exit_code} "
+        "(then died of SIGABRT while shutting down) (ranks [0] failed too): PluginError: "
+    )
     unreported = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "none.json"))
     killed = launch_error(ChildFailedError("run", {1: unreported}), 2)
     assert killed.exit_code == 7 and "was killed by signal SIGKILL" in str(killed)

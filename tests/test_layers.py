@@ -12,8 +12,23 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HEAVY = {"torch", "transformers", "accelerate", "optuna", "deepspeed", "peft", "wandb", "tensorboard",
-         "safetensors", "numpy", "datasets", "sklearn", "matplotlib", "liger_kernel", "triton"}
+HEAVY = {
+    "torch",
+    "transformers",
+    "accelerate",
+    "optuna",
+    "deepspeed",
+    "peft",
+    "wandb",
+    "tensorboard",
+    "safetensors",
+    "numpy",
+    "datasets",
+    "sklearn",
+    "matplotlib",
+    "liger_kernel",
+    "triton",
+}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -30,15 +45,21 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 def test_core_and_cli_import_no_plugin_package():
     files = [*(REPO / "corelooper").rglob("*.py"), *(REPO / "cli").rglob("*.py")]
     assert len(files) > 20
-    bad = [f"{f.relative_to(REPO)}:{line} imports {mod}" for f in files for line, mod in _imports(f)
-           if mod.split(".")[0].startswith("corelooper_")]
+    bad = [
+        f"{f.relative_to(REPO)}:{line} imports {mod}"
+        for f in files
+        for line, mod in _imports(f)
+        if mod.split(".")[0].startswith("corelooper_")
+    ]
     assert bad == []
 
 
 def test_the_ast_check_sees_function_level_imports(tmp_path):
     # the check above must not pass just because it looks only at the top of a module
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from corelooper_optuna.search import run_study\n    import corelooper_peft\n")
+    probe.write_text(
+        "def f():\n    from corelooper_optuna.search import run_study\n    import corelooper_peft\n"
+    )
     assert [m for _, m in _imports(probe)] == ["corelooper_optuna.search", "corelooper_peft"]
 
 
@@ -71,8 +92,13 @@ def test_hpo_command_comes_from_the_optuna_plugin():
     for option in ("--trials", "--set", "-p", "--traceback"):
         assert option in r.stdout
     # without plugins loaded (autoload off), the core has no such command
-    off = subprocess.run([str(script), "hpo", "--help"], capture_output=True, text=True, timeout=120,
-                         env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"})
+    off = subprocess.run(
+        [str(script), "hpo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert off.returncode == 2 and "No such command 'hpo'" in off.stderr
 
 
@@ -80,7 +106,13 @@ def test_the_test_only_plugin_is_not_in_the_environment(thirdparty_plugin):
     # scripts/setup does not install tests/third_party_plugin; the fixture installs it elsewhere
     found = importlib.metadata.distribution("corelooper-thirdparty-example")
     assert Path(str(found.locate_file(""))).resolve().is_relative_to(thirdparty_plugin.resolve())
-    site = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
-                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}).stdout.strip()
+    site = subprocess.run(
+        [sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    ).stdout.strip()
     assert not list(Path(site).glob("corelooper_thirdparty_example*")), f"installed in {site}"
-    assert "third_party_plugin" not in (REPO / "scripts" / "setup").read_text().split("NOT installed here")[-1]
+    assert (
+        "third_party_plugin" not in (REPO / "scripts" / "setup").read_text().split("NOT installed here")[-1]
+    )

@@ -15,7 +15,9 @@ def test_the_order_of_hf_length_grouped_sampler(n, batch):
     lengths = torch.randint(1, 300, (n,), generator=g).tolist()
     lengths[:5] = [17] * 5  # ties keep the permutation's order in both
     for seed, epoch in ((3, 0), (3, 1), (11, 2)):
-        hf = LengthGroupedSampler(batch, lengths=lengths, generator=torch.Generator().manual_seed(seed + epoch))
+        hf = LengthGroupedSampler(
+            batch, lengths=lengths, generator=torch.Generator().manual_seed(seed + epoch)
+        )
         assert length_grouped_order(lengths, batch, seed, epoch) == list(hf)
 
 
@@ -24,10 +26,12 @@ def test_mega_batches_are_min_of_a_quarter_and_50_batches():
     lengths = list(range(96))
     order = length_grouped_order(lengths, 8, seed=0, epoch=0)
     for m in range(4):
-        block = order[m * 24:(m + 1) * 24]
+        block = order[m * 24 : (m + 1) * 24]
         rest = block[1:]  # a block's head may be the one swapped with the longest sample's
         assert rest == sorted(rest, key=lambda i: -lengths[i])
     assert order[0] == 95
     assert order != sorted(lengths, reverse=True)  # four mega-batches, not one (corelooper's old 50 always)
     # an explicit multiplier still works (50 batches: one mega-batch here, the whole set sorted)
-    assert length_grouped_order(lengths, 8, seed=0, epoch=0, mega_batch_mult=50) == sorted(lengths, reverse=True)
+    assert length_grouped_order(lengths, 8, seed=0, epoch=0, mega_batch_mult=50) == sorted(
+        lengths, reverse=True
+    )

@@ -71,8 +71,17 @@ def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_cache=False,
+        )
+    )
 
 
 def _lm_data(n=16, seq=12):
@@ -84,16 +93,29 @@ def test_hf_gradient_checkpointing_trains_identically(tmp_path):
     pytest.importorskip("transformers")
     runs = {}
     for flag in (False, True):
-        loop = Loop(_tiny_llama(), {"train": {"output_dir": str(tmp_path / str(flag)), "max_steps": 3,
-                                              "save_strategy": "no", "logging_steps": 1, "learning_rate": 1e-2,
-                                              "per_device_train_batch_size": 4, "gradient_checkpointing": flag}},
-                    train_dataset=_lm_data())
+        loop = Loop(
+            _tiny_llama(),
+            {
+                "train": {
+                    "output_dir": str(tmp_path / str(flag)),
+                    "max_steps": 3,
+                    "save_strategy": "no",
+                    "logging_steps": 1,
+                    "learning_rate": 1e-2,
+                    "per_device_train_batch_size": 4,
+                    "gradient_checkpointing": flag,
+                }
+            },
+            train_dataset=_lm_data(),
+        )
         loop.train()
         model = loop.backend.unwrap_model(loop.model)
         on = getattr(model, "is_activation_checkpointing", None)
         assert (on if on is not None else model.is_gradient_checkpointing) is flag
-        runs[flag] = ([h["loss"] for h in loop.state.log_history if "loss" in h][:3],
-                      [p.detach() for p in loop.model.parameters()])
+        runs[flag] = (
+            [h["loss"] for h in loop.state.log_history if "loss" in h][:3],
+            [p.detach() for p in loop.model.parameters()],
+        )
     assert runs[True][0] == pytest.approx(runs[False][0], abs=1e-6)
     for a, b in zip(runs[True][1], runs[False][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -105,8 +127,14 @@ def test_torch_compile_and_tf32_are_applied(tmp_path):
         data = [(torch.randn(16), torch.tensor(i % 4)) for i in range(16)]
         losses = {}
         for compiled in (False, True):
-            train = {"output_dir": str(tmp_path / str(compiled)), "max_steps": 2, "save_strategy": "no",
-                     "logging_steps": 1, "per_device_train_batch_size": 8, "tf32": True}
+            train = {
+                "output_dir": str(tmp_path / str(compiled)),
+                "max_steps": 2,
+                "save_strategy": "no",
+                "logging_steps": 1,
+                "per_device_train_batch_size": 8,
+                "tf32": True,
+            }
             if compiled:  # the eager backend: the torch.compile path without minutes of C++ compiling
                 train.update(torch_compile=True, torch_compile_backend="eager")
             loop = Loop(Deep(), {"train": train}, train_dataset=data)
@@ -134,15 +162,22 @@ def test_a_compiled_llama_compiles_as_often_as_in_a_hand_written_loop(tmp_path):
         torch._dynamo.reset()
         counters.clear()
         if who == "corelooper":
-            train = {"output_dir": str(tmp_path), "max_steps": 4, "save_strategy": "no", "logging_steps": 1,
-                     "per_device_train_batch_size": 4, "torch_compile": True, "torch_compile_backend": "eager"}
+            train = {
+                "output_dir": str(tmp_path),
+                "max_steps": 4,
+                "save_strategy": "no",
+                "logging_steps": 1,
+                "per_device_train_batch_size": 4,
+                "torch_compile": True,
+                "torch_compile_backend": "eager",
+            }
             Loop(_tiny_llama(), {"train": train}, train_dataset=data).train()
         else:
             model = _tiny_llama()
             model.compile(backend="eager")
             optimizer = torch.optim.AdamW(model.parameters())
             for step in range(4):
-                batch = {k: torch.stack([r[k] for r in data[4 * step:4 * step + 4]]) for k in data[0]}
+                batch = {k: torch.stack([r[k] for r in data[4 * step : 4 * step + 4]]) for k in data[0]}
                 model(**batch).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()

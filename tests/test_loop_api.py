@@ -16,10 +16,21 @@ from corelooper.transforms import DATA_PREPARED, DATA_TOKENIZE, MODEL_PATCH, MOD
 
 def _loop(train_args, plugins=(), model=None, **args):
     model = model if model is not None else toys.mlp()
-    return Loop(model, train_args(**{"max_steps": 4, "per_device_train_batch_size": 8, "max_grad_norm": 1.0,
-                                     "overwrite_output_dir": True,
-                                     **args}),
-                train_dataset=toys.Blobs(32), plugins=plugins, blocked_plugins=["console"])
+    return Loop(
+        model,
+        train_args(
+            **{
+                "max_steps": 4,
+                "per_device_train_batch_size": 8,
+                "max_grad_norm": 1.0,
+                "overwrite_output_dir": True,
+                **args,
+            }
+        ),
+        train_dataset=toys.Blobs(32),
+        plugins=plugins,
+        blocked_plugins=["console"],
+    )
 
 
 def _train_logs(loop):
@@ -41,8 +52,9 @@ def test_the_step_returns_its_results_and_writes_nothing_on_the_loop(train_args)
     loop.train()
     assert len(seen) == 4 and all(isinstance(r, StepResult) for r in seen)
     assert [r.learning_rate for r in seen] == pytest.approx([0.1, 0.075, 0.05, 0.025])  # the rate each used
-    assert all(r.num_micro_batches == 1 and r.grad_norm is not None and r.loss.requires_grad is False
-               for r in seen)
+    assert all(
+        r.num_micro_batches == 1 and r.grad_norm is not None and r.loss.requires_grad is False for r in seen
+    )
     assert loop.last_step is seen[-1]
     logs = _train_logs(loop)
     assert [h["learning_rate"] for h in logs] == pytest.approx([0.1, 0.075, 0.05, 0.025])
@@ -69,12 +81,27 @@ def test_a_provider_returning_the_older_tuple_keeps_working(train_args):
     loop.train()
     assert isinstance(loop.last_step, StepResult) and loop.last_step.learning_rate is None
     want, got = _train_logs(ref), _train_logs(loop)
-    assert [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in got] == \
-           [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in want]
+    assert [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in got] == [
+        (h["loss"], h["grad_norm"], h["learning_rate"]) for h in want
+    ]
 
 
-@pytest.mark.parametrize("name", ["model", "config", "args", "train_dataset", "data_collator", "loss_type",
-                                  "num_micro_batches", "is_training", "optimizer", "backend", "state"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model",
+        "config",
+        "args",
+        "train_dataset",
+        "data_collator",
+        "loss_type",
+        "num_micro_batches",
+        "is_training",
+        "optimizer",
+        "backend",
+        "state",
+    ],
+)
 def test_the_public_loop_api_is_read_only(train_args, name):
     loop = _loop(train_args)
     with pytest.raises(AttributeError):

@@ -20,13 +20,22 @@ TOYS = Path(toys.__file__).resolve()
 
 
 def blobs_config(tmp_path: Path, name: str, **train) -> Config:
-    return Config.from_dict({
-        "model": {"factory": f"{TOYS}:mlp", "args": {"hidden": 16}},
-        "data": {"train": f"{TOYS}:blobs_train", "eval": f"{TOYS}:blobs_eval"},
-        "train": {"output_dir": str(tmp_path / name), "save_strategy": "no", "disable_tqdm": True,
-                  "num_train_epochs": 2, "per_device_train_batch_size": 8, "logging_steps": 1,
-                  "learning_rate": 1e-2, **train},
-    })
+    return Config.from_dict(
+        {
+            "model": {"factory": f"{TOYS}:mlp", "args": {"hidden": 16}},
+            "data": {"train": f"{TOYS}:blobs_train", "eval": f"{TOYS}:blobs_eval"},
+            "train": {
+                "output_dir": str(tmp_path / name),
+                "save_strategy": "no",
+                "disable_tqdm": True,
+                "num_train_epochs": 2,
+                "per_device_train_batch_size": 8,
+                "logging_steps": 1,
+                "learning_rate": 1e-2,
+                **train,
+            },
+        }
+    )
 
 
 def jsonl_losses(output_dir: str) -> list[float]:
@@ -50,20 +59,27 @@ def test_max_steps_wins_over_epochs(train_args):
     loop = Loop(toys.mlp(), train_args(num_train_epochs=100, max_steps=5), train_dataset=data)
     assert loop.train().global_step == 5
     assert loop.state.epoch == pytest.approx(5 / 8)
-    loop = Loop(toys.mlp(), train_args(num_train_epochs=1.5, output_dir=loop.args.output_dir + "2"),
-                train_dataset=data)
+    loop = Loop(
+        toys.mlp(),
+        train_args(num_train_epochs=1.5, output_dir=loop.args.output_dir + "2"),
+        train_dataset=data,
+    )
     assert loop.train().global_step == 12  # 8 steps per epoch x 1.5
     # max_steps beyond one epoch keeps going into the next epochs
-    loop = Loop(toys.mlp(), train_args(num_train_epochs=1, max_steps=11, output_dir=loop.args.output_dir + "3"),
-                train_dataset=data)
+    loop = Loop(
+        toys.mlp(),
+        train_args(num_train_epochs=1, max_steps=11, output_dir=loop.args.output_dir + "3"),
+        train_dataset=data,
+    )
     assert loop.train().global_step == 11 and loop.state.epoch == pytest.approx(11 / 8)
 
 
 def test_evaluate_returns_eval_loss_and_prefixed_metrics(train_args):
     model = toys.mlp()
     data = toys.Blobs(23, seed=4)  # batches of 5: the last has 3 samples
-    loop = Loop(model, train_args(per_device_eval_batch_size=5), eval_dataset=data,
-                compute_metrics=toys.accuracy)
+    loop = Loop(
+        model, train_args(per_device_eval_batch_size=5), eval_dataset=data, compute_metrics=toys.accuracy
+    )
     metrics = loop.evaluate()
     with torch.no_grad():
         logits = model(data.x)
@@ -101,8 +117,15 @@ class StepRecorder:
 
 def test_logging_window_averages_and_fields(train_args):
     rec = StepRecorder()
-    args = train_args(logging_steps=3, max_steps=7, max_grad_norm=1e6, per_device_train_batch_size=8,
-                      lr_scheduler_type="linear", warmup_steps=2, learning_rate=0.1)
+    args = train_args(
+        logging_steps=3,
+        max_steps=7,
+        max_grad_norm=1e6,
+        per_device_train_batch_size=8,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        learning_rate=0.1,
+    )
     loop = Loop(toys.mlp(), args, train_dataset=toys.Blobs(64), plugins=[rec])
     loop.train()
     logs = [h for h in loop.state.log_history if "loss" in h]
@@ -127,8 +150,11 @@ def test_logging_window_averages_and_fields(train_args):
 
 
 def test_token_inputs_log_tokens_per_second(train_args):
-    loop = Loop(toys.tiny_lm(), train_args(max_steps=2, logging_steps=2, per_device_train_batch_size=4),
-                train_dataset=toys.lm_samples(8))
+    loop = Loop(
+        toys.tiny_lm(),
+        train_args(max_steps=2, logging_steps=2, per_device_train_batch_size=4),
+        train_dataset=toys.lm_samples(8),
+    )
     loop.train()
     (log,) = [h for h in loop.state.log_history if "loss" in h]
     assert log["tokens_per_second"] > 0
@@ -137,6 +163,7 @@ def test_token_inputs_log_tokens_per_second(train_args):
 
 def reference_lambda(kind: str, warmup: int, total: int):
     """HF's formulas (transformers.optimization), written out."""
+
     def f(step: int) -> float:
         if kind == "constant":
             return 1.0
@@ -148,6 +175,7 @@ def reference_lambda(kind: str, warmup: int, total: int):
         if kind == "linear":
             return max(0.0, 1.0 - progress)
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # cosine, half a cycle
+
     return f
 
 
@@ -251,8 +279,12 @@ def test_bf16_mixed_precision_through_the_backend(train_args):
     model = toys.mlp()
     dtypes = []
     model.net[0].register_forward_hook(lambda mod, inputs, output: dtypes.append(output.dtype))
-    loop = Loop(model, train_args(max_steps=3, mixed_precision="bf16", per_device_train_batch_size=16),
-                train_dataset=toys.Blobs(64), blocked_plugins=["console"])
+    loop = Loop(
+        model,
+        train_args(max_steps=3, mixed_precision="bf16", per_device_train_batch_size=16),
+        train_dataset=toys.Blobs(64),
+        blocked_plugins=["console"],
+    )
     loop.train()
     assert dtypes == [torch.bfloat16] * 3  # autocast: matmuls in bf16
     assert next(loop.model.parameters()).dtype == torch.float32  # master weights stay fp32
@@ -280,8 +312,13 @@ def test_control_should_evaluate_from_a_plugin(train_args):
         def on_evaluate(self, state, metrics):
             evaluated.append((state.global_step, sorted(metrics)))
 
-    loop = Loop(toys.mlp(), train_args(max_steps=4, per_device_train_batch_size=16), train_dataset=toys.Blobs(64),
-                eval_dataset=toys.Blobs(8), plugins=[AskEval()])
+    loop = Loop(
+        toys.mlp(),
+        train_args(max_steps=4, per_device_train_batch_size=16),
+        train_dataset=toys.Blobs(64),
+        eval_dataset=toys.Blobs(8),
+        plugins=[AskEval()],
+    )
     loop.train()
     assert evaluated == [(2, ["eval_loss"])]
 
@@ -345,16 +382,27 @@ def test_the_window_rate_leaves_out_evaluation_saving_and_steps_before_a_resume(
     from corelooper import loop as loop_module
 
     clock = ManualClock(tick=0.001)
-    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter, time=time.time, monotonic=time.monotonic,
-                                      sleep=time.sleep)
+    fake_time = types.SimpleNamespace(
+        perf_counter=clock.perf_counter, time=time.time, monotonic=time.monotonic, sleep=time.sleep
+    )
     monkeypatch.setattr(logwindow, "time", fake_time)
     monkeypatch.setattr(loop_module, "time", fake_time)
-    config = blobs_config(tmp_path, "run", logging_steps=4, eval_strategy="steps", eval_steps=2, max_steps=8,
-                          save_strategy="steps", save_steps=2)
+    config = blobs_config(
+        tmp_path,
+        "run",
+        logging_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        max_steps=8,
+        save_strategy="steps",
+        save_steps=2,
+    )
     with Loop(config=config, plugins=[SlowEvaluation(clock)]) as loop:
         loop.train()
         rates = [h["samples_per_second"] for h in loop.state.log_history if "loss" in h]
-    assert len(rates) == 2 and min(rates) > 1.0, rates  # 8 samples per step: far over 1/s unless 1,000 s counted
+    assert len(rates) == 2 and min(rates) > 1.0, (
+        rates
+    )  # 8 samples per step: far over 1/s unless 1,000 s counted
     clock.tick = 0.0  # the clock moves only when told
     window = logwindow.LogWindow("cpu")
     window.load_state_dict({"loss": 1.0, "steps": 3, "samples": 10**9, "tokens": 0})  # a resumed window
@@ -399,8 +447,12 @@ def test_a_dropped_column_is_a_warning_unless_a_loss_plugin_reads_the_batch(trai
     for plugins, level in (([], logging.WARNING), ([WeightedLoss()], logging.INFO)):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="corelooper"):
-            args = train_args(max_steps=2, per_device_train_batch_size=8, output_dir=str(tmp_path / str(level)))
-            loop = Loop(toys.mlp(), args, train_dataset=WithWeights(), eval_dataset=WithWeights(), plugins=plugins)
+            args = train_args(
+                max_steps=2, per_device_train_batch_size=8, output_dir=str(tmp_path / str(level))
+            )
+            loop = Loop(
+                toys.mlp(), args, train_dataset=WithWeights(), eval_dataset=WithWeights(), plugins=plugins
+            )
             loop.train()
             loop.evaluate()
         notes = [r for r in caplog.records if "are not arguments of MLP.forward" in r.getMessage()]

@@ -36,11 +36,20 @@ def launch(tmp: Path, backend: str, nproc: int) -> dict[str, dict[int, dict]]:
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     cmd = [sys.executable, str(WORKER), str(tmp / "spec.json")]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd[1:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *cmd[1:],
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{backend} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-    return {kind: {r: json.loads((tmp / f"{kind}.rank{r}.json").read_text()) for r in range(nproc)}
-            for kind in KINDS}
+    return {
+        kind: {r: json.loads((tmp / f"{kind}.rank{r}.json").read_text()) for r in range(nproc)}
+        for kind in KINDS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +77,9 @@ def max_diff(a, b) -> float:
 def test_train_evaluate_predict_match_one_process(two, reference, kind):
     backend, _, results = two
     r0, r1, ref = results[kind][0], results[kind][1], reference[kind][0]
-    assert r0["backend"] == {"ddp": "AccelerateBackend", "fsdp": "FSDPBackend"}.get(backend, "DeepSpeedBackend")
+    assert r0["backend"] == {"ddp": "AccelerateBackend", "fsdp": "FSDPBackend"}.get(
+        backend, "DeepSpeedBackend"
+    )
     # training: every optimizer step's loss, and the evaluation at step 3 inside training
     assert r0["losses"].keys() == ref["losses"].keys() and len(r0["losses"]) == mw.STEPS
     assert max_diff(list(r0["losses"].values()), list(ref["losses"].values())) <= 1e-5

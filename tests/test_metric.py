@@ -10,7 +10,17 @@ import pytest
 from corelooper.config import Config, TrainArgs
 from corelooper.metric import greater_for, greater_is_better, is_better, metric_key
 
-NAMES = ["loss", "eval_loss", "accuracy", "eval_accuracy", "nll_loss", "eval_f1", "perplexity", "lossy", "bleu"]
+NAMES = [
+    "loss",
+    "eval_loss",
+    "accuracy",
+    "eval_accuracy",
+    "nll_loss",
+    "eval_f1",
+    "perplexity",
+    "lossy",
+    "bleu",
+]
 
 
 def test_metric_key_adds_the_prefix_once():
@@ -46,8 +56,9 @@ def test_explicit_direction_belongs_to_metric_for_best_model_only(tmp_path):
 def test_improvement_is_hf_early_stopping(greater, threshold, tmp_path):
     from transformers import EarlyStoppingCallback, TrainerControl, TrainerState, TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), metric_for_best_model="m", greater_is_better=greater,
-                             report_to=[])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), metric_for_best_model="m", greater_is_better=greater, report_to=[]
+    )
     values = [0.5, 0.52, 0.58, 0.58, 0.4, 0.3, 0.31, 0.9, 0.6]
     for best in (None, *values):
         for value in values:
@@ -77,7 +88,8 @@ def test_a_missing_metric_names_the_setting_and_what_there_is():
     assert str(e.value) == (
         "early_stopping.metric = 'f1' watches 'eval_f1', but the evaluation returned only "
         "['eval_accuracy', 'eval_loss']. Set early_stopping.metric to one of those names (with or "
-        "without the eval_ prefix).")
+        "without the eval_ prefix)."
+    )
     assert e.value.exit_code == 2
 
 
@@ -88,9 +100,17 @@ def test_plateau_scheduler_uses_the_rule(tmp_path):
     from corelooper.hf.schedules import create_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    args = Config.from_dict({"train": {"output_dir": str(tmp_path), "lr_scheduler_type": "reduce_lr_on_plateau",
-                                       "eval_strategy": "steps", "metric_for_best_model": "accuracy",
-                                       "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5}}}).train
+    args = Config.from_dict(
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "lr_scheduler_type": "reduce_lr_on_plateau",
+                "eval_strategy": "steps",
+                "metric_for_best_model": "accuracy",
+                "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5},
+            }
+        }
+    ).train
     sched = create_scheduler(args, opt, 10)
     sched.step_on_metrics({"eval_accuracy": 0.5})
     sched.step_on_metrics({"eval_accuracy": 0.6})  # higher is better for accuracy: no cut

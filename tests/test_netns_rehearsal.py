@@ -35,8 +35,10 @@ def two_namespaces():
     names, devs = (f"cl{tag}a", f"cl{tag}b"), (f"vcl{tag}a", f"vcl{tag}b")
     probe = _ip("netns", "add", names[0], check=False)
     if probe.returncode != 0:
-        pytest.skip(f"network namespaces cannot be made here (`ip netns add`: {probe.stderr.strip()}); "
-                    "needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN")
+        pytest.skip(
+            f"network namespaces cannot be made here (`ip netns add`: {probe.stderr.strip()}); "
+            "needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN"
+        )
     try:
         _ip("netns", "add", names[1])
         _ip("link", "add", devs[0], "type", "veth", "peer", "name", devs[1])
@@ -60,24 +62,61 @@ def test_two_nodes_in_network_namespaces_match_one_node_with_two_processes(tmp_p
     run_id = uuid.uuid4().hex
     agents = []
     for rank, (ns, dev) in enumerate(((ns0, dev0), (ns1, dev1))):
-        cmd = ["ip", "netns", "exec", ns, *torchrun(), "--nnodes", "2", "--nproc_per_node", "1",
-               "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{addr0}:29400",
-               "--rdzv_id", run_id, "--rdzv_conf", f"is_host={int(rank == 0)}",  # the hostname is not
-               # the namespace's address, so torchrun cannot tell by itself which node hosts the store
-               "--max_restarts", "0", "--local_addr", SUBNET.format(7, rank + 1),
-               "-m", "corelooper", "run", str(nodes_cfg)]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            *torchrun(),
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(rank),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"{addr0}:29400",
+            "--rdzv_id",
+            run_id,
+            "--rdzv_conf",
+            f"is_host={int(rank == 0)}",  # the hostname is not
+            # the namespace's address, so torchrun cannot tell by itself which node hosts the store
+            "--max_restarts",
+            "0",
+            "--local_addr",
+            SUBNET.format(7, rank + 1),
+            "-m",
+            "corelooper",
+            "run",
+            str(nodes_cfg),
+        ]
         # gloo binds to the namespace's end of the veth pair, not to what the hostname resolves to
-        agents.append(subprocess.Popen(cmd, cwd=REPO, env={**env(tmp_path), "GLOO_SOCKET_IFNAME": dev},
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        agents.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env={**env(tmp_path), "GLOO_SOCKET_IFNAME": dev},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [a.communicate(timeout=TIMEOUT) for a in agents]
     for agent, (_, err) in zip(agents, outputs, strict=True):
         assert agent.returncode == 0, err[-4000:]
     assert "x 2 processes" in "".join(out for out, _ in outputs)
 
     one_cfg = write_config(tmp_path, tmp_path / "one", name="one.toml")
-    one = subprocess.run([*torchrun(), "--standalone", "--nproc_per_node", "2", "-m", "corelooper", "run",
-                          str(one_cfg)], cwd=REPO, env=env(tmp_path), capture_output=True, text=True,
-                         timeout=TIMEOUT)
+    one = subprocess.run(
+        [*torchrun(), "--standalone", "--nproc_per_node", "2", "-m", "corelooper", "run", str(one_cfg)],
+        cwd=REPO,
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert one.returncode == 0, one.stderr[-4000:]
     nodes = load_file(str(tmp_path / "nodes" / "model.safetensors"))
     assert max_diff(nodes, load_file(str(tmp_path / "one" / "model.safetensors"))) <= 1e-5

@@ -23,9 +23,14 @@ def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(t
     assert f"next: pip install -e '{dest}[test]' && python -m pytest {dest}" in made.stdout, made.stdout
     assert 'pip install -e ".[test]"' in (dest / "README.md").read_text()
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
-        "README.md", "corelooper_grad_stats/__init__.py", "pyproject.toml", "tests/test_grad_stats.py",
+        "README.md",
+        "corelooper_grad_stats/__init__.py",
+        "pyproject.toml",
+        "tests/test_grad_stats.py",
     ]
-    assert 'grad_stats = "corelooper_grad_stats"' in (dest / "pyproject.toml").read_text()  # a module: per-run objects come from corelooper_configure
+    assert (
+        'grad_stats = "corelooper_grad_stats"' in (dest / "pyproject.toml").read_text()
+    )  # a module: per-run objects come from corelooper_configure
 
     tutorial = tmp_path / "lossguard"
     write_tutorial(tutorial)
@@ -34,17 +39,48 @@ def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(t
     # never into the venv the other tests (and, under pytest-xdist, the other workers) load plugins from
     site = tmp_path / "site"
     install = subprocess.run(
-        [*PIP, "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(dest), str(tutorial)],
-        capture_output=True, text=True, timeout=300,
+        [
+            *PIP,
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(dest),
+            str(tutorial),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stderr
-    eps = {ep.name: ep.value for dist in importlib.metadata.distributions(path=[str(site)])
-           for ep in dist.entry_points if ep.group == "corelooper"}
+    eps = {
+        ep.name: ep.value
+        for dist in importlib.metadata.distributions(path=[str(site)])
+        for ep in dist.entry_points
+        if ep.group == "corelooper"
+    }
     assert eps == {"grad_stats": "corelooper_grad_stats", "lossguard": "corelooper_lossguard"}
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", str(dest / "tests"), str(tutorial / "tests")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))},
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-v",
+            str(dest / "tests"),
+            str(tutorial / "tests"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
     assert tests.stdout.count("test_grad_stats.py::") == 4 and tests.stdout.count("test_lossguard.py::") == 2

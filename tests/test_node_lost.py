@@ -64,15 +64,28 @@ def on_step_end(state):
         time.sleep(0.1)
     signal.signal(signal.SIGTERM, previous)
 """
-RESUMED = (r"corelooper: \S*checkpoint-(\d+) was saved with 4 per device x {a} accumulation x {n} processes = 8;\s+"
-           r"on {m} processes: 4 per device x {b} accumulation x {m} processes = 8 \(global batch kept\)")
+RESUMED = (
+    r"corelooper: \S*checkpoint-(\d+) was saved with 4 per device x {a} accumulation x {n} processes = 8;\s+"
+    r"on {m} processes: 4 per device x {b} accumulation x {m} processes = 8 \(global batch kept\)"
+)
 
 
 def _run(tmp_path, config, nproc: int, *extra: str, **environ: str) -> subprocess.CompletedProcess:
-    cmd = [*torchrun(), "--standalone", "--nproc_per_node", str(nproc), "-m", "corelooper", "run", str(config),
-           *ELASTIC, *extra]
-    return subprocess.run(cmd, cwd=REPO, env={**env(tmp_path), **environ}, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    cmd = [
+        *torchrun(),
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "corelooper",
+        "run",
+        str(config),
+        *ELASTIC,
+        *extra,
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO, env={**env(tmp_path), **environ}, capture_output=True, text=True, timeout=TIMEOUT
+    )
 
 
 def _agent(tmp_path: Path, cmd: list[str], log: str, **kwargs) -> subprocess.Popen:
@@ -81,8 +94,9 @@ def _agent(tmp_path: Path, cmd: list[str], log: str, **kwargs) -> subprocess.Pop
     # agent's first round (dynamic_rendezvous.py, next_rendezvous): a node joining a later round
     # waits 60 s for a key nobody writes and fails. Off, every round's rank 0 writes it.
     agent_env = {**env(tmp_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, env=agent_env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            **kwargs)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=agent_env, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs
+    )
 
 
 def _wait(what: str, check, survivor: subprocess.Popen, log: Path, timeout: float = 120) -> None:
@@ -107,10 +121,32 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
     (tmp_path / "slow.py").write_text(SLOW.format(back_at=BACK_AT, waiting=str(waiting)))
     config = write_config(tmp_path, tmp_path / "job", name="job.toml")
     port, run_id = free_port(), uuid.uuid4().hex
-    agent = [*torchrun(), "--nnodes", "1:2", "--nproc_per_node", "1", "--max_restarts", "1",
-             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
-             "--rdzv_conf", "last_call_timeout=10", "-m", "corelooper", "run", str(config),
-             "--resume-from-checkpoint", "auto", "-p", str(tmp_path / "slow.py"), *ELASTIC]
+    agent = [
+        *torchrun(),
+        "--nnodes",
+        "1:2",
+        "--nproc_per_node",
+        "1",
+        "--max_restarts",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        run_id,
+        "--rdzv_conf",
+        "last_call_timeout=10",
+        "-m",
+        "corelooper",
+        "run",
+        str(config),
+        "--resume-from-checkpoint",
+        "auto",
+        "-p",
+        str(tmp_path / "slow.py"),
+        *ELASTIC,
+    ]
     logs = [tmp_path / "survivor.log", tmp_path / "lost.log", tmp_path / "back.log"]
     survivor = _agent(tmp_path, agent, "survivor.log")
     # the survivor hosts the rendezvous store (the node that dies must not): the second agent starts
@@ -120,8 +156,12 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
     nodes = [survivor, _agent(tmp_path, agent, "lost.log", start_new_session=True)]
     try:
         metrics = tmp_path / "job" / "metrics.jsonl"
-        _wait("the 2-node job did not train", lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 4,
-              survivor, logs[0])
+        _wait(
+            "the 2-node job did not train",
+            lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 4,
+            survivor,
+            logs[0],
+        )
         os.killpg(nodes[1].pid, signal.SIGKILL)  # the node dies: its agent and its rank at once
         nodes[1].wait(timeout=30)
         alone = re.compile(RESUMED.format(a=1, n=2, m=1, b=2))
@@ -157,25 +197,50 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
     two = _run(tmp_path, write_config(tmp_path, tmp_path / "two", name="two.toml"), 2)
     assert two.returncode == 0, two.stderr[-4000:]
     saved = load_file(str(tmp_path / "two" / f"checkpoint-{lost_at}" / "model.safetensors"))
-    assert max_diff(saved, load_file(str(tmp_path / "job" / f"checkpoint-{lost_at}" / "model.safetensors"))) <= 1e-5
+    assert (
+        max_diff(saved, load_file(str(tmp_path / "job" / f"checkpoint-{lost_at}" / "model.safetensors")))
+        <= 1e-5
+    )
     (tmp_path / "ref").mkdir()
     shutil.copytree(tmp_path / "two" / f"checkpoint-{lost_at}", tmp_path / "ref" / f"checkpoint-{lost_at}")
     (tmp_path / "stop.py").write_text(STOP_PLUGIN)
     ref_config = write_config(tmp_path, tmp_path / "ref", name="ref.toml")
-    one = _run(tmp_path, ref_config, 1, "--resume-from-checkpoint", "latest", "-p", str(tmp_path / "stop.py"),
-               STOP_AT_STEP=str(BACK_AT))
+    one = _run(
+        tmp_path,
+        ref_config,
+        1,
+        "--resume-from-checkpoint",
+        "latest",
+        "-p",
+        str(tmp_path / "stop.py"),
+        STOP_AT_STEP=str(BACK_AT),
+    )
     one_out = one.stdout + one.stderr  # torchrun exits 1 for its rank's 143 (stopped by a signal, saved)
-    assert f"resuming from checkpoint-{lost_at}" in one_out and f"stopped at step {BACK_AT};" in one_out, one_out[-4000:]
-    assert max_diff(load_file(str(tmp_path / "ref" / f"checkpoint-{BACK_AT}" / "model.safetensors")),
-                    load_file(str(tmp_path / "job" / f"checkpoint-{BACK_AT}" / "model.safetensors"))) <= 1e-5
+    assert f"resuming from checkpoint-{lost_at}" in one_out and f"stopped at step {BACK_AT};" in one_out, (
+        one_out[-4000:]
+    )
+    assert (
+        max_diff(
+            load_file(str(tmp_path / "ref" / f"checkpoint-{BACK_AT}" / "model.safetensors")),
+            load_file(str(tmp_path / "job" / f"checkpoint-{BACK_AT}" / "model.safetensors")),
+        )
+        <= 1e-5
+    )
     again = _run(tmp_path, ref_config, 2, "--resume-from-checkpoint", "latest")
     again_out = again.stdout + again.stderr
-    assert again.returncode == 0 and re.search(RESUMED.format(a=2, n=1, m=2, b=1), again_out), again_out[-4000:]
+    assert again.returncode == 0 and re.search(RESUMED.format(a=2, n=1, m=2, b=1), again_out), again_out[
+        -4000:
+    ]
 
     final = load_file(str(tmp_path / "job" / "model.safetensors"))
     assert max_diff(final, load_file(str(tmp_path / "ref" / "model.safetensors"))) <= 1e-5
-    assert max_diff(final, load_file(str(tmp_path / "two" / "model.safetensors"))) <= 1e-5  # same global batch
-    assert max_diff(final, load_file(str(tmp_path / "job" / f"checkpoint-{BACK_AT}" / "model.safetensors"))) > 1e-3
+    assert (
+        max_diff(final, load_file(str(tmp_path / "two" / "model.safetensors"))) <= 1e-5
+    )  # same global batch
+    assert (
+        max_diff(final, load_file(str(tmp_path / "job" / f"checkpoint-{BACK_AT}" / "model.safetensors")))
+        > 1e-3
+    )
 
 
 WORKER = """
@@ -198,13 +263,32 @@ def test_torchrun_takes_in_a_returning_node_only_without_its_shared_store(tmp_pa
     If torch fixes it, the first case fails: drop the variable from the docs and the test above."""
     (tmp_path / "worker.py").write_text(WORKER)
     port, run_id = free_port(), uuid.uuid4().hex
-    agent = [*torchrun(), "--nnodes", "1:2", "--nproc_per_node", "1", "--max_restarts", "0", "--monitor_interval",
-             "0.5", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", run_id,
-             "--rdzv_conf", "last_call_timeout=1,read_timeout=10", str(tmp_path / "worker.py")]
+    agent = [
+        *torchrun(),
+        "--nnodes",
+        "1:2",
+        "--nproc_per_node",
+        "1",
+        "--max_restarts",
+        "0",
+        "--monitor_interval",
+        "0.5",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        run_id,
+        "--rdzv_conf",
+        "last_call_timeout=1,read_timeout=10",
+        str(tmp_path / "worker.py"),
+    ]
     environ = {**env(tmp_path), "MARKS": str(tmp_path)}
     if not share_store:
         environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    first = subprocess.Popen(agent, cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        agent, cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "world-1-rank-0").exists():
@@ -219,8 +303,10 @@ def test_torchrun_takes_in_a_returning_node_only_without_its_shared_store(tmp_pa
     joined = sorted(p.name for p in tmp_path.glob("world-2-*"))
     if share_store:
         assert second.returncode != 0 and first.returncode != 0 and joined == [], second.stderr[-3000:]
-        assert re.search(r"DistStoreError: wait timeout after 10000ms, keys: /torch\.rendezvous\.\w+\.1/MASTER_ADDR",
-                         second.stderr), second.stderr[-3000:]
+        assert re.search(
+            r"DistStoreError: wait timeout after 10000ms, keys: /torch\.rendezvous\.\w+\.1/MASTER_ADDR",
+            second.stderr,
+        ), second.stderr[-3000:]
     else:
         assert (first.returncode, second.returncode) == (0, 0), (out[-3000:], second.stderr[-3000:])
         assert joined == ["world-2-rank-0", "world-2-rank-1"]

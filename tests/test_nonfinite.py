@@ -72,10 +72,18 @@ def finite(loop) -> bool:
 
 
 def test_stop_names_the_step_the_micro_batch_and_its_samples(train_args, tmp_path):
-    args = train_args(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=10,
-                      save_strategy="steps", save_steps=5, save_total_limit=1,
-                      output_dir=str(tmp_path / "run"))
-    loop = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[InfLossFrom(7)], blocked_plugins=["console"])
+    args = train_args(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=10,
+        save_strategy="steps",
+        save_steps=5,
+        save_total_limit=1,
+        output_dir=str(tmp_path / "run"),
+    )
+    loop = Loop(
+        mlp(), args, train_dataset=toys.Blobs(64), plugins=[InfLossFrom(7)], blocked_plugins=["console"]
+    )
     with pytest.raises(NonFiniteError) as info:
         loop.train()
     msg = str(info.value)
@@ -89,16 +97,24 @@ def test_stop_names_the_step_the_micro_batch_and_its_samples(train_args, tmp_pat
 
 
 def test_a_nan_gradient_with_a_finite_loss_is_caught_by_its_norm(train_args):
-    loop = Loop(NanGradAt(step=3), train_args(per_device_train_batch_size=8, max_steps=6),
-                train_dataset=toys.Blobs(64), blocked_plugins=["console"])
+    loop = Loop(
+        NanGradAt(step=3),
+        train_args(per_device_train_batch_size=8, max_steps=6),
+        train_dataset=toys.Blobs(64),
+        blocked_plugins=["console"],
+    )
     with pytest.raises(NonFiniteError, match=r"global_step 3: the gradient norm \(nan\) with finite losses"):
         loop.train()
     assert finite(loop)
 
 
 def test_the_norm_is_checked_without_clipping_too(train_args):
-    loop = Loop(NanGradAt(step=2), train_args(per_device_train_batch_size=8, max_steps=4, max_grad_norm=0.0),
-                train_dataset=toys.Blobs(64), blocked_plugins=["console"])
+    loop = Loop(
+        NanGradAt(step=2),
+        train_args(per_device_train_batch_size=8, max_steps=4, max_grad_norm=0.0),
+        train_dataset=toys.Blobs(64),
+        blocked_plugins=["console"],
+    )
     with pytest.raises(NonFiniteError, match="global_step 2"):
         loop.train()
 
@@ -112,10 +128,20 @@ def test_skip_step_skips_the_update_and_the_schedule_and_counts_it(train_args, t
         def on_nonfinite(self, state, sample_indices, action, loss):
             seen.append((state.global_step + 1, action, len(sample_indices), bool(torch.isinf(loss))))
 
-    kw = dict(per_device_train_batch_size=8, max_steps=8, logging_steps=4, lr_scheduler_type="linear",
-              on_nonfinite="skip_step")
-    skipping = Loop(mlp(), train_args(**kw, output_dir=str(tmp_path / "a")), train_dataset=toys.Blobs(64),
-                    plugins=[InfLossFrom(3, stop=5), Watch()], blocked_plugins=["console"])
+    kw = dict(
+        per_device_train_batch_size=8,
+        max_steps=8,
+        logging_steps=4,
+        lr_scheduler_type="linear",
+        on_nonfinite="skip_step",
+    )
+    skipping = Loop(
+        mlp(),
+        train_args(**kw, output_dir=str(tmp_path / "a")),
+        train_dataset=toys.Blobs(64),
+        plugins=[InfLossFrom(3, stop=5), Watch()],
+        blocked_plugins=["console"],
+    )
     skipping.train()
     assert seen == [(3, "skip_step", 1, True), (4, "skip_step", 1, True)]
     logs = [h for h in skipping.state.log_history if "loss" in h and "train_runtime" not in h]
@@ -126,9 +152,15 @@ def test_skip_step_skips_the_update_and_the_schedule_and_counts_it(train_args, t
 
 
 def test_skip_step_stops_after_max_skipped_steps_in_a_row(train_args):
-    loop = Loop(mlp(), train_args(per_device_train_batch_size=8, max_steps=10, on_nonfinite="skip_step",
-                                  max_skipped_steps=3),
-                train_dataset=toys.Blobs(64), plugins=[InfLossFrom(2)], blocked_plugins=["console"])
+    loop = Loop(
+        mlp(),
+        train_args(
+            per_device_train_batch_size=8, max_steps=10, on_nonfinite="skip_step", max_skipped_steps=3
+        ),
+        train_dataset=toys.Blobs(64),
+        plugins=[InfLossFrom(2)],
+        blocked_plugins=["console"],
+    )
     with pytest.raises(NonFiniteError, match=r"global_step 5 after 3 skipped steps in a row"):
         loop.train()
     assert finite(loop)
@@ -137,8 +169,13 @@ def test_skip_step_stops_after_max_skipped_steps_in_a_row(train_args):
 def test_ignore_carries_on_but_never_writes_a_non_finite_model(train_args, tmp_path):
     from corelooper.checkpoints.checkpoint import NonFiniteWeights
 
-    loop = Loop(mlp(), train_args(per_device_train_batch_size=8, max_steps=4, on_nonfinite="ignore"),
-                train_dataset=toys.Blobs(64), plugins=[InfLossFrom(2)], blocked_plugins=["console"])
+    loop = Loop(
+        mlp(),
+        train_args(per_device_train_batch_size=8, max_steps=4, on_nonfinite="ignore"),
+        train_dataset=toys.Blobs(64),
+        plugins=[InfLossFrom(2)],
+        blocked_plugins=["console"],
+    )
     with pytest.raises(NonFiniteWeights, match="final model"):
         loop.train()
     assert loop.state.global_step == 4 and not finite(loop)  # every step ran, NaN and all
@@ -148,8 +185,13 @@ def test_ignore_carries_on_but_never_writes_a_non_finite_model(train_args, tmp_p
 def test_the_deferred_check_skips_the_update_on_the_device(train_args):
     """On an accelerator the host reads the flag one step later, and the fused optimizer skips the
     bad update itself (found_inf). Forced here on the CPU, where fused AdamW honours found_inf too."""
-    loop = Loop(mlp(), train_args(per_device_train_batch_size=8, max_steps=8, optim="adamw_torch_fused"),
-                train_dataset=toys.Blobs(64), plugins=[InfLossFrom(3, stop=4)], blocked_plugins=["console"])
+    loop = Loop(
+        mlp(),
+        train_args(per_device_train_batch_size=8, max_steps=8, optim="adamw_torch_fused"),
+        train_dataset=toys.Blobs(64),
+        plugins=[InfLossFrom(3, stop=4)],
+        blocked_plugins=["console"],
+    )
     loop.guard.deferred = True
     before = {}
 
@@ -183,8 +225,13 @@ def test_the_deferred_check_holds_the_host_batches_not_their_device_copies(train
     plugin = Plugin("x")
     model = mlp()
     model.register_forward_pre_hook(lambda *_: alive_at_forward.append(plugin.alive(but_last=True)))
-    loop = Loop(model, train_args(per_device_train_batch_size=8, max_steps=6, optim="adamw_torch_fused"),
-                train_dataset=toys.Blobs(64), plugins=[plugin, InfLossFrom(5, stop=6)], blocked_plugins=["console"])
+    loop = Loop(
+        model,
+        train_args(per_device_train_batch_size=8, max_steps=6, optim="adamw_torch_fused"),
+        train_dataset=toys.Blobs(64),
+        plugins=[plugin, InfLossFrom(5, stop=6)],
+        blocked_plugins=["console"],
+    )
     loop.guard.deferred = True
     with pytest.raises(NonFiniteError, match="global_step 5"):
         loop.train()
@@ -194,7 +241,8 @@ def test_the_deferred_check_holds_the_host_batches_not_their_device_copies(train
 
 
 def test_the_cli_exits_6_with_one_paragraph_and_keeps_the_last_finite_checkpoint(tmp_path):
-    (tmp_path / "task.py").write_text(textwrap.dedent('''
+    (tmp_path / "task.py").write_text(
+        textwrap.dedent("""
         import torch
 
         class Data(torch.utils.data.Dataset):
@@ -210,15 +258,19 @@ def test_the_cli_exits_6_with_one_paragraph_and_keeps_the_last_finite_checkpoint
 
         def data(**_):
             return Data()
-    '''))
-    (tmp_path / "plugin.py").write_text(textwrap.dedent('''
+    """)
+    )
+    (tmp_path / "plugin.py").write_text(
+        textwrap.dedent("""
         import torch.nn.functional as F
 
         def compute_loss(loop, model, batch, num_items_in_batch):
             loss = F.cross_entropy(model(batch["x"]), batch["labels"], reduction="sum") / num_items_in_batch
             return loss * float("inf") if loop.state.global_step + 1 >= 7 else loss
-    '''))
-    (tmp_path / "config.toml").write_text(textwrap.dedent('''
+    """)
+    )
+    (tmp_path / "config.toml").write_text(
+        textwrap.dedent("""
         [model]
         factory = "task.py:build"
         [data]
@@ -232,7 +284,8 @@ def test_the_cli_exits_6_with_one_paragraph_and_keeps_the_last_finite_checkpoint
         save_total_limit = 1
         [plugins]
         local = ["plugin.py"]
-    '''))
+    """)
+    )
     proc = run_cli("run", "config.toml", cwd=tmp_path, env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert proc.returncode == 6, proc.stderr
     assert "Traceback" not in proc.stderr

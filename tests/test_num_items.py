@@ -28,8 +28,13 @@ class OwnMeanLoss(nn.Module):
 
 
 def _loop(train_args, model, plugins=(), **args):
-    loop = Loop(model, train_args(max_steps=2, per_device_train_batch_size=8, overwrite_output_dir=True, **args),
-                train_dataset=toys.Blobs(32), plugins=plugins, blocked_plugins=["console"])
+    loop = Loop(
+        model,
+        train_args(max_steps=2, per_device_train_batch_size=8, overwrite_output_dir=True, **args),
+        train_dataset=toys.Blobs(32),
+        plugins=plugins,
+        blocked_plugins=["console"],
+    )
     loop.train()
     return loop
 
@@ -54,7 +59,9 @@ def test_one_batch_step_of_an_own_loss_model_skips_the_count(train_args):
 
     counted = _loop(train_args, OwnMeanLoss(), plugins=[CountingDefault()])
     # Same losses and weights, bit for bit: the count was not needed.
-    assert [h.get("loss") for h in loop.state.log_history] == [h.get("loss") for h in counted.state.log_history]
+    assert [h.get("loss") for h in loop.state.log_history] == [
+        h.get("loss") for h in counted.state.log_history
+    ]
     for a, b in zip(loop.model.parameters(), counted.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -76,8 +83,12 @@ def test_the_count_is_made_whenever_it_is_read(train_args):
     loop = _loop(train_args, OwnMeanLoss(), plugins=[Weighted()])
     assert seen and all(torch.is_tensor(n) and int(n) == 8 for n in seen)  # one batch, still counted
 
-    lm = Loop(toys.tiny_llama(), train_args(max_steps=1, per_device_train_batch_size=4, overwrite_output_dir=True),
-              train_dataset=toys.lm_samples(8), blocked_plugins=["console"])
+    lm = Loop(
+        toys.tiny_llama(),
+        train_args(max_steps=1, per_device_train_batch_size=4, overwrite_output_dir=True),
+        train_dataset=toys.lm_samples(8),
+        blocked_plugins=["console"],
+    )
     lm.train()
     batch = next(iter(lm.train_loader))
     expected = int((batch["labels"][:, 1:] != -100).sum())

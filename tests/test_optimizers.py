@@ -12,15 +12,21 @@ def optimizer_of(loop):
     return loop.hook.create_optimizer(loop=loop, model=loop.model)
 
 
-@pytest.mark.parametrize("name,cls,extra", [
-    ("adamw_torch", torch.optim.AdamW, {"fused": False}),
-    ("adamw_torch_fused", torch.optim.AdamW, {"fused": True}),
-    ("sgd", torch.optim.SGD, {"momentum": 0.0}),
-    ("adafactor", pytest.importorskip("transformers.optimization").Adafactor,
-     {"scale_parameter": False, "relative_step": False}),
-    ("rmsprop", torch.optim.RMSprop, {}),
-    ("adagrad", torch.optim.Adagrad, {}),
-])
+@pytest.mark.parametrize(
+    "name,cls,extra",
+    [
+        ("adamw_torch", torch.optim.AdamW, {"fused": False}),
+        ("adamw_torch_fused", torch.optim.AdamW, {"fused": True}),
+        ("sgd", torch.optim.SGD, {"momentum": 0.0}),
+        (
+            "adafactor",
+            pytest.importorskip("transformers.optimization").Adafactor,
+            {"scale_parameter": False, "relative_step": False},
+        ),
+        ("rmsprop", torch.optim.RMSprop, {}),
+        ("adagrad", torch.optim.Adagrad, {}),
+    ],
+)
 def test_optim_by_name(make_loop, name, cls, extra):
     opt = optimizer_of(make_loop(optim=name, learning_rate=0.02))
     assert type(opt) is cls
@@ -69,8 +75,10 @@ def test_parameter_groups_no_decay_and_lr_multipliers(make_loop):
         for p in g["params"]:
             by_name[names[id(p)]] = (g["lr"], g["weight_decay"])
     assert by_name == {
-        "net.0.weight": (0.05, 0.01), "net.0.bias": (0.05, 0.0),
-        "net.2.weight": (0.5, 0.01), "net.2.bias": (0.5, 0.0),
+        "net.0.weight": (0.05, 0.01),
+        "net.0.bias": (0.05, 0.0),
+        "net.2.weight": (0.5, 0.01),
+        "net.2.bias": (0.5, 0.0),
     }
 
 
@@ -85,9 +93,13 @@ def test_without_weight_decay_one_group_makes_the_same_update_as_hfs_two(make_lo
         start = [p.clone() for p in model.parameters()]
     names = dict(model.named_parameters())
     two = torch.optim.AdamW(
-        [{"params": [names[n] for n in names if not n.endswith("bias")], "weight_decay": 0.0},
-         {"params": [names[n] for n in names if n.endswith("bias")], "weight_decay": 0.0}],
-        lr=loop.args.learning_rate, fused=True)
+        [
+            {"params": [names[n] for n in names if not n.endswith("bias")], "weight_decay": 0.0},
+            {"params": [names[n] for n in names if n.endswith("bias")], "weight_decay": 0.0},
+        ],
+        lr=loop.args.learning_rate,
+        fused=True,
+    )
     grads = [torch.randn_like(p) for p in model.parameters()]
     results = []
     for optimizer in (opt, two):
@@ -105,8 +117,15 @@ def test_lr_multiplier_scales_the_update_through_training(run_loop, tmp_path):
     multiplier is 1 would have moved it with a 0.25x LR on that layer only -- check one step."""
     from corelooper_testing import tiny_task
 
-    loop = run_loop(optim="sgd", learning_rate=0.2, max_steps=1, eval_strategy="no", save_strategy="no",
-                    lr_multipliers={r"net\.0\.weight": 0.25}, max_grad_norm=0.0)
+    loop = run_loop(
+        optim="sgd",
+        learning_rate=0.2,
+        max_steps=1,
+        eval_strategy="no",
+        save_strategy="no",
+        lr_multipliers={r"net\.0\.weight": 0.25},
+        max_grad_norm=0.0,
+    )
     model0, train, _, _ = tiny_task()
     batch = next(iter(loop.hook.train_dataloader(loop=loop, dataset=train)))
     loss = torch.nn.functional.cross_entropy(model0(batch["x"]), batch["labels"])
@@ -118,7 +137,9 @@ def test_lr_multiplier_scales_the_update_through_training(run_loop, tmp_path):
 
 
 def test_unknown_optimizer_and_bad_options_are_config_errors(make_loop):
-    with pytest.raises(ConfigError, match=r"train.optim = 'adamw_torh'.*Did you mean 'adamw_torch'.*create_optimizer"):
+    with pytest.raises(
+        ConfigError, match=r"train.optim = 'adamw_torh'.*Did you mean 'adamw_torch'.*create_optimizer"
+    ):
         optimizer_of(make_loop(optim="adamw_torh"))
     with pytest.raises(ConfigError, match="optim_args.*KEY=VALUE"):
         optimizer_of(make_loop(optim="sgd", optim_args="momentum"))
@@ -136,13 +157,17 @@ class ASGDPlugin:
             return None
         from corelooper.hf.optimizers import optim_kwargs, parameter_groups_for
 
-        return torch.optim.ASGD(parameter_groups_for(loop, model), lr=loop.args.learning_rate,
-                                **optim_kwargs(loop.args))
+        return torch.optim.ASGD(
+            parameter_groups_for(loop, model), lr=loop.args.learning_rate, **optim_kwargs(loop.args)
+        )
 
 
 def test_a_plugin_adds_an_optimizer_name(run_loop, make_loop, tmp_path):
     loop = run_loop([ASGDPlugin()], optim="asgd", optim_args="lambd=0.001", save_strategy="no")
-    assert type(loop.optimizer.optimizer if hasattr(loop.optimizer, "optimizer") else loop.optimizer) is torch.optim.ASGD
+    assert (
+        type(loop.optimizer.optimizer if hasattr(loop.optimizer, "optimizer") else loop.optimizer)
+        is torch.optim.ASGD
+    )
     assert optimizer_of(loop).defaults["lambd"] == 0.001
     # other names still reach the builtin provider
     assert type(optimizer_of(make_loop([ASGDPlugin()], optim="sgd"))) is torch.optim.SGD

@@ -12,8 +12,13 @@ def two_runs(tmp_path_factory):
     dirs = []
     for lr in (0.05, 0.01):
         out = base / f"lr{lr}"
-        loop = build_loop(output_dir=out, learning_rate=lr, save_strategy="no", max_grad_norm=1.0,
-                          lr_scheduler_type="linear")
+        loop = build_loop(
+            output_dir=out,
+            learning_rate=lr,
+            save_strategy="no",
+            max_grad_norm=1.0,
+            lr_scheduler_type="linear",
+        )
         loop.train()
         dirs.append(out)
     return dirs

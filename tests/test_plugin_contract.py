@@ -71,8 +71,13 @@ class ClosingPlugin(LatePlugin):
 
 
 def test_a_plugin_registered_after_the_loop_is_configured(train_args, tmp_path):
-    args = train_args(per_device_train_batch_size=8, max_steps=6, save_strategy="steps", save_steps=3,
-                      output_dir=str(tmp_path / "run"))
+    args = train_args(
+        per_device_train_batch_size=8,
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        output_dir=str(tmp_path / "run"),
+    )
     loop = Loop(toys.mlp(), args, train_dataset=toys.Blobs(64), blocked_plugins=["console"])
     late = LatePlugin()
     loop.plugins.register(late, "late")
@@ -81,8 +86,12 @@ def test_a_plugin_registered_after_the_loop_is_configured(train_args, tmp_path):
     assert isinstance(counter, Counter) and loop.plugins.info["late.run"].kind == "run"
     loop.train()
     assert counter.steps == 6 and len(late.configured) == 1
-    assert json.loads((tmp_path / "run" / "checkpoint-3" / "plugins.json").read_text())["late"] == {"steps": 3}
-    assert json.loads((tmp_path / "run" / "checkpoint-6" / "plugins.json").read_text())["late"] == {"steps": 6}
+    assert json.loads((tmp_path / "run" / "checkpoint-3" / "plugins.json").read_text())["late"] == {
+        "steps": 3
+    }
+    assert json.loads((tmp_path / "run" / "checkpoint-6" / "plugins.json").read_text())["late"] == {
+        "steps": 6
+    }
 
 
 def test_a_late_plugin_that_declares_config_sections_is_refused(train_args):
@@ -93,13 +102,17 @@ def test_a_late_plugin_that_declares_config_sections_is_refused(train_args):
             return {"sections": {"x": 1}}
 
     loop = Loop(toys.mlp(), train_args(max_steps=1), train_dataset=toys.Blobs(8))
-    with pytest.raises(PluginError, match=r"'sections' declares config sections .* registered after the "
-                                          r"config was validated: pass it to Loop\(plugins=\[...\]\)"):
+    with pytest.raises(
+        PluginError,
+        match=r"'sections' declares config sections .* registered after the "
+        r"config was validated: pass it to Loop\(plugins=\[...\]\)",
+    ):
         loop.plugins.register(Sections(), "sections")
     assert loop.plugins.get("sections") is None
     # the same plugin passed to the Loop is fine
-    assert Loop(toys.mlp(), train_args(max_steps=1), train_dataset=toys.Blobs(8),
-                plugins=[Sections()]).config.section("sections") == {"x": 1}
+    assert Loop(
+        toys.mlp(), train_args(max_steps=1), train_dataset=toys.Blobs(8), plugins=[Sections()]
+    ).config.section("sections") == {"x": 1}
 
 
 def test_unconfigure_fires_once_when_the_loop_is_closed(train_args, tmp_path):
@@ -113,8 +126,12 @@ def test_unconfigure_fires_once_when_the_loop_is_closed(train_args, tmp_path):
     assert late.unconfigured == [(loop.config, loop.plugins)]
 
     late = ClosingPlugin()
-    with Loop(toys.mlp(), train_args(max_steps=2, output_dir=str(tmp_path / "b")), train_dataset=toys.Blobs(16),
-              plugins=[late]) as loop:
+    with Loop(
+        toys.mlp(),
+        train_args(max_steps=2, output_dir=str(tmp_path / "b")),
+        train_dataset=toys.Blobs(16),
+        plugins=[late],
+    ) as loop:
         loop.train()
         assert late.unconfigured == []
     assert len(late.unconfigured) == 1
@@ -123,7 +140,8 @@ def test_unconfigure_fires_once_when_the_loop_is_closed(train_args, tmp_path):
 def test_unconfigure_fires_for_a_script_that_never_closes_its_loop(tmp_path):
     """The finalizer: when the Loop is collected, and at interpreter exit."""
     script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import gc, sys
         sys.path.insert(0, {str(TOYS.parent)!r})
         import toys
@@ -146,9 +164,15 @@ def test_unconfigure_fires_for_a_script_that_never_closes_its_loop(tmp_path):
         print("collected", flush=True)
         kept = Loop(toys.mlp(), args, train_dataset=toys.Blobs(8), plugins=[Marker("at-exit")])
         print("exiting", flush=True)
-    """))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                       env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"})
+    """)
+    )
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if x.split()[0] in ("unconfigured", "collected", "exiting")]
     assert lines == ["unconfigured collected", "collected", "exiting", "unconfigured at-exit"], r.stdout
@@ -178,34 +202,71 @@ def test_section_or_inactive_is_the_configure_opening(train_args):
 # -- settings name the plugin they need --------------------------------------------------------
 
 
-@pytest.mark.parametrize(("train", "blocked", "needles"), [
-    ({"save_strategy": "best", "eval_strategy": "steps", "eval_steps": 1, "metric_for_best_model": "loss"},
-     ["best_metric"], ["train.save_strategy = 'best'", "'best_metric'"]),
-    ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps", "eval_steps": 1,
-      "save_steps": 1}, ["best_metric"], ["train.load_best_model_at_end = True", "'best_metric'"]),
-    ({"auto_find_batch_size": True}, ["auto_batch_size"],
-     ["train.auto_find_batch_size = True", "'auto_batch_size'"]),
-    ({"deepspeed": "ds.json"}, ["deepspeed"], ["train.deepspeed = 'ds.json'", "'deepspeed'"]),
-    ({"neftune_noise_alpha": 5.0}, ["neftune"], ["train.neftune_noise_alpha = 5.0", "'neftune'"]),
-])
+@pytest.mark.parametrize(
+    ("train", "blocked", "needles"),
+    [
+        (
+            {
+                "save_strategy": "best",
+                "eval_strategy": "steps",
+                "eval_steps": 1,
+                "metric_for_best_model": "loss",
+            },
+            ["best_metric"],
+            ["train.save_strategy = 'best'", "'best_metric'"],
+        ),
+        (
+            {
+                "load_best_model_at_end": True,
+                "eval_strategy": "steps",
+                "save_strategy": "steps",
+                "eval_steps": 1,
+                "save_steps": 1,
+            },
+            ["best_metric"],
+            ["train.load_best_model_at_end = True", "'best_metric'"],
+        ),
+        (
+            {"auto_find_batch_size": True},
+            ["auto_batch_size"],
+            ["train.auto_find_batch_size = True", "'auto_batch_size'"],
+        ),
+        ({"deepspeed": "ds.json"}, ["deepspeed"], ["train.deepspeed = 'ds.json'", "'deepspeed'"]),
+        ({"neftune_noise_alpha": 5.0}, ["neftune"], ["train.neftune_noise_alpha = 5.0", "'neftune'"]),
+    ],
+)
 def test_a_setting_whose_plugin_is_blocked_is_refused(train_args, train, blocked, needles):
     with pytest.raises(ConfigError) as info:
-        Loop(toys.mlp(), train_args(max_steps=1, **train), train_dataset=toys.Blobs(8),
-             eval_dataset=toys.Blobs(8), blocked_plugins=blocked)
+        Loop(
+            toys.mlp(),
+            train_args(max_steps=1, **train),
+            train_dataset=toys.Blobs(8),
+            eval_dataset=toys.Blobs(8),
+            blocked_plugins=blocked,
+        )
     text = str(info.value)
     for needle in needles:
         assert needle in text, text
     assert "not loaded for this run (disabled" in text
     # the same settings with the plugin loaded are accepted
     if "deepspeed" not in train:  # (building the DeepSpeed backend needs its JSON file)
-        Loop(toys.mlp(), train_args(max_steps=1, **train), train_dataset=toys.Blobs(8), eval_dataset=toys.Blobs(8))
+        Loop(
+            toys.mlp(),
+            train_args(max_steps=1, **train),
+            train_dataset=toys.Blobs(8),
+            eval_dataset=toys.Blobs(8),
+        )
 
 
 def test_a_setting_whose_plugin_is_not_enabled_is_refused(tmp_path):
     from corelooper.config import Config
 
-    config = Config.from_dict({"train": {"output_dir": str(tmp_path), "auto_find_batch_size": True},
-                               "plugins": {"enable": ["tensorboard"]}})
+    config = Config.from_dict(
+        {
+            "train": {"output_dir": str(tmp_path), "auto_find_batch_size": True},
+            "plugins": {"enable": ["tensorboard"]},
+        }
+    )
     with pytest.raises(ConfigError, match=r"needs the plugin 'auto_batch_size'.*not in plugins.enable"):
         Loop(toys.mlp(), config, train_dataset=toys.Blobs(8))
 
@@ -220,25 +281,30 @@ def test_plugins_translate_the_hf_names_they_answer_to():
     assert owners["logging_dir"] == ["tensorboard"] and owners["auto_find_batch_size"] == ["auto_batch_size"]
     args = TrainArgs(logging_dir="tb", deepspeed={"zero_optimization": {"stage": 1}})
     assert args.plugin_values == {"logging_dir": "tb", "deepspeed": {"zero_optimization": {"stage": 1}}}
-    assert args.plugin_sections == {"tensorboard": {"log_dir": "tb"},
-                                    "deepspeed": {"extra": {"zero_optimization": {"stage": 1}}}}
+    assert args.plugin_sections == {
+        "tensorboard": {"log_dir": "tb"},
+        "deepspeed": {"extra": {"zero_optimization": {"stage": 1}}},
+    }
     with pytest.raises(ConfigError, match="Unknown key train.no_plugin_answers_to_this"):
         TrainArgs(no_plugin_answers_to_this=1)
 
 
 def write_config(tmp_path: Path, train: str = "") -> Path:
     path = tmp_path / "config.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [model]
         factory = "{TOYS}:mlp"
         [data]
         train = "{TOYS}:blobs_train"
         eval = "{TOYS}:blobs_eval"
         [train]
-        output_dir = "{tmp_path / 'out'}"
+        output_dir = "{tmp_path / "out"}"
         max_steps = 2
         logging_steps = 1
-    """) + textwrap.dedent(train))
+    """)
+        + textwrap.dedent(train)
+    )
     return path
 
 
@@ -249,13 +315,16 @@ def one_error_line(r) -> str:
 
 
 def test_cli_refuses_a_blocked_plugins_setting_before_training(tmp_path):
-    config = write_config(tmp_path, """
+    config = write_config(
+        tmp_path,
+        """
         eval_strategy = "steps"
         eval_steps = 1
         save_strategy = "best"
         load_best_model_at_end = true
         metric_for_best_model = "loss"
-    """)
+    """,
+    )
     r = run_cli("run", str(config), "-p", "no:best_metric")
     assert r.returncode == 2, r.stderr
     line = one_error_line(r)
@@ -269,11 +338,14 @@ def test_cli_refuses_a_blocked_plugins_setting_before_training(tmp_path):
     assert "train.auto_find_batch_size = True needs the plugin 'auto_batch_size'" in line, line
 
 
-@pytest.mark.parametrize(("how", "name", "hint"), [
-    ("-p", "tensorbord", "Did you mean 'tensorboard'?"),
-    ("disable", "best_metrc", "Did you mean 'best_metric'?"),
-    ("-p", "no_such_plugin_at_all", "Known: "),
-])
+@pytest.mark.parametrize(
+    ("how", "name", "hint"),
+    [
+        ("-p", "tensorbord", "Did you mean 'tensorboard'?"),
+        ("disable", "best_metrc", "Did you mean 'best_metric'?"),
+        ("-p", "no_such_plugin_at_all", "Known: "),
+    ],
+)
 def test_blocking_a_plugin_that_is_not_there_is_refused(tmp_path, how, name, hint):
     config = write_config(tmp_path)
     if how == "disable":
@@ -290,11 +362,19 @@ def test_blocking_a_plugin_that_is_not_there_is_refused(tmp_path, how, name, hin
 def test_the_cli_closes_its_loop(tmp_path):
     """`corelooper run` ends with corelooper_unconfigure (a local plugin writes a marker there)."""
     local = tmp_path / "marker_plugin.py"
-    local.write_text(textwrap.dedent(f"""
+    local.write_text(
+        textwrap.dedent(f"""
         def corelooper_unconfigure(config):
-            open({str(tmp_path / 'closed')!r}, "a").write(config.train.output_dir + "\\n")
-    """))
-    r = run_cli("run", str(write_config(tmp_path)), "-p", str(local), cwd=REPO,
-                env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"})
+            open({str(tmp_path / "closed")!r}, "a").write(config.train.output_dir + "\\n")
+    """)
+    )
+    r = run_cli(
+        "run",
+        str(write_config(tmp_path)),
+        "-p",
+        str(local),
+        cwd=REPO,
+        env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "closed").read_text() == f"{tmp_path / 'out'}\n"

@@ -50,12 +50,20 @@ class PassingLoss:
 
 def test_a_provider_that_passes_leaves_the_loss_unchanged(train_args, tmp_path):
     args = train_args(per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=4)
-    plain = Loop(mlp(), train_args(per_device_train_batch_size=4, gradient_accumulation_steps=4,
-                                        max_steps=4, output_dir=str(tmp_path / "plain")), train_dataset=toys.Blobs(64), blocked_plugins=["console"])
+    plain = Loop(
+        mlp(),
+        train_args(
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=4,
+            max_steps=4,
+            output_dir=str(tmp_path / "plain"),
+        ),
+        train_dataset=toys.Blobs(64),
+        blocked_plugins=["console"],
+    )
     plain.train()
     passing = PassingLoss()
-    other = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[passing],
-                 blocked_plugins=["console"])
+    other = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[passing], blocked_plugins=["console"])
     other.train()
     assert passing.calls == 16  # asked for every micro-batch, and passed each time
     assert losses(other) == losses(plain)  # was exactly 1/4 of it
@@ -73,11 +81,19 @@ def test_a_mean_loss_provider_is_still_divided_by_the_micro_batches(train_args, 
             return torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"])
 
     args = train_args(per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=4)
-    mean = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[MeanLoss()],
-                blocked_plugins=["console"])
+    mean = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[MeanLoss()], blocked_plugins=["console"])
     mean.train()
-    plain = Loop(mlp(), train_args(per_device_train_batch_size=4, gradient_accumulation_steps=4,
-                                        max_steps=4, output_dir=str(tmp_path / "plain")), train_dataset=toys.Blobs(64), blocked_plugins=["console"])
+    plain = Loop(
+        mlp(),
+        train_args(
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=4,
+            max_steps=4,
+            output_dir=str(tmp_path / "plain"),
+        ),
+        train_dataset=toys.Blobs(64),
+        blocked_plugins=["console"],
+    )
     plain.train()
     # equal micro-batches: the mean of means is the global mean
     assert losses(mean) == pytest.approx(losses(plain), abs=1e-6)
@@ -100,8 +116,9 @@ def test_a_plugin_registered_after_an_event_fired_is_called_from_the_next_one(tr
                 loop.plugins.register(Late(), "late")
 
     args = train_args(per_device_train_batch_size=8, max_steps=6)
-    loop = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[RegistersLate()],
-                blocked_plugins=["console"])
+    loop = Loop(
+        mlp(), args, train_dataset=toys.Blobs(64), plugins=[RegistersLate()], blocked_plugins=["console"]
+    )
     loop.train()
     # on_step_end had fired (and found no "late") at steps 1-3; from step 4 on it is called
     assert seen == [4, 5, 6]
@@ -122,11 +139,19 @@ def test_a_step_provider_can_wrap_the_default_step(train_args, tmp_path):
 
     args = train_args(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=5)
     counting = CountingStep()
-    wrapped = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[counting],
-                   blocked_plugins=["console"])
+    wrapped = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[counting], blocked_plugins=["console"])
     wrapped.train()
-    plain = Loop(mlp(), train_args(per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                        max_steps=5, output_dir=str(tmp_path / "plain")), train_dataset=toys.Blobs(64), blocked_plugins=["console"])
+    plain = Loop(
+        mlp(),
+        train_args(
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_steps=5,
+            output_dir=str(tmp_path / "plain"),
+        ),
+        train_dataset=toys.Blobs(64),
+        blocked_plugins=["console"],
+    )
     plain.train()
     assert counting.steps == 5
     assert losses(wrapped) == losses(plain)
@@ -145,8 +170,9 @@ def test_a_step_provider_can_replace_the_step(train_args):
             return loss, None
 
     args = train_args(per_device_train_batch_size=8, max_steps=3)
-    loop = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[FrozenStep()],
-                blocked_plugins=["console"])
+    loop = Loop(
+        mlp(), args, train_dataset=toys.Blobs(64), plugins=[FrozenStep()], blocked_plugins=["console"]
+    )
     before = weights(loop)
     loop.train()
     assert all(torch.equal(v, weights(loop)[k]) for k, v in before.items())
@@ -188,15 +214,26 @@ def test_state_is_saved_only_when_registered_and_restored_on_resume(train_args, 
         def load_state_dict(self, state):
             raise AssertionError("never called")
 
-    args = train_args(per_device_train_batch_size=8, max_steps=6, save_strategy="steps", save_steps=3,
-                      output_dir=str(tmp_path / "run"))
-    loop = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[CounterPlugin(), Unregistered()],
-                blocked_plugins=["console"])
+    args = train_args(
+        per_device_train_batch_size=8,
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        output_dir=str(tmp_path / "run"),
+    )
+    loop = Loop(
+        mlp(),
+        args,
+        train_dataset=toys.Blobs(64),
+        plugins=[CounterPlugin(), Unregistered()],
+        blocked_plugins=["console"],
+    )
     loop.train()
     saved = json.loads((tmp_path / "run" / "checkpoint-3" / "plugins.json").read_text())
     assert saved["counter"] == {"steps": 3} and "unregistered" not in saved
-    again = Loop(mlp(), args, train_dataset=toys.Blobs(64), plugins=[CounterPlugin()],
-                 blocked_plugins=["console"])
+    again = Loop(
+        mlp(), args, train_dataset=toys.Blobs(64), plugins=[CounterPlugin()], blocked_plugins=["console"]
+    )
     again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
     assert again.plugins.get("counter.run").steps == 6
     assert again.plugins.get("counter.run") is not loop.plugins.get("counter.run")
@@ -228,7 +265,9 @@ def test_inactive_reasons_are_declared_explicitly(train_args):
     assert loop.plugins.inactive["sleepy"] == "no [sleepy] section"
 
 
-@pytest.mark.parametrize("name", ["throughput", "best_metric", "preemption", "console", "jsonl", "run_record"])
+@pytest.mark.parametrize(
+    "name", ["throughput", "best_metric", "preemption", "console", "jsonl", "run_record"]
+)
 def test_core_policies_are_plugins_that_can_be_switched_off(train_args, name):
     args = train_args(per_device_train_batch_size=8, max_steps=2)
     loop = Loop(toys.tiny_lm(), args, train_dataset=toys.lm_samples(16), blocked_plugins=[name])
@@ -258,7 +297,9 @@ def test_an_on_exception_hook_that_raises_is_named_and_the_others_still_run(trai
                 raise KeyError("boom")
 
     reporter = Reporter()
-    loop = Loop(mlp(), train_args(max_steps=3), train_dataset=toys.Blobs(16), plugins=[reporter, Broken(), Fails()])
+    loop = Loop(
+        mlp(), train_args(max_steps=3), train_dataset=toys.Blobs(16), plugins=[reporter, Broken(), Fails()]
+    )
     with caplog.at_level(logging.WARNING, logger="corelooper"), pytest.raises(PluginError, match="boom"):
         loop.train()
     assert reporter.seen == ["KeyError"]

@@ -46,8 +46,10 @@ def test_found_through_its_entry_point():
 def test_inert_by_default(train_args):
     loop = Loop(toys.mlp(), train_args(max_steps=1), train_dataset=toys.Blobs(8))
     loop.train()
-    assert isinstance(loop.optimizer.optimizer if hasattr(loop.optimizer, "optimizer") else loop.optimizer,
-                      torch.optim.AdamW)
+    assert isinstance(
+        loop.optimizer.optimizer if hasattr(loop.optimizer, "optimizer") else loop.optimizer,
+        torch.optim.AdamW,
+    )
 
 
 def _optimizer(loop):
@@ -55,8 +57,17 @@ def _optimizer(loop):
 
 
 def _config(tmp_path, sections: str, **train) -> Config:
-    cfg = Config.from_dict({"train": {"output_dir": str(tmp_path / "out"), "save_strategy": "no",
-                                      "max_steps": 2, "disable_tqdm": True, **train}})
+    cfg = Config.from_dict(
+        {
+            "train": {
+                "output_dir": str(tmp_path / "out"),
+                "save_strategy": "no",
+                "max_steps": 2,
+                "disable_tqdm": True,
+                **train,
+            }
+        }
+    )
     extra = Config.from_dict(__import__("tomllib").loads(textwrap.dedent(sections)))
     cfg = dataclasses.replace(cfg, sections=extra.sections, plugins=extra.plugins)
     if cfg.plugins.enable is None:  # only these two: other installed plugins must not change the outcome
@@ -84,22 +95,35 @@ def test_same_provider_deterministic_winner_and_disable(tmp_path):
 
     marker.unlink()
     # -p no:thirdparty (blocked_plugins): the rival answers; the disabled plugin's section is ignored
-    loop = Loop(toys.mlp(), _config(tmp_path, sections, overwrite_output_dir=True),
-                train_dataset=toys.Blobs(8), blocked_plugins=["thirdparty"])
+    loop = Loop(
+        toys.mlp(),
+        _config(tmp_path, sections, overwrite_output_dir=True),
+        train_dataset=toys.Blobs(8),
+        blocked_plugins=["thirdparty"],
+    )
     loop.train()
     assert type(_optimizer(loop)) is torch.optim.Adagrad
     assert not marker.exists() and "thirdparty" not in loop.plugins.info
     assert loop.plugins.skipped["thirdparty"] == "disabled"
 
     # [plugins] disable = [...] does the same from the config
-    loop = Loop(toys.mlp(), _config(tmp_path, sections + '[plugins]\ndisable = ["thirdparty", "thirdparty_rival"]\n',
-                                    overwrite_output_dir=True), train_dataset=toys.Blobs(8))
+    loop = Loop(
+        toys.mlp(),
+        _config(
+            tmp_path,
+            sections + '[plugins]\ndisable = ["thirdparty", "thirdparty_rival"]\n',
+            overwrite_output_dir=True,
+        ),
+        train_dataset=toys.Blobs(8),
+    )
     loop.train()
     assert type(_optimizer(loop)) is torch.optim.AdamW and not marker.exists()
 
 
 def test_enable_allow_list(tmp_path):
-    cfg = _config(tmp_path, '[plugins]\nenable = ["thirdparty_rival"]\n[thirdparty_rival]\noptimizer = "adagrad"\n')
+    cfg = _config(
+        tmp_path, '[plugins]\nenable = ["thirdparty_rival"]\n[thirdparty_rival]\noptimizer = "adagrad"\n'
+    )
     pl = load_plugins(cfg)
     assert "thirdparty_rival" in pl.info and "thirdparty" not in pl.info
     assert pl.skipped["thirdparty"] == "not in plugins.enable"
@@ -149,7 +173,9 @@ def test_plugin_sections_are_validated(tmp_path):
         load_plugins(_config(tmp_path, '[thirdparty]\noptimiser = "sgd"\n'))
     with pytest.raises(ConfigError, match=r"thirdparty.marker must be of type str.*got 3"):
         load_plugins(_config(tmp_path, "[thirdparty]\nmarker = 3\n"))
-    with pytest.raises(ConfigError, match=r"Unknown config section \[thirdparti\].*Did you mean \[thirdparty\]"):
+    with pytest.raises(
+        ConfigError, match=r"Unknown config section \[thirdparti\].*Did you mean \[thirdparty\]"
+    ):
         load_plugins(_config(tmp_path, '[thirdparti]\noptimizer = "sgd"\n'))
     # declared defaults are filled in
     cfg = _config(tmp_path, '[thirdparty]\noptimizer = "sgd"\n')
@@ -175,7 +201,8 @@ def test_cli_plugins_shows_installed_plugin_and_winner(cli, tmp_path):
     r = cli("plugins", "--config", str(config))
     assert r.returncode == 0, r.stderr
     assert provider_line(r.stdout, "create_optimizer") == (
-        "create_optimizer: thirdparty  (then thirdparty_rival, builtin)")
+        "create_optimizer: thirdparty  (then thirdparty_rival, builtin)"
+    )
 
     local = tmp_path / "cli_local_plugin.py"
     local.write_text("def on_log(state, logs):\n    pass\n")
@@ -211,5 +238,7 @@ def test_report_to_chooses_the_logging_plugins_as_hf(monkeypatch):
     assert {"wandb", "tensorboard"} <= set(pl.skipped) and "wandb" not in pl.info
     pl = load_plugins(Config.from_dict({"train": {}}))  # corelooper's default: "all"
     assert {"wandb", "tensorboard"} <= set(pl.info)
-    with pytest.raises(ConfigError, match=r"train.report_to names \['mlflow'\].*pip install corelooper-mlflow"):
+    with pytest.raises(
+        ConfigError, match=r"train.report_to names \['mlflow'\].*pip install corelooper-mlflow"
+    ):
         load_plugins(Config.from_dict({"train": {"report_to": ["mlflow"]}}))

@@ -40,7 +40,7 @@ def tutorial_files() -> dict[str, str]:
     for block in code_blocks("python") + code_blocks("toml"):
         first, _, _ = block.partition("\n")
         if first.startswith("# file: "):
-            files[first[len("# file: "):]] = block
+            files[first[len("# file: ") :]] = block
     return files
 
 
@@ -96,7 +96,9 @@ def _signature(fn) -> str:
     return fn.__name__ + str(inspect.signature(fn)).split(" ->")[0].replace("'", "")
 
 
-@pytest.mark.parametrize("name", [*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS])
+@pytest.mark.parametrize(
+    "name", [*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
+)
 def test_every_hook_is_documented_with_its_signature(name):
     sig = f"`{_signature(getattr(hookspecs, name))}`"
     docs = DOC.read_text() + (REPO / "docs" / "hooks.md").read_text()

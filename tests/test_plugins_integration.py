@@ -11,14 +11,23 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-PLUGINS = {"tensorboard": "corelooper-tensorboard", "wandb": "corelooper-wandb",
-           "early_stopping": "corelooper-early-stopping"}
+PLUGINS = {
+    "tensorboard": "corelooper-tensorboard",
+    "wandb": "corelooper-wandb",
+    "early_stopping": "corelooper-early-stopping",
+}
 CONFIG = "examples/digits/config.toml"
 # 3 epochs of 6 steps (batch 256), evaluated after each; no accuracy can beat another by more than
 # 1.0, so early stopping (patience 1) ends training after the 2nd evaluation, at step 12.
-SETTINGS = ["train.num_train_epochs=3", "train.per_device_train_batch_size=256", "train.logging_steps=2",
-            "early_stopping.patience=1", "early_stopping.threshold=1.0",
-            "wandb.project=digits-it", 'wandb.tags=["integration"]']
+SETTINGS = [
+    "train.num_train_epochs=3",
+    "train.per_device_train_batch_size=256",
+    "train.logging_steps=2",
+    "early_stopping.patience=1",
+    "early_stopping.threshold=1.0",
+    "wandb.project=digits-it",
+    'wandb.tags=["integration"]',
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,10 +43,16 @@ def env(tmp_path):
     for sub in ("runs", "cache", "config", "data"):
         (wandb / sub).mkdir(parents=True)
     (tmp_path / "tmp").mkdir()
-    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(wandb / "runs"),
-            "WANDB_CACHE_DIR": str(wandb / "cache"), "WANDB_CONFIG_DIR": str(wandb / "config"),
-            "WANDB_DATA_DIR": str(wandb / "data"), "TMPDIR": str(tmp_path / "tmp"),
-            "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DIR": str(wandb / "runs"),
+        "WANDB_CACHE_DIR": str(wandb / "cache"),
+        "WANDB_CONFIG_DIR": str(wandb / "config"),
+        "WANDB_DATA_DIR": str(wandb / "data"),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "",
+    }
 
 
 def digits(out: Path, env: dict, *extra: str, settings=SETTINGS, in_process: bool = False) -> list[dict]:
@@ -79,7 +94,9 @@ def check_tensorboard(out: Path, records: list[dict]) -> None:
     logs = [r for r in records if r["event"] == "log" and "loss" in r]
     evals = [r for r in records if r["event"] == "eval"]
     assert got["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in logs}, rel=1e-6)
-    assert got["train/learning_rate"] == pytest.approx({r["step"]: r["learning_rate"] for r in logs}, rel=1e-6)
+    assert got["train/learning_rate"] == pytest.approx(
+        {r["step"]: r["learning_rate"] for r in logs}, rel=1e-6
+    )
     assert got["eval/accuracy"] == pytest.approx({r["step"]: r["eval_accuracy"] for r in evals}, rel=1e-6)
 
 
@@ -117,7 +134,6 @@ def test_disabling_one_by_config_or_by_p_no_leaves_the_others_working(tmp_path, 
     check_wandb(out, records, env)
 
 
-
 def test_all_installed_two_processes_each_writes_what_it_should_from_the_main_process_only(tmp_path, env):
     # global batch 2 x 256: 3 steps per epoch, early stopping after the 2nd evaluation (step 6)
     out = tmp_path / "ddp"
@@ -147,10 +163,19 @@ def test_two_loops_in_one_process_each_behave_as_if_alone(tmp_path, env, monkeyp
     monkeypatch.chdir(REPO)
 
     def build(name: str, patience: int) -> Loop:
-        cfg = Config.load(REPO / CONFIG, [f"train.output_dir={tmp_path / name}", "train.num_train_epochs=3",
-                                          "train.per_device_train_batch_size=256", "train.logging_steps=2",
-                                          f"early_stopping.patience={patience}", "early_stopping.threshold=1.0",
-                                          f"wandb.project={name}", "train.disable_tqdm=true"])
+        cfg = Config.load(
+            REPO / CONFIG,
+            [
+                f"train.output_dir={tmp_path / name}",
+                "train.num_train_epochs=3",
+                "train.per_device_train_batch_size=256",
+                "train.logging_steps=2",
+                f"early_stopping.patience={patience}",
+                "early_stopping.threshold=1.0",
+                f"wandb.project={name}",
+                "train.disable_tqdm=true",
+            ],
+        )
         return Loop(config=cfg, blocked_plugins=["doctor"])  # its timings differ run to run
 
     def outputs(loop: Loop) -> tuple:
@@ -179,6 +204,7 @@ def test_two_loops_in_one_process_each_behave_as_if_alone(tmp_path, env, monkeyp
     assert sorted(runs) == ["alone_a", "alone_b", "first", "second"]
     for mine, alone in (("first", "alone_a"), ("second", "alone_b")):
         losses = [(r["train/global_step"], r["train/loss"]) for r in runs[mine].history if "train/loss" in r]
-        assert losses == [(r["train/global_step"], r["train/loss"]) for r in runs[alone].history
-                          if "train/loss" in r]
+        assert losses == [
+            (r["train/global_step"], r["train/loss"]) for r in runs[alone].history if "train/loss" in r
+        ]
         assert runs[mine].run_id != runs[alone].run_id

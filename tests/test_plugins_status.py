@@ -22,7 +22,7 @@ def _status_lines(stdout: str) -> dict[str, str]:
     out = {}
     for line in stdout.splitlines():
         if line.startswith("  ") and not line.startswith("   ") and "[" in line:
-            out[line.split()[0]] = line[line.index("[") + 1:line.rindex("]")]
+            out[line.split()[0]] = line[line.index("[") + 1 : line.rindex("]")]
     return out
 
 
@@ -33,12 +33,24 @@ def test_plugins_command_shows_which_plugins_are_active_for_a_config(tmp_path):
     assert plain.returncode == 0, plain.stderr
     status = _status_lines(plain.stdout)
     assert status["tensorboard"] == "installed, active"
-    assert status["wandb"] == ("installed, inactive for this config: no [wandb] section and neither "
-                               "WANDB_PROJECT nor WANDB_MODE is set")
+    assert status["wandb"] == (
+        "installed, inactive for this config: no [wandb] section and neither "
+        "WANDB_PROJECT nor WANDB_MODE is set"
+    )
     assert status["early_stopping"] == "installed, inactive for this config: no [early_stopping] section"
 
-    mixed = run_cli("plugins", "--config", config, "--set", "wandb.project=x", "--set",
-                    "early_stopping.patience=2", "-p", "no:tensorboard", env=env)
+    mixed = run_cli(
+        "plugins",
+        "--config",
+        config,
+        "--set",
+        "wandb.project=x",
+        "--set",
+        "early_stopping.patience=2",
+        "-p",
+        "no:tensorboard",
+        env=env,
+    )
     assert mixed.returncode == 0, mixed.stderr
     status = _status_lines(mixed.stdout)
     assert status["wandb"] == "installed, active" and status["early_stopping"] == "installed, active"

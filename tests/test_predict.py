@@ -66,11 +66,26 @@ def trained(tmp_path_factory):
 
 
 def run(args, cwd, nproc: int = 1):
-    env = {**os.environ, "TMPDIR": str(cwd), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1",
-           "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    launch = [sys.executable, "-m", "corelooper"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "corelooper"]
+    env = {
+        **os.environ,
+        "TMPDIR": str(cwd),
+        "PYTHONHASHSEED": "0",
+        "OMP_NUM_THREADS": "1",
+        "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    launch = (
+        [sys.executable, "-m", "corelooper"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "corelooper",
+        ]
+    )
     return subprocess.run([*launch, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -93,8 +108,11 @@ def test_predict_across_2_processes_is_in_dataset_order(trained):
 def test_a_streaming_metric_is_summed_over_2_processes(trained):
     base, cfg, logits, labels = trained
     streaming = base / "streaming.toml"
-    streaming.write_text(cfg.read_text().replace("predict_task.py\"]", "predict_task.py\", \"{}\"]".format(
-        TESTS / "stream_metric_task.py")))
+    streaming.write_text(
+        cfg.read_text().replace(
+            'predict_task.py"]', 'predict_task.py", "{}"]'.format(TESTS / "stream_metric_task.py")
+        )
+    )
     out = base / "preds_stream.safetensors"
     proc = run(["predict", str(streaming), "--checkpoint", "latest", "--output", str(out)], base, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,7 +134,9 @@ def test_a_streaming_metric_is_summed_over_2_processes(trained):
 def test_predict_jsonl_one_process(trained):
     base, cfg, logits, labels = trained
     out = base / "preds.jsonl"
-    proc = run(["predict", str(cfg), "--checkpoint", str(base / "run" / "checkpoint-6"), "-o", str(out)], base)
+    proc = run(
+        ["predict", str(cfg), "--checkpoint", str(base / "run" / "checkpoint-6"), "-o", str(out)], base
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(37))
@@ -184,8 +204,11 @@ def test_predict_same_with_and_without_accumulation(make_loop):
 
 
 def _files(folder: Path) -> dict[str, tuple[int, int, bytes]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_eval_and_predict_leave_the_training_runs_files_as_they_were(tmp_path):
@@ -222,5 +245,7 @@ def test_a_jsonl_of_logits_is_written_with_a_note_pointing_at_safetensors(tmp_pa
         out.write_predictions(tmp_path / "p.jsonl", logits, None, {})
         out.write_predictions(tmp_path / "ids.jsonl", logits.argmax(-1), None, {})  # ids: no note
     notes = [r.getMessage() for r in caplog.records]
-    assert len(notes) == 1 and "[2, 5, 128] floats" in notes[0] and ".safetensors holds them exactly" in notes[0]
+    assert (
+        len(notes) == 1 and "[2, 5, 128] floats" in notes[0] and ".safetensors holds them exactly" in notes[0]
+    )
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 2

@@ -28,7 +28,7 @@ from corelooper.checkpoints.checkpoint import MANIFEST, list_checkpoints
 
 STEPS = 12
 
-TASK = '''
+TASK = """
 import torch
 from torch import nn
 
@@ -61,11 +61,11 @@ def build(hidden=16):
 
 def train_set(**_):
     return Samples()
-'''
+"""
 
 # A plugin the tests steer through files in $CKPT_TEST_DIR: it pauses inside a step or inside a
 # checkpoint save (its state_dict) until told to go on, and records what on_train_end saw.
-PLUGIN = '''
+PLUGIN = """
 import json
 import os
 import time
@@ -107,9 +107,9 @@ def corelooper_configure(plugins):
 
 def on_train_end(state):
     (DIR / "train_end.json").write_text(json.dumps({"preempted": state.preempted, "step": state.global_step}))
-'''
+"""
 
-CONFIG = f'''
+CONFIG = f"""
 [model]
 factory = "task.py:build"
 args = {{ hidden = 16 }}
@@ -129,7 +129,7 @@ seed = 7
 
 [plugins]
 local = ["plugin.py"]
-'''
+"""
 
 
 def make_project(root: Path) -> Path:
@@ -142,13 +142,24 @@ def make_project(root: Path) -> Path:
 
 
 def env_for(root: Path, **extra) -> dict:
-    return {**os.environ, "CKPT_TEST_DIR": str(root / "ctl"), "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1",
-            "PYTHONHASHSEED": "0", **extra}
+    return {
+        **os.environ,
+        "CKPT_TEST_DIR": str(root / "ctl"),
+        "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "PYTHONHASHSEED": "0",
+        **extra,
+    }
 
 
 def corelooper(root: Path, *args: str, **env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "corelooper", "run", "config.toml", *args], cwd=root,
-                            env=env_for(root, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "corelooper", "run", "config.toml", *args],
+        cwd=root,
+        env=env_for(root, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
@@ -160,7 +171,9 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
     end = time.time() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {path.name}: {proc.stderr.read()}")
+            raise AssertionError(
+                f"process exited ({proc.returncode}) before {path.name}: {proc.stderr.read()}"
+            )
         if time.time() > end:
             proc.kill()
             raise AssertionError(f"timed out waiting for {path}")
@@ -253,8 +266,11 @@ def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path, reference):
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-4", "checkpoint-8", "checkpoint-12"]
     assert_same_final_model(out, reference)
     # metrics.jsonl reads as one run: the killed run's records after checkpoint-4 were dropped
-    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if json.loads(line)["event"] == "log" and "loss" in json.loads(line)]
+    logged = [
+        json.loads(line)["step"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["event"] == "log" and "loss" in json.loads(line)
+    ]
     assert logged == list(range(1, STEPS + 1))
     assert step_losses(out) == step_losses(reference)
 
@@ -273,8 +289,14 @@ def _loop(out: Path, plugins=()):
     from corelooper.config import TrainArgs
     from corelooper.loop import Loop
 
-    args = TrainArgs(output_dir=str(out), max_steps=8, save_strategy="no", per_device_train_batch_size=8,
-                     logging_steps=1, learning_rate=1e-2)
+    args = TrainArgs(
+        output_dir=str(out),
+        max_steps=8,
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        learning_rate=1e-2,
+    )
     torch.manual_seed(0)
     return Loop(toys.mlp(), args, train_dataset=toys.Blobs(64), plugins=plugins, blocked_plugins=["console"])
 
@@ -385,11 +407,18 @@ if __name__ == "__main__":
 def test_two_processes_stop_at_the_same_step_and_resume_exactly(tmp_path):
     script = tmp_path / "ddp_preempt.py"
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = {name: {r: json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)}
-           for name in ("stopped", "resumed", "straight")}
+    res = {
+        name: {r: json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in (0, 1)}
+        for name in ("stopped", "resumed", "straight")
+    }
     stopped, resumed, straight = res["stopped"], res["resumed"], res["straight"]
     assert stopped[0]["preempted"] and stopped[1]["preempted"]
     assert stopped[0]["step"] == stopped[1]["step"] == 3

@@ -10,10 +10,21 @@ from conftest import run_cli
 def test_profile_plugins_reports_each_plugin_hook_with_call_counts(tmp_path):
     steps = 7
     proc = run_cli(
-        "run", "examples/digits/config.toml", "--profile-plugins",
-        "--set", f"train.output_dir={tmp_path / 'out'}", "--set", f"train.max_steps={steps}",
-        "--set", "train.eval_strategy='no'", "--set", "train.save_strategy='no'",
-        "--set", "train.load_best_model_at_end=false", "--set", "train.logging_steps=3",
+        "run",
+        "examples/digits/config.toml",
+        "--profile-plugins",
+        "--set",
+        f"train.output_dir={tmp_path / 'out'}",
+        "--set",
+        f"train.max_steps={steps}",
+        "--set",
+        "train.eval_strategy='no'",
+        "--set",
+        "train.save_strategy='no'",
+        "--set",
+        "train.load_best_model_at_end=false",
+        "--set",
+        "train.logging_steps=3",
         env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -23,8 +34,12 @@ def test_profile_plugins_reports_each_plugin_hook_with_call_counts(tmp_path):
     for line in out.splitlines():
         m = re.match(r"\s+(\S+)\s+(\w+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)$", line)
         if m:
-            rows[(m.group(1), m.group(2))] = (int(m.group(3)), float(m.group(4)), float(m.group(5)),
-                                              float(m.group(6)))
+            rows[(m.group(1), m.group(2))] = (
+                int(m.group(3)),
+                float(m.group(4)),
+                float(m.group(5)),
+                float(m.group(6)),
+            )
     # one compute_loss per micro-batch, plus the final evaluation's 2 batches (359 samples / 256)
     assert rows[("builtin", "compute_loss")][0] == steps + 2
     assert rows[("builtin", "on_step_end")][0] == steps

@@ -33,14 +33,23 @@ class Net(torch.nn.Module):
 def rows(n, weighted, seed=0):
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
-    return [{"pixel_values": x[i], "labels": y[i], **({"weight": torch.tensor(2.0)} if weighted else {})}
-            for i in range(n)]
+    return [
+        {"pixel_values": x[i], "labels": y[i], **({"weight": torch.tensor(2.0)} if weighted else {})}
+        for i in range(n)
+    ]
 
 
 def test_readme_compute_loss_trains_weighted_and_evaluates(tmp_path):
     plugin = readme_plugin()
-    args = {"train": {"output_dir": str(tmp_path), "max_steps": 3, "save_strategy": "no",
-                      "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}}
+    args = {
+        "train": {
+            "output_dir": str(tmp_path),
+            "max_steps": 3,
+            "save_strategy": "no",
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+        }
+    }
     collated = torch.utils.data.default_collate(rows(4, True))
     net = Net()
     loss = plugin.compute_loss(net, collated, torch.tensor(4), False)

@@ -19,8 +19,9 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 def tiny(vocab=96, seed=0):
     torch.manual_seed(seed)
-    return build(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
+    return build(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
 
 
 def _perturb(model, seed=1, scale=0.05):
@@ -44,12 +45,17 @@ def test_weighted_loss_matches_hand_computation_and_reduces_to_the_model_loss(tm
     labels = ids.clone()
     labels[1, 7:] = -100
     weights = torch.tensor([0.5, 1.0, 2.0])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
-             "difficulty_score": weights}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": labels,
+        "difficulty_score": weights,
+    }
     n = (labels[:, 1:] != -100).sum()
     model.train()
-    loss = loop.hook.compute_loss(loop=loop, model=model, batch=batch, num_items_in_batch=n,
-                                  return_outputs=False)
+    loss = loop.hook.compute_loss(
+        loop=loop, model=model, batch=batch, num_items_in_batch=n, return_outputs=False
+    )
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     total = 0.0
@@ -60,23 +66,36 @@ def test_weighted_loss_matches_hand_computation_and_reduces_to_the_model_loss(tm
     assert loss.item() == pytest.approx(total / n.item(), rel=1e-5)
     # Weights 1 = the model's own token-normalised causal-LM loss.
     ones = {**batch, "difficulty_score": torch.ones(3)}
-    loss1 = loop.hook.compute_loss(loop=loop, model=model, batch=ones, num_items_in_batch=n, return_outputs=False)
+    loss1 = loop.hook.compute_loss(
+        loop=loop, model=model, batch=ones, num_items_in_batch=n, return_outputs=False
+    )
     own = model(input_ids=ids, labels=labels).loss
     assert loss1.item() == pytest.approx(own.item(), rel=1e-5)
     # Evaluation reports the unweighted loss.
     model.eval()
-    eval_loss = loop.hook.compute_loss(loop=loop, model=model, batch=batch, num_items_in_batch=n,
-                                       return_outputs=False)
+    eval_loss = loop.hook.compute_loss(
+        loop=loop, model=model, batch=batch, num_items_in_batch=n, return_outputs=False
+    )
     assert eval_loss.item() == pytest.approx(own.item(), rel=1e-5)
 
 
 def test_weighted_loss_example_trains_with_perplexity(tmp_path):
-    cfg = Config.load(ROOT / "examples/causal_lm/config.toml", [
-        f"train.output_dir={tmp_path}", "train.max_steps=10", "train.logging_steps=5", "train.eval_steps=10",
-        "train.save_strategy=no", "train.per_device_train_batch_size=8",
-        "model.args.vocab_size=512", "data.args.vocab_size=512", "data.args.seq_len=64", "model.args.hidden_size=32",
-        'plugins.local=["examples.causal_lm.plugin", "examples.causal_lm.weighted_loss"]',
-    ])
+    cfg = Config.load(
+        ROOT / "examples/causal_lm/config.toml",
+        [
+            f"train.output_dir={tmp_path}",
+            "train.max_steps=10",
+            "train.logging_steps=5",
+            "train.eval_steps=10",
+            "train.save_strategy=no",
+            "train.per_device_train_batch_size=8",
+            "model.args.vocab_size=512",
+            "data.args.vocab_size=512",
+            "data.args.seq_len=64",
+            "model.args.hidden_size=32",
+            'plugins.local=["examples.causal_lm.plugin", "examples.causal_lm.weighted_loss"]',
+        ],
+    )
     loop = Loop(config=cfg)
     assert loop.plugins.provider_order("compute_loss")[0] == "examples.causal_lm.weighted_loss"
     loop.train()
@@ -107,8 +126,9 @@ def test_dpo_loss_equals_hand_computation_on_a_fixed_batch(tmp_path):
         {"prompt_ids": [20, 21], "chosen_ids": [22], "rejected_ids": [23, 24, 25, 26, 0]},
     ]
     batch = DPOCollator(pad_token_id=1)(pairs)
-    loss = loop.hook.compute_loss(loop=loop, model=loop.model, batch=batch, num_items_in_batch=None,
-                                  return_outputs=False)
+    loss = loop.hook.compute_loss(
+        loop=loop, model=loop.model, batch=batch, num_items_in_batch=None, return_outputs=False
+    )
 
     def logp(model, prompt, completion):
         ids = torch.tensor([prompt + completion])
@@ -119,19 +139,33 @@ def test_dpo_loss_equals_hand_computation_on_a_fixed_batch(tmp_path):
     ref = loop.plugins.get("dpo.run").reference
     terms = []
     for p in pairs:
-        margin = 0.3 * ((logp(loop.model, p["prompt_ids"], p["chosen_ids"]) - logp(ref, p["prompt_ids"], p["chosen_ids"]))
-                        - (logp(loop.model, p["prompt_ids"], p["rejected_ids"]) - logp(ref, p["prompt_ids"], p["rejected_ids"])))
+        margin = 0.3 * (
+            (logp(loop.model, p["prompt_ids"], p["chosen_ids"]) - logp(ref, p["prompt_ids"], p["chosen_ids"]))
+            - (
+                logp(loop.model, p["prompt_ids"], p["rejected_ids"])
+                - logp(ref, p["prompt_ids"], p["rejected_ids"])
+            )
+        )
         terms.append(-math.log(1 / (1 + math.exp(-margin))))
     assert loss.item() == pytest.approx(sum(terms) / 2, rel=1e-4)
     assert abs(loss.item() - math.log(2)) > 1e-3  # the perturbed policy is not the reference
 
 
 def test_dpo_example_trains_logs_reward_margins_and_keeps_the_reference_frozen(tmp_path):
-    cfg = Config.load(ROOT / "examples/dpo/config.toml", [
-        f"train.output_dir={tmp_path}", "train.max_steps=6", "train.logging_steps=3", "train.eval_steps=6",
-        "model.args.hidden_size=32", "data.args.max_pairs=200", "train.per_device_train_batch_size=8",
-        "train.learning_rate=3e-3", "train.logging_first_step=true",
-    ])
+    cfg = Config.load(
+        ROOT / "examples/dpo/config.toml",
+        [
+            f"train.output_dir={tmp_path}",
+            "train.max_steps=6",
+            "train.logging_steps=3",
+            "train.eval_steps=6",
+            "model.args.hidden_size=32",
+            "data.args.max_pairs=200",
+            "train.per_device_train_batch_size=8",
+            "train.learning_rate=3e-3",
+            "train.logging_first_step=true",
+        ],
+    )
     loop = Loop(config=cfg)
     ref_before = {k: v.clone() for k, v in loop.plugins.get("dpo.run").reference.state_dict().items()}
     loop.train()
@@ -144,7 +178,9 @@ def test_dpo_example_trains_logs_reward_margins_and_keeps_the_reference_frozen(t
     assert logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # step 1: policy == reference
     assert logs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     assert logs[-1]["loss"] < math.log(2)  # the policy learned to prefer the true continuations
-    assert all(torch.equal(v, ref_before[k]) for k, v in loop.plugins.get("dpo.run").reference.state_dict().items())
+    assert all(
+        torch.equal(v, ref_before[k]) for k, v in loop.plugins.get("dpo.run").reference.state_dict().items()
+    )
     ev = [h for h in loop.state.log_history if "eval_loss" in h][-1]
     assert "eval_perplexity" not in ev  # exp(DPO loss) is not a perplexity
 
@@ -186,21 +222,33 @@ def test_generation_loader_fetches_once_per_generation_and_resumes_exactly():
     assert sorted(seen[::2]) == list(range(48))  # every prompt once per epoch
 
     for n in (0, 5, 8, 23):
-        again = GenerationBatchLoader(BatchLoader(CountingDataset(48), 8, collate_fn=list, seed=1, drop_last=True),
-                                      4, generate)
+        again = GenerationBatchLoader(
+            BatchLoader(CountingDataset(48), 8, collate_fn=list, seed=1, drop_last=True), 4, generate
+        )
         again.set_epoch(1)
         again.skip(n)
         rest = list(again)
         assert len(rest) == 24 - n
-        assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches[n:], rest, strict=True))
+        assert all(
+            torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches[n:], rest, strict=True)
+        )
 
 
 def test_grpo_style_example_generates_once_per_steps_per_generation(tmp_path):
-    cfg = Config.load(ROOT / "examples/grpo_style_dataloader/config.toml", [
-        f"train.output_dir={tmp_path}", "train.max_steps=4", "train.logging_steps=2",
-        "model.args.hidden_size=32", "data.args.max_prompts=64", "grpo.max_new_tokens=6",
-        "train.per_device_train_batch_size=4", "grpo.steps_per_generation=2", "grpo.num_generations=2",
-    ])
+    cfg = Config.load(
+        ROOT / "examples/grpo_style_dataloader/config.toml",
+        [
+            f"train.output_dir={tmp_path}",
+            "train.max_steps=4",
+            "train.logging_steps=2",
+            "model.args.hidden_size=32",
+            "data.args.max_prompts=64",
+            "grpo.max_new_tokens=6",
+            "train.per_device_train_batch_size=4",
+            "grpo.steps_per_generation=2",
+            "grpo.num_generations=2",
+        ],
+    )
     loop = Loop(config=cfg)
     seen_batches = []
     orig = loop.training_step

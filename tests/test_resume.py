@@ -61,17 +61,34 @@ class StopAt:
 
 
 def make_loop(out, plugins=(), dataset=None, **overrides) -> Loop:
-    args = dict(output_dir=str(out), max_steps=N, per_device_train_batch_size=4,
-                gradient_accumulation_steps=2, logging_steps=1, save_steps=N // 2, learning_rate=1e-2,
-                lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01)
+    args = dict(
+        output_dir=str(out),
+        max_steps=N,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        save_steps=N // 2,
+        learning_rate=1e-2,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        weight_decay=0.01,
+    )
     torch.manual_seed(0)
-    return Loop(DropoutMLP(), TrainArgs(**{**args, **overrides}), train_dataset=dataset or Samples(),
-                plugins=plugins, blocked_plugins=["console"])
+    return Loop(
+        DropoutMLP(),
+        TrainArgs(**{**args, **overrides}),
+        train_dataset=dataset or Samples(),
+        plugins=plugins,
+        blocked_plugins=["console"],
+    )
 
 
 def step_logs(loop: Loop) -> dict[int, tuple]:
-    return {h["step"]: (h["loss"], h["grad_norm"], h["learning_rate"])
-            for h in loop.state.log_history if "loss" in h and "train_runtime" not in h}
+    return {
+        h["step"]: (h["loss"], h["grad_norm"], h["learning_rate"])
+        for h in loop.state.log_history
+        if "loss" in h and "train_runtime" not in h
+    }
 
 
 def assert_same_weights(a: Loop, b: Loop) -> None:
@@ -81,12 +98,20 @@ def assert_same_weights(a: Loop, b: Loop) -> None:
         assert torch.equal(sa[k], sb[k]), f"{k} differs"
 
 
-@pytest.mark.parametrize("overrides", [
-    {},  # GA 2, stop mid-epoch
-    {"gradient_accumulation_steps": 1, "max_steps": 12, "save_steps": 6},  # 10 steps/epoch: stop mid-epoch 1
-    {"dataloader_num_workers": 1},  # worker seeds must not be drawn from the (restored) global RNG
-    {"logging_steps": 3},  # stop at 7, inside the logging window 7..9: the log at 9 averages 3 steps
-], ids=["ga2-mid-epoch", "no-ga", "worker", "log-window"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # GA 2, stop mid-epoch
+        {
+            "gradient_accumulation_steps": 1,
+            "max_steps": 12,
+            "save_steps": 6,
+        },  # 10 steps/epoch: stop mid-epoch 1
+        {"dataloader_num_workers": 1},  # worker seeds must not be drawn from the (restored) global RNG
+        {"logging_steps": 3},  # stop at 7, inside the logging window 7..9: the log at 9 averages 3 steps
+    ],
+    ids=["ga2-mid-epoch", "no-ga", "worker", "log-window"],
+)
 def test_stopped_and_resumed_equals_straight_run(tmp_path, overrides):
     straight = make_loop(tmp_path / "straight", **overrides)
     straight.train()
@@ -105,11 +130,15 @@ def test_stopped_and_resumed_equals_straight_run(tmp_path, overrides):
     logs_straight, logs_resumed = step_logs(straight), step_logs(resumed)
     every = overrides.get("logging_steps", 1)
     assert sorted(logs_resumed) == list(range(every, straight.state.global_step + 1, every)) + (
-        [straight.state.global_step] if straight.state.global_step % every else [])
+        [straight.state.global_step] if straight.state.global_step % every else []
+    )
     assert logs_resumed == logs_straight
     # optimizer moments too (the next step would diverge otherwise)
-    for (ka, va), (kb, vb) in zip(straight.optimizer.state_dict()["state"].items(),
-                                  resumed.optimizer.state_dict()["state"].items(), strict=True):
+    for (ka, va), (kb, vb) in zip(
+        straight.optimizer.state_dict()["state"].items(),
+        resumed.optimizer.state_dict()["state"].items(),
+        strict=True,
+    ):
         assert ka == kb and all(torch.equal(va[n], vb[n]) for n in va)
 
 

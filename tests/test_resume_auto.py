@@ -40,7 +40,9 @@ def test_auto_starts_fresh_then_resumes_after_a_usr1_stop(run_loop, tmp_path, mo
     resumed = run_loop(resume="auto", save_strategy="steps", save_steps=100)
     assert resumed.state.global_step == 8 and not resumed.state.preempted
     whole = run_loop(resume="auto", output_dir=tmp_path / "whole", save_strategy="steps", save_steps=100)
-    assert all(torch.equal(a, b) for a, b in zip(_weights(resumed).values(), _weights(whole).values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(_weights(resumed).values(), _weights(whole).values(), strict=True)
+    )
 
 
 def test_without_the_variable_only_sigterm_and_sigint_stop(monkeypatch):

@@ -17,8 +17,10 @@ import pytest
 from corelooper.checkpoints.lock import LOCK_FILE, RunLock
 from corelooper.errors import CheckpointError
 
-HOLD = ("import sys, time\nfrom corelooper.checkpoints.lock import RunLock\n"
-        "RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(600)\n")
+HOLD = (
+    "import sys, time\nfrom corelooper.checkpoints.lock import RunLock\n"
+    "RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(600)\n"
+)
 
 
 def test_the_lock_of_a_killed_run_is_refused_while_it_lives_and_taken_over_after_kill_9(tmp_path):
@@ -46,6 +48,7 @@ def test_the_lock_of_a_killed_run_is_refused_while_it_lives_and_taken_over_after
 def test_a_file_system_without_flock_is_one_paragraph(tmp_path, monkeypatch, code):
     """Lustre without ``-o flock`` (ENOSYS) or NFS without its lock service (ENOLCK) cannot be
     mounted here, so flock's answer on them is reproduced; the message names the mount option."""
+
     def no_flock(fd, op):
         raise OSError(code, os.strerror(code))
 

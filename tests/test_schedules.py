@@ -33,8 +33,9 @@ def hf_lrs(kind: str, steps: int = TOTAL + 2, warmup: int = WARMUP, **kwargs) ->
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=LR)
-    sched = get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=TOTAL,
-                          scheduler_specific_kwargs=kwargs)
+    sched = get_scheduler(
+        kind, opt, num_warmup_steps=warmup, num_training_steps=TOTAL, scheduler_specific_kwargs=kwargs
+    )
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -51,29 +52,48 @@ def cos_half(progress: float) -> float:
 FORMULAS = {
     ("cosine_with_restarts", (("num_cycles", 2),)): {
         # two hard restarts over the 16 decay steps: cycle length 8
-        2: LR * 2 / 4, 4: LR, 8: LR * cos_half(0.5), 11: LR * cos_half((2 * 7 / 16) % 1),
+        2: LR * 2 / 4,
+        4: LR,
+        8: LR * cos_half(0.5),
+        11: LR * cos_half((2 * 7 / 16) % 1),
         12: LR,  # restart
-        16: LR * cos_half((2 * 12 / 16) % 1), 20: 0.0,
+        16: LR * cos_half((2 * 12 / 16) % 1),
+        20: 0.0,
     },
     ("polynomial", (("power", 2.0), ("lr_end", 1e-3))): {
-        2: LR * 0.5, 4: LR,
+        2: LR * 0.5,
+        4: LR,
         8: (LR - 1e-3) * (1 - 4 / 16) ** 2 + 1e-3,
         14: (LR - 1e-3) * (1 - 10 / 16) ** 2 + 1e-3,
-        20: 1e-3, 21: 1e-3,
+        20: 1e-3,
+        21: 1e-3,
     },
     ("inverse_sqrt", ()): {
-        2: LR * 0.5, 4: LR, 5: LR / math.sqrt(5 / 4), 16: LR / math.sqrt(16 / 4), 21: LR / math.sqrt(21 / 4),
+        2: LR * 0.5,
+        4: LR,
+        5: LR / math.sqrt(5 / 4),
+        16: LR / math.sqrt(16 / 4),
+        21: LR / math.sqrt(21 / 4),
     },
     ("cosine_with_min_lr", (("min_lr", 0.01),)): {
-        4: LR, 12: LR * (cos_half(0.5) * 0.9 + 0.1), 20: 0.01,
+        4: LR,
+        12: LR * (cos_half(0.5) * 0.9 + 0.1),
+        20: 0.01,
     },
     ("warmup_stable_decay", (("num_decay_steps", 6), ("min_lr_ratio", 0.1), ("decay_type", "linear"))): {
         # warmup 0..4 (linear from 0.1*LR), stable 4..14, linear decay 14..20 to 0.1*LR
-        0: LR * 0.1, 2: LR * (0.5 * 0.9 + 0.1), 4: LR, 13: LR, 14: LR,
-        17: LR * ((1 - 3 / 6) * 0.9 + 0.1), 20: LR * 0.1,
+        0: LR * 0.1,
+        2: LR * (0.5 * 0.9 + 0.1),
+        4: LR,
+        13: LR,
+        14: LR,
+        17: LR * ((1 - 3 / 6) * 0.9 + 0.1),
+        20: LR * 0.1,
     },
     ("warmup_stable_decay", (("num_decay_steps", 8),)): {  # HF default decay: cosine
-        12: LR, 16: LR * cos_half(0.5), 20: 0.0,
+        12: LR,
+        16: LR * cos_half(0.5),
+        20: 0.0,
     },
 }
 
@@ -130,13 +150,20 @@ def test_reduce_lr_on_plateau_follows_the_eval_metric(make_loop):
             seen.append(loop.optimizer.param_groups[0]["lr"])
 
     loop = make_loop(
-        [Scores()], max_steps=8, eval_steps=1, logging_steps=1, save_strategy="no", learning_rate=0.1,
-        lr_scheduler_type="reduce_lr_on_plateau", metric_for_best_model="score", greater_is_better=False,
+        [Scores()],
+        max_steps=8,
+        eval_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=0.1,
+        lr_scheduler_type="reduce_lr_on_plateau",
+        metric_for_best_model="score",
+        greater_is_better=False,
         lr_scheduler_kwargs={"factor": 0.5, "patience": 1},
     )
     loop.train()
     # eval 4 is the 2nd without improvement (> patience 1): halve; eval 7 likewise after eval 5's best.
     assert seen == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025])
     step_lrs = [h["learning_rate"] for h in loop.state.log_history if "learning_rate" in h]
-    assert step_lrs == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025][:len(step_lrs)])
+    assert step_lrs == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.025][: len(step_lrs)])
     assert loop.optimizer.param_groups[0]["lr"] == pytest.approx(0.025)

@@ -11,12 +11,23 @@ TESTS = Path(__file__).parent
 
 def _config(tmp_path: Path, *train: str) -> Path:
     path = tmp_path / "stream.toml"
-    path.write_text("\n".join([
-        "[model]", f'factory = "{TESTS / "streams.py"}:recorder"',
-        "[data]", f'train = "{TESTS / "streams.py"}:stream_train"',
-        "[train]", "max_steps = 2", "per_device_train_batch_size = 4", "save_strategy = \"no\"",
-        f'output_dir = "{tmp_path / "run"}"', *train,
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                "[model]",
+                f'factory = "{TESTS / "streams.py"}:recorder"',
+                "[data]",
+                f'train = "{TESTS / "streams.py"}:stream_train"',
+                "[train]",
+                "max_steps = 2",
+                "per_device_train_batch_size = 4",
+                'save_strategy = "no"',
+                f'output_dir = "{tmp_path / "run"}"',
+                *train,
+            ]
+        )
+        + "\n"
+    )
     return path
 
 

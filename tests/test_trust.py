@@ -23,7 +23,7 @@ import torch
 from corelooper.checkpoints.lock import RunLock
 from corelooper.checkpoints.manifest import MANIFEST, write_manifest
 
-TASK = '''
+TASK = """
 import os, time
 import torch
 from torch import nn
@@ -70,14 +70,21 @@ def train_set(bad_from=None, **_):
 
 def eval_set(**_):
     return Samples(16)
-'''
+"""
 
 
 def write_project(root: Path, out: Path, extra: str = "", **train) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "task.py").write_text(textwrap.dedent(TASK))
-    keys = {"max_steps": 4, "per_device_train_batch_size": 8, "save_steps": 2, "learning_rate": 0.01,
-            "logging_steps": 1, "max_grad_norm": 0.0, **train}
+    keys = {
+        "max_steps": 4,
+        "per_device_train_batch_size": 8,
+        "save_steps": 2,
+        "learning_rate": 0.01,
+        "logging_steps": 1,
+        "max_grad_norm": 0.0,
+        **train,
+    }
     body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in keys.items())
     (root / "config.toml").write_text(f'''
 [model]
@@ -147,12 +154,16 @@ def test_same_size_corruption_is_caught(project, name):
     assert f"checkpoint-4: FAILED: {name} fails its checksum" in verify.stdout
     assert "checkpoint-2: ok" in verify.stdout and "latest: checkpoint-2" in verify.stdout
     alone = cli(project, str(ckpt), cmd="verify")  # the checkpoint alone: the same line, the same exit
-    assert alone.returncode == 5 and alone.stdout.strip() == f"checkpoint-4: FAILED: {name} fails its checksum"
+    assert (
+        alone.returncode == 5 and alone.stdout.strip() == f"checkpoint-4: FAILED: {name} fails its checksum"
+    )
     named = cli(project, "--resume-from-checkpoint", str(ckpt))
     one_paragraph(named, 5, str(ckpt / name), "does not match its checksum")
     latest = cli(project, "--resume-from-checkpoint", "latest")
     assert latest.returncode == 0, latest.stderr
-    assert f"resuming from checkpoint-2; skipped newer checkpoint-4 ({name} fails its checksum)" in latest.stderr
+    assert (
+        f"resuming from checkpoint-2; skipped newer checkpoint-4 ({name} fails its checksum)" in latest.stderr
+    )
 
 
 def test_temp_folder_with_a_manifest_is_never_promoted(project):
@@ -207,8 +218,11 @@ def test_nonfinite_weights_are_never_saved_and_the_finite_checkpoint_survives(tm
     finite checkpoint-2 must survive, and neither checkpoint-4 nor a final model is written."""
     root = tmp_path / "p"
     write_project(root, root / "out", save_total_limit=1)
-    cfg = (root / "config.toml").read_text().replace('factory = "task.py:build"',
-                                                      'factory = "task.py:build"\nargs = { blow_after = 2 }')
+    cfg = (
+        (root / "config.toml")
+        .read_text()
+        .replace('factory = "task.py:build"', 'factory = "task.py:build"\nargs = { blow_after = 2 }')
+    )
     (root / "config.toml").write_text(cfg)
     result = cli(root)
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -238,7 +252,9 @@ def test_all_finite_is_one_reduction_that_sees_nan_and_inf():
             one["b"][2] = bad
             assert not all_finite(one)
         one["b"][2] = 0.0
-        one["w"][:] = torch.finfo(dtype).max / 2  # finite; its 2-norm screen overflows: the exact test decides
+        one["w"][:] = (
+            torch.finfo(dtype).max / 2
+        )  # finite; its 2-norm screen overflows: the exact test decides
         assert not math.isfinite(float(torch.linalg.vector_norm(one["w"])))
         assert all_finite(one)
         one["w"][5, 5] = float("nan")
@@ -269,8 +285,16 @@ def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project)
 
 def test_a_moved_run_folder_resumes_and_finishes(tmp_path):
     root = tmp_path / "a"
-    write_project(root, root / "out", extra='eval = "task.py:eval_set"\n', max_steps=6, eval_strategy="steps",
-                  eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss")
+    write_project(
+        root,
+        root / "out",
+        extra='eval = "task.py:eval_set"\n',
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+    )
     result = cli(root, "--set", "train.max_steps=4")
     assert result.returncode == 0, result.stderr
     (root / "out" / "model.safetensors").unlink()  # as if it were stopped at step 4
@@ -295,7 +319,9 @@ def tmpfs(tmp_path):
         d = tmp_path / f"fs{len(mounted)}"
         d.mkdir()
         opts = f"size={size}" + (",ro" if ro else "")
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True
+        )
         if r.returncode:
             pytest.fail(f"mount tmpfs failed (the tests need root): {r.stderr}")
         mounted.append(d)
@@ -310,8 +336,11 @@ def test_disk_full_on_a_real_tmpfs(tmp_path, tmpfs):
     disk = tmpfs("160k")
     root = tmp_path / "p"
     write_project(root, disk / "out", max_steps=60, save_steps=1)
-    cfg = (root / "config.toml").read_text().replace('factory = "task.py:build"',
-                                                      'factory = "task.py:build"\nargs = { hidden = 256 }')
+    cfg = (
+        (root / "config.toml")
+        .read_text()
+        .replace('factory = "task.py:build"', 'factory = "task.py:build"\nargs = { hidden = 256 }')
+    )
     (root / "config.toml").write_text(cfg)
     result = cli(root)
     one_paragraph(result, 5, "disk full (ENOSPC, errno 28) while", str(disk / "out"), "is intact")
@@ -347,8 +376,12 @@ def test_corrupt_config_in_a_checkpoint_and_a_binary_config(project):
     ckpt = project / "out" / "checkpoint-4"
     (ckpt / "config.toml").write_bytes(b"\xff\xfe\x00garbage")
     write_manifest(ckpt)  # the manifest agrees: the reader itself must name the file
-    one_paragraph(cli(project, "--resume-from-checkpoint", str(ckpt)), 5, str(ckpt / "config.toml"),
-                  "UnicodeDecodeError")
+    one_paragraph(
+        cli(project, "--resume-from-checkpoint", str(ckpt)),
+        5,
+        str(ckpt / "config.toml"),
+        "UnicodeDecodeError",
+    )
     (project / "config.toml").write_bytes(os.urandom(64) + b"\xff")
     one_paragraph(cli(project), 2, "config.toml", "not valid TOML")
 
@@ -360,16 +393,27 @@ def test_corrupt_config_in_a_checkpoint_and_a_binary_config(project):
 def test_a_signal_during_startup_exits_75_or_76_without_a_traceback(tmp_path, sig, code):
     root = tmp_path / "p"
     write_project(root, root / "out")
-    (root / "config.toml").write_text((root / "config.toml").read_text().replace(
-        'factory = "task.py:build"', 'factory = "task.py:build"\nargs = { sleep = 6.0 }'))
+    (root / "config.toml").write_text(
+        (root / "config.toml")
+        .read_text()
+        .replace('factory = "task.py:build"', 'factory = "task.py:build"\nargs = { sleep = 6.0 }')
+    )
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "corelooper", "run", "config.toml"], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corelooper", "run", "config.toml"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3.0)  # the model factory sleeps 6 s: start-up, after the handlers are in
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
-    assert f"{sig.name} received outside training" in err and "no checkpoint" in err and "Traceback" not in err
+    assert (
+        f"{sig.name} received outside training" in err and "no checkpoint" in err and "Traceback" not in err
+    )
     assert not list((root / "out").glob("checkpoint-*")) if (root / "out").exists() else True
 
 
@@ -377,9 +421,13 @@ def test_learning_rate_override_on_resume_is_applied_and_optimizer_change_refuse
     out = project / "out"
     first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     lr3 = next(r["learning_rate"] for r in first if r.get("step") == 3 and "learning_rate" in r)
-    refused = cli(project, "--resume-from-checkpoint", str(out / "checkpoint-2"), "--set", 'train.optim="sgd"')
+    refused = cli(
+        project, "--resume-from-checkpoint", str(out / "checkpoint-2"), "--set", 'train.optim="sgd"'
+    )
     one_paragraph(refused, 2, "train.optim", "-> 'sgd'", "drop these overrides")
-    result = cli(project, "--resume-from-checkpoint", str(out / "checkpoint-2"), "--set", "train.learning_rate=0.001")
+    result = cli(
+        project, "--resume-from-checkpoint", str(out / "checkpoint-2"), "--set", "train.learning_rate=0.001"
+    )
     assert result.returncode == 0, result.stderr
     assert "resume: train.learning_rate 0.01 -> 0.001 (applied)" in result.stderr
     again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -421,26 +469,44 @@ def test_kill_anywhere_resumes_bitwise_exact(tmp_path):
 
     ref_root, root = tmp_path / "ref", tmp_path / "run"
     steps = 24
-    write_project(ref_root, ref_root / "out", max_steps=steps, save_steps=1, save_total_limit=2,
-                  per_device_train_batch_size=4)
-    write_project(root, root / "out", max_steps=steps, save_steps=1, save_total_limit=2,
-                  per_device_train_batch_size=4)
+    write_project(
+        ref_root,
+        ref_root / "out",
+        max_steps=steps,
+        save_steps=1,
+        save_total_limit=2,
+        per_device_train_batch_size=4,
+    )
+    write_project(
+        root, root / "out", max_steps=steps, save_steps=1, save_total_limit=2, per_device_train_batch_size=4
+    )
     assert cli(ref_root).returncode == 0
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONHASHSEED": "0"}
     rng = random.Random(14)
     kills = 0
     for _ in range(6):
         resume = ["--resume-from-checkpoint", "latest"] if list((root / "out").glob("checkpoint-*")) else []
-        proc = subprocess.Popen([sys.executable, "-m", "corelooper", "run", "config.toml", *resume], cwd=root,
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "corelooper", "run", "config.toml", *resume],
+            cwd=root,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         time.sleep(rng.uniform(1.5, 4.0))
         if proc.poll() is None:
             proc.kill()
             kills += 1
         proc.wait(timeout=60)
     resume = ["--resume-from-checkpoint", "latest"] if list((root / "out").glob("checkpoint-*")) else []
-    final = subprocess.run([sys.executable, "-m", "corelooper", "run", "config.toml", *resume], cwd=root,
-                           env=env, capture_output=True, text=True, timeout=120)
+    final = subprocess.run(
+        [sys.executable, "-m", "corelooper", "run", "config.toml", *resume],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if final.returncode != 0 and "already holds a run" in final.stderr:  # finished before: nothing to do
         pass
     else:
@@ -461,8 +527,14 @@ def test_eval_without_eval_data_and_an_impossible_best_metric_fail_at_startup(tm
     write_project(root, root / "out", eval_strategy="steps", eval_steps=2)
     one_paragraph(cli(root), 2, "train.eval_strategy = 'steps', but there is no evaluation data")
     assert not list((root / "out").glob("checkpoint-*")) if (root / "out").exists() else True
-    write_project(root, root / "out", extra='eval = "task.py:eval_set"\n', eval_strategy="steps", eval_steps=2,
-                  metric_for_best_model="accuracy")
+    write_project(
+        root,
+        root / "out",
+        extra='eval = "task.py:eval_set"\n',
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="accuracy",
+    )
     one_paragraph(cli(root), 2, "metric_for_best_model = 'accuracy'", "no compute_metrics is set")
     assert not list((root / "out").glob("checkpoint-*"))
 
@@ -476,7 +548,9 @@ def _check_finite_on_rank(rank: int, port: int, out: str) -> None:
     from corelooper.backends.base import TorchDistributedCollectives, settle_process_group_threads
     from corelooper.checkpoints.checkpoint import NonFiniteWeights, check_finite
 
-    atexit.register(settle_process_group_threads)  # as every backend does (a spawned child exits through teardown)
+    atexit.register(
+        settle_process_group_threads
+    )  # as every backend does (a spawned child exits through teardown)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     backend = TorchDistributedCollectives()
     backend._set_rank_attributes(on_cuda=False)

@@ -34,7 +34,9 @@ def _source_version(package_dir: Path) -> str:
     """``__version__`` of a package, read from its ``__init__.py`` without importing it."""
     tree = ast.parse((package_dir / "__init__.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "__version__" for t in node.targets
+        ):
             return ast.literal_eval(node.value)
     raise AssertionError(f"no __version__ in {package_dir}")
 
@@ -77,9 +79,24 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
     out = tmp / "dist"
     # one pip process for all (faster); --no-deps: each wheel is built from its own folder alone
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-         str(src), *(str(src / "plugins" / p) for p in PLUGINS)],
-        capture_output=True, text=True, timeout=600, env=_env())
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(src),
+            *(str(src / "plugins" / p) for p in PLUGINS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = {}
     for wheel in out.glob("*.whl"):
@@ -101,7 +118,9 @@ def test_every_package_is_its_own_wheel_with_its_version_and_a_core_range(wheels
         meta, entry_points = _metadata(wheels[plugin])
         names.add(meta["Name"][0])
         assert meta["Version"][0] == _source_version(_package_dir(plugin)), plugin
-        (core,) = [Requirement(r) for r in meta.get("Requires-Dist", []) if Requirement(r).name == "corelooper"]
+        (core,) = [
+            Requirement(r) for r in meta.get("Requires-Dist", []) if Requirement(r).name == "corelooper"
+        ]
         # a range: this core is in it, the next minor version (a new hook contract) is not
         assert core.specifier.contains(core_version) and not core.specifier.contains("0.3.0"), (plugin, core)
         # a corelooper plugin under its own name; the pytest kit for plugin authors is a pytest plugin
@@ -115,24 +134,42 @@ def test_every_package_is_its_own_wheel_with_its_version_and_a_core_range(wheels
 def test_wheels_install_into_a_clean_venv_list_and_train(wheels, tmp_path):
     venv = tmp_path / "venv"
     # Without pip of its own: this venv's pip installs into it (--python), which saves ensurepip.
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300, env=_env())
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300, env=_env()
+    )
     py, cl = venv / "bin" / "python", venv / "bin" / "corelooper"
     pip = [sys.executable, "-m", "pip", "--python", str(py)]
     pin = tmp_path / "torch-pin.txt"
     pin.write_text("torch==2.13.0\n")  # the CPU wheel: nothing may pull a CUDA build
     # --no-compile: byte-compiling torch's thousands of files is most of the CPU time of an install
-    install = [*pip, "install", "-q", "--no-compile", "-c", str(pin), "torch==2.13.0",
-               str(wheels["corelooper"]), *(str(wheels[p]) for p in INSTALLED)]
+    install = [
+        *pip,
+        "install",
+        "-q",
+        "--no-compile",
+        "-c",
+        str(pin),
+        "torch==2.13.0",
+        str(wheels["corelooper"]),
+        *(str(wheels[p]) for p in INSTALLED),
+    ]
     proc = subprocess.run(install, capture_output=True, text=True, timeout=900, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     check = subprocess.run([*pip, "check"], capture_output=True, text=True, env=_env())
     assert check.returncode == 0, check.stdout  # every version range is satisfied
 
     def run(*args, cwd=tmp_path):
-        return subprocess.run([str(cl), *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=_env())
+        return subprocess.run(
+            [str(cl), *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=_env()
+        )
 
-    where = subprocess.run([str(py), "-c", "import corelooper; print(corelooper.__file__)"], cwd=tmp_path,
-                           capture_output=True, text=True, env=_env())
+    where = subprocess.run(
+        [str(py), "-c", "import corelooper; print(corelooper.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert Path(where.stdout.strip()).is_relative_to(venv), where  # the wheel, not this checkout
     assert run("--version").stdout.strip() == "corelooper 0.2.0"
 
@@ -156,10 +193,12 @@ def test_wheels_install_into_a_clean_venv_list_and_train(wheels, tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert [r["eval_loss"] for r in rows if "eval_loss" in r]  # evaluated, early stopping watching
     assert (tmp_path / "run" / "model.safetensors").exists()
-    assert list((tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*"))  # the tensorboard wheel logged
+    assert list(
+        (tmp_path / "run" / "tensorboard").rglob("events.out.tfevents.*")
+    )  # the tensorboard wheel logged
 
 
-TASK = '''
+TASK = """
 import torch
 
 
@@ -180,9 +219,9 @@ def train_set():
 
 def eval_set():
     return _points(32, 1)
-'''
+"""
 
-CONFIG = '''
+CONFIG = """
 [model]
 factory = "{task}:model"
 [data]
@@ -200,7 +239,7 @@ save_strategy = "no"
 disable_tqdm = true
 [early_stopping]
 patience = 5
-'''
+"""
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
@@ -224,12 +263,22 @@ def test_setup_says_each_stage_and_hides_the_build_backends_warnings(tmp_path):
     fake = venv / "bin" / "python"
     fake.write_text(f'#!/bin/sh\necho "PYTHONWARNINGS=$PYTHONWARNINGS $*" >> {calls}\n')
     fake.chmod(0o755)
-    r = subprocess.run(["bash", str(REPO / "scripts" / "setup")], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "VENV": str(venv)})
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "VENV": str(venv)},
+    )
     assert r.returncode == 0, r.stderr
     stages = [line.split(" (")[0] for line in r.stdout.splitlines()]
-    assert stages == [f"setup: virtual environment {venv}", "setup: pip", "setup: torch 2.13.0",
-                      f"setup: corelooper and {len(PLUGINS)} plugins, editable", f"setup: done: use {venv}/bin/corelooper and {venv}/bin/python -m pytest"], r.stdout
+    assert stages == [
+        f"setup: virtual environment {venv}",
+        "setup: pip",
+        "setup: torch 2.13.0",
+        f"setup: corelooper and {len(PLUGINS)} plugins, editable",
+        f"setup: done: use {venv}/bin/corelooper and {venv}/bin/python -m pytest",
+    ], r.stdout
     pip = calls.read_text().splitlines()
     assert len(pip) == 3 and all(c.startswith("PYTHONWARNINGS=ignore -m pip install -q") for c in pip), pip
     assert pip[2].count(" -e ") == len(PLUGINS) + 1

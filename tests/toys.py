@@ -39,16 +39,22 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         attn_implementation="eager",
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
 
-def lm_samples(n: int, seed: int = 0, min_len: int = 2, max_len: int = SEQ_LEN,
-               no_loss_rows: tuple[int, ...] = ()) -> list[dict[str, torch.Tensor]]:
+def lm_samples(
+    n: int, seed: int = 0, min_len: int = 2, max_len: int = SEQ_LEN, no_loss_rows: tuple[int, ...] = ()
+) -> list[dict[str, torch.Tensor]]:
     """Variable-length sequences right-padded to ``max_len``; padding has label -100.
 
     Rows in ``no_loss_rows`` carry no loss-bearing token at all (every label is -100).

@@ -64,8 +64,13 @@ import common as C  # noqa: E402  (the SFT benchmark's data, model and padding)
 
 ROWS = ["cl_loss", "cl_stream", "cl_batch_hf", "hf_loss", "hf_argmax", "hf_batch", "hf_naive"]
 # (ours, theirs) judged against GOALS; the first of each pair is corelooper's comparable row
-PAIRS = [("cl_loss", "hf_loss"), ("cl_stream", "hf_argmax"), ("cl_stream", "hf_naive"), ("cl_stream", "hf_batch"),
-         ("cl_batch_hf", "hf_batch")]
+PAIRS = [
+    ("cl_loss", "hf_loss"),
+    ("cl_stream", "hf_argmax"),
+    ("cl_stream", "hf_naive"),
+    ("cl_stream", "hf_batch"),
+    ("cl_batch_hf", "hf_batch"),
+]
 GOALS = {"tok_per_s": 1.5, "rss_growth_less": 5.0}
 
 
@@ -103,6 +108,7 @@ def hf_style_batch_metric():
             out = {"accuracy": state["hit"] / state["n"]}
             state.update(hit=0, n=0)
             return out
+
     return compute_metrics
 
 
@@ -136,7 +142,9 @@ def padding_free_collator(model):
     import methods as M  # benchmarks/sft/methods.py
 
     seg = M._leak_free_collator(model, M.hparams(cl_attention="segments"))
-    return lambda features: seg([M._segments([C.Sample(f["input_ids"], f["labels"].count(-100)) for f in features])])
+    return lambda features: seg(
+        [M._segments([C.Sample(f["input_ids"], f["labels"].count(-100)) for f in features])]
+    )
 
 
 def _corelooper(row, model, data, batch, out_dir, layout="padding_free"):
@@ -149,25 +157,51 @@ def _corelooper(row, model, data, batch, out_dir, layout="padding_free"):
         metric = TokenAccuracy()
     elif row == "cl_batch_hf":
         metric = hf_style_batch_metric()
-    args = TrainArgs(output_dir=out_dir, per_device_eval_batch_size=batch, disable_tqdm=True, use_cpu=True,
-                     report_to=[], batch_eval_metrics=row == "cl_batch_hf", dataloader_num_workers=0)
+    args = TrainArgs(
+        output_dir=out_dir,
+        per_device_eval_batch_size=batch,
+        disable_tqdm=True,
+        use_cpu=True,
+        report_to=[],
+        batch_eval_metrics=row == "cl_batch_hf",
+        dataloader_num_workers=0,
+    )
     collator = padding_free_collator(model) if layout == "padding_free" else collate
     # [lm] head = "trained", what an [sft] run's "auto" picks for this model: the output layer over
     # the trained positions only, a slice at a time (loss only, or TokenAccuracy's argmax)
     config = Config(train=args, sections={"lm": {"head": "trained"}})
-    loop = Loop(model, config, eval_dataset=data, data_collator=collator, compute_metrics=metric,
-                blocked_plugins=["console"])
+    loop = Loop(
+        model,
+        config,
+        eval_dataset=data,
+        data_collator=collator,
+        compute_metrics=metric,
+        blocked_plugins=["console"],
+    )
     return loop.evaluate
 
 
 def _hf(row, model, data, batch, out_dir):
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=out_dir, per_device_eval_batch_size=batch, disable_tqdm=True, use_cpu=True,
-                             report_to="none", batch_eval_metrics=row == "hf_batch", dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_eval_batch_size=batch,
+        disable_tqdm=True,
+        use_cpu=True,
+        report_to="none",
+        batch_eval_metrics=row == "hf_batch",
+        dataloader_num_workers=0,
+    )
     metrics = {"hf_loss": None, "hf_batch": hf_style_batch_metric()}.get(row, hf_token_accuracy)
-    trainer = Trainer(model=model, args=args, eval_dataset=data, data_collator=collate, compute_metrics=metrics,
-                      preprocess_logits_for_metrics=argmax_logits if row == "hf_argmax" else None)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        eval_dataset=data,
+        data_collator=collate,
+        compute_metrics=metrics,
+        preprocess_logits_for_metrics=argmax_logits if row == "hf_argmax" else None,
+    )
     return trainer.evaluate
 
 
@@ -178,8 +212,8 @@ def loss_hf_way(model, samples, batch) -> float:
     total = 0.0
     with torch.no_grad():
         for i in range(0, len(samples), batch):
-            b = C.pad_batch(samples[i:i + batch])
-            total += float(model(**b).loss) * len(samples[i:i + batch])
+            b = C.pad_batch(samples[i : i + batch])
+            total += float(model(**b).loss) * len(samples[i : i + batch])
     return total / len(samples)
 
 
@@ -203,8 +237,11 @@ def child(row: str, seed: int, n: int, batch: int, layout: str, process: str = "
     import transformers  # noqa: F401  (both sides import it: the model is a transformers Llama)
 
     with tempfile.TemporaryDirectory() as tmp:
-        evaluate = (_corelooper(row, model, data, batch, tmp, layout) if row.startswith("cl_")
-                    else _hf(row, model, data, batch, tmp))
+        evaluate = (
+            _corelooper(row, model, data, batch, tmp, layout)
+            if row.startswith("cl_")
+            else _hf(row, model, data, batch, tmp)
+        )
         constructed = time.perf_counter() - t0
         if process == "warm":
             warm_up(model, samples, batch)
@@ -219,11 +256,24 @@ def child(row: str, seed: int, n: int, batch: int, layout: str, process: str = "
         wall = time.perf_counter() - t
         peak = rss_mib("VmHWM")
     tokens = sum(len(s.input_ids) for s in samples)
-    rec = dict(row=row, seed=seed, samples=n, tokens=tokens, batch=batch, threads=torch.get_num_threads(),
-               layout=layout if row.startswith("cl_") else "padded", process=process,
-               construct_s=round(constructed, 3), eval_s=round(wall, 3), tok_per_s=round(tokens / wall, 1),
-               rss_before_mib=round(before, 1), rss_growth_mib=round(peak - before, 1), peak_reset=reset,
-               eval_loss=metrics.get("eval_loss"), accuracy=metrics.get("eval_accuracy"))
+    rec = dict(
+        row=row,
+        seed=seed,
+        samples=n,
+        tokens=tokens,
+        batch=batch,
+        threads=torch.get_num_threads(),
+        layout=layout if row.startswith("cl_") else "padded",
+        process=process,
+        construct_s=round(constructed, 3),
+        eval_s=round(wall, 3),
+        tok_per_s=round(tokens / wall, 1),
+        rss_before_mib=round(before, 1),
+        rss_growth_mib=round(peak - before, 1),
+        peak_reset=reset,
+        eval_loss=metrics.get("eval_loss"),
+        accuracy=metrics.get("eval_accuracy"),
+    )
     if row.startswith("cl_") and seed == 0:  # once: the check costs an HF-speed pass over the set
         model.eval()
         model.set_attn_implementation("sdpa")  # the padded batches of HF's loss: stock sdpa
@@ -236,20 +286,39 @@ def child(row: str, seed: int, n: int, batch: int, layout: str, process: str = "
 
 def run(row: str, seed: int, a) -> dict:
     n = min(a.samples, a.naive_samples) if row == "hf_naive" else a.samples
-    argv = [sys.executable, str(Path(__file__).resolve()), "--one", row, "--seed", str(seed), "--samples", str(n),
-            "--batch", str(a.batch), "--cl-layout", a.cl_layout, "--process", a.process]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--one",
+        row,
+        "--seed",
+        str(seed),
+        "--samples",
+        str(n),
+        "--batch",
+        str(a.batch),
+        "--cl-layout",
+        a.cl_layout,
+        "--process",
+        a.process,
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")), None)
-    rec = json.loads(line) if line and proc.returncode == 0 else {"row": row, "seed": seed,
-                                                                   "failed": (proc.stdout + proc.stderr)[-2000:]}
+    rec = (
+        json.loads(line)
+        if line and proc.returncode == 0
+        else {"row": row, "seed": seed, "failed": (proc.stdout + proc.stderr)[-2000:]}
+    )
     rec["loadavg"] = round(os.getloadavg()[0], 2)
     return rec
 
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     table = []
-    print(f"\n{'row':12s} {'n':>2s} {'samples':>7s} {'tok/s':>8s} {'[min-max]':>13s} {'RSS growth MiB':>14s} "
-          f"{'eval loss':>9s} {'loss HF way':>11s} {'accuracy':>8s}")
+    print(
+        f"\n{'row':12s} {'n':>2s} {'samples':>7s} {'tok/s':>8s} {'[min-max]':>13s} {'RSS growth MiB':>14s} "
+        f"{'eval loss':>9s} {'loss HF way':>11s} {'accuracy':>8s}"
+    )
     for row, recs in runs.items():
         ok = [r for r in recs if "tok_per_s" in r]
         if not ok:
@@ -258,15 +327,26 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
             continue
         tps, growth = [r["tok_per_s"] for r in ok], [r["rss_growth_mib"] for r in ok]
         med = statistics.median
-        t = dict(row=row, n=len(ok), samples=ok[0]["samples"], tok_per_s=med(tps), tok_per_s_range=[min(tps), max(tps)],
-                 rss_growth_mib=med(growth), rss_growth_range=[min(growth), max(growth)],
-                 eval_loss=med([r["eval_loss"] for r in ok]), accuracy=ok[0]["accuracy"],
-                 loss_hf_way=ok[0].get("loss_hf_way"), construct_s=med([r["construct_s"] for r in ok]))
+        t = dict(
+            row=row,
+            n=len(ok),
+            samples=ok[0]["samples"],
+            tok_per_s=med(tps),
+            tok_per_s_range=[min(tps), max(tps)],
+            rss_growth_mib=med(growth),
+            rss_growth_range=[min(growth), max(growth)],
+            eval_loss=med([r["eval_loss"] for r in ok]),
+            accuracy=ok[0]["accuracy"],
+            loss_hf_way=ok[0].get("loss_hf_way"),
+            construct_s=med([r["construct_s"] for r in ok]),
+        )
         table.append(t)
         acc = f"{t['accuracy']:.4f}" if t["accuracy"] is not None else "-"
         hfway = f"{t['loss_hf_way']:.6f}" if t["loss_hf_way"] is not None else "-"
-        print(f"{row:12s} {t['n']:2d} {t['samples']:7d} {t['tok_per_s']:8.0f} {'{:.0f}-{:.0f}'.format(*t['tok_per_s_range']):>13s} "
-              f"{t['rss_growth_mib']:14.1f} {t['eval_loss']:9.6f} {hfway:>11s} {acc:>8s}")
+        print(
+            f"{row:12s} {t['n']:2d} {t['samples']:7d} {t['tok_per_s']:8.0f} {'{:.0f}-{:.0f}'.format(*t['tok_per_s_range']):>13s} "
+            f"{t['rss_growth_mib']:14.1f} {t['eval_loss']:9.6f} {hfway:>11s} {acc:>8s}"
+        )
     return table
 
 
@@ -287,8 +367,15 @@ def goals(runs: dict[str, list[dict]]) -> dict:
                 continue
             ci, ratio = sft.median_ci95(ratios), round(statistics.median(ratios), 3)
             v = sft.verdict(ratio, GOALS[key], ci)
-            out[f"{ours}_vs_{theirs}_{key}"] = dict(ours=ours, theirs=theirs, ratio=ratio, ci95=ci, goal=GOALS[key],
-                                                    verdict=v, pairs=[round(x, 3) for x in ratios])
+            out[f"{ours}_vs_{theirs}_{key}"] = dict(
+                ours=ours,
+                theirs=theirs,
+                ratio=ratio,
+                ci95=ci,
+                goal=GOALS[key],
+                verdict=v,
+                pairs=[round(x, 3) for x in ratios],
+            )
             ci_s = "{:.3f}-{:.3f}".format(*ci) if ci else "too few repetitions"
             print(f"goal {ours} vs {theirs} {key}: {ratio:.3f}x [95% {ci_s}] (goal >= {GOALS[key]}: {v})")
     return out
@@ -301,14 +388,24 @@ def main() -> None:
     ap.add_argument("--naive-samples", type=int, default=500)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--cl-layout", default="padding_free", choices=["padding_free", "padded"],
-                    help="corelooper rows' batches: leak-free padding-free (corelooper-lm, as [sft] runs) or padded")
-    ap.add_argument("--process", default="warm", choices=["warm", "fresh"],
-                    help="warm (default): every row's process runs the model once (one no-grad forward of the "
-                         "first batch) before the measured call, as a training run that evaluates has; fresh: "
-                         "the call is the process's first use of torch (its one-time set-up counted)")
+    ap.add_argument(
+        "--cl-layout",
+        default="padding_free",
+        choices=["padding_free", "padded"],
+        help="corelooper rows' batches: leak-free padding-free (corelooper-lm, as [sft] runs) or padded",
+    )
+    ap.add_argument(
+        "--process",
+        default="warm",
+        choices=["warm", "fresh"],
+        help="warm (default): every row's process runs the model once (one no-grad forward of the "
+        "first batch) before the measured call, as a training run that evaluates has; fresh: "
+        "the call is the process's first use of torch (its one-time set-up counted)",
+    )
     ap.add_argument("--out", default=None, help="default: benchmarks/results/eval.json (--smoke: none)")
-    ap.add_argument("--smoke", action="store_true", help="24 samples, every row once in this process, no file")
+    ap.add_argument(
+        "--smoke", action="store_true", help="24 samples, every row once in this process, no file"
+    )
     ap.add_argument("--one", choices=ROWS, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -324,23 +421,46 @@ def main() -> None:
     for rep in range(a.reps):
         k = rep % len(rows)
         for row in rows[k:] + rows[:k]:
-            rec = dict(child(row, rep, a.samples, a.batch, a.cl_layout, a.process), loadavg=0) if a.smoke else run(row, rep, a)
+            rec = (
+                dict(child(row, rep, a.samples, a.batch, a.cl_layout, a.process), loadavg=0)
+                if a.smoke
+                else run(row, rep, a)
+            )
             runs[row].append(rec)
-            print(f"rep {rep} {row:12s} tok/s={rec.get('tok_per_s')} growth={rec.get('rss_growth_mib')} MiB "
-                  f"loss={rec.get('eval_loss')} load={rec['loadavg']} {(rec.get('failed') or '')[-300:]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rep {rep} {row:12s} tok/s={rec.get('tok_per_s')} growth={rec.get('rss_growth_mib')} MiB "
+                f"loss={rec.get('eval_loss')} load={rec['loadavg']} {(rec.get('failed') or '')[-300:]}",
+                file=sys.stderr,
+                flush=True,
+            )
     table = summarize(runs)
     judged = goals(runs)
-    summary = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, samples=a.samples, cl_layout=a.cl_layout,
-                   process=a.process,
-                   naive_samples=a.naive_samples, batch=a.batch, cpus=os.cpu_count(),
-                   loadavg_start=[round(x, 2) for x in load0], loadavg_end=[round(x, 2) for x in os.getloadavg()],
-                   command=" ".join(sys.argv), goals=judged, table=table, runs=runs)
+    summary = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reps=a.reps,
+        samples=a.samples,
+        cl_layout=a.cl_layout,
+        process=a.process,
+        naive_samples=a.naive_samples,
+        batch=a.batch,
+        cpus=os.cpu_count(),
+        loadavg_start=[round(x, 2) for x in load0],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        command=" ".join(sys.argv),
+        goals=judged,
+        table=table,
+        runs=runs,
+    )
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"load average {summary['loadavg_start']} -> {summary['loadavg_end']}" + (f"; wrote {a.out}" if a.out else ""))
-    print("SUMMARY " + json.dumps({"failed": [t["row"] for t in table if "failed" in t], "goals": len(judged)}))
+    print(
+        f"load average {summary['loadavg_start']} -> {summary['loadavg_end']}"
+        + (f"; wrote {a.out}" if a.out else "")
+    )
+    print(
+        "SUMMARY " + json.dumps({"failed": [t["row"] for t in table if "failed" in t], "goals": len(judged)})
+    )
     if any("failed" in t for t in table):
         sys.exit(1)
 

@@ -31,8 +31,11 @@ def child(row: str, calls: int, samples: int) -> dict:
     import transformers  # noqa: F401  (as run_bench: both sides import it)
 
     with tempfile.TemporaryDirectory() as tmp:
-        evaluate = (R._corelooper(row, model, data, 16, tmp) if row.startswith("cl_")
-                    else R._hf(row, model, data, 16, tmp))
+        evaluate = (
+            R._corelooper(row, model, data, 16, tmp)
+            if row.startswith("cl_")
+            else R._hf(row, model, data, 16, tmp)
+        )
         growth, kept = [], []
         for _ in range(calls):
             before = R.rss_mib()
@@ -54,8 +57,12 @@ def main() -> None:
         print("RESULT " + json.dumps(child(a.one, a.calls, a.samples)))
         return
     for row in a.rows.split(","):
-        out = subprocess.run([sys.executable, __file__, "--one", row, "--calls", str(a.calls), "--samples",
-                              str(a.samples)], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", row, "--calls", str(a.calls), "--samples", str(a.samples)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         print(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:], flush=True)
 
 

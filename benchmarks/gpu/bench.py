@@ -27,25 +27,43 @@ sys.path.insert(0, str(HERE))
 
 # Rough seconds per step on one H200 (model build + warm-up + steps): a step is skipped when the
 # budget left is below its estimate, so the run ends in time with a line saying what was skipped.
-ESTIMATE_S = {"raw_bf16_compile": 60, "cl_bf16_compile": 60, "auto_batch_size_real_oom": 60,
-              "cl_bf16_liger": 45}  # Triton compiles Liger's kernels on the first step
+ESTIMATE_S = {
+    "raw_bf16_compile": 60,
+    "cl_bf16_compile": 60,
+    "auto_batch_size_real_oom": 60,
+    "cl_bf16_liger": 45,
+}  # Triton compiles Liger's kernels on the first step
 DEFAULT_ESTIMATE_S = 25
-PAIRS = [("cl_bf16_full", "raw_bf16_full"), ("cl_bf16_lora", "raw_bf16_lora"),
-         ("cl_fp16_scaler", "raw_fp16_scaler"), ("cl_bf16_compile", "raw_bf16_compile"),
-         ("cl_packing_flash_varlen", "cl_packing_sdpa"), ("cl_packing_segment_sdpa", "cl_packing_sdpa"),
-         ("cl_fsdp2_1gpu", "cl_bf16_full"), ("cl_zero2_1gpu", "cl_bf16_full"),
-         ("cl_bf16_liger", "cl_bf16_full"), ("cl_bf16_trained_head", "cl_bf16_full")]
+PAIRS = [
+    ("cl_bf16_full", "raw_bf16_full"),
+    ("cl_bf16_lora", "raw_bf16_lora"),
+    ("cl_fp16_scaler", "raw_fp16_scaler"),
+    ("cl_bf16_compile", "raw_bf16_compile"),
+    ("cl_packing_flash_varlen", "cl_packing_sdpa"),
+    ("cl_packing_segment_sdpa", "cl_packing_sdpa"),
+    ("cl_fsdp2_1gpu", "cl_bf16_full"),
+    ("cl_zero2_1gpu", "cl_bf16_full"),
+    ("cl_bf16_liger", "cl_bf16_full"),
+    ("cl_bf16_trained_head", "cl_bf16_full"),
+]
 # What every step needs: without it no step can run, so the script says so and exits 2.
-NEEDS = {"torch": "torch", "transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
-         "corelooper": "-e . (this repository)"}
+NEEDS = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "accelerate": "accelerate",
+    "safetensors": "safetensors",
+    "corelooper": "-e . (this repository)",
+}
 ESTIMATE_S["eval_cl_vs_hf"] = 40
 ESTIMATE_S["sft_chat_peers_bf16"] = 170  # steps.SFT_SECONDS + the last repetition
 # Named in --steps only: the default run fits 8 minutes on an H200 (~27 s per step measured).
 OPT_IN = {"sft_chat_peers_bf16"}
-CPU_SKIP = {"cl_fp16_scaler": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)",
-            "raw_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
-            "cl_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
-            "cl_bf16_liger": "Liger's Triton kernels need a CUDA GPU (corelooper-liger is inactive on CPU)"}
+CPU_SKIP = {
+    "cl_fp16_scaler": "fp16 with GradScaler needs CUDA in corelooper (it refuses fp16 on CPU)",
+    "raw_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
+    "cl_bf16_compile": "torch.compile (inductor) needs a C++ toolchain and minutes on a CPU",
+    "cl_bf16_liger": "Liger's Triton kernels need a CUDA GPU (corelooper-liger is inactive on CPU)",
+}
 
 
 def environment() -> dict:
@@ -61,7 +79,16 @@ def environment() -> dict:
         out["torch_error"] = repr(e)
     from importlib.metadata import PackageNotFoundError, version
 
-    for pkg in ("transformers", "peft", "accelerate", "deepspeed", "flash-attn", "liger-kernel", "triton", "corelooper"):
+    for pkg in (
+        "transformers",
+        "peft",
+        "accelerate",
+        "deepspeed",
+        "flash-attn",
+        "liger-kernel",
+        "triton",
+        "corelooper",
+    ):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -89,12 +116,29 @@ def run_step(step: str, size: str, timeout: float) -> dict:
     partial = Path(f"{tmp}.partial")
     t = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, str(HERE / "bench.py"), "--child", step, "--size", size, "--child-out", str(tmp)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [
+                sys.executable,
+                str(HERE / "bench.py"),
+                "--child",
+                step,
+                "--size",
+                size,
+                "--child-out",
+                str(tmp),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if tmp.exists():
             res = json.loads(tmp.read_text())
         else:
-            res = {"error": f"the step's process ended (rc {p.returncode}) without a result", "stderr": p.stderr[-3000:]}
+            res = {
+                "error": f"the step's process ended (rc {p.returncode}) without a result",
+                "stderr": p.stderr[-3000:],
+            }
     except subprocess.TimeoutExpired:
         res = {"error": f"timed out after {timeout:.0f} s"}
         if partial.exists():  # what the step had done by then (steps.write_partial)
@@ -111,16 +155,26 @@ def ratios(results: dict) -> dict:
     for a, b in PAIRS:
         ra, rb = results.get(a, {}), results.get(b, {})
         if "tokens_per_s" in ra and "tokens_per_s" in rb:
-            out[f"{a}/{b}"] = {"tokens_per_s": round(ra["tokens_per_s"] / rb["tokens_per_s"], 3),
-                               "peak_mem": round(ra["peak_mem_gib"] / rb["peak_mem_gib"], 3) if rb.get("peak_mem_gib") else None}
+            out[f"{a}/{b}"] = {
+                "tokens_per_s": round(ra["tokens_per_s"] / rb["tokens_per_s"], 3),
+                "peak_mem": round(ra["peak_mem_gib"] / rb["peak_mem_gib"], 3)
+                if rb.get("peak_mem_gib")
+                else None,
+            }
     return out
 
 
 def write_summary(out: Path, env: dict, size: str, budget_s: float, results: dict) -> dict:
     import steps
 
-    summary = {"environment": env, "size": size, "sizes": steps.SIZES[size], "budget_s": budget_s,
-               "results": results, "ratios": ratios(results)}
+    summary = {
+        "environment": env,
+        "size": size,
+        "sizes": steps.SIZES[size],
+        "budget_s": budget_s,
+        "results": results,
+        "ratios": ratios(results),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -130,9 +184,14 @@ def main() -> None:
     import steps
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget-s", type=float, default=420, help="total seconds for all steps (install not included)")
-    ap.add_argument("--steps", default=",".join(n for n in steps.STEPS if n not in OPT_IN),
-                    help=f"comma list (default: all but {', '.join(sorted(OPT_IN))})")
+    ap.add_argument(
+        "--budget-s", type=float, default=420, help="total seconds for all steps (install not included)"
+    )
+    ap.add_argument(
+        "--steps",
+        default=",".join(n for n in steps.STEPS if n not in OPT_IN),
+        help=f"comma list (default: all but {', '.join(sorted(OPT_IN))})",
+    )
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--out", default=None)
@@ -155,8 +214,11 @@ def main() -> None:
         return
     missing = [f"{m} (pip install {how})" for m, how in NEEDS.items() if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"{sys.executable} lacks what every step needs: {', '.join(missing)}. Run bash scripts/setup "
-              "(then .venv/bin/python), or let run.sh install them (without SKIP_INSTALL=1).", file=sys.stderr)
+        print(
+            f"{sys.executable} lacks what every step needs: {', '.join(missing)}. Run bash scripts/setup "
+            "(then .venv/bin/python), or let run.sh install them (without SKIP_INSTALL=1).",
+            file=sys.stderr,
+        )
         sys.exit(2)
     env = environment()
     print(json.dumps(env), flush=True)
@@ -164,8 +226,11 @@ def main() -> None:
     results: dict = {}
     stamp = time.strftime("%Y-%m-%d")
     # A smoke run's numbers are not figures: they go to the temp folder, not benchmarks/results.
-    default = (Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-smoke-{stamp}.json" if a.cpu_smoke
-               else ROOT / "benchmarks" / "results" / f"gpu-{stamp}.json")
+    default = (
+        Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu-smoke-{stamp}.json"
+        if a.cpu_smoke
+        else ROOT / "benchmarks" / "results" / f"gpu-{stamp}.json"
+    )
     out = Path(a.out or default)
     for n in names:
         left = deadline - time.perf_counter()
@@ -177,10 +242,25 @@ def main() -> None:
         else:
             results[n] = run_step(n, size, timeout=max(10.0, left))
         r = results[n]
-        brief = {k: r[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "step_s", "doctor_host_syncs_per_step",
-                                   "fastest_row", "reps", "skipped", "error") if k in r}
+        brief = {
+            k: r[k]
+            for k in (
+                "tokens_per_s",
+                "mfu",
+                "peak_mem_gib",
+                "step_s",
+                "doctor_host_syncs_per_step",
+                "fastest_row",
+                "reps",
+                "skipped",
+                "error",
+            )
+            if k in r
+        }
         print(f"{n:28s} {json.dumps(brief)}", flush=True)
-        summary = write_summary(out, env, size, a.budget_s, results)  # after each step: a killed run keeps its steps
+        summary = write_summary(
+            out, env, size, a.budget_s, results
+        )  # after each step: a killed run keeps its steps
     print(json.dumps(summary["ratios"], indent=1))
     print(f"wrote {out}")
     errors = [n for n, r in results.items() if "error" in r]

@@ -25,10 +25,30 @@ PARTIAL_ENV = "GPU_BENCH_PARTIAL"  # a file a long step keeps its results so far
 sys.path.insert(0, str(ROOT / "benchmarks" / "sft"))
 
 SIZES = {
-    "full": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=5632, vocab_size=32000, seq=1024, batch=8, steps=12, warm=3),
-    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=512, seq=64, batch=2, steps=4, warm=1),
+    "full": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=5632,
+        vocab_size=32000,
+        seq=1024,
+        batch=8,
+        steps=12,
+        warm=3,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        seq=64,
+        batch=2,
+        steps=4,
+        warm=1,
+    ),
 }
 PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 989e12 / 2}  # H200 SXM dense (tf32 ~half)
 
@@ -69,9 +89,13 @@ def build_model(size: str, attn: str = "sdpa", dtype=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     s = SIZES[size]
-    cfg = LlamaConfig(**{k: v for k, v in s.items() if k not in ("seq", "batch", "steps", "warm")},
-                      max_position_embeddings=max(s["seq"], 512), tie_word_embeddings=False,
-                      attn_implementation=attn, use_cache=False)
+    cfg = LlamaConfig(
+        **{k: v for k, v in s.items() if k not in ("seq", "batch", "steps", "warm")},
+        max_position_embeddings=max(s["seq"], 512),
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     with torch.device(device()):
         model = LlamaForCausalLM(cfg)
@@ -82,7 +106,11 @@ def build_model(size: str, attn: str = "sdpa", dtype=None):
 
 def flops_per_token(model, size: str, lora: bool = False) -> float:
     s = SIZES[size]
-    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name and "lora_" not in name)
+    n = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if "embed_tokens" not in name and "lora_" not in name
+    )
     return (4 if lora else 6) * n + 6 * s["num_hidden_layers"] * s["hidden_size"] * s["seq"]
 
 
@@ -116,7 +144,11 @@ class StepClock:
         if len(self.t) <= warm:
             return {"error": f"only {len(self.t)} optimizer steps ran"}
         dt = (self.t[-1] - self.t[warm - 1]) / (len(self.t) - warm)
-        return {"step_s": round(dt, 4), "tokens_per_s": round(tokens_per_step / dt, 1), "steps_timed": len(self.t) - warm}
+        return {
+            "step_s": round(dt, 4),
+            "tokens_per_s": round(tokens_per_step / dt, 1),
+            "steps_timed": len(self.t) - warm,
+        }
 
 
 def with_mfu(out: dict, fpt: float, precision: str) -> dict:
@@ -132,7 +164,9 @@ def doctor_peak_gib(log_history: list[dict]) -> float:
     The doctor resets torch's peak counter at every log (each log gives that window's peak), so
     ``torch.cuda.max_memory_allocated()`` after a run reads the last window's peak only: the
     2026-12-04 H200 run read 9.97 GiB for corelooper's rows against the 28.09 the doctor logged."""
-    peaks = [e["doctor/memory_max_allocated_gb"] for e in log_history if "doctor/memory_max_allocated_gb" in e]
+    peaks = [
+        e["doctor/memory_max_allocated_gb"] for e in log_history if "doctor/memory_max_allocated_gb" in e
+    ]
     return round(max(peaks), 2) if peaks else 0.0
 
 
@@ -157,7 +191,7 @@ def raw_loop(size: str, precision: str = "bf16", lora: bool = False, compile_: b
     clock = StepClock()
     model.train()
     for step in range(s["steps"]):
-        rows = data[step * s["batch"]:(step + 1) * s["batch"]]
+        rows = data[step * s["batch"] : (step + 1) * s["batch"]]
         batch = {k: torch.stack([r[k] for r in rows]).to(device(), non_blocking=True) for k in rows[0]}
         with torch.autocast(device().type, dtype=dtype):
             loss = model(**batch).loss
@@ -180,8 +214,16 @@ def raw_loop(size: str, precision: str = "bf16", lora: bool = False, compile_: b
 def lora_wrap(model):
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        ),
+    )
 
 
 # -- corelooper --------------------------------------------------------------------------------
@@ -192,22 +234,47 @@ def missing_plugin(module: str, where: str) -> dict | None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        return {"skipped": f"{module} is not installed in this venv: pip install -e {where}"
-                if where.startswith("plugins/") else f"{module} is not installed in this venv: {where}"}
+        return {
+            "skipped": f"{module} is not installed in this venv: pip install -e {where}"
+            if where.startswith("plugins/")
+            else f"{module} is not installed in this venv: {where}"
+        }
     return None
 
 
-def cl_train(model, dataset, size: str, precision: str = "bf16", sections: dict | None = None,
-             collator=None, batch: int | None = None, **train) -> tuple[dict, object]:
+def cl_train(
+    model,
+    dataset,
+    size: str,
+    precision: str = "bf16",
+    sections: dict | None = None,
+    collator=None,
+    batch: int | None = None,
+    **train,
+) -> tuple[dict, object]:
     from corelooper import Loop
     from corelooper.config import Config
 
     s = SIZES[size]
     out_dir = tempfile.mkdtemp(prefix="gpu-bench-")
-    cfg = {"train": {**dict(output_dir=out_dir, max_steps=s["steps"], per_device_train_batch_size=batch or s["batch"],
-                            learning_rate=1e-5, logging_steps=s["steps"], save_strategy="no", eval_strategy="no",
-                            disable_tqdm=True, mixed_precision=precision, dataloader_num_workers=0,
-                            use_cpu=device().type == "cpu"), **train}}  # a step may change a default
+    cfg = {
+        "train": {
+            **dict(
+                output_dir=out_dir,
+                max_steps=s["steps"],
+                per_device_train_batch_size=batch or s["batch"],
+                learning_rate=1e-5,
+                logging_steps=s["steps"],
+                save_strategy="no",
+                eval_strategy="no",
+                disable_tqdm=True,
+                mixed_precision=precision,
+                dataloader_num_workers=0,
+                use_cpu=device().type == "cpu",
+            ),
+            **train,
+        }
+    }  # a step may change a default
     cfg.update(sections or {})
     clock = StepClock()
     loop = Loop(model, Config.from_dict(cfg), train_dataset=dataset, data_collator=collator)
@@ -223,7 +290,9 @@ def cl_full(size: str, precision: str = "bf16", sections: dict | None = None, **
     s = SIZES[size]
     reset_peak()
     model = build_model(size)
-    out, _ = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, precision, sections=sections, **train)
+    out, _ = cl_train(
+        model, chat_data(size, s["batch"] * s["steps"]), size, precision, sections=sections, **train
+    )
     return with_mfu(out, flops_per_token(model, size), precision)
 
 
@@ -243,7 +312,9 @@ def cl_liger(size: str) -> dict:
     s = SIZES[size]
     reset_peak()
     model = build_model(size)
-    out, loop = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", sections={"liger": {}})
+    out, loop = cl_train(
+        model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", sections={"liger": {}}
+    )
     run = loop.plugins.get("liger.run")
     if run is None or run.applied is None:
         return {"error": f"the liger plugin did not patch the model: {loop.plugins.inactive.get('liger')}"}
@@ -255,8 +326,17 @@ def cl_lora(size: str) -> dict:
     s = SIZES[size]
     reset_peak()
     model = build_model(size)
-    peft = {"peft": {"method": "lora", "config": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
-                                                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}}
+    peft = {
+        "peft": {
+            "method": "lora",
+            "config": {
+                "r": 16,
+                "lora_alpha": 32,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            },
+        }
+    }
     out, loop = cl_train(model, chat_data(size, s["batch"] * s["steps"]), size, "bf16", sections=peft)
     return with_mfu(out, flops_per_token(loop.model, size, lora=True), "bf16")
 
@@ -267,9 +347,13 @@ def cl_sharded(size: str, which: str) -> dict:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
-    section = {"fsdp": {"wrap": ["LlamaDecoderLayer"]}} if which == "fsdp2" else {"deepspeed": {"zero_stage": 2}}
-    missing = missing_plugin("corelooper_fsdp" if which == "fsdp2" else "corelooper_deepspeed",
-                             "plugins/fsdp" if which == "fsdp2" else "plugins/deepspeed")
+    section = (
+        {"fsdp": {"wrap": ["LlamaDecoderLayer"]}} if which == "fsdp2" else {"deepspeed": {"zero_stage": 2}}
+    )
+    missing = missing_plugin(
+        "corelooper_fsdp" if which == "fsdp2" else "corelooper_deepspeed",
+        "plugins/fsdp" if which == "fsdp2" else "plugins/deepspeed",
+    )
     if which == "zero2" and not missing:
         missing = missing_plugin("deepspeed", "deepspeed (pip install deepspeed)")
     if missing:
@@ -297,21 +381,35 @@ def cl_packing(size: str, attn: str) -> dict:
     try:
         from corelooper_lm.packing import Segment, SegmentCollator, plan_packing
     except ImportError:
-        return {"skipped": "corelooper-lm (plugins/lm) is not installed in this venv: pip install -e plugins/lm"}
+        return {
+            "skipped": "corelooper-lm (plugins/lm) is not installed in this venv: pip install -e plugins/lm"
+        }
     if attn == "flash_attention_2":
         try:
             import flash_attn  # noqa: F401
         except ImportError:
-            return {"skipped": "flash-attn is not installed (the pip install failed or was skipped): sdpa only"}
+            return {
+                "skipped": "flash-attn is not installed (the pip install failed or was skipped): sdpa only"
+            }
     import torch
 
     s = SIZES[size]
-    samples = [x for x in sft.make_samples(s["batch"] * s["steps"] * 12, "train") if len(x.input_ids) <= s["seq"]]
+    samples = [
+        x for x in sft.make_samples(s["batch"] * s["steps"] * 12, "train") if len(x.input_ids) <= s["seq"]
+    ]
     vocab = s["vocab_size"]
     plan = plan_packing([len(x.input_ids) for x in samples], s["seq"], "bfd")
-    rows = [[Segment([t % vocab for t in samples[i].input_ids[a:b]],
-                     [t % vocab if t != -100 else t for t in samples[i].labels[a:b]], {}) for i, a, b in row]
-            for row in plan]
+    rows = [
+        [
+            Segment(
+                [t % vocab for t in samples[i].input_ids[a:b]],
+                [t % vocab if t != -100 else t for t in samples[i].labels[a:b]],
+                {},
+            )
+            for i, a, b in row
+        ]
+        for row in plan
+    ]
     reset_peak()
     model = build_model(size, attn="sdpa" if attn == "segments" else attn)
     dtype = torch.bfloat16
@@ -319,12 +417,16 @@ def cl_packing(size: str, attn: str) -> dict:
         try:
             from corelooper_lm.segment_attention import use_segment_attention
         except ImportError:
-            return {"skipped": "corelooper-lm (plugins/lm) is not installed in this venv: pip install -e plugins/lm"}
+            return {
+                "skipped": "corelooper-lm (plugins/lm) is not installed in this venv: pip install -e plugins/lm"
+            }
         attn = use_segment_attention(model)
     if attn == "flash_attention_2":
         model = model.to(dtype)  # flash kernels need half-precision weights
     collator = SegmentCollator(pad_token_id=0, attn_implementation=attn, mask_dtype=dtype)
-    trained = sum(sum(1 for t in seg.labels[1:] if t != -100) for row in rows[: s["batch"] * s["steps"]] for seg in row)
+    trained = sum(
+        sum(1 for t in seg.labels[1:] if t != -100) for row in rows[: s["batch"] * s["steps"]] for seg in row
+    )
     out, _ = cl_train(model, rows, size, "bf16", collator=collator)
     out["trained_tokens_per_step"] = round(trained / s["steps"])
     out["rows"] = len(rows)
@@ -369,18 +471,31 @@ def eval_compare(size: str) -> dict:
         loss = fn()
         sync()
         dt = time.perf_counter() - t
-        out[name] = {"tokens_per_s": round(tokens / dt, 1), "peak_mem_gib": peak_gib(), "eval_loss": round(loss, 4)}
+        out[name] = {
+            "tokens_per_s": round(tokens / dt, 1),
+            "peak_mem_gib": peak_gib(),
+            "eval_loss": round(loss, 4),
+        }
 
     def corelooper_eval(metric=None):
         from corelooper import Loop
         from corelooper.config import Config
 
-        cfg = Config.from_dict({"train": dict(output_dir=tempfile.mkdtemp(prefix="gpu-eval-"), save_strategy="no",
-                                              per_device_eval_batch_size=s["batch"], disable_tqdm=True,
-                                              use_cpu=device().type == "cpu", report_to=[]),
-                                 # what an [sft] run's "auto" picks: the output layer over the trained
-                                 # positions, a slice at a time with a metric (corelooper_lm.sliced_head)
-                                 "lm": {"head": "trained"}})
+        cfg = Config.from_dict(
+            {
+                "train": dict(
+                    output_dir=tempfile.mkdtemp(prefix="gpu-eval-"),
+                    save_strategy="no",
+                    per_device_eval_batch_size=s["batch"],
+                    disable_tqdm=True,
+                    use_cpu=device().type == "cpu",
+                    report_to=[],
+                ),
+                # what an [sft] run's "auto" picks: the output layer over the trained
+                # positions, a slice at a time with a metric (corelooper_lm.sliced_head)
+                "lm": {"head": "trained"},
+            }
+        )
         return Loop(model, cfg, eval_dataset=data, compute_metrics=metric).evaluate()["eval_loss"]
 
     def corelooper_streaming():  # token accuracy per batch (corelooper_lm.metrics): no logits kept
@@ -389,8 +504,13 @@ def eval_compare(size: str) -> dict:
         return corelooper_eval(TokenAccuracy())
 
     def hf_eval(metrics: bool):
-        args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="gpu-eval-hf-"), per_device_eval_batch_size=s["batch"],
-                                 report_to="none", disable_tqdm=True, use_cpu=device().type == "cpu")
+        args = TrainingArguments(
+            output_dir=tempfile.mkdtemp(prefix="gpu-eval-hf-"),
+            per_device_eval_batch_size=s["batch"],
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=device().type == "cpu",
+        )
 
         def accuracy(p):  # needs every batch's logits: what users of compute_metrics write
             import numpy as np
@@ -399,7 +519,9 @@ def eval_compare(size: str) -> dict:
             mask = labels[:, 1:] != -100
             return {"accuracy": float((np.argmax(logits[:, :-1], -1) == labels[:, 1:])[mask].mean())}
 
-        trainer = Trainer(model=model, args=args, eval_dataset=data, compute_metrics=accuracy if metrics else None)
+        trainer = Trainer(
+            model=model, args=args, eval_dataset=data, compute_metrics=accuracy if metrics else None
+        )
         return trainer.evaluate()["eval_loss"]
 
     timed("corelooper", corelooper_eval)
@@ -414,11 +536,34 @@ def eval_compare(size: str) -> dict:
 
 # -- the chat-SFT comparison of benchmarks/sft on the GPU ------------------------------------------------
 
-SFT_METHODS = ["hf_grouped", "hf_flattening", "trl_grouped", "trl_padding_free", "raw_padding_free",
-               "cl_padding_free", "cl_grouped"]
-SFT_ARGS = {"full": ["--samples", "4096", "--eval-samples", "128", "--batch", "32", "--hidden", "1024",
-                     "--layers", "8", "--heads", "8", "--lr", "1e-3"],
-            "smoke": ["--samples", "64", "--eval-samples", "8", "--batch", "8"]}
+SFT_METHODS = [
+    "hf_grouped",
+    "hf_flattening",
+    "trl_grouped",
+    "trl_padding_free",
+    "raw_padding_free",
+    "cl_padding_free",
+    "cl_grouped",
+]
+SFT_ARGS = {
+    "full": [
+        "--samples",
+        "4096",
+        "--eval-samples",
+        "128",
+        "--batch",
+        "32",
+        "--hidden",
+        "1024",
+        "--layers",
+        "8",
+        "--heads",
+        "8",
+        "--lr",
+        "1e-3",
+    ],
+    "smoke": ["--samples", "64", "--eval-samples", "8", "--batch", "8"],
+}
 # On a GPU corelooper's padding-free rows (and the hand-written one over the same layout) take the
 # 4-D block mask, what [sft] picks there: one sdpa call per sample trained packed rows 26x slower on
 # the H200 (cl_packing_segment_sdpa, 2026-12-04), and made this step outlast its time.
@@ -441,11 +586,19 @@ def sft_chat_peers(size: str) -> dict:
     if not torch.cuda.is_available() and size == "full":
         return {"skipped": "the GPU rows need CUDA; on a CPU run benchmarks/sft/run_bench.py"}
     if importlib.util.find_spec("trl") is None:
-        return {"skipped": "TRL is not installed (pip install trl; benchmarks/gpu/wheelhouse.sh carries it): "
-                           "its rows are half of this comparison"}
+        return {
+            "skipped": "TRL is not installed (pip install trl; benchmarks/gpu/wheelhouse.sh carries it): "
+            "its rows are half of this comparison"
+        }
     cuda = torch.cuda.is_available()
-    extra = [*SFT_ARGS[size], *(SFT_CUDA_ARGS if cuda else []), "--cl-packing", "auto",
-             "--device", "cuda" if cuda else "cpu"]
+    extra = [
+        *SFT_ARGS[size],
+        *(SFT_CUDA_ARGS if cuda else []),
+        "--cl-packing",
+        "auto",
+        "--device",
+        "cuda" if cuda else "cpu",
+    ]
     deadline = time.perf_counter() + SFT_SECONDS[size]
     runs: dict[str, list[dict]] = {m: [] for m in SFT_METHODS}
     rep, rep_s, out = 0, 0.0, {}
@@ -467,13 +620,23 @@ def sft_summary(runs: dict[str, list[dict]], extra: list[str], reps: int) -> dic
     done = {m: r for m, r in runs.items() if r}
     table = run_bench.summarize(done)
     goals = run_bench.compare(table, done)
-    failed = {m: (r[0].get("failed") or "")[-600:] for m, r in done.items() if "trained_tok_per_s" not in r[0]}
-    best = max((r for r in table if "trained_tok_per_s" in r), key=lambda r: r["trained_tok_per_s"], default=None)
+    failed = {
+        m: (r[0].get("failed") or "")[-600:] for m, r in done.items() if "trained_tok_per_s" not in r[0]
+    }
+    best = max(
+        (r for r in table if "trained_tok_per_s" in r), key=lambda r: r["trained_tok_per_s"], default=None
+    )
     out = {"args": extra, "reps": reps, "table": table, "goals": goals, "failed_rows": failed}
     if best:
         out["fastest_row"] = best["method"]
-        out["tokens_per_s"] = next((r["trained_tok_per_s"] for r in table if r["method"] == "cl_padding_free"
-                                    and "trained_tok_per_s" in r), None)
+        out["tokens_per_s"] = next(
+            (
+                r["trained_tok_per_s"]
+                for r in table
+                if r["method"] == "cl_padding_free" and "trained_tok_per_s" in r
+            ),
+            None,
+        )
     return out
 
 
@@ -526,7 +689,9 @@ def doctor_memory(size: str) -> dict:
     try:
         import corelooper_doctor  # noqa: F401
     except ImportError:
-        return {"skipped": "corelooper-doctor (plugins/doctor) is not installed in this venv: pip install -e plugins/doctor"}
+        return {
+            "skipped": "corelooper-doctor (plugins/doctor) is not installed in this venv: pip install -e plugins/doctor"
+        }
     import contextlib
 
     tee = _Tee(sys.stderr)

@@ -11,6 +11,7 @@ By default corelooper runs as a user gets it: every installed plugin autoloaded 
 `scripts/setup` / `benchmarks/setup` installed, e.g. corelooper-tensorboard), the console on,
 stdout redirected to a file by the driver (not a tty).
 """
+
 import os
 import time
 
@@ -62,20 +63,33 @@ class NoOp:
         pass
 
 
-n_noop = next((int(f[len("--plugins"):]) for f in flags if f.startswith("--plugins")), 0)
+n_noop = next((int(f[len("--plugins") :]) for f in flags if f.startswith("--plugins")), 0)
 plugins = [NoOp(i) for i in range(n_noop)]
-config = Config.from_dict({
-    "train": dict(
-        output_dir=outdir, max_steps=steps, per_device_train_batch_size=bs // ga,
-        gradient_accumulation_steps=ga, learning_rate=C.LR, weight_decay=C.WEIGHT_DECAY,
-        lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=C.MAX_GRAD_NORM,
-        logging_steps=1 if "--log1" in flags else log_every, save_strategy="no",
-        eval_strategy="no", seed=C.SEED, disable_tqdm=True, use_cpu=True,
-        optim="adamw_torch" if "--adamw" in flags else "adamw_torch_fused",
-    ),
-})
-loop = Loop(model, config, train_dataset=ds, plugins=plugins,
-            blocked_plugins=["console"] if "--lean" in flags else ())
+config = Config.from_dict(
+    {
+        "train": dict(
+            output_dir=outdir,
+            max_steps=steps,
+            per_device_train_batch_size=bs // ga,
+            gradient_accumulation_steps=ga,
+            learning_rate=C.LR,
+            weight_decay=C.WEIGHT_DECAY,
+            lr_scheduler_type="linear",
+            warmup_steps=0,
+            max_grad_norm=C.MAX_GRAD_NORM,
+            logging_steps=1 if "--log1" in flags else log_every,
+            save_strategy="no",
+            eval_strategy="no",
+            seed=C.SEED,
+            disable_tqdm=True,
+            use_cpu=True,
+            optim="adamw_torch" if "--adamw" in flags else "adamw_torch_fused",
+        ),
+    }
+)
+loop = Loop(
+    model, config, train_dataset=ds, plugins=plugins, blocked_plugins=["console"] if "--lean" in flags else ()
+)
 t_setup = time.perf_counter() - T1
 
 T2 = time.perf_counter()
@@ -84,11 +98,21 @@ T3 = time.perf_counter()
 
 losses = [e["loss"] for e in loop.state.log_history if "loss" in e][:-1]
 if "--log1" in flags:
-    losses = losses[log_every - 1::log_every]
+    losses = losses[log_every - 1 :: log_every]
 shutil.rmtree(outdir, ignore_errors=True)
 variant = "+".join(sorted(f.lstrip("-") for f in flags)) or "default"
 # GA: n_fwd counts micro-batches; report per-step equivalents so the same-work check holds.
 if ga > 1:
     probe.n_fwd //= ga
-C.emit("corelooper", workload, variant, t_import, t_setup, T2, T3, probe, losses,
-       extra=dict(global_step=loop.state.global_step))
+C.emit(
+    "corelooper",
+    workload,
+    variant,
+    t_import,
+    t_setup,
+    T2,
+    T3,
+    probe,
+    losses,
+    extra=dict(global_step=loop.state.global_step),
+)

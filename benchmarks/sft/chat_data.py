@@ -62,8 +62,9 @@ def make_tokenizer():
     vocab.update({"<pad>": C.PAD, "</s>": C.EOS, USER: USER_ID, ASSISTANT: ASSISTANT_ID})
     tok = Tokenizer(WordLevel(vocab, unk_token="</s>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                   chat_template=TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", chat_template=TEMPLATE
+    )
 
 
 def write_tokenizer(folder: Path) -> Path:

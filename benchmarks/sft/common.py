@@ -30,9 +30,19 @@ DATA_SEED = 1234
 
 # The tiny Llama (attention: sdpa; no KV cache in training: with one, Llama attends across
 # packed samples). ~2.6M parameters; hidden/layers are options of run_one.py.
-MODEL = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_LEN,
-             pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, tie_word_embeddings=False)
+MODEL = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=MAX_LEN,
+    pad_token_id=PAD,
+    eos_token_id=EOS,
+    bos_token_id=None,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass
@@ -42,7 +52,7 @@ class Sample:
 
     @property
     def labels(self) -> list[int]:
-        return [-100] * self.prompt_length + self.input_ids[self.prompt_length:]
+        return [-100] * self.prompt_length + self.input_ids[self.prompt_length :]
 
     @property
     def trained(self) -> int:
@@ -84,8 +94,14 @@ def make_samples(n: int, split: str = "train", seed: int = DATA_SEED) -> list[Sa
 
 def stats(samples: list[Sample]) -> dict:
     lengths = [len(s.input_ids) for s in samples]
-    return dict(samples=len(samples), tokens=sum(lengths), trained_tokens=sum(s.trained for s in samples),
-                mean_len=sum(lengths) / len(lengths), max_len=max(lengths), min_len=min(lengths))
+    return dict(
+        samples=len(samples),
+        tokens=sum(lengths),
+        trained_tokens=sum(s.trained for s in samples),
+        mean_len=sum(lengths) / len(lengths),
+        max_len=max(lengths),
+        min_len=min(lengths),
+    )
 
 
 def make_model(seed: int, **overrides):
@@ -136,11 +152,15 @@ def eval_loss(model, samples: list[Sample], batch_size: int = 16) -> float:
     device = next(model.parameters()).device
     with torch.no_grad():
         for i in range(0, len(samples), batch_size):
-            b = {k: v.to(device) for k, v in pad_batch(samples[i:i + batch_size]).items()}
+            b = {k: v.to(device) for k, v in pad_batch(samples[i : i + batch_size]).items()}
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
             target = b["labels"][:, 1:]
             loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum")
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
+                target.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
             total += float(loss)
             count += int((target != -100).sum())
     model.train()
@@ -193,5 +213,9 @@ class Probe:
     def summary(self) -> dict:
         self.trained_per_forward = [int(n) for n in self.trained_per_forward]
         self.trained = sum(self.trained_per_forward)
-        return dict(forwards=self.forwards, positions_computed=self.positions, trained_tokens_fed=self.trained,
-                    threads_in_fwd=self.threads_in_fwd)
+        return dict(
+            forwards=self.forwards,
+            positions_computed=self.positions,
+            trained_tokens_fed=self.trained,
+            threads_in_fwd=self.threads_in_fwd,
+        )

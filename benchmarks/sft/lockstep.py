@@ -83,9 +83,21 @@ def child(a) -> None:
     import run_one
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    train, evals, st, h, model = run_one.setup(run_one.parse([
-        a.child, "--seed", str(a.seed), "--samples", str(a.samples), "--eval-samples", str(a.eval_samples),
-        "--threads", str(a.threads)]))
+    train, evals, st, h, model = run_one.setup(
+        run_one.parse(
+            [
+                a.child,
+                "--seed",
+                str(a.seed),
+                "--samples",
+                str(a.samples),
+                "--eval-samples",
+                str(a.eval_samples),
+                "--threads",
+                str(a.threads),
+            ]
+        )
+    )
     probe = C.Probe(model)
     M.import_framework(a.child)
     me = Child(a.fd_in, a.fd_out, a.steps_per_turn)
@@ -101,11 +113,15 @@ def child(a) -> None:
     me.wait(b"e")
     spans = me.spans
     later = float(sum(int(x) for x in probe.trained_per_forward[1:]))
-    rec = dict(optimizer_steps=len(spans), to_last_step_s=round(sum(spans), 4),
-               first_step_s=round(spans[0], 4) if spans else None,
-               trained_tok_per_s=round(st["trained_tokens"] / sum(spans), 1) if spans else None,
-               trained_tok_per_s_steady=round(later / sum(spans[1:]), 1) if len(spans) > 1 else None,
-               eval_loss=round(C.eval_loss(model, evals), 4), error=error)
+    rec = dict(
+        optimizer_steps=len(spans),
+        to_last_step_s=round(sum(spans), 4),
+        first_step_s=round(spans[0], 4) if spans else None,
+        trained_tok_per_s=round(st["trained_tokens"] / sum(spans), 1) if spans else None,
+        trained_tok_per_s_steady=round(later / sum(spans[1:]), 1) if len(spans) > 1 else None,
+        eval_loss=round(C.eval_loss(model, evals), 4),
+        error=error,
+    )
     me.tell((json.dumps(rec) + "\n").encode())
 
 
@@ -126,13 +142,31 @@ class Contender:
     def __init__(self, method: str, seed: int, a) -> None:
         to_child, self._to_child = os.pipe()
         self._from_child, from_child = os.pipe()
-        cmd = [sys.executable, __file__, "--child", method, "--seed", str(seed), "--fd-in", str(to_child),
-               "--fd-out", str(from_child), "--samples", str(a.samples), "--eval-samples", str(a.eval_samples),
-               "--threads", str(a.threads), "--steps-per-turn", str(a.steps_per_turn)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            method,
+            "--seed",
+            str(seed),
+            "--fd-in",
+            str(to_child),
+            "--fd-out",
+            str(from_child),
+            "--samples",
+            str(a.samples),
+            "--eval-samples",
+            str(a.eval_samples),
+            "--threads",
+            str(a.threads),
+            "--steps-per-turn",
+            str(a.steps_per_turn),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
         self.method = method
-        self.proc = subprocess.Popen(cmd, pass_fds=(to_child, from_child), env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            cmd, pass_fds=(to_child, from_child), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         os.close(to_child)
         os.close(from_child)
         self.write = os.fdopen(self._to_child, "wb", buffering=0)
@@ -155,8 +189,10 @@ class Contender:
 
     def fail(self, what: str):
         self.proc.kill()
-        raise SystemExit(f"lockstep: {self.method} {what} (exit {self.proc.wait()}):\n"
-                         f"{self.proc.stderr.read().decode()[-3000:]}")
+        raise SystemExit(
+            f"lockstep: {self.method} {what} (exit {self.proc.wait()}):\n"
+            f"{self.proc.stderr.read().decode()[-3000:]}"
+        )
 
 
 def one(seed: int, methods: list[str], a) -> dict:
@@ -167,7 +203,9 @@ def one(seed: int, methods: list[str], a) -> dict:
         if c.answer() != b"r":
             c.fail("did not get ready")
     take_turns(contenders)
-    return dict(seed=seed, order=methods, loadavg=os.getloadavg()[0], rows={c.method: c.record() for c in contenders})
+    return dict(
+        seed=seed, order=methods, loadavg=os.getloadavg()[0], rows={c.method: c.record() for c in contenders}
+    )
 
 
 def summarize(reps: list[dict], methods: list[str]) -> dict:
@@ -178,9 +216,14 @@ def summarize(reps: list[dict], methods: list[str]) -> dict:
     def values(m, key):
         return [r["rows"][m][key] for r in reps if r["rows"].get(m, {}).get(key)]
 
-    table = {m: dict(trained_tok_per_s=statistics.median(values(m, "trained_tok_per_s") or [0]),
-                     trained_tok_per_s_steady=statistics.median(values(m, "trained_tok_per_s_steady") or [0]),
-                     eval_loss=sorted(set(values(m, "eval_loss")))) for m in methods}
+    table = {
+        m: dict(
+            trained_tok_per_s=statistics.median(values(m, "trained_tok_per_s") or [0]),
+            trained_tok_per_s_steady=statistics.median(values(m, "trained_tok_per_s_steady") or [0]),
+            eval_loss=sorted(set(values(m, "eval_loss"))),
+        )
+        for m in methods
+    }
     ours = "cl_padding_free"
 
     def best(prefix):
@@ -188,10 +231,18 @@ def summarize(reps: list[dict], methods: list[str]) -> dict:
         return max(rows, key=lambda m: table[m]["trained_tok_per_s"]) if rows else None
 
     def paired(a: str, b: str, key: str = "trained_tok_per_s") -> list[float]:
-        return [r["rows"][a][key] / r["rows"][b][key] for r in reps if r["rows"][a].get(key) and r["rows"][b].get(key)]
+        return [
+            r["rows"][a][key] / r["rows"][b][key]
+            for r in reps
+            if r["rows"][a].get(key) and r["rows"][b].get(key)
+        ]
 
     goals = {}
-    for name, theirs in (("trl_best", best("trl_")), ("hf_best", best("hf_")), ("raw_padding_free", best("raw_"))):
+    for name, theirs in (
+        ("trl_best", best("trl_")),
+        ("hf_best", best("hf_")),
+        ("raw_padding_free", best("raw_")),
+    ):
         if theirs is None or ours not in methods:
             continue
         for key in ("trained_tok_per_s", "trained_tok_per_s_steady"):
@@ -200,12 +251,20 @@ def summarize(reps: list[dict], methods: list[str]) -> dict:
                 continue
             ci = median_ci95(pairs)
             median = round(statistics.median(pairs), 3)
-            goals[f"{name}/{key}"] = dict(theirs=theirs, goal=GOALS[name], paired_median=median, ci95=ci,
-                                          verdict=verdict(median, GOALS[name], ci),
-                                          per_repetition=[round(x, 3) for x in pairs])
+            goals[f"{name}/{key}"] = dict(
+                theirs=theirs,
+                goal=GOALS[name],
+                paired_median=median,
+                ci95=ci,
+                verdict=verdict(median, GOALS[name], ci),
+                per_repetition=[round(x, 3) for x in pairs],
+            )
     # every two rows, no goal: e.g. the trained head over the full one, the framework over the hand-written loop
-    ratios = {f"{a}/{b}": dict(paired_median=round(statistics.median(pairs), 3), ci95=median_ci95(pairs))
-              for a, b in itertools.combinations(methods, 2) if (pairs := paired(a, b))}
+    ratios = {
+        f"{a}/{b}": dict(paired_median=round(statistics.median(pairs), 3), ci95=median_ci95(pairs))
+        for a, b in itertools.combinations(methods, 2)
+        if (pairs := paired(a, b))
+    }
     return dict(table=table, goals=goals, ratios=ratios)
 
 
@@ -218,21 +277,40 @@ def drive(a) -> None:
         order = methods[k:] + methods[:k]
         rec = one(rep, order, a)
         reps.append(rec)
-        print(f"rep {rep} " + " ".join(f"{m}={r['trained_tok_per_s']}/{r['trained_tok_per_s_steady']}"
-                                       f"{' ERROR ' + r['error'] if r['error'] else ''}" for m, r in rec["rows"].items())
-              + f" load={rec['loadavg']:.2f}", file=sys.stderr, flush=True)
+        print(
+            f"rep {rep} "
+            + " ".join(
+                f"{m}={r['trained_tok_per_s']}/{r['trained_tok_per_s_steady']}"
+                f"{' ERROR ' + r['error'] if r['error'] else ''}"
+                for m, r in rec["rows"].items()
+            )
+            + f" load={rec['loadavg']:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
     result = summarize(reps, methods)
     print(f"\n{'method':18s} {'trained tok/s':>13s} {'steady':>8s}  eval loss")
     for m, row in result["table"].items():
-        print(f"{m:18s} {row['trained_tok_per_s']:13.0f} {row['trained_tok_per_s_steady']:8.0f}  {row['eval_loss']}")
+        print(
+            f"{m:18s} {row['trained_tok_per_s']:13.0f} {row['trained_tok_per_s_steady']:8.0f}  {row['eval_loss']}"
+        )
     for name, r in result["ratios"].items():
         print(f"{name}: {r['paired_median']} [95% {r['ci95']}]")
     for name, g in result["goals"].items():
-        print(f"cl_padding_free over {g['theirs']} ({name}): {g['paired_median']} [95% {g['ci95']}] "
-              f"(goal >= {g['goal']}: {g['verdict']})")
-    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, samples=a.samples, threads=a.threads,
-               loadavg_start=[round(x, 2) for x in load0], loadavg_end=[round(x, 2) for x in os.getloadavg()],
-               **result, runs=reps)
+        print(
+            f"cl_padding_free over {g['theirs']} ({name}): {g['paired_median']} [95% {g['ci95']}] "
+            f"(goal >= {g['goal']}: {g['verdict']})"
+        )
+    out = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reps=a.reps,
+        samples=a.samples,
+        threads=a.threads,
+        loadavg_start=[round(x, 2) for x in load0],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        **result,
+        runs=reps,
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"load average {out['loadavg_start']} -> {out['loadavg_end']}; wrote {a.out}")

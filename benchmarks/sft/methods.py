@@ -78,7 +78,9 @@ def import_corelooper_modules() -> None:
             packages.add(module.__name__.split(".")[0])
     for name in sorted(packages):
         package = importlib.import_module(name)
-        for info in pkgutil.walk_packages(getattr(package, "__path__", []), f"{name}.", onerror=lambda _: None):
+        for info in pkgutil.walk_packages(
+            getattr(package, "__path__", []), f"{name}.", onerror=lambda _: None
+        ):
             if info.name.endswith("__main__"):  # `python -m`'s entry: importing it would run the CLI
                 continue
             try:
@@ -91,15 +93,33 @@ def hf_args(h, out: str, **extra):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=out, num_train_epochs=1, per_device_train_batch_size=extra.pop("batch", h.batch),
-        learning_rate=h.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, optim="adamw_torch_fused", logging_steps=10, save_strategy="no",
-        eval_strategy="no", report_to="none", disable_tqdm=True, use_cpu=h.cpu, seed=h.seed,
-        dataloader_num_workers=0, bf16=h.bf16, **extra)
+        output_dir=out,
+        num_train_epochs=1,
+        per_device_train_batch_size=extra.pop("batch", h.batch),
+        learning_rate=h.lr,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused",
+        logging_steps=10,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=h.cpu,
+        seed=h.seed,
+        dataloader_num_workers=0,
+        bf16=h.bf16,
+        **extra,
+    )
 
 
 def as_rows(train):
-    return [{"input_ids": s.input_ids, "attention_mask": [1] * len(s.input_ids), "labels": s.labels} for s in train]
+    return [
+        {"input_ids": s.input_ids, "attention_mask": [1] * len(s.input_ids), "labels": s.labels}
+        for s in train
+    ]
 
 
 # -- Hugging Face Trainer ----------------------------------------------------------------------
@@ -110,8 +130,9 @@ def _hf(model, train, h, **extra):
 
     out = tempfile.mkdtemp(prefix="sft-hf-")
     collator = DataCollatorForSeq2Seq(C.make_tokenizer(), padding="longest", label_pad_token_id=-100)
-    trainer = Trainer(model=model, args=hf_args(h, out, **extra), train_dataset=as_rows(train),
-                      data_collator=collator)
+    trainer = Trainer(
+        model=model, args=hf_args(h, out, **extra), train_dataset=as_rows(train), data_collator=collator
+    )
     trainer.train()
     shutil.rmtree(out, ignore_errors=True)
 
@@ -162,13 +183,29 @@ def _trl(model, train, h, **extra):
     out = tempfile.mkdtemp(prefix="sft-trl-")
     batch = extra.pop("batch", h.batch)
     args = SFTConfig(
-        output_dir=out, num_train_epochs=1, per_device_train_batch_size=batch, learning_rate=h.lr,
-        lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch_fused", logging_steps=10, save_strategy="no", eval_strategy="no",
-        report_to="none", disable_tqdm=True, use_cpu=h.cpu, seed=h.seed, dataloader_num_workers=0,
+        output_dir=out,
+        num_train_epochs=1,
+        per_device_train_batch_size=batch,
+        learning_rate=h.lr,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused",
+        logging_steps=10,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=h.cpu,
+        seed=h.seed,
+        dataloader_num_workers=0,
         # SFTConfig defaults to bf16 and gradient checkpointing: ~10x slower on CPU, and not what
         # the other rows do. On the GPU script they are set explicitly per row.
-        bf16=h.bf16, gradient_checkpointing=False, **extra)
+        bf16=h.bf16,
+        gradient_checkpointing=False,
+        **extra,
+    )
     ds = datasets.Dataset.from_list([{"input_ids": s.input_ids, "labels": s.labels} for s in train])
     t = time.perf_counter()
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=C.make_tokenizer())
@@ -214,7 +251,9 @@ class same_kernel_as_corelooper:  # noqa: N801 (a context manager used like a fu
         try:
             from corelooper_lm.segment_attention import use_segment_attention
         except ImportError as e:
-            raise Unavailable(f"corelooper_lm.segment_attention is not installed ({e}): pip install -e plugins/lm") from e
+            raise Unavailable(
+                f"corelooper_lm.segment_attention is not installed ({e}): pip install -e plugins/lm"
+            ) from e
         use_segment_attention(self.model)
 
     def __exit__(self, *exc):
@@ -237,14 +276,16 @@ def raw_padding_free(model, train, h):
     model.to(device)
     seg = _leak_free_collator(model, h)
     order = epoch_permutation(len(train), h.seed, 0, True)
-    batches = [order[i:i + h.batch] for i in range(0, len(order), h.batch)]
+    batches = [order[i : i + h.batch] for i in range(0, len(order), h.batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=h.lr, weight_decay=0.0, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, 1 - step / len(batches)))
     model.train()
     try:
         for idx in batches:
             batch = seg([_segments([train[i] for i in idx])])
-            batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = {
+                k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+            }
             n = (batch["labels"][:, 1:] != -100).sum()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=h.bf16):
                 loss = model(**batch, num_items_in_batch=n).loss
@@ -265,11 +306,24 @@ def _loop(model, dataset, h, collator, **train):
     from corelooper.config import Config
 
     out = tempfile.mkdtemp(prefix="sft-cl-")
-    args = TrainArgs(output_dir=out, num_train_epochs=1, per_device_train_batch_size=train.pop("batch", h.batch),
-                     learning_rate=h.lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-                     max_grad_norm=1.0, logging_steps=10, save_strategy="no", eval_strategy="no",
-                     disable_tqdm=True, use_cpu=h.cpu, seed=h.seed,
-                     mixed_precision="bf16" if h.bf16 else "no", **train)
+    args = TrainArgs(
+        output_dir=out,
+        num_train_epochs=1,
+        per_device_train_batch_size=train.pop("batch", h.batch),
+        learning_rate=h.lr,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=10,
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        use_cpu=h.cpu,
+        seed=h.seed,
+        mixed_precision="bf16" if h.bf16 else "no",
+        **train,
+    )
     # [lm] head "trained" and the training token_accuracy: what an [sft] run does by default
     # (corelooper_lm.trained_head, corelooper_lm.accuracy; TRL's rows count mean_token_accuracy too)
     accuracy = getattr(h, "cl_token_accuracy", True)
@@ -329,12 +383,12 @@ def _packed_rows_collators(train, h):
         for j, piece in enumerate(pieces):
             s = train[piece[0] // stride]
             k = len(piece)
-            ids[at:at + k] = torch.tensor(s.input_ids)
-            labels[at:at + k] = torch.tensor(s.labels)
+            ids[at : at + k] = torch.tensor(s.input_ids)
+            labels[at : at + k] = torch.tensor(s.labels)
             if j > 0:
                 labels[at] = -100
-            mask[at:at + k] = 1
-            pos[at:at + k] = torch.arange(k)
+            mask[at : at + k] = 1
+            pos[at : at + k] = torch.arange(k)
             at += k
         rows.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "position_ids": pos})
     return rows
@@ -361,7 +415,9 @@ def _leak_free_collator(model, h):
             pass
         else:
             attn = use_segment_attention(model)
-    return SegmentCollator(pad_token_id=C.PAD, attn_implementation=attn, mask_dtype=next(model.parameters()).dtype)
+    return SegmentCollator(
+        pad_token_id=C.PAD, attn_implementation=attn, mask_dtype=next(model.parameters()).dtype
+    )
 
 
 def _back_to_sdpa(model):
@@ -379,9 +435,15 @@ def cl_packed(model, train, h):
         from corelooper_lm.packing import plan_packing
 
         plan = plan_packing([len(s.input_ids) for s in train], h.max_len, "bfd")
-        rows = [_segments([C.Sample(train[i].input_ids[a:b], max(0, train[i].prompt_length - a))
-                           for i, a, b in row]) for row in plan]
-        collator = _leak_free_collator(model, h)  # items are rows (lists of segments); a batch is a list of rows
+        rows = [
+            _segments(
+                [C.Sample(train[i].input_ids[a:b], max(0, train[i].prompt_length - a)) for i, a, b in row]
+            )
+            for row in plan
+        ]
+        collator = _leak_free_collator(
+            model, h
+        )  # items are rows (lists of segments); a batch is a list of rows
     prep = time.perf_counter() - t
     if collator is None:
         import torch
@@ -410,8 +472,10 @@ def cl_padding_free_all_no_accuracy(model, train, h):
 
 def cl_padding_free(model, train, h):
     if packing_layout(h) == "collators":
-        raise Unavailable("--cl-packing collators: corelooper_lm.collators has no padding-free path (it is in "
-                          "corelooper_lm.packing); pass --cl-packing packing or auto")
+        raise Unavailable(
+            "--cl-packing collators: corelooper_lm.collators has no padding-free path (it is in "
+            "corelooper_lm.packing); pass --cl-packing packing or auto"
+        )
     seg = _leak_free_collator(model, h)
 
     def collate(items):  # the same samples per batch as the padded row, flattened into one row
@@ -424,13 +488,22 @@ def cl_padding_free(model, train, h):
 
 
 METHODS = {
-    "hf_padded": hf_padded, "hf_grouped": hf_grouped, "hf_flattening": hf_flattening,
+    "hf_padded": hf_padded,
+    "hf_grouped": hf_grouped,
+    "hf_flattening": hf_flattening,
     "hf_flattening_seg": hf_flattening_seg,
-    "trl_padded": trl_padded, "trl_grouped": trl_grouped, "trl_padding_free": trl_padding_free,
-    "trl_padding_free_seg": trl_padding_free_seg, "trl_packing_bfd": trl_packing_bfd,
+    "trl_padded": trl_padded,
+    "trl_grouped": trl_grouped,
+    "trl_padding_free": trl_padding_free,
+    "trl_padding_free_seg": trl_padding_free_seg,
+    "trl_packing_bfd": trl_packing_bfd,
     "raw_padding_free": raw_padding_free,
-    "cl_padded": cl_padded, "cl_grouped": cl_grouped, "cl_packed": cl_packed, "cl_padding_free": cl_padding_free,
-    "cl_padding_free_all": cl_padding_free_all, "cl_padding_free_all_no_accuracy": cl_padding_free_all_no_accuracy,
+    "cl_padded": cl_padded,
+    "cl_grouped": cl_grouped,
+    "cl_packed": cl_packed,
+    "cl_padding_free": cl_padding_free,
+    "cl_padding_free_all": cl_padding_free_all,
+    "cl_padding_free_all_no_accuracy": cl_padding_free_all_no_accuracy,
 }
 # Rows that give a peer corelooper's attention kernel: not one of its documented settings, so
 # they are reported beside "best" (the best of each peer's documented settings), not inside it.

@@ -63,11 +63,14 @@ def _first_step_hook(prep: dict) -> None:
 
     def done(*_):
         use = resource.getrusage(resource.RUSAGE_SELF)
-        rec = dict(to_first_step_s=round(time.perf_counter() - T0, 3), prepare_s=round(prep.get("s", 0.0), 3),
-                   cpu_to_first_step_s=round(use.ru_utime + use.ru_stime, 3),
-                   prepare_cpu_s=round(prep.get("cpu", 0.0), 3),
-                   peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                   load=os.getloadavg())
+        rec = dict(
+            to_first_step_s=round(time.perf_counter() - T0, 3),
+            prepare_s=round(prep.get("s", 0.0), 3),
+            cpu_to_first_step_s=round(use.ru_utime + use.ru_stime, 3),
+            prepare_cpu_s=round(prep.get("cpu", 0.0), 3),
+            peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            load=os.getloadavg(),
+        )
         print("RESULT " + json.dumps(rec), flush=True)
         os._exit(0)
 
@@ -114,19 +117,49 @@ def one_trl(data: Path, tok: Path, out: Path) -> None:
     datasets.disable_progress_bars()
     ds = datasets.load_dataset("json", data_files=[str(data)], split="train")
     args = SFTConfig(
-        output_dir=str(out / "run"), max_steps=1, per_device_train_batch_size=8, learning_rate=3e-3,
-        optim="adamw_torch_fused", save_strategy="no", report_to="none", bf16=False, use_cpu=True,
-        gradient_checkpointing=False, assistant_only_loss=True, packing=True, packing_strategy="bfd",
-        max_length=512)
-    trainer = SFTTrainer(model=chat_data.make_model(), args=args, train_dataset=ds,
-                         processing_class=AutoTokenizer.from_pretrained(str(tok)))
+        output_dir=str(out / "run"),
+        max_steps=1,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        optim="adamw_torch_fused",
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        assistant_only_loss=True,
+        packing=True,
+        packing_strategy="bfd",
+        max_length=512,
+    )
+    trainer = SFTTrainer(
+        model=chat_data.make_model(),
+        args=args,
+        train_dataset=ds,
+        processing_class=AutoTokenizer.from_pretrained(str(tok)),
+    )
     trainer.train()
 
 
 def run_one(method: str, data: Path, tok: Path, out: Path, cache: Path) -> dict:
-    env = {**os.environ, "HF_DATASETS_CACHE": str(cache / "hf"), "CORELOOPER_SFT_CACHE": str(cache / "sft"),
-           "TOKENIZERS_PARALLELISM": "true"}
-    cmd = [sys.executable, __file__, "one", method, "--data", str(data), "--tokenizer", str(tok), "--out", str(out)]
+    env = {
+        **os.environ,
+        "HF_DATASETS_CACHE": str(cache / "hf"),
+        "CORELOOPER_SFT_CACHE": str(cache / "sft"),
+        "TOKENIZERS_PARALLELISM": "true",
+    }
+    cmd = [
+        sys.executable,
+        __file__,
+        "one",
+        method,
+        "--data",
+        str(data),
+        "--tokenizer",
+        str(tok),
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     found = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     if not found:
@@ -138,7 +171,9 @@ def warm_up(data: Path) -> None:
     """Before a size's first timed run: the libraries' files and the data file in the page cache.
     Repetition 0 starts with corelooper's run, which otherwise alone paid a cold disk (~13 s more
     to its first step than any later run at 100k, with the same CPU time)."""
-    modules = "import torch, transformers, datasets, trl, accelerate, corelooper, corelooper_sft, corelooper_hf"
+    modules = (
+        "import torch, transformers, datasets, trl, accelerate, corelooper, corelooper_sft, corelooper_hf"
+    )
     subprocess.run([sys.executable, "-c", modules], check=True, capture_output=True)
     with data.open("rb") as fh:
         while fh.read(1 << 24):
@@ -155,7 +190,10 @@ def bench(sizes: list[int], reps: int, work: Path, only: str | None) -> list[dic
         if not data.exists():
             t = time.perf_counter()
             chat_data.write_jsonl(data, n)
-            print(f"wrote {data} ({data.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t:.0f} s", flush=True)
+            print(
+                f"wrote {data} ({data.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t:.0f} s",
+                flush=True,
+            )
         warm_up(data)
         for rep in range(reps):
             for method in ("cl", "trl") if rep % 2 == 0 else ("trl", "cl"):
@@ -164,8 +202,12 @@ def bench(sizes: list[int], reps: int, work: Path, only: str | None) -> list[dic
                 cache = Path(tempfile.mkdtemp(prefix=f"pp-{method}-", dir=work))
                 runs = [run_one(method, data, tok, Path(tempfile.mkdtemp(dir=work)), cache)]
                 if method == "cl":  # the second start, same data and settings: the cache
-                    runs.append({**run_one(method, data, tok, Path(tempfile.mkdtemp(dir=work)), cache),
-                                 "method": "cl (second start)"})
+                    runs.append(
+                        {
+                            **run_one(method, data, tok, Path(tempfile.mkdtemp(dir=work)), cache),
+                            "method": "cl (second start)",
+                        }
+                    )
                 for r in runs:
                     r.update(conversations=n, rep=rep, mb=round(data.stat().st_size / 1e6, 1))
                     print(json.dumps(r), flush=True)
@@ -190,17 +232,27 @@ def summarize(rows: list[dict]) -> list[dict]:
         for key in ("to_first_step_s", "cpu_to_first_step_s", "prepare_s", "prepare_cpu_s", "peak_rss_mb"):
             ratios = [by[("trl", k)][key] / by[("cl", k)][key] for k in reps if by[("cl", k)][key]]
             med = round(statistics.median(ratios), 3) if ratios else None
-            row[key] = {"trl_over_cl": med, "ci95": median_ci95(ratios), "per_rep": [round(x, 3) for x in ratios]}
+            row[key] = {
+                "trl_over_cl": med,
+                "ci95": median_ci95(ratios),
+                "per_rep": [round(x, 3) for x in ratios],
+            }
             if key in ("to_first_step_s", "cpu_to_first_step_s"):
                 row[key]["verdict"] = verdict(med, GOAL, row[key]["ci95"])
-        second = [by[("cl (second start)", k)]["prepare_cpu_s"] / by[("cl", k)]["prepare_cpu_s"]
-                  for k in reps if ("cl (second start)", k) in by]
+        second = [
+            by[("cl (second start)", k)]["prepare_cpu_s"] / by[("cl", k)]["prepare_cpu_s"]
+            for k in reps
+            if ("cl (second start)", k) in by
+        ]
         row["second_start_prepare_share"] = round(statistics.median(second), 4) if second else None
         out.append(row)
         for key in ("to_first_step_s", "cpu_to_first_step_s"):
             r = row[key]
-            print(f"goal ({n} conversations, TRL / corelooper, {key}): {r['trl_over_cl']}x "
-                  f"(95% interval {r['ci95']}, {len(reps)} reps) vs >= {GOAL}x: {r['verdict']}", flush=True)
+            print(
+                f"goal ({n} conversations, TRL / corelooper, {key}): {r['trl_over_cl']}x "
+                f"(95% interval {r['ci95']}, {len(reps)} reps) vs >= {GOAL}x: {r['verdict']}",
+                flush=True,
+            )
     return out
 
 
@@ -225,9 +277,18 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     rows = bench(a.sizes, a.reps, a.work, a.only)
     res = a.out
-    res.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                   command=" ".join(sys.argv), uname=os.uname().nodename,
-                                   runs=rows, summary=summarize(rows)), indent=1))
+    res.write_text(
+        json.dumps(
+            dict(
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                command=" ".join(sys.argv),
+                uname=os.uname().nodename,
+                runs=rows,
+                summary=summarize(rows),
+            ),
+            indent=1,
+        )
+    )
     print(f"wrote {res}")
 
 

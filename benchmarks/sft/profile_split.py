@@ -34,18 +34,101 @@ HERE = Path(__file__).resolve().parent
 DEFAULT = ["cl_padding_free", "cl_padding_free_all", "raw_padding_free", "trl_grouped", "hf_grouped"]
 KINDS = ("lm_head", "linear", "attention", "loss", "optimizer", "elementwise", "memory", "other")
 ATTENTION = ("scaled_dot_product", "sdpa", "efficient_attention", "flash_attention")
-MASK_OPS = {"masked_fill", "tril", "triu", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "eq", "ge",
-            "le", "lt", "gt", "ne", "arange"}
+MASK_OPS = {
+    "masked_fill",
+    "tril",
+    "triu",
+    "logical_and",
+    "logical_or",
+    "bitwise_and",
+    "bitwise_or",
+    "eq",
+    "ge",
+    "le",
+    "lt",
+    "gt",
+    "ne",
+    "arange",
+}
 LOSS = ("cross_entropy", "nll_loss", "log_softmax", "softmax", "logsumexp", "_log_softmax")
 OPTIM = ("adam", "_foreach_", "lerp", "addcdiv", "addcmul", "linalg_vector_norm", "clamp")
-ELEMENTWISE = ("rms_norm", "layer_norm", "pow", "rsqrt", "mean", "silu", "gelu", "mul", "add", "sub", "div",
-               "neg", "embedding", "sigmoid", "sum", "where", "sqrt", "exp", "cos", "sin", "threshold")
-MEMORY = {"copy", "cat", "index", "index_select", "index_put_impl", "gather", "split", "split_with_sizes", "slice",
-          "select", "view", "unsafe_view", "reshape", "transpose", "permute", "contiguous", "as_strided", "expand",
-          "clone", "to", "to_copy", "empty", "empty_strided", "zeros", "zero", "fill", "stack", "pad",
-          "constant_pad_nd", "unbind", "narrow", "squeeze", "unsqueeze", "t", "nonzero", "masked_select", "scatter",
-          "flatten", "repeat", "new_empty", "new_zeros", "ones", "full", "detach", "alias", "resize", "chunk",
-          "lift_fresh", "set", "item", "local_scalar_dense", "embedding_dense_backward_copy"}
+ELEMENTWISE = (
+    "rms_norm",
+    "layer_norm",
+    "pow",
+    "rsqrt",
+    "mean",
+    "silu",
+    "gelu",
+    "mul",
+    "add",
+    "sub",
+    "div",
+    "neg",
+    "embedding",
+    "sigmoid",
+    "sum",
+    "where",
+    "sqrt",
+    "exp",
+    "cos",
+    "sin",
+    "threshold",
+)
+MEMORY = {
+    "copy",
+    "cat",
+    "index",
+    "index_select",
+    "index_put_impl",
+    "gather",
+    "split",
+    "split_with_sizes",
+    "slice",
+    "select",
+    "view",
+    "unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "contiguous",
+    "as_strided",
+    "expand",
+    "clone",
+    "to",
+    "to_copy",
+    "empty",
+    "empty_strided",
+    "zeros",
+    "zero",
+    "fill",
+    "stack",
+    "pad",
+    "constant_pad_nd",
+    "unbind",
+    "narrow",
+    "squeeze",
+    "unsqueeze",
+    "t",
+    "nonzero",
+    "masked_select",
+    "scatter",
+    "flatten",
+    "repeat",
+    "new_empty",
+    "new_zeros",
+    "ones",
+    "full",
+    "detach",
+    "alias",
+    "resize",
+    "chunk",
+    "lift_fresh",
+    "set",
+    "item",
+    "local_scalar_dense",
+    "embedding_dense_backward_copy",
+}
 
 
 def kind(name: str, shapes: list, vocab: int) -> str:
@@ -82,7 +165,9 @@ def profile_events(prof) -> list[dict]:
     for e in prof.key_averages(group_by_input_shape=True):
         if e.self_cpu_time_total <= 0 or not e.key.startswith(("aten::", "trl", "_")):
             continue
-        out.append({"name": e.key, "shapes": e.input_shapes, "self_cpu_us": e.self_cpu_time_total, "count": e.count})
+        out.append(
+            {"name": e.key, "shapes": e.input_shapes, "self_cpu_us": e.self_cpu_time_total, "count": e.count}
+        )
     return out
 
 
@@ -100,23 +185,43 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in a.methods:
             prof = Path(tmp) / f"{method}.json"
-            cmd = [sys.executable, str(HERE / "run_one.py"), method, "--samples", str(a.samples),
-                   "--threads", str(a.threads), "--torch-profile", str(prof)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            cmd = [
+                sys.executable,
+                str(HERE / "run_one.py"),
+                method,
+                "--samples",
+                str(a.samples),
+                "--threads",
+                str(a.threads),
+                "--torch-profile",
+                str(prof),
+            ]
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+            )
             if proc.returncode != 0 or not prof.exists():
                 print(f"{method}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
                 continue
             rec = json.loads(proc.stdout.strip().splitlines()[-1])
             data = json.loads(prof.read_text())
-            rows[method] = {"wall_s": data["wall_s"], "trained_tok_per_s": rec.get("trained_tok_per_s"),
-                            "positions_computed": rec.get("positions_computed"),
-                            "split": split(data["events"], data["wall_s"], C.VOCAB)}
+            rows[method] = {
+                "wall_s": data["wall_s"],
+                "trained_tok_per_s": rec.get("trained_tok_per_s"),
+                "positions_computed": rec.get("positions_computed"),
+                "split": split(data["events"], data["wall_s"], C.VOCAB),
+            }
     print(f"{'method':24s} {'wall s':>7s} " + " ".join(f"{k:>11s}" for k in (*KINDS, "python")))
     for m, r in rows.items():
-        print(f"{m:24s} {r['wall_s']:7.2f} " + " ".join(f"{r['split'][k]['share'] * 100:10.1f}%" for k in (*KINDS, "python")))
+        print(
+            f"{m:24s} {r['wall_s']:7.2f} "
+            + " ".join(f"{r['split'][k]['share'] * 100:10.1f}%" for k in (*KINDS, "python"))
+        )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"samples": a.samples, "threads": a.threads, "load": os.getloadavg()[0],
-                                       "rows": rows}, indent=1))
+    Path(a.out).write_text(
+        json.dumps(
+            {"samples": a.samples, "threads": a.threads, "load": os.getloadavg()[0], "rows": rows}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

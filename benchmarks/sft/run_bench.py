@@ -42,9 +42,23 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ALL = ["hf_padded", "hf_grouped", "hf_flattening", "hf_flattening_seg", "trl_padded", "trl_grouped",
-       "trl_padding_free", "trl_padding_free_seg", "trl_packing_bfd", "raw_padding_free",
-       "cl_padded", "cl_grouped", "cl_packed", "cl_padding_free", "cl_padding_free_all"]
+ALL = [
+    "hf_padded",
+    "hf_grouped",
+    "hf_flattening",
+    "hf_flattening_seg",
+    "trl_padded",
+    "trl_grouped",
+    "trl_padding_free",
+    "trl_padding_free_seg",
+    "trl_packing_bfd",
+    "raw_padding_free",
+    "cl_padded",
+    "cl_grouped",
+    "cl_packed",
+    "cl_padding_free",
+    "cl_padding_free_all",
+]
 # Issue 28's goals for cl_padding_free (trained tokens/s), judged on the 95% interval of the
 # per-repetition ratios: >= 2.0x TRL's best, >= 1.5x HF's best (each the best of the peer's
 # documented settings: the *_seg rows, a peer given corelooper's kernel, are reported beside them),
@@ -78,12 +92,18 @@ def run(method: str, seed: int, extra: list[str], timeout: float | None = None) 
         out.seek(0)
         text = out.read().decode(errors="replace")
     rc = os.waitstatus_to_exitcode(status)
-    rec = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{") and '"method"' in x), None)
+    rec = next(
+        (json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{") and '"method"' in x), None
+    )
     if rec is None and timeout and wall >= timeout:
         text += f"\n(killed after {timeout:.0f} s)"
     rec = rec or {"method": method, "failed": text[-3000:]}
-    rec.update(rc=rc, proc_wall_s=round(wall, 3), peak_rss_mib=round(ru.ru_maxrss / 1024, 1),
-               loadavg=round(os.getloadavg()[0], 2))
+    rec.update(
+        rc=rc,
+        proc_wall_s=round(wall, 3),
+        peak_rss_mib=round(ru.ru_maxrss / 1024, 1),
+        loadavg=round(os.getloadavg()[0], 2),
+    )
     return rec
 
 
@@ -99,8 +119,10 @@ def rng(xs):
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     table = []
-    print(f"\n{'method':18s} {'n':>2s} {'trained tok/s':>13s} {'[min-max]':>15s} {'steady':>7s} {'padding':>8s} "
-          f"{'RSS MiB':>8s} {'eval loss':>9s} {'[min-max]':>13s} {'steps':>5s} same")
+    print(
+        f"\n{'method':18s} {'n':>2s} {'trained tok/s':>13s} {'[min-max]':>15s} {'steady':>7s} {'padding':>8s} "
+        f"{'RSS MiB':>8s} {'eval loss':>9s} {'[min-max]':>13s} {'steps':>5s} same"
+    )
     for m, recs in runs.items():
         ok = [r for r in recs if "trained_tok_per_s" in r]
         if not ok:
@@ -111,17 +133,29 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
         tps = [r["trained_tok_per_s"] for r in ok]
         loss = [r["eval_loss"] for r in ok]
         steady = [r.get("trained_tok_per_s_steady") for r in ok]
-        row = dict(method=m, n=len(ok), trained_tok_per_s=med(tps), trained_tok_per_s_range=rng(tps),
-                   trained_tok_per_s_steady=med(steady), trained_tok_per_s_steady_range=rng(steady),
-                   padding_share=med([r["padding_share"] for r in ok]),
-                   peak_rss_mib=med([r["peak_rss_mib"] for r in ok]), eval_loss=med(loss), eval_loss_range=rng(loss),
-                   steps=med([r["forwards"] for r in ok]), train_call_s=med([r["train_call_s"] for r in ok]),
-                   data_prep_s=med([r.get("data_prep_s") for r in ok]), layout=ok[0].get("layout"),
-                   same_trained_tokens=all(r["same_trained_tokens"] for r in ok))
+        row = dict(
+            method=m,
+            n=len(ok),
+            trained_tok_per_s=med(tps),
+            trained_tok_per_s_range=rng(tps),
+            trained_tok_per_s_steady=med(steady),
+            trained_tok_per_s_steady_range=rng(steady),
+            padding_share=med([r["padding_share"] for r in ok]),
+            peak_rss_mib=med([r["peak_rss_mib"] for r in ok]),
+            eval_loss=med(loss),
+            eval_loss_range=rng(loss),
+            steps=med([r["forwards"] for r in ok]),
+            train_call_s=med([r["train_call_s"] for r in ok]),
+            data_prep_s=med([r.get("data_prep_s") for r in ok]),
+            layout=ok[0].get("layout"),
+            same_trained_tokens=all(r["same_trained_tokens"] for r in ok),
+        )
         table.append(row)
-        print(f"{m:18s} {len(ok):2d} {row['trained_tok_per_s']:13.0f} {'{:.0f}-{:.0f}'.format(*row['trained_tok_per_s_range']):>15s} {row['trained_tok_per_s_steady'] or 0:7.0f} "
-              f"{row['padding_share']:8.1%} {row['peak_rss_mib']:8.0f} {row['eval_loss']:9.3f} "
-              f"{'{:.3f}-{:.3f}'.format(*row['eval_loss_range']):>13s} {row['steps']:5.0f} {row['same_trained_tokens']}")
+        print(
+            f"{m:18s} {len(ok):2d} {row['trained_tok_per_s']:13.0f} {'{:.0f}-{:.0f}'.format(*row['trained_tok_per_s_range']):>15s} {row['trained_tok_per_s_steady'] or 0:7.0f} "
+            f"{row['padding_share']:8.1%} {row['peak_rss_mib']:8.0f} {row['eval_loss']:9.3f} "
+            f"{'{:.3f}-{:.3f}'.format(*row['eval_loss_range']):>13s} {row['steps']:5.0f} {row['same_trained_tokens']}"
+        )
     return table
 
 
@@ -181,8 +215,13 @@ def per_step(runs, ours: str, theirs: str) -> dict | None:
     ratios = per_step_ratios(runs or {}, ours, theirs)
     if not ratios:
         return None
-    return dict(ours=ours, theirs=theirs, ratio=round(statistics.median(ratios), 3), ci95=median_ci95(ratios),
-                per_repetition=[round(x, 3) for x in ratios])
+    return dict(
+        ours=ours,
+        theirs=theirs,
+        ratio=round(statistics.median(ratios), 3),
+        ci95=median_ci95(ratios),
+        per_repetition=[round(x, 3) for x in ratios],
+    )
 
 
 def compare(table: list[dict], runs: dict | None = None) -> dict:
@@ -215,41 +254,61 @@ def compare(table: list[dict], runs: dict | None = None) -> dict:
             r["verdict"] = verdict(r["ratio"], goal, r["ci95"])
         return r
 
-    steady_best = {p: max((r for m, r in rows.items() if m.startswith(p) and m not in SAME_KERNEL),
-                          key=lambda r: r.get("trained_tok_per_s_steady") or 0, default=None) for p in ("trl_", "hf_")}
+    steady_best = {
+        p: max(
+            (r for m, r in rows.items() if m.startswith(p) and m not in SAME_KERNEL),
+            key=lambda r: r.get("trained_tok_per_s_steady") or 0,
+            default=None,
+        )
+        for p in ("trl_", "hf_")
+    }
     out["corelooper_leak_free_over_trl_best"] = judged(ours, trl, GOALS["trl_best"])
     out["corelooper_leak_free_over_hf_best"] = judged(ours, hf, GOALS["hf_best"])
-    out["corelooper_leak_free_over_hand_written"] = judged(ours, rows.get("raw_padding_free"),
-                                                           GOALS["raw_padding_free"])
+    out["corelooper_leak_free_over_hand_written"] = judged(
+        ours, rows.get("raw_padding_free"), GOALS["raw_padding_free"]
+    )
     out["over_trl_best_incl_same_kernel"] = ratio("trained_tok_per_s", ours, best("trl_", documented=False))
     out["over_hf_best_incl_same_kernel"] = ratio("trained_tok_per_s", ours, best("hf_", documented=False))
     out["trained_head_over_full_head"] = ratio("trained_tok_per_s", ours, rows.get("cl_padding_free_all"))
     out["steady_state_over_trl_best"] = ratio("trained_tok_per_s_steady", ours, steady_best["trl_"])
     out["steady_state_over_hf_best"] = ratio("trained_tok_per_s_steady", ours, steady_best["hf_"])
     out["padding_free_over_trl_padding_free"] = ratio("trained_tok_per_s", ours, rows.get("trl_padding_free"))
-    out["per_step_over_hand_written"] = per_step(runs, "cl_padding_free", "raw_padding_free") if ours else None
+    out["per_step_over_hand_written"] = (
+        per_step(runs, "cl_padding_free", "raw_padding_free") if ours else None
+    )
     packed, trl_packed = rows.get("cl_packed"), rows.get("trl_packing_bfd")
     if packed and packed.get("layout") == "packing":
-        out["packed_over_trl_packed"] = ratio("trained_tok_per_s", packed, trl_packed,
-                                              eval_loss=[packed["eval_loss"], (trl_packed or {}).get("eval_loss")])
+        out["packed_over_trl_packed"] = ratio(
+            "trained_tok_per_s",
+            packed,
+            trl_packed,
+            eval_loss=[packed["eval_loss"], (trl_packed or {}).get("eval_loss")],
+        )
     out = {k: v for k, v in out.items() if v}
     padded = [rows[m] for m in ("cl_padded", "hf_padded", "trl_padded") if m in rows]
     if ours and padded:
         lo = min(r["eval_loss_range"][0] for r in padded)
         hi = max(r["eval_loss_range"][1] for r in padded)
-        out["eval_loss"] = dict(ours=ours["eval_loss"], padded_range=[lo, hi],
-                                within_padded_noise=lo - 0.02 <= ours["eval_loss"] <= hi + 0.02)
+        out["eval_loss"] = dict(
+            ours=ours["eval_loss"],
+            padded_range=[lo, hi],
+            within_padded_noise=lo - 0.02 <= ours["eval_loss"] <= hi + 0.02,
+        )
     for k, v in out.items():
         print(f"{k}: {v}")
     for k, v in out.items():
         if isinstance(v, dict) and "verdict" in v:
             ci = "{:.3f}-{:.3f}".format(*v["ci95"]) if v["ci95"] else "too few repetitions"
-            print(f"goal {k}: {v['ratio']:.3f}x {v['theirs']} [95% {ci}] (goal >= {v['goal']}: {v['verdict']})")
+            print(
+                f"goal {k}: {v['ratio']:.3f}x {v['theirs']} [95% {ci}] (goal >= {v['goal']}: {v['verdict']})"
+            )
     step = out.get("per_step_over_hand_written")
     if step:
         ci = "{:.3f}-{:.3f}".format(*step["ci95"]) if step["ci95"] else "too few repetitions"
-        print(f"per step, the same batches: {step['ratio']:.3f}x raw_padding_free [95% {ci}] (steps 2..n "
-              "compared one by one; a diagnostic beside the goal, not its verdict)")
+        print(
+            f"per step, the same batches: {step['ratio']:.3f}x raw_padding_free [95% {ci}] (steps 2..n "
+            "compared one by one; a diagnostic beside the goal, not its verdict)"
+        )
     if not ours:
         print("cl_padding_free did not run (it needs corelooper_lm.packing); the goals are judged on it")
     return out
@@ -294,14 +353,26 @@ def main() -> None:
         for m in methods[k:] + methods[:k]:
             rec = run(m, rep, extra)
             runs[m].append(rec)
-            print(f"rep {rep} {m:18s} rc={rec['rc']} tok/s={rec.get('trained_tok_per_s')} "
-                  f"loss={rec.get('eval_loss')} {rec.get('skipped') or ''}{(rec.get('failed') or '')[-400:]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rep {rep} {m:18s} rc={rec['rc']} tok/s={rec.get('trained_tok_per_s')} "
+                f"loss={rec.get('eval_loss')} {rec.get('skipped') or ''}{(rec.get('failed') or '')[-400:]}",
+                file=sys.stderr,
+                flush=True,
+            )
     table = summarize(runs)
     goals = compare(table, runs)
-    out = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), reps=a.reps, samples=a.samples, cpus=os.cpu_count(),
-               loadavg_start=[round(x, 2) for x in load0], loadavg_end=[round(x, 2) for x in os.getloadavg()],
-               args=extra, goals=goals, table=table, runs=runs)
+    out = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        reps=a.reps,
+        samples=a.samples,
+        cpus=os.cpu_count(),
+        loadavg_start=[round(x, 2) for x in load0],
+        loadavg_end=[round(x, 2) for x in os.getloadavg()],
+        args=extra,
+        goals=goals,
+        table=table,
+        runs=runs,
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"load average {out['loadavg_start']} -> {out['loadavg_end']}; wrote {a.out}")

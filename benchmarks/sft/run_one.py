@@ -42,26 +42,48 @@ def parse(argv=None):
     ap.add_argument("--eval-samples", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0, help="model init and data order (data is fixed)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=0,
-                    help="packed rows per step (default: batch * mean length / max length, >= 1)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="packed rows per step (default: batch * mean length / max length, >= 1)",
+    )
     ap.add_argument("--max-len", type=int, default=C.MAX_LEN)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--hidden", type=int, default=C.MODEL["hidden_size"])
     ap.add_argument("--layers", type=int, default=C.MODEL["num_hidden_layers"])
     ap.add_argument("--heads", type=int, default=C.MODEL["num_attention_heads"])
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="cuda: every row in bf16 autocast on the GPU (benchmarks/gpu runs it); cpu: fp32")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: every row in bf16 autocast on the GPU (benchmarks/gpu runs it); cpu: fp32",
+    )
     ap.add_argument("--cl-packing", default="auto", choices=["auto", "collators", "packing"])
-    ap.add_argument("--cl-attention", default="segments", choices=["segments", "mask"],
-                    help="corelooper's leak-free rows: segment-wise sdpa (default) or one 4-D block mask")
-    ap.add_argument("--cl-head", default="trained", choices=["trained", "all"],
-                    help="corelooper's rows: [lm] head (trained positions only, the [sft] default; or all)")
+    ap.add_argument(
+        "--cl-attention",
+        default="segments",
+        choices=["segments", "mask"],
+        help="corelooper's leak-free rows: segment-wise sdpa (default) or one 4-D block mask",
+    )
+    ap.add_argument(
+        "--cl-head",
+        default="trained",
+        choices=["trained", "all"],
+        help="corelooper's rows: [lm] head (trained positions only, the [sft] default; or all)",
+    )
     ap.add_argument("--profile", default=None)
-    ap.add_argument("--torch-profile", default=None,
-                    help="write the framework call's op events (torch.profiler) as JSON (profile_split.py)")
-    ap.add_argument("--count-flops", action="store_true",
-                    help="record the framework call's FLOPs (work.py; torch's FLOP counter: the times are no figures)")
+    ap.add_argument(
+        "--torch-profile",
+        default=None,
+        help="write the framework call's op events (torch.profiler) as JSON (profile_split.py)",
+    )
+    ap.add_argument(
+        "--count-flops",
+        action="store_true",
+        help="record the framework call's FLOPs (work.py; torch's FLOP counter: the times are no figures)",
+    )
     return ap.parse_args(argv)
 
 
@@ -141,10 +163,26 @@ def setup(a):
     st = C.stats(train)
     rows = a.rows or max(1, round(a.batch * st["mean_len"] / a.max_len))
     cuda = a.device == "cuda"
-    h = M.hparams(batch=a.batch, rows=rows, max_len=a.max_len, lr=a.lr, seed=a.seed, cpu=not cuda, bf16=cuda,
-                  cl_packing=a.cl_packing, cl_attention=a.cl_attention, cl_head=a.cl_head)
-    model = C.make_model(a.seed, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875) // 8 * 8,
-                         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.heads)
+    h = M.hparams(
+        batch=a.batch,
+        rows=rows,
+        max_len=a.max_len,
+        lr=a.lr,
+        seed=a.seed,
+        cpu=not cuda,
+        bf16=cuda,
+        cl_packing=a.cl_packing,
+        cl_attention=a.cl_attention,
+        cl_head=a.cl_head,
+    )
+    model = C.make_model(
+        a.seed,
+        hidden_size=a.hidden,
+        intermediate_size=int(a.hidden * 2.6875) // 8 * 8,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.heads,
+    )
     return train, evals, st, h, model
 
 
@@ -157,10 +195,17 @@ def main() -> None:
     probe = C.Probe(model)
     clock = StepClock(cuda)
     M.import_framework(a.method)  # each framework's modules are imported before the timed call, for all alike
-    rec = dict(method=a.method, seed=a.seed, samples=a.samples, batch=a.batch, packed_rows_per_step=h.rows,
-               threads=torch.get_num_threads(), import_s=round(time.perf_counter() - T0, 3),
-               layout=M.packing_layout(h) if a.method.startswith(("cl_pack", "cl_padding_free")) else None,
-               cl_head=M.train_head(h) if a.method.startswith("cl_") else None)
+    rec = dict(
+        method=a.method,
+        seed=a.seed,
+        samples=a.samples,
+        batch=a.batch,
+        packed_rows_per_step=h.rows,
+        threads=torch.get_num_threads(),
+        import_s=round(time.perf_counter() - T0, 3),
+        layout=M.packing_layout(h) if a.method.startswith(("cl_pack", "cl_padding_free")) else None,
+        cl_head=M.train_head(h) if a.method.startswith("cl_") else None,
+    )
     fn = M.METHODS[a.method]
     prof = None
     if a.profile:
@@ -202,23 +247,32 @@ def main() -> None:
     if a.count_flops:
         rec.update(flops=prof.split())
     rec.update(
-        train_call_s=round(wall, 3), page_faults=faults, system_cpu_s=system_s, user_cpu_s=round(ru1.ru_utime - ru0.ru_utime, 3), to_last_step_s=round(last_step[0] - t, 3),
+        train_call_s=round(wall, 3),
+        page_faults=faults,
+        system_cpu_s=system_s,
+        user_cpu_s=round(ru1.ru_utime - ru0.ru_utime, 3),
+        to_last_step_s=round(last_step[0] - t, 3),
         data_prep_s=round(prep, 3) if prep else None,
-        trained_tokens=st["trained_tokens"], real_tokens=st["tokens"],
+        trained_tokens=st["trained_tokens"],
+        real_tokens=st["tokens"],
         # From the framework call to its last optimizer step: construction and data preparation
         # (packing) count, the end-of-run save/teardown does not (frameworks differ there).
         trained_tok_per_s=round(st["trained_tokens"] / (last_step[0] - t), 1),
         trained_tok_per_s_whole_call=round(st["trained_tokens"] / wall, 1),
-        trained_tok_per_s_steady=steady, optimizer_steps=len(steps),
+        trained_tok_per_s_steady=steady,
+        optimizer_steps=len(steps),
         # the call's start to the first optimizer step, and the median step after it: their
         # difference is what construction and the first step's warm-up cost
         first_step_s=round(steps[0] - t, 4),
         median_step_s=round(statistics.median(b - a for a, b in zip(steps, steps[1:], strict=False)), 4)
-        if len(steps) > 1 else None,
+        if len(steps) > 1
+        else None,
         # steps 2..n one by one: rows over the same batches in the same order are compared step by
         # step (run_bench's per-step ratio), which a slow phase shorter than the run moves less
         step_times_s=[round(b - a, 5) for a, b in zip(steps, steps[1:], strict=False)],
-        padding_share=round(1 - st["tokens"] / fed["positions_computed"], 4) if fed["positions_computed"] else None,
+        padding_share=round(1 - st["tokens"] / fed["positions_computed"], 4)
+        if fed["positions_computed"]
+        else None,
         same_trained_tokens=fed["trained_tokens_fed"] == st["trained_tokens"],
         eval_loss=round(C.eval_loss(model, evals), 4),
     )

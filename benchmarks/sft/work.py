@@ -47,7 +47,9 @@ def addmm_in_place(_self, a, b, *_args, out_shape=None, **_kw) -> int:
     return 2 * a[0] * a[1] * b[1]
 
 
-def cpu_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, *_args, out_shape=None, **_kw) -> int:
+def cpu_flash_forward(
+    query, key, value, dropout_p=0.0, is_causal=False, *_args, out_shape=None, **_kw
+) -> int:
     """``aten._scaled_dot_product_flash_attention_for_cpu``: torch's sdpa formula (which counts
     the whole score matrix), at the causal share."""
     from torch.utils.flop_counter import sdpa_flop_count
@@ -56,8 +58,9 @@ def cpu_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, *_args,
     return sdpa_flop_count(query, key, value) * num // den
 
 
-def cpu_flash_backward(grad_out, query, key, value, _out, _lse, dropout_p=0.0, is_causal=False, *_args,
-                       out_shape=None, **_kw) -> int:
+def cpu_flash_backward(
+    grad_out, query, key, value, _out, _lse, dropout_p=0.0, is_causal=False, *_args, out_shape=None, **_kw
+) -> int:
     """``aten._scaled_dot_product_flash_attention_for_cpu_backward``, as the forward."""
     from torch.utils.flop_counter import sdpa_backward_flop_count
 
@@ -79,11 +82,15 @@ class FlopCount:
         from torch.utils.flop_counter import FlopCounterMode
 
         aten = torch.ops.aten
-        self.mode = FlopCounterMode(display=False, custom_mapping={
-            # the in-place product a chunked loss accumulates its head's gradients with (TRL's)
-            aten.addmm_: addmm_in_place,
-            aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_flash_backward})
+        self.mode = FlopCounterMode(
+            display=False,
+            custom_mapping={
+                # the in-place product a chunked loss accumulates its head's gradients with (TRL's)
+                aten.addmm_: addmm_in_place,
+                aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_forward,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_flash_backward,
+            },
+        )
         self.uncounted: set[str] = set()
         registry, seen = self.mode.flop_registry, self.uncounted
 
@@ -108,14 +115,27 @@ class FlopCount:
         per_op = {str(op): n for op, n in self.mode.get_flop_counts()["Global"].items()}
         attention = sum(n for op, n in per_op.items() if "attention" in op)
         total = self.mode.get_total_flops()
-        return dict(total=total, attention=attention, matmul=total - attention, per_op=per_op,
-                    uncounted=sorted(self.uncounted))
+        return dict(
+            total=total,
+            attention=attention,
+            matmul=total - attention,
+            per_op=per_op,
+            uncounted=sorted(self.uncounted),
+        )
 
 
 def count(method: str, samples: int, seed: int) -> dict:
     """``run_one.py METHOD --count-flops``'s record."""
-    cmd = [sys.executable, str(HERE / "run_one.py"), method, "--samples", str(samples), "--seed", str(seed),
-           "--count-flops"]
+    cmd = [
+        sys.executable,
+        str(HERE / "run_one.py"),
+        method,
+        "--samples",
+        str(samples),
+        "--seed",
+        str(seed),
+        "--count-flops",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{") and '"method"' in ln]
     if proc.returncode or not lines:
@@ -132,8 +152,10 @@ def paired_medians(path: str) -> dict[str, float]:
 
     runs = json.loads(Path(path).read_text())["runs"]
     if isinstance(runs, list):  # lockstep.py: per repetition, its rows
-        runs = {m: [dict(rec, seed=rep["seed"]) for rep in runs if (rec := rep["rows"].get(m))]
-                for m in {m for rep in runs for m in rep["rows"]}}
+        runs = {
+            m: [dict(rec, seed=rep["seed"]) for rep in runs if (rec := rep["rows"].get(m))]
+            for m in {m for rep in runs for m in rep["rows"]}
+        }
     out = {}
     for a, b in itertools.permutations(runs, 2):
         pairs = paired_ratios(runs, a, b)
@@ -155,9 +177,15 @@ def decompose(flops: dict[str, int], speed: dict[str, float]) -> list[dict]:
         ratio = speed.get(f"{OURS}/{other}")
         hand = 1.0 if other == HAND_WRITTEN else speed.get(f"{HAND_WRITTEN}/{other}")
         at_hand_rate = hand * flops[HAND_WRITTEN] / flops[OURS] if hand and HAND_WRITTEN in flops else None
-        rows.append(dict(over=other, work_ratio=round(work, 3), speed_ratio=ratio,
-                         flop_rate_ratio=round(ratio / work, 3) if ratio else None,
-                         at_hand_written_flop_rate=round(at_hand_rate, 3) if at_hand_rate else None))
+        rows.append(
+            dict(
+                over=other,
+                work_ratio=round(work, 3),
+                speed_ratio=ratio,
+                flop_rate_ratio=round(ratio / work, 3) if ratio else None,
+                at_hand_written_flop_rate=round(at_hand_rate, 3) if at_hand_rate else None,
+            )
+        )
     return rows
 
 
@@ -166,8 +194,12 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default=",".join(DEFAULT))
-    ap.add_argument("--ratios", nargs="*", default=[],
-                    help="lockstep.py / run_bench.py results: their paired medians, split into work and FLOP rate")
+    ap.add_argument(
+        "--ratios",
+        nargs="*",
+        default=[],
+        help="lockstep.py / run_bench.py results: their paired medians, split into work and FLOP rate",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     methods = a.methods.split(",")
@@ -175,17 +207,31 @@ def main() -> None:
     print(f"{'row':<22}{'GFLOP':>9}{'matmul':>9}{'attention':>11}{'MFLOP/trained token':>21}")
     for m, r in recs.items():
         f = r["flops"]
-        print(f"{m:<22}{f['total'] / 1e9:>9.1f}{f['matmul'] / 1e9:>9.1f}{f['attention'] / 1e9:>11.1f}"
-              f"{f['total'] / r['trained_tokens'] / 1e6:>21.2f}")
-    out = dict(samples=a.samples, seed=a.seed, rows={m: dict(flops=r["flops"], trained_tokens=r["trained_tokens"],
-               positions_computed=r["positions_computed"]) for m, r in recs.items()})
+        print(
+            f"{m:<22}{f['total'] / 1e9:>9.1f}{f['matmul'] / 1e9:>9.1f}{f['attention'] / 1e9:>11.1f}"
+            f"{f['total'] / r['trained_tokens'] / 1e6:>21.2f}"
+        )
+    out = dict(
+        samples=a.samples,
+        seed=a.seed,
+        rows={
+            m: dict(
+                flops=r["flops"],
+                trained_tokens=r["trained_tokens"],
+                positions_computed=r["positions_computed"],
+            )
+            for m, r in recs.items()
+        },
+    )
     flops = {m: r["flops"]["total"] for m, r in recs.items()}
     out["decomposition"] = {path: decompose(flops, paired_medians(path)) for path in a.ratios if OURS in recs}
     for path, rows in out["decomposition"].items():
         print(path)
         for d in rows:
-            print(f"  {OURS} / {d['over']}: speed {d['speed_ratio']} = work {d['work_ratio']} x FLOP rate "
-                  f"{d['flop_rate_ratio']}; at the hand-written loop's FLOP rate: {d['at_hand_written_flop_rate']}")
+            print(
+                f"  {OURS} / {d['over']}: speed {d['speed_ratio']} = work {d['work_ratio']} x FLOP rate "
+                f"{d['flop_rate_ratio']}; at the hand-written loop's FLOP rate: {d['at_hand_written_flop_rate']}"
+            )
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -1,4 +1,5 @@
 """HF Trainer equivalent: Trainer on the same model and data, stopped after its first step."""
+
 import os
 import time
 
@@ -26,7 +27,15 @@ class Stop(TrainerCallback):
 
 ds = workload.dataset()
 items = [{"x": x, "labels": y} for x, y in ds]
-args = TrainingArguments(output_dir="/tmp/hf-startup-bench", max_steps=10, per_device_train_batch_size=32,
-                         learning_rate=1e-3, optim="adamw_torch_fused", report_to="none", save_strategy="no",
-                         disable_tqdm=True, use_cpu=True)
+args = TrainingArguments(
+    output_dir="/tmp/hf-startup-bench",
+    max_steps=10,
+    per_device_train_batch_size=32,
+    learning_rate=1e-3,
+    optim="adamw_torch_fused",
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+    use_cpu=True,
+)
 Trainer(model=Model(), args=args, train_dataset=items, callbacks=[Stop()]).train()

@@ -1,4 +1,5 @@
 """Hand-written equivalent: import torch, build model/data/optimizer, one step."""
+
 import time
 
 import torch

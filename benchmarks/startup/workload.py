@@ -11,4 +11,6 @@ def model(**_):
 
 def dataset(**_):
     g = torch.Generator().manual_seed(1)
-    return torch.utils.data.TensorDataset(torch.randn(3200, 64, generator=g), torch.randint(0, 10, (3200,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(3200, 64, generator=g), torch.randint(0, 10, (3200,), generator=g)
+    )

@@ -60,11 +60,13 @@ class Backend(Protocol):
     def load_model_state_dict(self, model, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Full (unsharded) tensors into the model on every rank; ``strict=False``: a subset
         (an adapter's weights)."""
+
     def save_training_state(self, optimizer, directory) -> None: ...
     def load_training_state(self, optimizer, directory) -> None:
         """Optimizer (and engine) state from ``directory``, which may have been saved on another
         world size (``loop_state.json``'s ``world_size``): a backend that shards that state
         re-cuts it for this one, or raises ``CheckpointError`` saying so; never changes it."""
+
     def end(self) -> None: ...
 
 
@@ -80,7 +82,9 @@ def prepare_process_group() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def settle_process_group_threads(timeout: float = 2.0) -> None:
@@ -189,8 +193,13 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
     shards_parameters = False
     fixed_accumulation = False
 
-    def __init__(self, mixed_precision: str = "no", use_cpu: bool = False, ddp_timeout: int | None = None,
-                 ddp_kwargs: dict | None = None):
+    def __init__(
+        self,
+        mixed_precision: str = "no",
+        use_cpu: bool = False,
+        ddp_timeout: int | None = None,
+        ddp_kwargs: dict | None = None,
+    ):
         from datetime import timedelta
 
         from accelerate import Accelerator
@@ -206,7 +215,8 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
             from ..errors import ConfigError
 
             raise ConfigError(
-                'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".')
+                'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
+            )
         handlers = []
         if ddp_timeout:  # train.ddp_timeout reaches init_process_group through accelerate
             handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout)))
@@ -214,10 +224,18 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
             from accelerate.utils import DistributedDataParallelKwargs
 
             handlers.append(DistributedDataParallelKwargs(**ddp_kwargs))
-        self.accelerator = acc = Accelerator(cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers)
+        self.accelerator = acc = Accelerator(
+            cpu=cpu, mixed_precision=mixed_precision, kwargs_handlers=handlers
+        )
         self.scaler = acc.scaler
-        for fact in ("device", "process_index", "local_process_index", "num_processes", "is_main_process",
-                     "is_local_main_process"):
+        for fact in (
+            "device",
+            "process_index",
+            "local_process_index",
+            "num_processes",
+            "is_main_process",
+            "is_local_main_process",
+        ):
             setattr(self, fact, getattr(acc, fact))
         self.mixed_precision = mixed_precision
         self._on_cpu = self.device.type == "cpu"

@@ -10,8 +10,12 @@ from ..metric import is_better, metric_value
 
 def corelooper_settings():
     """Without this plugin no best checkpoint is known: these settings are refused then."""
-    return {"train": {"save_strategy": lambda value, train: {} if value == "best" else None,
-                      "load_best_model_at_end": lambda value, train: {} if value else None}}
+    return {
+        "train": {
+            "save_strategy": lambda value, train: {} if value == "best" else None,
+            "load_best_model_at_end": lambda value, train: {} if value else None,
+        }
+    }
 
 
 @hookimpl(tryfirst=True)  # before loggers and early stopping, which may read state.best_*

@@ -54,23 +54,34 @@ class Console:
         if not state.is_world_process_zero:
             return
         per_epoch = state.steps_per_epoch  # 0: data of unknown length, max_steps says when to stop
-        epochs = f"{state.max_steps / per_epoch:.3g} epochs of {per_epoch} steps" if per_epoch else "max_steps"
+        epochs = (
+            f"{state.max_steps / per_epoch:.3g} epochs of {per_epoch} steps" if per_epoch else "max_steps"
+        )
         self.print(
             f"corelooper: training {state.max_steps} steps ({epochs}), batch {state.train_batch_size} x "
             f"{state.gradient_accumulation_steps} accumulation x {state.world_size} processes, "
-            f"output in {loop.args.output_dir}")
+            f"output in {loop.args.output_dir}"
+        )
         if self.resumed_from is not None:
-            self.print(f"corelooper: resuming from {self.resumed_from.name} (step {state.global_step} of "
-                       f"{state.max_steps})")
+            self.print(
+                f"corelooper: resuming from {self.resumed_from.name} (step {state.global_step} of "
+                f"{state.max_steps})"
+            )
         if loop.args.disable_tqdm or not sys.stdout.isatty():
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), transient=False,
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=False,
         )
-        self.task = self.progress.add_task("train", total=state.max_steps, completed=state.global_step, info="")
+        self.task = self.progress.add_task(
+            "train", total=state.max_steps, completed=state.global_step, info=""
+        )
         self.progress.start()
 
     def on_load_checkpoint(self, checkpoint_dir) -> None:

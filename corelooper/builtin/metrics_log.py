@@ -60,7 +60,9 @@ class MetricsLog:
             from ..checkpoints.run_dir import intact_note
 
             self.close()
-            raise io_error(e, "writing metrics.jsonl", Path(output_dir), intact_note(Path(output_dir))) from None
+            raise io_error(
+                e, "writing metrics.jsonl", Path(output_dir), intact_note(Path(output_dir))
+            ) from None
 
     @hookimpl
     def on_load_checkpoint(self, loop, state) -> None:

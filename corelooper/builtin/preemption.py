@@ -44,7 +44,8 @@ def stop_signals() -> tuple[int, ...]:
         if not isinstance(sig, signal.Signals) or name.startswith("SIG_"):
             raise ConfigError(
                 f"{STOP_SIGNALS_ENV}={os.environ[STOP_SIGNALS_ENV]!r}: {name!r} is not a signal of this "
-                "system. Use names such as SIGUSR1 or SIGUSR2, comma-separated.")
+                "system. Use names such as SIGUSR1 or SIGUSR2, comma-separated."
+            )
         extra.append(sig)
     return tuple(dict.fromkeys((*SIGNALS, *extra)))
 
@@ -85,8 +86,10 @@ class Preemption:
             self.signum = signum
             if quiet:
                 return
-            msg = (f"\ncorelooper: {name} received: finishing this optimizer step, saving a checkpoint, "
-                   "then exiting (resume with --resume-from-checkpoint latest)\n")
+            msg = (
+                f"\ncorelooper: {name} received: finishing this optimizer step, saving a checkpoint, "
+                "then exiting (resume with --resume-from-checkpoint latest)\n"
+            )
         else:
             if quiet or os.environ.get("WORLD_SIZE", "1") != "1":
                 return

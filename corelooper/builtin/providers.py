@@ -40,10 +40,15 @@ def create_backend(loop):
     device = local_device(a.use_cpu) if a.mixed_precision == "no" else None
     if device is not None:  # one process, one device, full precision: no accelerate import
         return LocalBackend(device)
-    ddp = {"find_unused_parameters": a.ddp_find_unused_parameters, "bucket_cap_mb": a.ddp_bucket_cap_mb,
-           "broadcast_buffers": a.ddp_broadcast_buffers, "static_graph": a.ddp_static_graph}
-    return AccelerateBackend(a.mixed_precision, a.use_cpu, a.ddp_timeout,
-                             {k: v for k, v in ddp.items() if v is not None})
+    ddp = {
+        "find_unused_parameters": a.ddp_find_unused_parameters,
+        "bucket_cap_mb": a.ddp_bucket_cap_mb,
+        "broadcast_buffers": a.ddp_broadcast_buffers,
+        "static_graph": a.ddp_static_graph,
+    }
+    return AccelerateBackend(
+        a.mixed_precision, a.use_cpu, a.ddp_timeout, {k: v for k, v in ddp.items() if v is not None}
+    )
 
 
 # -- optimizer and scheduler (by name: corelooper/hf/optimizers.py, corelooper/hf/schedules.py) --------
@@ -65,24 +70,39 @@ def create_scheduler(loop, optimizer, num_training_steps):
 def _loader(loop, dataset, hook: str, batch_size: int, **options) -> BatchLoader:
     a, backend = loop.args, loop.backend
     _refuse_stream(dataset, hook)
-    return BatchLoader(dataset, batch_size, collate_fn=loop.data_collator, num_replicas=backend.num_processes,
-                       rank=backend.process_index, num_workers=a.dataloader_num_workers,
-                       pin_memory=a.dataloader_pin_memory and backend.device.type == "cuda", **options)
+    return BatchLoader(
+        dataset,
+        batch_size,
+        collate_fn=loop.data_collator,
+        num_replicas=backend.num_processes,
+        rank=backend.process_index,
+        num_workers=a.dataloader_num_workers,
+        pin_memory=a.dataloader_pin_memory and backend.device.type == "cuda",
+        **options,
+    )
 
 
 @hookimpl(trylast=True)
 def train_dataloader(loop, dataset):
     a = loop.args
     lengths = sample_lengths(dataset, a.length_column_name) if a.group_by_length else None
-    return _loader(loop, dataset, "train_dataloader", a.per_device_train_batch_size,
-                   shuffle=a.train_sampling_strategy != "sequential", drop_last=a.dataloader_drop_last,
-                   seed=a.data_seed if a.data_seed is not None else a.seed, lengths=lengths)
+    return _loader(
+        loop,
+        dataset,
+        "train_dataloader",
+        a.per_device_train_batch_size,
+        shuffle=a.train_sampling_strategy != "sequential",
+        drop_last=a.dataloader_drop_last,
+        seed=a.data_seed if a.data_seed is not None else a.seed,
+        lengths=lengths,
+    )
 
 
 @hookimpl(trylast=True)
 def eval_dataloader(loop, dataset):
-    return _loader(loop, dataset, "eval_dataloader", loop.args.per_device_eval_batch_size,
-                   shuffle=False, contiguous=True)
+    return _loader(
+        loop, dataset, "eval_dataloader", loop.args.per_device_eval_batch_size, shuffle=False, contiguous=True
+    )
 
 
 def _refuse_stream(dataset, hook: str) -> None:
@@ -94,7 +114,8 @@ def _refuse_stream(dataset, hook: str) -> None:
             f"The dataset is a torch IterableDataset ({type(dataset).__name__}, a stream without "
             f"__len__/__getitem__), and no loaded plugin answers {hook!r} for it: the builtin loader "
             "needs a map-style dataset. Install or enable a plugin that loads an IterableDataset "
-            "(`corelooper plugins` lists them), or give a map-style dataset.")
+            "(`corelooper plugins` lists them), or give a map-style dataset."
+        )
 
 
 # -- loss and metrics -------------------------------------------------------------------------

@@ -37,15 +37,41 @@ from .run_dir import PREFIX, last_finite_checkpoint, list_checkpoints, prepare_o
 from .weights import WEIGHTS, WEIGHTS_INDEX, parse_size, read_weights, save_weights
 
 __all__ = [
-    "MANIFEST", "PREFIX", "WEIGHTS", "WEIGHTS_INDEX", "NonFiniteWeights", "Restored", "apply_plugin_states",
-    "collect_plugin_states", "last_finite_checkpoint", "list_checkpoints", "load_checkpoint",
-    "load_weights", "loader_state", "parse_size", "prepare_output_dir", "read_weights", "resolve",
-    "save_checkpoint", "save_model", "save_weights", "verify",
+    "MANIFEST",
+    "PREFIX",
+    "WEIGHTS",
+    "WEIGHTS_INDEX",
+    "NonFiniteWeights",
+    "Restored",
+    "apply_plugin_states",
+    "collect_plugin_states",
+    "last_finite_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_weights",
+    "loader_state",
+    "parse_size",
+    "prepare_output_dir",
+    "read_weights",
+    "resolve",
+    "save_checkpoint",
+    "save_model",
+    "save_weights",
+    "verify",
 ]
 
-RESTORED_FIELDS = ("global_step", "epoch", "step_in_epoch", "micro_batches_in_epoch", "log_history",
-                   "best_metric", "best_global_step", "best_model_checkpoint",
-                   "num_input_tokens_seen", "total_samples_seen")
+RESTORED_FIELDS = (
+    "global_step",
+    "epoch",
+    "step_in_epoch",
+    "micro_batches_in_epoch",
+    "log_history",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+    "num_input_tokens_seen",
+    "total_samples_seen",
+)
 
 
 class NonFiniteWeights(TrainingError):
@@ -100,12 +126,23 @@ def check_finite(state_dict: dict[str, torch.Tensor], backend, what: str, output
             f"The model's weights hold NaN or inf: {what} was not written (a non-finite checkpoint "
             f"would replace good ones). The last finite checkpoint is "
             f"{str(last) if last else 'none (no complete checkpoint yet)'}; resume from it with a lower "
-            "train.learning_rate or train.max_grad_norm, and check the loss for the step it broke at.")
+            "train.learning_rate or train.max_grad_norm, and check the loss for the step it broke at."
+        )
 
 
-def save_checkpoint(output_dir: Path, *, model, backend, optimizer, scheduler, config, state: LoopState,
-                    plugin_states: dict[str, Any], extra_process_state: dict[str, Any] | None = None,
-                    data_state: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    output_dir: Path,
+    *,
+    model,
+    backend,
+    optimizer,
+    scheduler,
+    config,
+    state: LoopState,
+    plugin_states: dict[str, Any],
+    extra_process_state: dict[str, Any] | None = None,
+    data_state: dict[str, Any] | None = None,
+) -> Path:
     """Write ``output_dir/checkpoint-{global_step}`` atomically and rotate (save_total_limit); returns
     its path. Every rank calls it. Refuses (NonFiniteWeights, exit 6) when a weight is NaN/inf; an
     OS failure is an IOFailure (exit 5) naming errno, path and the checkpoint still intact. Sets
@@ -123,16 +160,27 @@ def save_checkpoint(output_dir: Path, *, model, backend, optimizer, scheduler, c
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         backend.wait_for_everyone()
-        _write_files(tmp, state_dict, model=model, backend=backend, optimizer=optimizer, scheduler=scheduler,
-                     config=config, state=state, plugin_states=plugin_states,
-                     extra=extra_process_state or {}, data_state=data_state)
+        _write_files(
+            tmp,
+            state_dict,
+            model=model,
+            backend=backend,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            config=config,
+            state=state,
+            plugin_states=plugin_states,
+            extra=extra_process_state or {},
+            data_state=data_state,
+        )
         backend.wait_for_everyone()
         if backend.is_main_process:
             manifest.write_manifest(tmp, while_hashing=_fsync_files)  # fsync and hash overlap
             _fsync_dir(tmp)  # the folder is renamed into place as a whole
             _put_in_place(tmp, final)
-            run_dir.rotate_checkpoints(output_dir, config.train.save_total_limit, keep=final,
-                                       best=state.best_model_checkpoint)
+            run_dir.rotate_checkpoints(
+                output_dir, config.train.save_total_limit, keep=final, best=state.best_model_checkpoint
+            )
     except BaseException as exc:
         if backend.is_main_process:  # never leave half a checkpoint behind (it is never listed anyway)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -143,8 +191,20 @@ def save_checkpoint(output_dir: Path, *, model, backend, optimizer, scheduler, c
     return final
 
 
-def _write_files(tmp: Path, state_dict, *, model, backend, optimizer, scheduler, config, state,
-                 plugin_states, extra, data_state) -> None:
+def _write_files(
+    tmp: Path,
+    state_dict,
+    *,
+    model,
+    backend,
+    optimizer,
+    scheduler,
+    config,
+    state,
+    plugin_states,
+    extra,
+    data_state,
+) -> None:
     rank = backend.process_index
     if backend.is_main_process:
         save_weights(state_dict, tmp, config.train.save_max_shard_size, backend.unwrap_model(model))
@@ -175,8 +235,9 @@ def _put_in_place(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def save_model(directory: Path, *, model, backend, max_shard_size: int | str = "5GB",
-               finished: dict | None = None) -> None:
+def save_model(
+    directory: Path, *, model, backend, max_shard_size: int | str = "5GB", finished: dict | None = None
+) -> None:
     """The final (or best) model in ``directory`` (sharded above the limit), written to a temp
     folder first and moved in file by file, so a kill leaves only ``.tmp-`` debris. ``finished``
     (the loop state) is moved in last, as ``run_dir.FINISHED``: the run is finished only with both."""
@@ -220,7 +281,8 @@ def collect_plugin_states(named_objects: Iterable[tuple[str, Any]]) -> dict[str,
             raise PluginError(
                 f"Plugin {name!r} failed in state_dict() while a checkpoint was being saved: "
                 f"{type(e).__name__}: {e}. state_dict() must return JSON-serialisable data. "
-                "The previous checkpoints are untouched.") from e
+                "The previous checkpoints are untouched."
+            ) from e
         out[name] = state
     return out
 
@@ -235,7 +297,8 @@ def loader_state(loader, what: str = "training dataset") -> dict[str, Any] | Non
     except TypeError as e:
         raise DataError(
             f"The {what}'s state_dict() must be JSON-serialisable to be checkpointed ({e}). Return "
-            "numbers, strings, lists and dicts from its state_dict().") from None
+            "numbers, strings, lists and dicts from its state_dict()."
+        ) from None
     return state
 
 
@@ -253,7 +316,8 @@ def _read(path: Path, what: str):
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} ({what}) is unreadable (truncated or corrupt, or it holds "
             f"objects that weights_only loading refuses): {type(e).__name__}: {first_line(e)}. Resume "
-            "from another checkpoint (--resume-from-checkpoint latest skips it).") from None
+            "from another checkpoint (--resume-from-checkpoint latest skips it)."
+        ) from None
 
 
 def first_line(error: BaseException) -> str:
@@ -262,7 +326,9 @@ def first_line(error: BaseException) -> str:
 
 
 def _is_adapter_checkpoint(model, directory: Path) -> bool:
-    return (directory / "adapter_model.safetensors").is_file() and callable(getattr(model, "load_adapter", None))
+    return (directory / "adapter_model.safetensors").is_file() and callable(
+        getattr(model, "load_adapter", None)
+    )
 
 
 def _full_shapes(model, backend) -> dict[str, tuple[int, ...]] | None:
@@ -282,7 +348,8 @@ def load_weights(directory: Path, *, model, backend) -> None:
     if not weights.all_finite(loaded):  # the manifest's "finite" is not trusted: the files may have changed
         raise CheckpointError(
             f"Checkpoint {str(directory)!r} holds NaN or inf weights, although its manifest says they "
-            "were finite when saved: it was changed afterwards. Load another checkpoint.")
+            "were finite when saved: it was changed afterwards. Load another checkpoint."
+        )
     shapes = {k: tuple(v.shape) for k, v in loaded.items()}
     fill = weights.check_shapes(module, shapes, str(directory), _full_shapes(module, backend))
     aliases = weights.tied_keys(module.state_dict())
@@ -308,8 +375,9 @@ def verify(directory: Path, *, model=None, backend=None, config=None) -> dict[st
     return state
 
 
-def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, config,
-                    state: LoopState) -> Restored:
+def load_checkpoint(
+    directory: Path, *, model, backend, optimizer, scheduler, config, state: LoopState
+) -> Restored:
     """Verify ``directory``, load model/optimizer/scheduler/RNG in place, return the rest:
     ``Restored.apply(state)`` copies the saved LoopState fields; ``.plugin_states`` (name -> state),
     ``.extra_process_state`` (this rank's dict given at save, e.g. the log window), ``.changes``."""
@@ -325,8 +393,9 @@ def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, co
     load_weights(directory, model=model, backend=backend)
     _load_optimizer(directory, backend, optimizer, config)
     scheduler.load_state_dict(scheduler_state)
-    resume_settings.apply(config, saved_train=resume_settings.saved_train(directory), optimizer=optimizer,
-                          scheduler=scheduler)
+    resume_settings.apply(
+        config, saved_train=resume_settings.saved_train(directory), optimizer=optimizer, scheduler=scheduler
+    )
     extra: dict[str, Any] = {}
     if rng is not None:
         if "log_window" in rng:  # checkpoints of 0.1: the log window lived in the RNG file
@@ -337,8 +406,13 @@ def load_checkpoint(directory: Path, *, model, backend, optimizer, scheduler, co
         extra.update(_read(extra_path, "process state"))
     restored = LoopState.from_dict(saved)
     restored.best_model_checkpoint = run_dir.from_run(saved.get("best_model_checkpoint"), directory)
-    return Restored(directory=directory, loop_state=restored, plugin_states=plugins, extra_process_state=extra,
-                    changes=changes)
+    return Restored(
+        directory=directory,
+        loop_state=restored,
+        plugin_states=plugins,
+        extra_process_state=extra,
+        changes=changes,
+    )
 
 
 def _load_optimizer(directory: Path, backend, optimizer, config) -> None:
@@ -348,7 +422,8 @@ def _load_optimizer(directory: Path, backend, optimizer, config) -> None:
         missing = e.filename or directory
         raise CheckpointError(
             f"Checkpoint file {str(missing)!r} is missing (optimizer state). "
-            f"{_sections_dropped(directory, config) or 'Resume from another checkpoint.'}") from None
+            f"{_sections_dropped(directory, config) or 'Resume from another checkpoint.'}"
+        ) from None
     except CheckpointError:
         raise
     except Exception as e:  # incl. UnpicklingError: weights_only refused an object
@@ -372,13 +447,16 @@ def _sections_dropped(directory: Path, config) -> str:
     if not dropped:
         return ""
     names = ", ".join(f"[{name}]" for name in dropped)
-    return (f"The checkpoint was saved by a run with {names}, which this config does not have: its "
-            f"optimizer state is in the format of the backend chosen there. Resume with {names} in "
-            "the config, or start a new run from its model.safetensors.")
+    return (
+        f"The checkpoint was saved by a run with {names}, which this config does not have: its "
+        f"optimizer state is in the format of the backend chosen there. Resume with {names} in "
+        "the config, or start a new run from its model.safetensors."
+    )
 
 
-def apply_plugin_states(named_objects: Iterable[tuple[str, Any]], states: dict[str, Any],
-                        directory: Path) -> None:
+def apply_plugin_states(
+    named_objects: Iterable[tuple[str, Any]], states: dict[str, Any], directory: Path
+) -> None:
     """``obj.load_state_dict(states[name])`` for every registered object with a saved state."""
     for name, obj in named_objects:
         if name not in states:
@@ -388,4 +466,5 @@ def apply_plugin_states(named_objects: Iterable[tuple[str, Any]], states: dict[s
         except Exception as e:
             raise PluginError(
                 f"Plugin {name!r} failed in load_state_dict() restoring {str(directory)!r}: "
-                f"{type(e).__name__}: {e}.") from e
+                f"{type(e).__name__}: {e}."
+            ) from e

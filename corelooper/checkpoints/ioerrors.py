@@ -20,8 +20,10 @@ _WRITABLE = "make the folder writable for this user, or choose another train.out
 _IN_THE_WAY = "remove or rename that file, or choose another train.output_dir"
 _WHAT = {  # errno -> what it is, the fix
     errno_mod.ENOSPC: ("disk full", "free space on that disk (or lower train.save_total_limit)"),
-    errno_mod.EDQUOT: ("disk quota exceeded",
-                       "free space within your quota (or lower train.save_total_limit)"),
+    errno_mod.EDQUOT: (
+        "disk quota exceeded",
+        "free space within your quota (or lower train.save_total_limit)",
+    ),
     errno_mod.EACCES: ("permission denied", _WRITABLE),
     errno_mod.EPERM: ("operation not permitted", _WRITABLE),
     errno_mod.EROFS: ("read-only file system", "choose a train.output_dir on a writable file system"),
@@ -71,7 +73,8 @@ def check_is_folder(output_dir: Path) -> None:
             if not p.is_dir():
                 raise IOFailure(
                     f"train.output_dir = {str(output_dir)!r}: {str(p)!r} is a file, not a folder "
-                    "(ENOTDIR). Remove or rename it, or choose another train.output_dir.")
+                    "(ENOTDIR). Remove or rename it, or choose another train.output_dir."
+                )
             return
 
 
@@ -84,4 +87,5 @@ def io_error(exc: BaseException, doing: str, path: Path, intact: str | None = No
     kept = f" {intact}." if intact else ""
     return IOFailure(
         f"{what} ({name}, errno {code}) while {doing} in {str(path)!r} (at {str(where)!r}).{kept} "
-        f"Fix: {hint}, then resume with --resume-from-checkpoint latest.")
+        f"Fix: {hint}, then resume with --resume-from-checkpoint latest."
+    )

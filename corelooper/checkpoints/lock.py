@@ -50,14 +50,16 @@ class RunLock:
             raise CheckpointError(
                 f"output_dir {str(output_dir)!r} is in use by another run ({holder}, lock file "
                 f"{str(path)!r}). Two runs in one folder overwrite each other's checkpoints: wait "
-                "for it to finish, stop it, or choose another train.output_dir.") from None
+                "for it to finish, stop it, or choose another train.output_dir."
+            ) from None
         except OSError as e:  # ENOLCK, ENOSYS, EOPNOTSUPP: a shared file system without flock
             os.close(fd)
             raise CheckpointError(
                 f"The file system of output_dir {str(output_dir)!r} refuses the run lock (flock: "
                 f"{e.strerror}, errno {e.errno}): Lustre mounted without `-o flock`, or NFS without "
                 "its lock service. Mount it with flock support (Lustre: `-o flock`; NFS: lockd/NFSv4), "
-                "or put train.output_dir on a file system that has it (docs/clusters.md).") from None
+                "or put train.output_dir on a file system that has it (docs/clusters.md)."
+            ) from None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)

@@ -21,11 +21,17 @@ def save(loop) -> Path:
     """Write ``checkpoint-{global_step}`` of the run and fire ``on_save``."""
     window = loop.log_window.state_dict()  # an unlogged window: one host sync, at save time
     path = checkpoint.save_checkpoint(
-        Path(loop.args.output_dir), model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
-        scheduler=loop.scheduler, config=loop.config, state=loop.state,
+        Path(loop.args.output_dir),
+        model=loop.model,
+        backend=loop.backend,
+        optimizer=loop.optimizer,
+        scheduler=loop.scheduler,
+        config=loop.config,
+        state=loop.state,
         plugin_states=checkpoint.collect_plugin_states(loop.plugins.stateful.items()),
         extra_process_state={"log_window": window} if window else {},
-        data_state=checkpoint.loader_state(loop.train_loader))
+        data_state=checkpoint.loader_state(loop.train_loader),
+    )
     loop.events.fire("on_save", checkpoint_dir=path)
     return path
 
@@ -33,8 +39,14 @@ def save(loop) -> Path:
 def resume(loop, directory: Path) -> None:
     """Restore everything the run saved in ``directory``, then fire ``on_load_checkpoint``."""
     restored = checkpoint.load_checkpoint(
-        directory, model=loop.model, backend=loop.backend, optimizer=loop.optimizer,
-        scheduler=loop.scheduler, config=loop.config, state=loop.state)
+        directory,
+        model=loop.model,
+        backend=loop.backend,
+        optimizer=loop.optimizer,
+        scheduler=loop.scheduler,
+        config=loop.config,
+        state=loop.state,
+    )
     saved = restored.loop_state.to_dict()
     # A plugin rewrites the position in this run's micro-batches (saved on another world size).
     position, _ = loop.plugins.call_provider("resume_position", loop=loop, state=saved, directory=directory)
@@ -58,7 +70,8 @@ def _check_world_size(loop, saved: dict, directory: Path) -> None:
             "position in the epoch counts the micro-batches of that world size, and no loaded plugin "
             f"adapts it to this one (the `resume_position` hook). Resume on {world} processes, install "
             "or enable a plugin that resumes on another world size (`corelooper plugins`), or set "
-            "train.ignore_data_skip = true to start the epoch's data from its beginning.")
+            "train.ignore_data_skip = true to start the epoch's data from its beginning."
+        )
 
 
 def restore_loader(loop, directory: Path) -> None:
@@ -69,14 +82,19 @@ def restore_loader(loop, directory: Path) -> None:
     if not callable(getattr(loader, "load_state_dict", None)):
         return
     if loop.args.ignore_data_skip:
-        logger.warning("train.ignore_data_skip = true: the training stream starts again from its beginning, "
-                       "so the samples seen before the checkpoint are seen again.")
+        logger.warning(
+            "train.ignore_data_skip = true: the training stream starts again from its beginning, "
+            "so the samples seen before the checkpoint are seen again."
+        )
         return
     own = Path(directory) / f"data_state_{loop.backend.process_index}.json"
     path = own if own.is_file() else Path(directory) / "data_state_0.json"
     if not path.is_file():
-        logger.warning("Checkpoint %s has no data position (%s): the training stream starts again from its "
-                       "beginning.", directory, own.name)
+        logger.warning(
+            "Checkpoint %s has no data position (%s): the training stream starts again from its beginning.",
+            directory,
+            own.name,
+        )
         return
     try:
         state = json.loads(path.read_text())
@@ -91,10 +109,19 @@ def finish(loop) -> None:
     if a.load_best_model_at_end and s.best_model_checkpoint:
         checkpoint.load_weights(Path(s.best_model_checkpoint), model=loop.model, backend=loop.backend)
         if loop.backend.is_main_process:  # as HF's "Loading best model from ... (score: ...)"
-            logger.warning("the final model is the best checkpoint's, %s (%s = %.6g)",
-                           Path(s.best_model_checkpoint).name, a.metric_for_best_model or "eval_loss", s.best_metric)
-    checkpoint.save_model(Path(a.output_dir), model=loop.model, backend=loop.backend,
-                          max_shard_size=a.save_max_shard_size, finished=s.to_dict())
+            logger.warning(
+                "the final model is the best checkpoint's, %s (%s = %.6g)",
+                Path(s.best_model_checkpoint).name,
+                a.metric_for_best_model or "eval_loss",
+                s.best_metric,
+            )
+    checkpoint.save_model(
+        Path(a.output_dir),
+        model=loop.model,
+        backend=loop.backend,
+        max_shard_size=a.save_max_shard_size,
+        finished=s.to_dict(),
+    )
     if a.save_total_limit == 1 and s.best_model_checkpoint and loop.backend.is_main_process:
         run_dir.keep_only_best(Path(a.output_dir), s.best_model_checkpoint)  # HF 5.x, once training is over
 
@@ -108,8 +135,13 @@ def finished_run(loop, asked, resume_dir: Path | None) -> bool:
     saved = run_dir.finished_state(output_dir) if latest else None
     if saved is None or saved["global_step"] < s.max_steps:  # as HF: an early stop, a longer plan resume
         if saved and resume_dir is not None and (step := run_dir.step_of(resume_dir)) < saved["global_step"]:
-            logger.warning("the run ended at step %d, but its newest checkpoint is %s: steps %d-%d are trained "
-                           "again", saved["global_step"], resume_dir.name, step + 1, saved["global_step"])
+            logger.warning(
+                "the run ended at step %d, but its newest checkpoint is %s: steps %d-%d are trained again",
+                saved["global_step"],
+                resume_dir.name,
+                step + 1,
+                saved["global_step"],
+            )
         return False
     resume_settings.check_same_model(loop.config, output_dir)  # the right folder (its config.toml)
     for key in checkpoint.RESTORED_FIELDS:

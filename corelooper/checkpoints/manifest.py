@@ -52,8 +52,11 @@ def checksum(path: Path, algorithm: str) -> str:
 
 
 def _hash_files(directory: Path, algorithm: str) -> dict[str, dict[str, Any]]:
-    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "checksum": checksum(p, algorithm)}
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    return {
+        p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "checksum": checksum(p, algorithm)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
 
 
 def write_manifest(directory: Path, while_hashing=None) -> dict[str, Any]:
@@ -84,7 +87,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(
             f"Checkpoint {str(directory)!r} is incomplete: it has no {MANIFEST} (written last by "
-            "every complete save). Resume from an earlier checkpoint.")
+            "every complete save). Resume from an earlier checkpoint."
+        )
     try:
         manifest = json.loads(path.read_bytes())
         if not isinstance(manifest.get("files"), dict):
@@ -92,7 +96,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     except (ValueError, AttributeError, UnicodeDecodeError) as e:
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} is unreadable ({type(e).__name__}: {e}): the save was "
-            "cut short. Resume from an earlier checkpoint.") from None
+            "cut short. Resume from an earlier checkpoint."
+        ) from None
     return manifest
 
 
@@ -110,17 +115,20 @@ def verify(directory: Path) -> dict[str, Any]:
         if actual != size:
             raise CheckpointError(
                 f"Checkpoint file {str(path)!r} is {actual} bytes, but {size} were written: it was "
-                "truncated or changed after the save. Resume from another checkpoint.")
+                "truncated or changed after the save. Resume from another checkpoint."
+            )
         if not isinstance(entry, dict) or algorithm is None:
             raise CheckpointError(
                 f"Checkpoint {str(directory)!r} has a {MANIFEST} without checksums (an older "
                 "format): its contents cannot be verified. Resume from a checkpoint written by this "
-                "version, or run `corelooper verify` after re-saving it.")
+                "version, or run `corelooper verify` after re-saving it."
+            )
         if checksum(path, algorithm) != entry["checksum"]:
             raise CheckpointError(
                 f"Checkpoint file {str(path)!r} does not match its checksum in {MANIFEST}: it was "
                 "changed or corrupted after the save (same size, different bytes). Resume from "
-                "another checkpoint.")
+                "another checkpoint."
+            )
     return manifest
 
 
@@ -137,8 +145,12 @@ def _short(message: str, directory: Path) -> str:
     """'optimizer.pt fails its checksum' from a long CheckpointError message."""
     if "no manifest" in message or f"no {MANIFEST}" in message:
         return f"no {MANIFEST} (save cut short)"
-    for word, what in (("checksum", "fails its checksum"), ("bytes, but", "has the wrong size"),
-                       ("is missing", "is missing"), ("unreadable", "is unreadable")):
+    for word, what in (
+        ("checksum", "fails its checksum"),
+        ("bytes, but", "has the wrong size"),
+        ("is missing", "is missing"),
+        ("unreadable", "is unreadable"),
+    ):
         if word in message:
             name = message.split("'", 2)[1] if "'" in message else ""
             rel = os.path.relpath(name, directory) if name else MANIFEST

@@ -20,8 +20,16 @@ from ..errors import CheckpointError, ConfigError
 
 logger = logging.getLogger("corelooper")
 
-REFUSED = ("optim", "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
-           "lr_multipliers", "seed", "mixed_precision")
+REFUSED = (
+    "optim",
+    "optim_args",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "lr_multipliers",
+    "seed",
+    "mixed_precision",
+)
 GEOMETRY = ("per_device_train_batch_size", "gradient_accumulation_steps")
 IGNORED = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint", "disable_tqdm", "run_name")
 
@@ -38,7 +46,8 @@ def _saved_config(directory: Path) -> dict[str, Any] | None:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} is unreadable ({type(e).__name__}: {e}). Resume from "
-            "another checkpoint.") from None
+            "another checkpoint."
+        ) from None
 
 
 def saved_train(directory: Path) -> dict[str, Any]:
@@ -57,12 +66,16 @@ def check_same_model(config, directory: Path) -> None:
         return
     saved = saved.get("model", {})
     mine = {"factory": config.model.factory, "args": config.model.args}
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
-             for k, v in mine.items() if saved.get(k, {} if k == "args" else None) != v]
+    diffs = [
+        f"model.{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
+        for k, v in mine.items()
+        if saved.get(k, {} if k == "args" else None) != v
+    ]
     if diffs:
         raise CheckpointError(
             f"Checkpoint {str(directory)!r} belongs to a different run ({'; '.join(diffs)}). Resume "
-            "with the config it was trained with, or choose another train.output_dir.")
+            "with the config it was trained with, or choose another train.output_dir."
+        )
 
 
 def _differs(old, new) -> bool:
@@ -82,28 +95,41 @@ def compare(config, directory: Path, saved_state: dict[str, Any], state) -> list
     if not saved:
         return []  # a checkpoint without its config: nothing to compare with
     current = {k: v for k, v in vars(config.train).items() if not k.startswith("_")}
-    changed = {k: (saved.get(k), v) for k, v in current.items()
-               if k not in IGNORED and _differs(saved.get(k), v)}
-    refused = [f"train.{k} {_shown(old)} -> {_shown(new)}" for k, (old, new) in changed.items() if k in REFUSED]
+    changed = {
+        k: (saved.get(k), v) for k, v in current.items() if k not in IGNORED and _differs(saved.get(k), v)
+    }
+    refused = [
+        f"train.{k} {_shown(old)} -> {_shown(new)}" for k, (old, new) in changed.items() if k in REFUSED
+    ]
     if refused:
         raise ConfigError(
             f"Resuming {str(directory)!r} with changed settings the checkpoint fixes: {'; '.join(refused)}. "
             "The restored optimizer, scheduler and RNG state were built with the old values; drop "
-            "these overrides, or start a new run from the checkpoint's model.safetensors.")
+            "these overrides, or start a new run from the checkpoint's model.safetensors."
+        )
     geometry = [f"{k} {old} -> {new}" for k, (old, new) in changed.items() if k in GEOMETRY]
     world = saved_state.get("world_size", 1)
     if world != state.world_size:
         geometry.append(f"world_size {world} -> {state.world_size}")
-    saved_global = saved_state.get("train_batch_size", 0) * saved_state.get("gradient_accumulation_steps", 1) * world
-    now_global = config.train.per_device_train_batch_size * config.train.gradient_accumulation_steps * state.world_size
-    if geometry and saved_global != now_global:  # the same global batch: a resume_position provider resumes exactly
+    saved_global = (
+        saved_state.get("train_batch_size", 0) * saved_state.get("gradient_accumulation_steps", 1) * world
+    )
+    now_global = (
+        config.train.per_device_train_batch_size * config.train.gradient_accumulation_steps * state.world_size
+    )
+    if (
+        geometry and saved_global != now_global
+    ):  # the same global batch: a resume_position provider resumes exactly
         warnings.warn(
             f"Resuming with a different batch geometry ({', '.join(geometry)}): training continues "
             "from the checkpoint, but not with the batches an uninterrupted run would have seen.",
             stacklevel=3,
         )
-    lines = [f"resume: train.{k} {_shown(old)} -> {_shown(new)} (applied)" for k, (old, new) in changed.items()
-             if k not in GEOMETRY]
+    lines = [
+        f"resume: train.{k} {_shown(old)} -> {_shown(new)} (applied)"
+        for k, (old, new) in changed.items()
+        if k not in GEOMETRY
+    ]
     for line in lines:
         logger.warning(line)
     return lines

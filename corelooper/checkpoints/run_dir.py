@@ -45,12 +45,17 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
         final_model = final_model_files(output_dir)
         if (existing or final_model) and not resuming:
             if not overwrite:  # a usage problem (exit 2), nothing wrong with the checkpoints
-                what = (f"{len(existing)} checkpoints, latest {existing[-1].name}. Resume it with "
-                        "--resume-from-checkpoint latest, " if existing else
-                        f"a finished model, {final_model[0].name}, and no checkpoint to resume: ")
-                raise ConfigError(f"output_dir {str(output_dir)!r} already holds a run ({what}choose another "
-                                  "train.output_dir, or set train.overwrite_output_dir = true to start over (that "
-                                  "deletes it).")
+                what = (
+                    f"{len(existing)} checkpoints, latest {existing[-1].name}. Resume it with "
+                    "--resume-from-checkpoint latest, "
+                    if existing
+                    else f"a finished model, {final_model[0].name}, and no checkpoint to resume: "
+                )
+                raise ConfigError(
+                    f"output_dir {str(output_dir)!r} already holds a run ({what}choose another "
+                    "train.output_dir, or set train.overwrite_output_dir = true to start over (that "
+                    "deletes it)."
+                )
             for path in existing:
                 _remove_dir(path)
             for path in [*final_model, output_dir / FINISHED]:
@@ -98,7 +103,9 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CKPT_RE.match(p.name)) and p.is_dir()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -162,19 +169,32 @@ def resolve(resume: str | Path, output_dir: Path, for_training: bool = True) -> 
         finished = final_model_files(output_dir)
         if finished and not for_training and not skipped:  # eval/predict: a run saved without checkpoints
             return output_dir
-        if for_training and not skipped and finished_state(output_dir):  # the loop decides: done, or no resume
+        if (
+            for_training and not skipped and finished_state(output_dir)
+        ):  # the loop decides: done, or no resume
             return None
         more = f" ({'; '.join(skipped)})" if skipped else ""
         done = f" Its run finished: {finished[0].name}." if finished else ""
-        fix = "Start without it, or pass the path of a checkpoint folder" if for_training else "Pass a checkpoint folder"
-        raise CheckpointError(f"{'--resume-from-checkpoint' if for_training else '--checkpoint'} latest: there is no "
-                              f"complete checkpoint in {str(output_dir)!r}{more}.{done} {fix}.")
+        fix = (
+            "Start without it, or pass the path of a checkpoint folder"
+            if for_training
+            else "Pass a checkpoint folder"
+        )
+        raise CheckpointError(
+            f"{'--resume-from-checkpoint' if for_training else '--checkpoint'} latest: there is no "
+            f"complete checkpoint in {str(output_dir)!r}{more}.{done} {fix}."
+        )
     path = Path(resume)
     if not path.is_dir():
-        hint = " (a .tmp- folder is an incomplete save and cannot be resumed)" if path.name.startswith(".tmp-") else ""
+        hint = (
+            " (a .tmp- folder is an incomplete save and cannot be resumed)"
+            if path.name.startswith(".tmp-")
+            else ""
+        )
         raise CheckpointError(
             f"Checkpoint {str(path)!r} does not exist (or is not a folder){hint}. Pass a "
-            "checkpoint-N folder, or 'latest' for the newest one in train.output_dir.")
+            "checkpoint-N folder, or 'latest' for the newest one in train.output_dir."
+        )
     if for_training or (path / manifest.MANIFEST).exists():
         manifest.verify(path)  # refused, naming the file, when it does not verify
     return path
@@ -194,8 +214,9 @@ def unloadable(directory: Path) -> str | None:
     return None
 
 
-def rotate_checkpoints(output_dir: Path, limit: int | None, keep: Path | None = None,
-                       best: str | Path | None = None) -> list[Path]:
+def rotate_checkpoints(
+    output_dir: Path, limit: int | None, keep: Path | None = None, best: str | Path | None = None
+) -> list[Path]:
     """Keep ``limit`` checkpoints, oldest deleted first, never the best one, the newest one nor
     ``keep`` (the one just written, the newest finite one); ones of a later step than ``keep`` (a
     future a resume from an earlier step left behind) go first. Returns the deleted folders."""

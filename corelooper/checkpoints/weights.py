@@ -68,8 +68,9 @@ def _untie(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB",
-                 model=None) -> None:
+def save_weights(
+    state_dict: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB", model=None
+) -> None:
     """``directory/model.safetensors``, or shards + ``model.safetensors.index.json`` above
     ``max_shard_size``. A Hugging Face ``PreTrainedModel`` is written by its own
     ``save_pretrained`` (same file names, plus config.json) so ``from_pretrained`` loads it."""
@@ -117,7 +118,9 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / WEIGHTS_INDEX
     if not index.is_file():
         if not (directory / WEIGHTS).is_file():
-            raise CheckpointError(f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX}).")
+            raise CheckpointError(
+                f"Checkpoint {str(directory)!r} has no model weights ({WEIGHTS} or {WEIGHTS_INDEX})."
+            )
         return [directory / WEIGHTS]
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -126,7 +129,9 @@ def _weight_files(directory: Path) -> list[Path]:
     files = [directory / name for name in sorted(set(weight_map.values()))]
     for f in files:
         if not f.is_file():
-            raise CheckpointError(f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing.")
+            raise CheckpointError(
+                f"Checkpoint {str(directory)!r}: shard {f.name!r}, named in {WEIGHTS_INDEX}, is missing."
+            )
     return files
 
 
@@ -166,8 +171,12 @@ def tied_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return {k: [o for o in group if o != k] for group in by_ptr.values() if len(group) > 1 for k in group}
 
 
-def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], where: str,
-                 full_shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+def check_shapes(
+    model: torch.nn.Module,
+    found: dict[str, tuple[int, ...]],
+    where: str,
+    full_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> list[str]:
     """Raise a CheckpointError naming every mismatch; returns keys to fill from their alias.
     ``full_shapes``: a backend's real shapes where the module holds placeholders (a backend's
     optional ``full_parameter_shapes(model)``, e.g. DeepSpeed ZeRO-3's partitioned parameters)."""
@@ -179,8 +188,11 @@ def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], wher
     fill = [k for k in expected if k not in found and any(a in found for a in aliases.get(k, ()))]
     missing = sorted(set(expected) - set(found) - set(fill))
     unexpected = sorted(set(found) - set(expected))
-    wrong = [f"{k}: checkpoint {tuple(found[k])} vs model {shapes[k]}"
-             for k in expected if k in found and tuple(found[k]) != shapes[k]]
+    wrong = [
+        f"{k}: checkpoint {tuple(found[k])} vs model {shapes[k]}"
+        for k in expected
+        if k in found and tuple(found[k]) != shapes[k]
+    ]
     if missing or unexpected or wrong:
         parts = []
         if wrong:
@@ -192,7 +204,6 @@ def check_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], wher
         raise CheckpointError(
             f"Checkpoint {where!r} does not match the model ({', '.join(parts)}). It was saved from "
             "another model (config); resume with the model config it was trained with, or start a "
-            "new run in another train.output_dir.")
+            "new run in another train.output_dir."
+        )
     return fill
-
-

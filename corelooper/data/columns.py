@@ -74,12 +74,21 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
         model = innermost_model(loop.backend.unwrap_model(loop.model))
         plan = accepted_columns(forward_signature(model), keys)
         plans[keys] = plan
-        if plan is not None:  # a note (HF logs it as info) unless a loss plugin, which sees them all, is there
-            dropped, plugin_loss = [k for k in keys if k not in plan], loop.plugins.implemented_by_others("compute_loss")
-            logger.log(logging.INFO if plugin_loss else logging.WARNING,
-                       "The batch columns %s are not arguments of %s.forward and are not passed to it "
-                       "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
-                       "sees every column).", dropped, type(model).__name__)
+        if (
+            plan is not None
+        ):  # a note (HF logs it as info) unless a loss plugin, which sees them all, is there
+            dropped, plugin_loss = (
+                [k for k in keys if k not in plan],
+                loop.plugins.implemented_by_others("compute_loss"),
+            )
+            logger.log(
+                logging.INFO if plugin_loss else logging.WARNING,
+                "The batch columns %s are not arguments of %s.forward and are not passed to it "
+                "(train.remove_unused_columns = false keeps them; a compute_loss plugin still "
+                "sees every column).",
+                dropped,
+                type(model).__name__,
+            )
     return batch if plan is None else {k: batch[k] for k in plan}
 
 
@@ -108,15 +117,19 @@ def _text(value) -> str | None:
 
 def batch_mismatch(loop, model, kwargs: Mapping, error: TypeError) -> str | None:
     data = loop.config.data
-    where = (f"data.train = {data.train!r}" if data.train else "train_dataset") if loop.is_training else (
-        f"data.eval = {data.eval!r}" if data.eval else "eval_dataset")
+    where = (
+        (f"data.train = {data.train!r}" if data.train else "train_dataset")
+        if loop.is_training
+        else (f"data.eval = {data.eval!r}" if data.eval else "eval_dataset")
+    )
     texts = {k: _text(v) for k, v in kwargs.items() if _text(v) is not None}
     if texts:
         key, first = next(iter(texts.items()))
         return (
             f"Column {key!r} of the dataset ({where}) holds strings (e.g. {first[:40]!r}), and the model "
             f"cannot take them ({type(error).__name__}: {error}). Tokenize the column in the dataset or "
-            "the collator (data.collator), or remove it from the samples.")
+            "the collator (data.collator), or remove it from the samples."
+        )
     if "required" in str(error) and "argument" in str(error):
         inner = innermost_model(loop.backend.unwrap_model(model))
         arguments = list(inspect.signature(inner.forward).parameters)
@@ -126,5 +139,6 @@ def batch_mismatch(loop, model, kwargs: Mapping, error: TypeError) -> str | None
         return (
             f"{type(inner).__name__}.forward cannot be called with the batch ({error}). The batch's "
             f"columns: {columns}; forward's arguments: {arguments}. Name the columns of the "
-            f"dataset ({where}) or of the collator as forward's arguments.")
+            f"dataset ({where}) or of the collator as forward's arguments."
+        )
     return None

@@ -38,10 +38,21 @@ class BatchLoader:
     padding, so gathering in rank order restores dataset order without duplicates.
     """
 
-    def __init__(self, dataset, batch_size: int, collate_fn: Callable[[list], Any] | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, num_replicas: int = 1,
-                 rank: int = 0, num_workers: int = 0, pin_memory: bool = False, contiguous: bool = False,
-                 lengths: Sequence[int] | None = None):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        collate_fn: Callable[[list], Any] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        contiguous: bool = False,
+        lengths: Sequence[int] | None = None,
+    ):
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate_fn = collate_fn or default_collate
@@ -77,8 +88,9 @@ class BatchLoader:
         """This rank's batches of the epoch, after the first ``start`` samples of its order."""
         n = len(self.dataset)
         if self.lengths is not None and self.shuffle and not self.contiguous:
-            order = length_grouped_order(self.lengths, self.batch_size * self.num_replicas,
-                                         self.seed, self.epoch)
+            order = length_grouped_order(
+                self.lengths, self.batch_size * self.num_replicas, self.seed, self.epoch
+            )
         else:
             order = epoch_permutation(n, self.seed, self.epoch, self.shuffle)
         B, W, r = self.batch_size, self.num_replicas, self.rank
@@ -121,10 +133,17 @@ class BatchLoader:
             return map(self.fetch, batches)
         # Its own generator: workers' seeds would otherwise be drawn from the global RNG,
         # which a resume restores *after* this point in the epoch (dropout would diverge).
-        return iter(torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=batches, collate_fn=self.collate_fn, num_workers=self.num_workers,
-            pin_memory=self.pin_memory, persistent_workers=False,
-            generator=torch.Generator().manual_seed(self.seed + self.epoch)))
+        return iter(
+            torch.utils.data.DataLoader(
+                self.dataset,
+                batch_sampler=batches,
+                collate_fn=self.collate_fn,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                persistent_workers=False,
+                generator=torch.Generator().manual_seed(self.seed + self.epoch),
+            )
+        )
 
 
 def count_loss_items(batch, loss_type: str) -> torch.Tensor | int:
@@ -183,7 +202,9 @@ def packed_samples(batch: dict) -> int | None:
     if torch.is_tensor(cu) and cu.dim() == 1:
         return cu.numel() - 1
     pos, labels = batch.get("position_ids"), batch.get("labels")
-    if not (torch.is_tensor(pos) and pos.dim() == 2 and torch.is_tensor(labels) and labels.shape == pos.shape):
+    if not (
+        torch.is_tensor(pos) and pos.dim() == 2 and torch.is_tensor(labels) and labels.shape == pos.shape
+    ):
         return None  # (without labels, left padding's repeated 0 positions would count as samples)
     starts = pos == 0
     if int(starts.sum()) <= pos.shape[0]:  # one start per row: rows are samples
@@ -200,8 +221,9 @@ def count_input_tokens(batch) -> int:
     return 0
 
 
-def length_grouped_order(lengths: Sequence[int], batch_size: int, seed: int, epoch: int,
-                         mega_batch_mult: int | None = None) -> list[int]:
+def length_grouped_order(
+    lengths: Sequence[int], batch_size: int, seed: int, epoch: int, mega_batch_mult: int | None = None
+) -> list[int]:
     """HF's ``get_length_grouped_indices``: a seeded random permutation cut into mega-batches of
     ``mega_batch_mult * batch_size`` samples (default, as HF: ``min(n // (4 * batch_size), 50)``,
     at least 1), each sorted by length (longest first), with the longest batch moved to the front
@@ -240,8 +262,9 @@ def pad_token_id_of(collator) -> int | None:
     return None
 
 
-def count_tokens_seen(micro_batches, mode: str, backend=None, pad_token_id: int | None = None,
-                      main_input: str = "input_ids") -> int:
+def count_tokens_seen(
+    micro_batches, mode: str, backend=None, pad_token_id: int | None = None, main_input: str = "input_ids"
+) -> int:
     """HF's ``_track_num_input_tokens`` for one optimizer step, summed over processes.
 
     ``"all"``: ``input_ids.numel()``; ``"non_padding"``: ``attention_mask.sum()``, else ids !=
@@ -255,8 +278,10 @@ def count_tokens_seen(micro_batches, mode: str, backend=None, pad_token_id: int 
         ids = batch.get(main_input) if isinstance(batch, dict) else None
         if not torch.is_tensor(ids):
             if mode == "non_padding":  # asked for explicitly ("all" is the default: stay quiet)
-                _warn_once(f"include_num_input_tokens_seen: the batches have no {main_input!r}; tokens are "
-                           "not counted (set the model's main_input_name).")
+                _warn_once(
+                    f"include_num_input_tokens_seen: the batches have no {main_input!r}; tokens are "
+                    "not counted (set the model's main_input_name)."
+                )
             continue
         if mode != "non_padding":
             counts.append(ids.numel())
@@ -265,8 +290,10 @@ def count_tokens_seen(micro_batches, mode: str, backend=None, pad_token_id: int 
         elif pad_token_id is not None:
             counts.append((ids != pad_token_id).sum())
         else:
-            _warn_once("include_num_input_tokens_seen = 'non_padding': no attention_mask and no "
-                       "pad_token_id, counting all tokens (as HF).")
+            _warn_once(
+                "include_num_input_tokens_seen = 'non_padding': no attention_mask and no "
+                "pad_token_id, counting all tokens (as HF)."
+            )
             counts.append(ids.numel())
     total = sum(counts)
     if getattr(backend, "num_processes", 1) > 1:  # exact, as HF's gather: ranks may pad to other lengths
@@ -292,7 +319,9 @@ def sample_lengths(dataset, length_column_name: str = "length") -> list[int]:
             ids = sample["input_ids"]
             out.append(int(ids.shape[-1]) if torch.is_tensor(ids) else len(ids))
         else:
-            raise DataError(f"train.group_by_length: sample {i} has no {length_column_name!r} and no "
-                            "'input_ids' to measure. Give the dataset a `lengths` attribute or a length "
-                            "column.")
+            raise DataError(
+                f"train.group_by_length: sample {i} has no {length_column_name!r} and no "
+                "'input_ids' to measure. Give the dataset a `lengths` attribute or a length "
+                "column."
+            )
     return out

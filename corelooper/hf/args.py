@@ -48,8 +48,9 @@ Mapper = Callable[[Any, Translation], None]
 
 def _set(tr: Translation, key: str, value: Any, hf_name: str) -> None:
     if key in tr.train and tr.train[key] != value:
-        raise ConfigError(f"train.{hf_name} = {value!r} contradicts train.{key} = {tr.train[key]!r}: "
-                          "set only one.")
+        raise ConfigError(
+            f"train.{hf_name} = {value!r} contradicts train.{key} = {tr.train[key]!r}: set only one."
+        )
     tr.train[key] = value
 
 
@@ -101,14 +102,19 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
     "do_eval": (_accept, "nothing: HF's Trainer does not read it either (use `corelooper eval`)"),
     "do_predict": (_accept, "nothing: HF's Trainer does not read it either (use `corelooper predict`)"),
     "restore_callback_states_from_checkpoint": (
-        _accept, "nothing: plugin state registered for checkpointing is always restored"),
+        _accept,
+        "nothing: plugin state registered for checkpointing is always restored",
+    ),
     "enable_jit_checkpoint": (_accept, "nothing: a SIGTERM/SIGINT always writes a checkpoint (exit 143/130)"),
     "log_on_each_node": (_accept, "nothing: only global rank 0 logs"),
     **FOUR_X,
 }
 # Names from other tools: refused with the HF name (a user of them must learn it).
-OTHER_TOOLS = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size",
-               "epochs": "num_train_epochs"}
+OTHER_TOOLS = {
+    "lr": "learning_rate",
+    "batch_size": "per_device_train_batch_size",
+    "epochs": "num_train_epochs",
+}
 
 
 @dataclass(frozen=True)
@@ -121,65 +127,101 @@ class Unsupported:
 
 _HUB = Unsupported(
     "Hub upload is not built in: upload output_dir after training (`hf upload REPO runs/x`) or in an "
-    "on_save plugin.", (False, None, "every_save", "huggingface"))
-_TRACKIO = Unsupported("trackio has no corelooper plugin; `corelooper plugins` lists the installed loggers "
-                       "(train.report_to).", (None,))
+    "on_save plugin.",
+    (False, None, "every_save", "huggingface"),
+)
+_TRACKIO = Unsupported(
+    "trackio has no corelooper plugin; `corelooper plugins` lists the installed loggers (train.report_to).",
+    (None,),
+)
 _FULL_EVAL = Unsupported("evaluation runs in train.mixed_precision; the model is not cast for it.", (False,))
 _DL = "the loader is rebuilt each epoch from seeded indices, so a resume is exact"
 
 # HF's AcceleratorConfig() as TrainingArguments.to_dict() writes it: what corelooper's Accelerator does.
-_HF_ACCELERATOR_DEFAULTS = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
-                            "use_seedable_sampler": True, "non_blocking": False,
-                            "gradient_accumulation_kwargs": None}
+_HF_ACCELERATOR_DEFAULTS = {
+    "split_batches": False,
+    "dispatch_batches": None,
+    "even_batches": True,
+    "use_seedable_sampler": True,
+    "non_blocking": False,
+    "gradient_accumulation_kwargs": None,
+}
 # HF fields that take a dict or its JSON text (HF parses the text in TrainingArguments).
 # (So are the fields plugins answer to: ``declared_train_fields``.)
-_JSON_DICT_FIELDS = frozenset({"lr_scheduler_kwargs", "accelerator_config", "gradient_checkpointing_kwargs",
-                               "optim_args"})
+_JSON_DICT_FIELDS = frozenset(
+    {"lr_scheduler_kwargs", "accelerator_config", "gradient_checkpointing_kwargs", "optim_args"}
+)
 
 UNSUPPORTED: dict[str, Unsupported] = {
     "optim_target_modules": Unsupported(
-        "GaLore/APOLLO optimizers are not built in: provide one with a create_optimizer plugin.", (None,)),
+        "GaLore/APOLLO optimizers are not built in: provide one with a create_optimizer plugin.", (None,)
+    ),
     "average_tokens_across_devices": Unsupported(
         "corelooper always normalises the loss by the token count summed over all processes, so results do "
-        "not depend on the number of processes.", (True,)),
+        "not depend on the number of processes.",
+        (True,),
+    ),
     "bf16_full_eval": _FULL_EVAL,
     "fp16_full_eval": _FULL_EVAL,
     "activation_checkpointing_kwargs": Unsupported(
         "gradient_checkpointing_kwargs are not supported: corelooper enables it with use_reentrant=False; "
-        "call model.gradient_checkpointing_enable(...) in model.factory for other options.", (None, {})),
+        "call model.gradient_checkpointing_enable(...) in model.factory for other options.",
+        (None, {}),
+    ),
     "gradient_checkpointing_kwargs": Unsupported(
         "not supported: corelooper enables it with use_reentrant=False; call "
-        "model.gradient_checkpointing_enable(...) in model.factory for other options.", (None, {})),
+        "model.gradient_checkpointing_enable(...) in model.factory for other options.",
+        (None, {}),
+    ),
     "torch_empty_cache_steps": Unsupported(
         "not supported: emptying the CUDA cache every N steps only slows training; against fragmentation "
-        "use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.", (None,)),
-    "log_level": Unsupported("corelooper's console is quiet by design; set Python logging levels yourself "
-                             "(logging.getLogger('transformers')).", ("passive",)),
-    "log_level_replica": Unsupported("only rank 0 speaks; other ranks print nothing.",
-                                     ("warning", "passive")),
-    "project": Unsupported("trackio has no corelooper plugin; a logging plugin takes its project in its own "
-                           "section (`corelooper plugins` lists them).", ("huggingface",)),
+        "use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.",
+        (None,),
+    ),
+    "log_level": Unsupported(
+        "corelooper's console is quiet by design; set Python logging levels yourself "
+        "(logging.getLogger('transformers')).",
+        ("passive",),
+    ),
+    "log_level_replica": Unsupported(
+        "only rank 0 speaks; other ranks print nothing.", ("warning", "passive")
+    ),
+    "project": Unsupported(
+        "trackio has no corelooper plugin; a logging plugin takes its project in its own "
+        "section (`corelooper plugins` lists them).",
+        ("huggingface",),
+    ),
     "trackio_space_id": _TRACKIO,
     "trackio_bucket_id": _TRACKIO,
     "trackio_static_space_id": _TRACKIO,
     "prediction_loss_only": Unsupported(
         "evaluation keeps the model outputs only when metrics are computed: give no compute_metrics "
-        "and only the loss is computed (what prediction_loss_only = true does).", (False,)),
+        "and only the loss is computed (what prediction_loss_only = true does).",
+        (False,),
+    ),
     "eval_do_concat_batches": Unsupported(
-        "predictions are always concatenated (shorter ones padded with -100).", (True,)),
+        "predictions are always concatenated (shorter ones padded with -100).", (True,)
+    ),
     "eval_use_gather_object": Unsupported(
-        "not supported: predictions are tensors, gathered across processes with padding.", (False,)),
+        "not supported: predictions are tensors, gathered across processes with padding.", (False,)
+    ),
     "include_for_metrics": Unsupported(
         "compute_metrics receives predictions and label_ids; to use inputs or losses, collect them in an "
-        "on_prediction_step plugin (it receives the batch and the outputs).", ([], None)),
+        "on_prediction_step plugin (it receives the batch and the outputs).",
+        ([], None),
+    ),
     "include_inputs_for_metrics": Unsupported(
-        "4.x name of include_for_metrics: collect inputs in an on_prediction_step plugin.", (False,)),
+        "4.x name of include_for_metrics: collect inputs in an on_prediction_step plugin.", (False,)
+    ),
     "save_only_model": Unsupported(
         "not supported: a checkpoint always holds what an exact resume needs (optimizer, scheduler, RNG); "
-        "the final model alone is output_dir/model.safetensors.", (False,)),
+        "the final model alone is output_dir/model.safetensors.",
+        (False,),
+    ),
     "save_safetensors": Unsupported("weights are always written as safetensors.", (True,)),
     "save_on_each_node": Unsupported(
-        "rank 0 writes checkpoints: in multi-node runs output_dir must be on a shared filesystem.", (False,)),
+        "rank 0 writes checkpoints: in multi-node runs output_dir must be on a shared filesystem.", (False,)
+    ),
     "push_to_hub": _HUB,
     # to_dict() writes any token as "<HUB_TOKEN>": accepted, since no upload is ever made here
     "hub_token": Unsupported(_HUB.why, (*_HUB.accepts, "<HUB_TOKEN>")),
@@ -190,31 +232,43 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "hub_revision": _HUB,
     "full_determinism": Unsupported(
         "not built in: runs are seeded (seed, data_seed) and resume bitwise; for deterministic kernels "
-        "call torch.use_deterministic_algorithms(True) in model.factory.", (False,)),
+        "call torch.use_deterministic_algorithms(True) in model.factory.",
+        (False,),
+    ),
     "accelerator_config": Unsupported(
         "corelooper builds its own Accelerator; to change it, return your own backend from a "
-        "create_backend plugin.", (None, {}, _HF_ACCELERATOR_DEFAULTS)),
-    "parallelism_config": Unsupported("use --nproc N (data parallel), or the section of a sharding plugin "
-                                      "(`corelooper plugins`).", (None,)),
+        "create_backend plugin.",
+        (None, {}, _HF_ACCELERATOR_DEFAULTS),
+    ),
+    "parallelism_config": Unsupported(
+        "use --nproc N (data parallel), or the section of a sharding plugin (`corelooper plugins`).", (None,)
+    ),
     "dataloader_persistent_workers": Unsupported(f"not supported: {_DL}.", (False,)),
     "dataloader_prefetch_factor": Unsupported(f"not supported: {_DL}; torch's default (2) is used.", (None,)),
     "dataloader_multiprocessing_context": Unsupported(
-        "not supported: workers start with the platform's default method.", (None,)),
+        "not supported: workers start with the platform's default method.", (None,)
+    ),
     "dataloader_in_order": Unsupported("batches are always yielded in order.", (True,)),
     "label_names": Unsupported(
         "labels are batch['labels'] (or the last element of a tuple sample): rename the column in the "
-        "dataset or the collator, or implement compute_loss.", (None, ["labels"])),
-    "ddp_backend": Unsupported("the process group uses gloo on CPU and nccl on GPU; another backend needs a "
-                               "create_backend plugin.", (None,)),
-    "debug": Unsupported("HF's debug options (underflow_overflow, tpu_metrics_debug) are not supported.",
-                         ("", [], None)),
+        "dataset or the collator, or implement compute_loss.",
+        (None, ["labels"]),
+    ),
+    "ddp_backend": Unsupported(
+        "the process group uses gloo on CPU and nccl on GPU; another backend needs a create_backend plugin.",
+        (None,),
+    ),
+    "debug": Unsupported(
+        "HF's debug options (underflow_overflow, tpu_metrics_debug) are not supported.", ("", [], None)
+    ),
     "skip_memory_metrics": Unsupported("memory metrics are not logged.", (True,)),
     "local_rank": Unsupported("set by the launcher (torchrun / `corelooper run --nproc N`).", (-1,)),
     "half_precision_backend": Unsupported("4.x: mixed precision is train.mixed_precision.", ("auto",)),
     "fp16_opt_level": Unsupported('4.x apex option: not supported (use mixed_precision = "fp16").', ("O1",)),
     "fp16_backend": Unsupported("4.x: mixed precision is train.mixed_precision.", ("auto",)),
-    "use_mps_device": Unsupported("4.x: the device is chosen by accelerate (use_cpu to force the CPU).",
-                                  (False,)),
+    "use_mps_device": Unsupported(
+        "4.x: the device is chosen by accelerate (use_cpu to force the CPU).", (False,)
+    ),
     "jit_mode_eval": Unsupported("4.x: not supported (use torch_compile).", (False,)),
     "use_ipex": Unsupported("4.x: not supported.", (False,)),
 }
@@ -260,8 +314,9 @@ def _json_dict(key: str, value: Any) -> Any:
     try:
         return json.loads(value)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"train.{key} = {value!r} is not valid JSON ({e}): "
-                          "write a table instead.") from None
+        raise ConfigError(
+            f"train.{key} = {value!r} is not valid JSON ({e}): write a table instead."
+        ) from None
 
 
 def _plugin_field(key: str, value: Any, raw: dict[str, Any], tr: Translation) -> bool:

@@ -23,7 +23,8 @@ class HFBatchMetrics:
             raise ConfigError(
                 "train.batch_eval_metrics = true calls compute_metrics(eval_pred, compute_result=...) once per "
                 f"batch, as HF does, but {getattr(fn, '__qualname__', fn)!r} takes no compute_result argument. "
-                "Add it (return the metrics when it is True), or set train.batch_eval_metrics = false.")
+                "Add it (return the metrics when it is True), or set train.batch_eval_metrics = false."
+            )
         self.fn, self.pending = fn, None
 
     def reset(self) -> None:

@@ -51,7 +51,8 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> int:
             f"train.gradient_checkpointing = true, but {type(model).__name__} has no "
             "gradient_checkpointing_enable() method and no nn.ModuleList of blocks to checkpoint. Keep its "
             "blocks in an nn.ModuleList, add a gradient_checkpointing_enable() method, or set "
-            "train.gradient_checkpointing = false.")
+            "train.gradient_checkpointing = false."
+        )
     for block in blocks:
         if not getattr(block, "_corelooper_checkpointed", False):
             block.forward = _checkpointed(block, block.forward)
@@ -71,7 +72,9 @@ def apply_model_options(loop, model: torch.nn.Module) -> torch.nn.Module:
     compile_ = getattr(a, "torch_compile", False) or getattr(a, "torch_compile_backend", None)
     if compile_ and not getattr(model, "_corelooper_compiled", False):
         # In place (nn.Module.compile): the module keeps its type, state_dict keys and signature.
-        kwargs = {k: v for k, v in (("backend", a.torch_compile_backend), ("mode", a.torch_compile_mode)) if v}
+        kwargs = {
+            k: v for k, v in (("backend", a.torch_compile_backend), ("mode", a.torch_compile_mode)) if v
+        }
         model.compile(**kwargs)
         model._corelooper_compiled = True
     return model

@@ -47,14 +47,20 @@ def no_decay_parameter_names(model: torch.nn.Module) -> set[str]:
     for full, _ in model.named_parameters():
         path = full.split(".")[:-1]
         inside_layernorm = any(
-            isinstance(model.get_submodule(".".join(path[: i + 1])), torch.nn.LayerNorm) for i in range(len(path)))
+            isinstance(model.get_submodule(".".join(path[: i + 1])), torch.nn.LayerNorm)
+            for i in range(len(path))
+        )
         if inside_layernorm or _NO_DECAY_NAME.search(full.lower()):
             names.add(full)
     return names
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float, lr: float | None = None,
-                     lr_multipliers: dict[str, float] | None = None) -> list[dict]:
+def parameter_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    lr: float | None = None,
+    lr_multipliers: dict[str, float] | None = None,
+) -> list[dict]:
     """Groups by (weight decay, LR multiplier). A group with a multiplier carries its own ``lr``."""
     skip = no_decay_parameter_names(model)
     patterns = []
@@ -62,7 +68,9 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, lr: float | No
         try:
             patterns.append((re.compile(pattern), float(mult), pattern))
         except re.error as e:
-            raise ConfigError(f"train.lr_multipliers: {pattern!r} is not a valid regular expression ({e}).") from None
+            raise ConfigError(
+                f"train.lr_multipliers: {pattern!r} is not a valid regular expression ({e})."
+            ) from None
     groups: dict[tuple[bool, str | None], dict] = {}
     used = set()
     for name, p in model.named_parameters():
@@ -87,8 +95,10 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, lr: float | No
     unused = [raw for _, _, raw in patterns if raw not in used]
     if unused:
         names = [n for n, _ in model.named_parameters()][:8]
-        raise ConfigError(f"train.lr_multipliers: pattern(s) {unused} match no parameter name. Parameter "
-                          f"names look like {names}; a pattern is a regular expression searched in them.")
+        raise ConfigError(
+            f"train.lr_multipliers: pattern(s) {unused} match no parameter name. Parameter "
+            f"names look like {names}; a pattern is a regular expression searched in them."
+        )
     # Decayed, no-multiplier group first: the order users expect from HF (decay, no decay).
     return sorted(groups.values(), key=lambda g: ("lr_multiplier" in g, g["weight_decay"] == 0.0))
 
@@ -126,7 +136,8 @@ def optim_kwargs(args) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(
                 f"train.optim_args = {raw!r}: {item.strip()!r} is not KEY=VALUE. Write "
-                "\"momentum=0.9,nesterov=True\" or a table { momentum = 0.9, nesterov = true }.")
+                '"momentum=0.9,nesterov=True" or a table { momentum = 0.9, nesterov = true }.'
+            )
         k, v = item.split("=", 1)
         out[k.strip()] = _parse_value(v)
     return out
@@ -157,7 +168,9 @@ def _adafactor(a, groups, extra):
     # (not its own relative step size) and no parameter-scale factor.
     from transformers.optimization import Adafactor
 
-    return Adafactor(groups, **{"lr": a.learning_rate, "scale_parameter": False, "relative_step": False, **extra})
+    return Adafactor(
+        groups, **{"lr": a.learning_rate, "scale_parameter": False, "relative_step": False, **extra}
+    )
 
 
 OPTIMIZERS: dict[str, Callable[[Any, list, dict], torch.optim.Optimizer]] = {
@@ -179,14 +192,17 @@ def create_optimizer(loop, model: torch.nn.Module) -> torch.optim.Optimizer:
 
         close = difflib.get_close_matches(name, list(OPTIMIZERS), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"train.optim = {name!r} is not a known optimizer.{hint} Built in: "
-                          f"{', '.join(OPTIMIZERS)}. Another optimizer comes from a plugin implementing the "
-                          "create_optimizer hook for that name: is it installed and enabled "
-                          "(`corelooper plugins`)?")
+        raise ConfigError(
+            f"train.optim = {name!r} is not a known optimizer.{hint} Built in: "
+            f"{', '.join(OPTIMIZERS)}. Another optimizer comes from a plugin implementing the "
+            "create_optimizer hook for that name: is it installed and enabled "
+            "(`corelooper plugins`)?"
+        )
     extra = optim_kwargs(a)
     groups = parameter_groups_for(loop, model)
     try:
         return OPTIMIZERS[name](a, groups, extra)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"train.optim = {name!r} with train.optim_args = {extra!r} failed: "
-                          f"{type(e).__name__}: {e}.") from None
+        raise ConfigError(
+            f"train.optim = {name!r} with train.optim_args = {extra!r} failed: {type(e).__name__}: {e}."
+        ) from None

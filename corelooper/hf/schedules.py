@@ -31,8 +31,10 @@ def warmup_steps_for(warmup: float, num_training_steps: int) -> int:
 
 def _after_warmup(warmup: int, after: LambdaFn) -> LambdaFn:
     """A linear warmup from 0 over ``warmup`` steps, then ``after(step)`` (every HF schedule but WSD)."""
+
     def f(step: int) -> float:
         return step / max(1, warmup) if step < warmup else after(step)
+
     return f
 
 
@@ -43,35 +45,42 @@ def _progress(step: int, warmup: int, total: int) -> float:
 def linear(warmup: int, total: int) -> LambdaFn:
     def after(step: int) -> float:
         return max(0.0, (total - step) / max(1, total - warmup))
+
     return _after_warmup(warmup, after)
 
 
 def cosine(warmup: int, total: int, num_cycles: float = 0.5) -> LambdaFn:
     def after(step: int) -> float:
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * _progress(step, warmup, total))))
+
     return _after_warmup(warmup, after)
 
 
 def cosine_with_restarts(warmup: int, total: int, num_cycles: int = 1) -> LambdaFn:
     """``num_cycles`` hard restarts: the cosine falls to 0 and jumps back to the full LR."""
+
     def after(step: int) -> float:
         progress = _progress(step, warmup, total)
         if progress >= 1.0:
             return 0.0
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((num_cycles * progress) % 1.0))))
+
     return _after_warmup(warmup, after)
 
 
 def polynomial(warmup: int, total: int, lr_init: float, lr_end: float = 1e-7, power: float = 1.0) -> LambdaFn:
     """From ``lr_init`` to ``lr_end`` as ``(1 - progress) ** power``; ``lr_end`` is absolute."""
     if not lr_init > lr_end:
-        raise ConfigError(f"train.lr_scheduler_kwargs.lr_end ({lr_end}) must be smaller than "
-                          f"train.learning_rate ({lr_init}) for the polynomial schedule.")
+        raise ConfigError(
+            f"train.lr_scheduler_kwargs.lr_end ({lr_end}) must be smaller than "
+            f"train.learning_rate ({lr_init}) for the polynomial schedule."
+        )
 
     def after(step: int) -> float:
         if step > total:
             return lr_end / lr_init
         return ((lr_init - lr_end) * (1 - _progress(step, warmup, total)) ** power + lr_end) / lr_init
+
     return _after_warmup(warmup, after)
 
 
@@ -81,55 +90,82 @@ def inverse_sqrt(warmup: int, total: int, timescale: int | None = None) -> Lambd
 
     def after(step: int) -> float:
         return 1.0 / math.sqrt((step + timescale - warmup) / timescale)
+
     return _after_warmup(warmup, after)
 
 
-def cosine_with_min_lr(warmup: int, total: int, lr_init: float, num_cycles: float = 0.5,
-                       min_lr: float | None = None, min_lr_rate: float | None = None) -> LambdaFn:
+def cosine_with_min_lr(
+    warmup: int,
+    total: int,
+    lr_init: float,
+    num_cycles: float = 0.5,
+    min_lr: float | None = None,
+    min_lr_rate: float | None = None,
+) -> LambdaFn:
     """Cosine that ends at ``min_lr`` (absolute) or ``min_lr_rate`` (times the initial LR)."""
     if (min_lr is None) == (min_lr_rate is None):
-        raise ConfigError("lr_scheduler_type = 'cosine_with_min_lr' needs exactly one of min_lr or "
-                          "min_lr_rate in train.lr_scheduler_kwargs, e.g. lr_scheduler_kwargs = "
-                          "{ min_lr_rate = 0.1 }.")
+        raise ConfigError(
+            "lr_scheduler_type = 'cosine_with_min_lr' needs exactly one of min_lr or "
+            "min_lr_rate in train.lr_scheduler_kwargs, e.g. lr_scheduler_kwargs = "
+            "{ min_lr_rate = 0.1 }."
+        )
     rate = min_lr / lr_init if min_lr is not None else min_lr_rate
 
     def after(step: int) -> float:
         factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * _progress(step, warmup, total)))
         return max(0.0, factor * (1 - rate) + rate)
+
     return _after_warmup(warmup, after)
 
 
 _SHAPES = ("linear", "cosine", "1-sqrt")
 
 
-def warmup_stable_decay(warmup: int, total: int, num_decay_steps: int | None = None,
-                        num_stable_steps: int | None = None, warmup_type: str = "linear",
-                        decay_type: str = "cosine", min_lr_ratio: float = 0.0,
-                        num_cycles: float = 0.5) -> LambdaFn:
+def warmup_stable_decay(
+    warmup: int,
+    total: int,
+    num_decay_steps: int | None = None,
+    num_stable_steps: int | None = None,
+    warmup_type: str = "linear",
+    decay_type: str = "cosine",
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+) -> LambdaFn:
     """Warmup, a flat stretch, then a decay over ``num_decay_steps`` (WSD)."""
     if num_decay_steps is None:
-        raise ConfigError("lr_scheduler_type = 'warmup_stable_decay' needs "
-                          "train.lr_scheduler_kwargs.num_decay_steps, e.g. lr_scheduler_kwargs = "
-                          "{ num_decay_steps = 100 }.")
+        raise ConfigError(
+            "lr_scheduler_type = 'warmup_stable_decay' needs "
+            "train.lr_scheduler_kwargs.num_decay_steps, e.g. lr_scheduler_kwargs = "
+            "{ num_decay_steps = 100 }."
+        )
     for key, value in (("warmup_type", warmup_type), ("decay_type", decay_type)):
         if value not in _SHAPES:
-            raise ConfigError(f"train.lr_scheduler_kwargs.{key} = {value!r}: use one of {', '.join(_SHAPES)}.")
+            raise ConfigError(
+                f"train.lr_scheduler_kwargs.{key} = {value!r}: use one of {', '.join(_SHAPES)}."
+            )
     stable = num_stable_steps if num_stable_steps is not None else total - warmup - num_decay_steps
 
     def f(step: int) -> float:
         if step < warmup:
             p = step / max(1, warmup)
-            factor = {"linear": p, "cosine": 0.5 * (1.0 - math.cos(math.pi * p)),
-                      "1-sqrt": 1.0 - math.sqrt(1.0 - p)}[warmup_type]
+            factor = {
+                "linear": p,
+                "cosine": 0.5 * (1.0 - math.cos(math.pi * p)),
+                "1-sqrt": 1.0 - math.sqrt(1.0 - p),
+            }[warmup_type]
             return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
         if step < warmup + stable:
             return 1.0
         if step < warmup + stable + num_decay_steps:
             p = (step - warmup - stable) / max(1, num_decay_steps)
-            factor = {"linear": 1.0 - p, "cosine": 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * p)),
-                      "1-sqrt": 1.0 - math.sqrt(p)}[decay_type]
+            factor = {
+                "linear": 1.0 - p,
+                "cosine": 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * p)),
+                "1-sqrt": 1.0 - math.sqrt(p),
+            }[decay_type]
             return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
         return min_lr_ratio
+
     return f
 
 
@@ -141,9 +177,20 @@ def constant_with_warmup(warmup: int, total: int) -> LambdaFn:
     return _after_warmup(warmup, constant(warmup, total))
 
 
-SCHEDULES: dict[str, Callable[..., LambdaFn]] = {f.__name__: f for f in (
-    linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup, inverse_sqrt,
-    cosine_with_min_lr, warmup_stable_decay)}
+SCHEDULES: dict[str, Callable[..., LambdaFn]] = {
+    f.__name__: f
+    for f in (
+        linear,
+        cosine,
+        cosine_with_restarts,
+        polynomial,
+        constant,
+        constant_with_warmup,
+        inverse_sqrt,
+        cosine_with_min_lr,
+        warmup_stable_decay,
+    )
+}
 _NEEDS_LR = ("polynomial", "cosine_with_min_lr")
 NAMES = (*SCHEDULES, "reduce_lr_on_plateau")
 
@@ -163,7 +210,8 @@ def lr_lambda(kind: str, warmup: int, total: int, lr_init: float | None = None, 
         known = [p for p in inspect.signature(fn).parameters if p not in ("warmup", "total", "lr_init")]
         raise ConfigError(
             f"train.lr_scheduler_kwargs = {kwargs!r} does not fit lr_scheduler_type = {kind!r} ({e}); "
-            f"its options are: {', '.join(known) or 'none'}.") from None
+            f"its options are: {', '.join(known) or 'none'}."
+        ) from None
 
 
 class PlateauScheduler:

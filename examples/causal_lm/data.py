@@ -55,7 +55,9 @@ def tokenizer(packages: tuple[str, ...] = ("json", "email"), vocab_size: int = 1
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(train, trainer=trainer)
@@ -69,8 +71,9 @@ def _dataset(split: str, packages, vocab_size: int, seq_len: int, eval_every: in
     train, held = split_files(packages, eval_every)
     texts = train if split == "train" else held
     ids = [e.ids for e in tok.encode_batch(texts)]
-    ds = PackedDataset(ids, seq_len, pad_token_id=PAD_ID, strategy=strategy, eos_token_id=EOS_ID,
-                       drop_incomplete=True)
+    ds = PackedDataset(
+        ids, seq_len, pad_token_id=PAD_ID, strategy=strategy, eos_token_id=EOS_ID, drop_incomplete=True
+    )
     ds.difficulty = _difficulty(tok, ds)
     return ds
 
@@ -102,12 +105,25 @@ class CorpusBlocks(torch.utils.data.Dataset):
         return self.packed.lengths[: self.n]
 
 
-def train_set(packages=("json", "email"), vocab_size: int = 1024, seq_len: int = 128, eval_every: int = 8,
-              packing: str = "wrap", **_) -> CorpusBlocks:
+def train_set(
+    packages=("json", "email"),
+    vocab_size: int = 1024,
+    seq_len: int = 128,
+    eval_every: int = 8,
+    packing: str = "wrap",
+    **_,
+) -> CorpusBlocks:
     return CorpusBlocks(_dataset("train", packages, vocab_size, seq_len, eval_every, packing))
 
 
-def eval_set(packages=("json", "email"), vocab_size: int = 1024, seq_len: int = 128, eval_every: int = 8,
-             packing: str = "wrap", max_eval_blocks: int = 0, **_) -> CorpusBlocks:
+def eval_set(
+    packages=("json", "email"),
+    vocab_size: int = 1024,
+    seq_len: int = 128,
+    eval_every: int = 8,
+    packing: str = "wrap",
+    max_eval_blocks: int = 0,
+    **_,
+) -> CorpusBlocks:
     """The held-out files' blocks (the first ``max_eval_blocks`` of them when > 0)."""
     return CorpusBlocks(_dataset("eval", packages, vocab_size, seq_len, eval_every, packing), max_eval_blocks)

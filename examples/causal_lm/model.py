@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 
-def build(vocab_size: int = 1024, hidden_size: int = 128, num_hidden_layers: int = 2,
-          num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int | None = None,
-          max_position_embeddings: int = 512):
+def build(
+    vocab_size: int = 1024,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from .data import EOS_ID, PAD_ID

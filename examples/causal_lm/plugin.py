@@ -15,10 +15,14 @@ def hf_tokenizer(data_args: dict):
 
     from .data import SPECIALS, tokenizer
 
-    tok = tokenizer(tuple(data_args.get("packages", ("json", "email"))),
-                    data_args.get("vocab_size", 1024), data_args.get("eval_every", 8))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], bos_token=SPECIALS[0],
-                                   pad_token=SPECIALS[1])
+    tok = tokenizer(
+        tuple(data_args.get("packages", ("json", "email"))),
+        data_args.get("vocab_size", 1024),
+        data_args.get("eval_every", 8),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=SPECIALS[0], bos_token=SPECIALS[0], pad_token=SPECIALS[1]
+    )
 
 
 @hookimpl

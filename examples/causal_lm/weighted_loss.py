@@ -17,8 +17,9 @@ from corelooper import hookimpl
 
 def weighted_token_loss(logits, labels, weights, num_items):
     logits, labels = logits[:, :-1, :].float(), labels[:, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                         ignore_index=-100, reduction="none").view_as(labels)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
+    ).view_as(labels)
     return (ce * weights.to(ce.dtype)[:, None]).sum() / num_items
 
 

@@ -10,8 +10,13 @@ class MLP(nn.Module):
     def __init__(self, hidden: int = 128, dropout: float = 0.1, num_classes: int = 10):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(64, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, num_classes),
+            nn.Linear(64, hidden),
+            nn.LayerNorm(hidden),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, num_classes),
         )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,14 @@ from corelooper_lm.collators import DataCollatorForCausalLM
 from examples.causal_lm.data import PAD_ID, split_files, tokenizer
 
 
-def pairs(split: str, packages=("json", "email"), vocab_size: int = 1024, eval_every: int = 8,
-          max_pairs: int = 2000, seed: int = 0) -> list[dict]:
+def pairs(
+    split: str,
+    packages=("json", "email"),
+    vocab_size: int = 1024,
+    eval_every: int = 8,
+    max_pairs: int = 2000,
+    seed: int = 0,
+) -> list[dict]:
     packages = tuple(packages)
     train, held = split_files(packages, eval_every)
     lines = [ln.strip() for text in (train if split == "train" else held) for ln in text.splitlines()]
@@ -27,14 +33,19 @@ def pairs(split: str, packages=("json", "email"), vocab_size: int = 1024, eval_e
     tok = tokenizer(packages, vocab_size, eval_every)
     out = []
     for i, line in enumerate(lines[:-1]):
-        cut = line.index(" ", len(line) // 2 - 5) if " " in line[len(line) // 2 - 5:] else len(line) // 2
+        cut = line.index(" ", len(line) // 2 - 5) if " " in line[len(line) // 2 - 5 :] else len(line) // 2
         other = lines[(i + 1 + rng.randrange(len(lines) - 1)) % len(lines)]
         other_cut = len(other) // 2
         prompt, chosen, rejected = line[:cut], line[cut:], other[other_cut:]
         if chosen == rejected:
             continue
-        out.append({"prompt_ids": tok.encode(prompt).ids, "chosen_ids": tok.encode(chosen).ids,
-                    "rejected_ids": tok.encode(rejected).ids})
+        out.append(
+            {
+                "prompt_ids": tok.encode(prompt).ids,
+                "chosen_ids": tok.encode(chosen).ids,
+                "rejected_ids": tok.encode(rejected).ids,
+            }
+        )
     return out
 
 
@@ -53,8 +64,11 @@ class DPOCollator:
         self.pad = DataCollatorForCausalLM(pad_token_id=pad_token_id)
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [{"prompt_ids": s["prompt_ids"], "completion_ids": s[key]}
-                for key in ("chosen_ids", "rejected_ids") for s in samples]
+        rows = [
+            {"prompt_ids": s["prompt_ids"], "completion_ids": s[key]}
+            for key in ("chosen_ids", "rejected_ids")
+            for s in samples
+        ]
         return self.pad(rows)
 
 

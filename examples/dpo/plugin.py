@@ -76,9 +76,15 @@ class DPO:
         losses, chosen, rejected = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta)
         loss = losses.mean()
         if model.training:
-            stats = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
-                                 (chosen > rejected).float().sum(),
-                                 torch.tensor(float(n), device=chosen.device)])
+            stats = torch.stack(
+                [
+                    chosen.sum(),
+                    rejected.sum(),
+                    (chosen - rejected).sum(),
+                    (chosen > rejected).float().sum(),
+                    torch.tensor(float(n), device=chosen.device),
+                ]
+            )
             self.window = stats if self.window is None else self.window + stats
         return (loss, {"logps": logps.detach()}) if return_outputs else loss
 

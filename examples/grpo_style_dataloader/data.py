@@ -8,8 +8,14 @@ import random
 from examples.causal_lm.data import split_files, tokenizer
 
 
-def prompts(packages=("json", "email"), vocab_size: int = 1024, eval_every: int = 8, max_prompts: int = 512,
-            seed: int = 0, **_) -> list[dict]:
+def prompts(
+    packages=("json", "email"),
+    vocab_size: int = 1024,
+    eval_every: int = 8,
+    max_prompts: int = 512,
+    seed: int = 0,
+    **_,
+) -> list[dict]:
     packages = tuple(packages)
     train, _ = split_files(packages, eval_every)
     lines = [ln.strip() for text in train for ln in text.splitlines()]

@@ -25,8 +25,12 @@ def _rows(batch: dict[str, torch.Tensor]) -> int:
 
 
 class GenerationBatchLoader:
-    def __init__(self, inner: BatchLoader, steps_per_generation: int,
-                 generate: Callable[[list[Any]], dict[str, torch.Tensor]]):
+    def __init__(
+        self,
+        inner: BatchLoader,
+        steps_per_generation: int,
+        generate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    ):
         self.inner = inner
         self.steps_per_generation = steps_per_generation
         self.generate = generate

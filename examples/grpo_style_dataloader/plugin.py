@@ -25,8 +25,15 @@ SECTION = "grpo"
 
 @hookimpl
 def corelooper_config_sections():
-    return {SECTION: {"steps_per_generation": 4, "num_generations": 4, "max_new_tokens": 12,
-                      "temperature": 1.0, "epsilon": 0.2}}
+    return {
+        SECTION: {
+            "steps_per_generation": 4,
+            "num_generations": 4,
+            "max_new_tokens": 12,
+            "temperature": 1.0,
+            "epsilon": 0.2,
+        }
+    }
 
 
 def token_logps(model, input_ids, attention_mask, labels) -> torch.Tensor:
@@ -51,40 +58,58 @@ def make_generate(loop, cfg: dict, recent: dict):
     @torch.no_grad()
     def generate(samples: list[dict]) -> dict[str, torch.Tensor]:
         model = loop.backend.unwrap_model(loop.model)
-        tok = tokenizer(tuple(tok_args.get("packages", ("json", "email"))), tok_args.get("vocab_size", 1024),
-                        tok_args.get("eval_every", 8))
+        tok = tokenizer(
+            tuple(tok_args.get("packages", ("json", "email"))),
+            tok_args.get("vocab_size", 1024),
+            tok_args.get("eval_every", 8),
+        )
         prompts = [s["prompt_ids"] for s in samples for _ in range(G)]
         P = max(map(len, prompts))
         ids = torch.full((len(prompts), P), PAD_ID, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
-            ids[i, P - len(p):] = torch.tensor(p)
-            mask[i, P - len(p):] = 1
+            ids[i, P - len(p) :] = torch.tensor(p)
+            mask[i, P - len(p) :] = 1
         device = loop.backend.device
         was_training = model.training
         model.eval()
-        seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                              temperature=cfg["temperature"], max_new_tokens=cfg["max_new_tokens"],
-                              pad_token_id=PAD_ID, eos_token_id=EOS_ID, use_cache=True)
+        seqs = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=True,
+            temperature=cfg["temperature"],
+            max_new_tokens=cfg["max_new_tokens"],
+            pad_token_id=PAD_ID,
+            eos_token_id=EOS_ID,
+            use_cache=True,
+        )
         model.train(was_training)
         completion = seqs[:, P:]
         # Completion tokens up to and including the first EOS are trained; the rest is padding.
         after_eos = (completion == EOS_ID).long().cumsum(-1) - (completion == EOS_ID).long() > 0
         comp_mask = (~after_eos).long()
         attention = torch.cat([mask.to(device), comp_mask], 1)
-        labels = torch.cat([torch.full_like(ids, -100).to(device),
-                            completion.masked_fill(after_eos, -100)], 1)
-        rewards = torch.tensor([
-            reward(tok.decode(c[m.bool()].tolist()), s["answer"])
-            for c, m, s in zip(completion, comp_mask,
-                               [s for s in samples for _ in range(G)], strict=True)
-        ], device=device)
+        labels = torch.cat(
+            [torch.full_like(ids, -100).to(device), completion.masked_fill(after_eos, -100)], 1
+        )
+        rewards = torch.tensor(
+            [
+                reward(tok.decode(c[m.bool()].tolist()), s["answer"])
+                for c, m, s in zip(completion, comp_mask, [s for s in samples for _ in range(G)], strict=True)
+            ],
+            device=device,
+        )
         groups = rewards.view(-1, G)
         adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
         old = token_logps(model, seqs, attention, labels)
         recent["reward"] = rewards.mean().item()
-        return {"input_ids": seqs, "attention_mask": attention, "labels": labels,
-                "advantages": adv, "old_logps": old}
+        return {
+            "input_ids": seqs,
+            "attention_mask": attention,
+            "labels": labels,
+            "advantages": adv,
+            "old_logps": old,
+        }
 
     return generate
 
@@ -107,9 +132,16 @@ class GRPO:
                 f"grpo: per_device_train_batch_size * steps_per_generation ({rows}) must be a multiple "
                 f"of grpo.num_generations ({G}): every prompt's group must sit in one generation batch."
             )
-        inner = BatchLoader(dataset, rows // G, collate_fn=list, shuffle=True,
-                            seed=a.data_seed if a.data_seed is not None else a.seed, drop_last=True,
-                            num_replicas=loop.backend.num_processes, rank=loop.backend.process_index)
+        inner = BatchLoader(
+            dataset,
+            rows // G,
+            collate_fn=list,
+            shuffle=True,
+            seed=a.data_seed if a.data_seed is not None else a.seed,
+            drop_last=True,
+            num_replicas=loop.backend.num_processes,
+            rank=loop.backend.process_index,
+        )
         return GenerationBatchLoader(inner, k, make_generate(loop, cfg, self.recent))
 
     def compute_loss(self, loop, model, batch, num_items_in_batch, return_outputs):

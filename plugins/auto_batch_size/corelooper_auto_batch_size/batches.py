@@ -63,7 +63,7 @@ def cut_all(micro_batches: list, size: int) -> list:
 
 
 def sample_shape(batch: Any) -> str:
-    """"sequence length 512" for token batches, else the shape of one sample of the input."""
+    """ "sequence length 512" for token batches, else the shape of one sample of the input."""
     if isinstance(batch, Mapping) and torch.is_tensor(batch.get("input_ids")):
         ids = batch["input_ids"]
         if ids.dim() >= 2:

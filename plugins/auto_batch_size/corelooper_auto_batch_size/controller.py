@@ -114,8 +114,9 @@ class AutoBatchSize:
 
         while True:
             try:
-                return run_evaluation(loop, dataset, metric_key_prefix, keep_outputs,
-                                      batch_transform=self._cut_eval)
+                return run_evaluation(
+                    loop, dataset, metric_key_prefix, keep_outputs, batch_transform=self._cut_eval
+                )
             except Exception as exc:
                 if not (self.handle_eval and is_oom(exc)):
                     raise
@@ -180,10 +181,18 @@ class AutoBatchSize:
         steps = self.micro_batches_per_step(loop)
         extra = f" ({steps} micro-batches per optimizer step)" if training else ""
         if loop.state.is_world_process_zero:
-            log.warning("auto_find_batch_size: out of memory with a %s of %d; retrying with %d%s.",
-                        what, current, new, extra)
-        logs = {"train_micro_batch_size": new, "micro_batches_per_step": steps} if training else {
-            "eval_batch_size": new}
+            log.warning(
+                "auto_find_batch_size: out of memory with a %s of %d; retrying with %d%s.",
+                what,
+                current,
+                new,
+                extra,
+            )
+        logs = (
+            {"train_micro_batch_size": new, "micro_batches_per_step": steps}
+            if training
+            else {"eval_batch_size": new}
+        )
         loop.log(logs)
 
     def micro_batches_per_step(self, loop) -> int:
@@ -318,7 +327,7 @@ def too_big_message(loop, training: bool, size: int, example, cause) -> str:
         f"fit in memory on {device} at global_step {loop.state.global_step}{why}. Model: "
         f"{params:,} parameters ({trainable:,} trainable); {shape}; mixed_precision = "
         f"{loop.args.mixed_precision!r}. Shorten the sequences (or the samples), use "
-        "mixed_precision = \"bf16\", turn on train.gradient_checkpointing, or shard the model "
+        'mixed_precision = "bf16", turn on train.gradient_checkpointing, or shard the model '
         "over devices (FSDP / DeepSpeed). The last complete checkpoint in "
         f"{loop.args.output_dir!r} is untouched."
     )

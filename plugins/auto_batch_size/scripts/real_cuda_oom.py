@@ -40,14 +40,25 @@ def data(n: int) -> list[dict]:
 
 def run(out: str, batch: int, ga: int, auto: bool, samples: list, extra=None) -> tuple[Loop, dict]:
     torch.manual_seed(0)
-    train = dict(output_dir=out, save_strategy="no", logging_steps=1, max_steps=3, seed=0,
-                 per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
-                 auto_find_batch_size=auto, learning_rate=1e-4, disable_tqdm=True)
+    train = dict(
+        output_dir=out,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=3,
+        seed=0,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=ga,
+        auto_find_batch_size=auto,
+        learning_rate=1e-4,
+        disable_tqdm=True,
+    )
     loop = Loop(Wide(), Config.from_dict({"train": train}), train_dataset=samples)
     if extra is not None:
         loop.plugins.register(extra, "real_cuda_oom.memory")
     loop.train()
-    weights = {k: v.detach().float().cpu() for k, v in loop.backend.unwrap_model(loop.model).state_dict().items()}
+    weights = {
+        k: v.detach().float().cpu() for k, v in loop.backend.unwrap_model(loop.model).state_dict().items()
+    }
     return loop, weights
 
 
@@ -60,8 +71,13 @@ class MemoryAtShrink:
     @hookimpl
     def on_log(self, loop, logs: dict) -> None:
         if "train_micro_batch_size" in logs:
-            self.seen.append({"new_size": logs["train_micro_batch_size"], "free_gib": gib(torch.cuda.mem_get_info()[0]),
-                              "allocated_beyond_ballast_gib": gib(torch.cuda.memory_allocated() - self.ballast)})
+            self.seen.append(
+                {
+                    "new_size": logs["train_micro_batch_size"],
+                    "free_gib": gib(torch.cuda.mem_get_info()[0]),
+                    "allocated_beyond_ballast_gib": gib(torch.cuda.memory_allocated() - self.ballast),
+                }
+            )
 
 
 def gib(n: int) -> float:
@@ -77,9 +93,17 @@ def configured(out: str, size: int, samples: list, ballast_bytes: int) -> tuple[
     try:
         loop, weights = run(out, size, 64 // size, False, samples)
     except Exception as e:  # noqa: BLE001 — an OOM is the answer
-        return {"size": size, "fits": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, None
-    info = {"size": size, "fits": True, "steps": loop.state.global_step,
-            "peak_beyond_ballast_gib": gib(torch.cuda.max_memory_allocated() - ballast_bytes)}
+        return {
+            "size": size,
+            "fits": False,
+            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+        }, None
+    info = {
+        "size": size,
+        "fits": True,
+        "steps": loop.state.global_step,
+        "peak_beyond_ballast_gib": gib(torch.cuda.max_memory_allocated() - ballast_bytes),
+    }
     return info, weights
 
 
@@ -101,12 +125,22 @@ def main() -> None:
         del auto  # its model, gradients and optimizer state: the reference run needs that memory
         ref, w_ref = configured(f"{tmp}/ref", size, samples, ballast.numel())
         # would a larger size have fitted? (did auto_find_batch_size halve once too often)
-        larger = [configured(f"{tmp}/x{n}", n, samples, ballast.numel())[0] for n in (size * 2, size * 4) if n <= 64]
+        larger = [
+            configured(f"{tmp}/x{n}", n, samples, ballast.numel())[0] for n in (size * 2, size * 4) if n <= 64
+        ]
     del ballast
-    result = {"gpu": torch.cuda.get_device_name(), "total_gib": round(total / 2**30, 1),
-              "free_gib_left": args.free_gib, "configured": "64 x 1", "found_micro_batch_size": size,
-              "shrinks": shrinks, "memory_at_each_shrink": memory.seen, "steps_auto": steps_auto,
-              "reference_run": ref, "larger_sizes_configured": larger}
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "total_gib": round(total / 2**30, 1),
+        "free_gib_left": args.free_gib,
+        "configured": "64 x 1",
+        "found_micro_batch_size": size,
+        "shrinks": shrinks,
+        "memory_at_each_shrink": memory.seen,
+        "steps_auto": steps_auto,
+        "reference_run": ref,
+        "larger_sizes_configured": larger,
+    }
     if w_ref is None:  # printed all the same: the numbers say what happened
         result["error"] = f"the run configured with the found size ({size} x {64 // size}) ran out of memory"
     else:

@@ -31,18 +31,30 @@ def worker(mode: str, out: str) -> None:
             if state.global_step == 2 and loop.backend.process_index == 1:
                 loop.backend.unwrap_model(loop.model).train_limit = 4
 
-    train = dict(output_dir=f"{out}/{mode}", save_strategy="no", logging_steps=1, learning_rate=1e-2,
-                 max_grad_norm=1.0, disable_tqdm=True, num_train_epochs=1,
-                 per_device_train_batch_size=16, seed=0, auto_find_batch_size=mode == "oom")
+    train = dict(
+        output_dir=f"{out}/{mode}",
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-2,
+        max_grad_norm=1.0,
+        disable_tqdm=True,
+        num_train_epochs=1,
+        per_device_train_batch_size=16,
+        seed=0,
+        auto_find_batch_size=mode == "oom",
+    )
     model = mlp()
     raw = {"train": train}
     if mode == "probe":  # rank 1 alone fails the start-up probe at 16: both must use 8
-        raw = {"train": {**train, "auto_find_batch_size": True, "max_steps": 1},
-               "auto_batch_size": {"probe": True}}
+        raw = {
+            "train": {**train, "auto_find_batch_size": True, "max_steps": 1},
+            "auto_batch_size": {"probe": True},
+        }
     if mode == "fsdp":  # sharded: must be refused at start-up, on every rank, without hanging
         raw = {"train": {**train, "auto_find_batch_size": True}, "fsdp": {"wrap": ["Linear"]}}
-    loop = Loop(model, Config.from_dict(raw), train_dataset=blobs(128),
-                plugins=[Squeeze()] if mode == "oom" else [])
+    loop = Loop(
+        model, Config.from_dict(raw), train_dataset=blobs(128), plugins=[Squeeze()] if mode == "oom" else []
+    )
     rank = loop.backend.process_index
     if mode == "fsdp":
         from corelooper.errors import ConfigError
@@ -66,8 +78,11 @@ def worker(mode: str, out: str) -> None:
         "train_batch_size": loop.state.train_batch_size,
         "gradient_accumulation_steps": loop.state.gradient_accumulation_steps,
         "micro_batch_size": loop.plugins.get("auto_batch_size.run").train_size,
-        "shrinks": [[h["step"], h["train_micro_batch_size"]] for h in loop.state.log_history
-                    if "train_micro_batch_size" in h],
+        "shrinks": [
+            [h["step"], h["train_micro_batch_size"]]
+            for h in loop.state.log_history
+            if "train_micro_batch_size" in h
+        ],
         "train_sizes": inner.train_sizes(),
         "losses": [h["loss"] for h in loop.state.log_history if "loss" in h and "train_runtime" not in h],
     }

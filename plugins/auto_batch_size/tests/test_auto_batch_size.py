@@ -31,15 +31,26 @@ RUN = "auto_batch_size.run"
 
 def make_loop(tmp_path, name, model, *, section=None, plugins=(), train_data=None, eval_data=None, **train):
     base = dict(
-        output_dir=str(tmp_path / name), save_strategy="no", logging_steps=1, learning_rate=1e-2,
-        max_grad_norm=1.0, disable_tqdm=True, num_train_epochs=2, per_device_train_batch_size=16,
+        output_dir=str(tmp_path / name),
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-2,
+        max_grad_norm=1.0,
+        disable_tqdm=True,
+        num_train_epochs=2,
+        per_device_train_batch_size=16,
         seed=0,
     )
     raw = {"train": {**base, **train}}
     if section is not None:
         raw["auto_batch_size"] = section
-    return Loop(model, Config.from_dict(raw), train_dataset=train_data or blobs(64),
-                eval_dataset=eval_data, plugins=plugins)
+    return Loop(
+        model,
+        Config.from_dict(raw),
+        train_dataset=train_data or blobs(64),
+        eval_dataset=eval_data,
+        plugins=plugins,
+    )
 
 
 def weights(loop) -> dict[str, torch.Tensor]:
@@ -89,18 +100,36 @@ def test_batch_16_that_does_not_fit_trains_exactly_like_4_x_4_accumulation(tmp_p
     assert oom.model.train_sizes()[:3] == [16, 8, 4]
     assert set(oom.model.train_sizes()[2:]) == {4}
     assert shrinks(oom) == [(0, 8), (0, 4)]
-    assert [h["micro_batches_per_step"] for h in oom.state.log_history if "micro_batches_per_step" in h] == [2, 4]
+    assert [h["micro_batches_per_step"] for h in oom.state.log_history if "micro_batches_per_step" in h] == [
+        2,
+        4,
+    ]
     assert geometry(oom) == (16, 1, 4)  # the loader's batches and GA unchanged, cut into 4s
-    assert oom.plugins.pm.get_plugin(RUN).state_dict() == {"train_micro_batch_size": 4, "eval_batch_size": None}
+    assert oom.plugins.pm.get_plugin(RUN).state_dict() == {
+        "train_micro_batch_size": 4,
+        "eval_batch_size": None,
+    }
 
 
 def test_oom_in_backward_discards_the_partial_gradients(tmp_path):
     """The fake OOM is raised in the backward, after the last layer already got its gradient."""
-    oom = make_loop(tmp_path, "oom", mlp(train_limit=8, in_backward=True), auto_find_batch_size=True,
-                    gradient_accumulation_steps=2, num_train_epochs=3)
+    oom = make_loop(
+        tmp_path,
+        "oom",
+        mlp(train_limit=8, in_backward=True),
+        auto_find_batch_size=True,
+        gradient_accumulation_steps=2,
+        num_train_epochs=3,
+    )
     oom.train()
-    ref = make_loop(tmp_path, "ref", mlp(), per_device_train_batch_size=8, gradient_accumulation_steps=4,
-                    num_train_epochs=3)
+    ref = make_loop(
+        tmp_path,
+        "ref",
+        mlp(),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=4,
+        num_train_epochs=3,
+    )
     ref.train()
     assert oom.model.ooms == 1 and oom.state.global_step == ref.state.global_step == 6
     assert geometry(oom) == (16, 2, 8)  # 2 x 16 became 4 x 8
@@ -109,6 +138,7 @@ def test_oom_in_backward_discards_the_partial_gradients(tmp_path):
 
 def test_oom_in_the_middle_of_training(tmp_path):
     """The limit drops after step 3: step 4 is retried at 8 x 2; the result equals no OOM at all."""
+
     def squeeze(loop):
         loop.backend.unwrap_model(loop.model).train_limit = 8
 
@@ -133,14 +163,19 @@ def test_eval_oom_shrinks_only_the_eval_batch(tmp_path):
 
     evals = [h["eval_loss"] for h in oom.state.log_history if "eval_loss" in h]
     assert len(evals) == 2
-    assert evals == pytest.approx([h["eval_loss"] for h in ref.state.log_history if "eval_loss" in h], rel=1e-6)
+    assert evals == pytest.approx(
+        [h["eval_loss"] for h in ref.state.log_history if "eval_loss" in h], rel=1e-6
+    )
     assert max_diff(weights(oom), weights(ref)) <= 1e-5
     assert oom.model.ooms == 2  # 8 and 4 failed in the first evaluation; the second ran at 2
     assert shrinks(oom, "eval_batch_size") == [(4, 4), (4, 2)]
     assert shrinks(oom) == []
     assert geometry(oom) == (16, 1, None) and oom.plugins.get(RUN).eval_size == 2
     assert set(oom.model.train_sizes()) == {16}
-    assert oom.plugins.pm.get_plugin(RUN).state_dict() == {"train_micro_batch_size": None, "eval_batch_size": 2}
+    assert oom.plugins.pm.get_plugin(RUN).state_dict() == {
+        "train_micro_batch_size": None,
+        "eval_batch_size": 2,
+    }
 
 
 def test_even_one_sample_does_not_fit_is_a_clear_error_and_keeps_the_checkpoint(tmp_path):
@@ -150,15 +185,28 @@ def test_even_one_sample_does_not_fit_is_a_clear_error_and_keeps_the_checkpoint(
         name = "snapshot"
 
         def on_save(self, checkpoint_dir):
-            hashes.update({p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                           for p in checkpoint_dir.iterdir() if p.is_file()})
+            hashes.update(
+                {
+                    p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                    for p in checkpoint_dir.iterdir()
+                    if p.is_file()
+                }
+            )
 
     def nothing_fits(loop):
         loop.backend.unwrap_model(loop.model).train_limit = 0
 
     torch.manual_seed(0)
-    loop = make_loop(tmp_path, "out", LimitedLM(), train_data=tokens(64), save_strategy="steps",
-                     save_steps=2, auto_find_batch_size=True, plugins=[At(2, nothing_fits), Snapshot()])
+    loop = make_loop(
+        tmp_path,
+        "out",
+        LimitedLM(),
+        train_data=tokens(64),
+        save_strategy="steps",
+        save_steps=2,
+        auto_find_batch_size=True,
+        plugins=[At(2, nothing_fits), Snapshot()],
+    )
     with pytest.raises(TrainingError) as info:
         loop.train()
     msg = str(info.value)
@@ -170,12 +218,15 @@ def test_even_one_sample_does_not_fit_is_a_clear_error_and_keeps_the_checkpoint(
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]
     saved = out / "checkpoint-2"
-    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in saved.iterdir() if p.is_file()} == hashes
+    assert {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in saved.iterdir() if p.is_file()
+    } == hashes
 
 
 def test_found_size_is_saved_and_reused_on_resume(tmp_path):
-    full = make_loop(tmp_path, "full", mlp(train_limit=4), auto_find_batch_size=True,
-                     save_strategy="steps", save_steps=4)
+    full = make_loop(
+        tmp_path, "full", mlp(train_limit=4), auto_find_batch_size=True, save_strategy="steps", save_steps=4
+    )
     full.train()
     ckpt = tmp_path / "full" / "checkpoint-4"
     state = json.loads((ckpt / "loop_state.json").read_text())
@@ -204,7 +255,9 @@ def test_installed_but_not_turned_on_changes_nothing(tmp_path):
         loop.train()
     assert loop.model.train_sizes() == [16]
 
-    with pytest.raises(ConfigError, match=r"\[auto_batch_size\] section, but train.auto_find_batch_size is false"):
+    with pytest.raises(
+        ConfigError, match=r"\[auto_batch_size\] section, but train.auto_find_batch_size is false"
+    ):
         make_loop(tmp_path, "section", mlp(), section={"probe": True})
 
 
@@ -233,11 +286,13 @@ def test_backend_that_cannot_change_accumulation_is_refused_at_start(tmp_path):
 
 def test_probe_finds_the_size_before_training_and_leaves_no_trace(tmp_path):
     """Dropout makes the RNG matter: the run equals 4 x 4 only if the probe restored it."""
-    probe = make_loop(tmp_path, "probe", mlp(dropout=0.3, train_limit=4), auto_find_batch_size=True,
-                      section={"probe": True})
+    probe = make_loop(
+        tmp_path, "probe", mlp(dropout=0.3, train_limit=4), auto_find_batch_size=True, section={"probe": True}
+    )
     probe.train()
-    ref = make_loop(tmp_path, "ref", mlp(dropout=0.3), per_device_train_batch_size=4,
-                    gradient_accumulation_steps=4)
+    ref = make_loop(
+        tmp_path, "ref", mlp(dropout=0.3), per_device_train_batch_size=4, gradient_accumulation_steps=4
+    )
     ref.train()
     sizes = probe.model.train_sizes()
     assert sizes[:3] == [16, 8, 4]  # the probe: two fake OOMs, then one micro-batch that fits
@@ -257,18 +312,28 @@ def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
     processes) in a subprocess bounded by a timeout.
     """
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "auto_batch_two_ranks.py"), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "auto_batch_two_ranks.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     oom0, oom1 = (json.loads((tmp_path / f"oom.rank{r}.json").read_text()) for r in (0, 1))
     # The reference: one process with batch 32 sees the samples of 2 processes x 16, no OOM.
-    ref = make_loop(tmp_path, "ref", mlp(), train_data=blobs(128), num_train_epochs=1,
-                    per_device_train_batch_size=32)
+    ref = make_loop(
+        tmp_path, "ref", mlp(), train_data=blobs(128), num_train_epochs=1, per_device_train_batch_size=32
+    )
     ref.train()
     assert [oom0["ooms"], oom1["ooms"]] == [0, 2]
     for res in (oom0, oom1):
         assert res["global_step"] == ref.state.global_step == 4
-        assert (res["train_batch_size"], res["gradient_accumulation_steps"], res["micro_batch_size"]) == (16, 1, 4)
+        assert (res["train_batch_size"], res["gradient_accumulation_steps"], res["micro_batch_size"]) == (
+            16,
+            1,
+            4,
+        )
         assert res["shrinks"] == [[0, 8], [2, 4]]
     w0, w1 = torch.tensor(oom0["weights"]), torch.tensor(oom1["weights"])
     wr = torch.cat([p.detach().flatten() for p in ref.model.parameters()])
@@ -287,6 +352,7 @@ def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
 
 def test_cli_run_with_probe_from_a_config_file(tmp_path):
     """The real CLI in a subprocess: [train] auto_find_batch_size and [auto_batch_size] probe."""
+
     def config(name: str, limit: int) -> Path:
         path = tmp_path / f"{name}.toml"
         path.write_text(
@@ -299,15 +365,19 @@ def test_cli_run_with_probe_from_a_config_file(tmp_path):
         return path
 
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    ok = subprocess.run([sys.executable, "-m", "corelooper", "run", str(config("fits", 4))], env=env,
-                        capture_output=True, text=True, timeout=180)
+    ok = subprocess.run(
+        [sys.executable, "-m", "corelooper", "run", str(config("fits", 4))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     records = [json.loads(line) for line in (tmp_path / "fits" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train_micro_batch_size"] for r in records if "train_micro_batch_size" in r] == [8, 4]
     state = json.loads((tmp_path / "fits" / "checkpoint-2" / "loop_state.json").read_text())
     saved = json.loads((tmp_path / "fits" / "checkpoint-2" / "plugins.json").read_text())
     assert (state["global_step"], saved["auto_batch_size"]["train_micro_batch_size"]) == (2, 4)
-
 
 
 def test_cut_keeps_samples_order_and_structure():
@@ -333,8 +403,13 @@ def test_cut_keeps_samples_order_and_structure():
     assert isinstance(pieces[2]["pair"], Pair) and pieces[2]["pair"].y.shape == (1, 3)
     assert cut(batch, 5) == [batch]
     tup = (torch.arange(6).view(3, 2), torch.arange(3))
-    assert [tuple(t.tolist() for t in p) for p in cut(tup, 2)] == [([[0, 1], [2, 3]], [0, 1]), ([[4, 5]], [2])]
-    assert is_oom(torch.OutOfMemoryError("CUDA out of memory")) and is_oom(RuntimeError("CUDA error: out of memory"))
+    assert [tuple(t.tolist() for t in p) for p in cut(tup, 2)] == [
+        ([[0, 1], [2, 3]], [0, 1]),
+        ([[4, 5]], [2]),
+    ]
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory")) and is_oom(
+        RuntimeError("CUDA error: out of memory")
+    )
     assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
 
 
@@ -358,8 +433,16 @@ def test_the_probe_applies_the_steps_sum_mean_rule_to_a_mean_loss(tmp_path):
     """The probe's forward/backward goes through the dispatcher as the step's does: a mean loss
     is divided by the step's micro-batches there too (it was backpropagated whole)."""
     plugin = MeanLoss()
-    loop = make_loop(tmp_path, "probe-mean", mlp(), auto_find_batch_size=True, section={"probe": True},
-                     plugins=[plugin], max_steps=1, gradient_accumulation_steps=2)
+    loop = make_loop(
+        tmp_path,
+        "probe-mean",
+        mlp(),
+        auto_find_batch_size=True,
+        section={"probe": True},
+        plugins=[plugin],
+        max_steps=1,
+        gradient_accumulation_steps=2,
+    )
     loop.train()
     assert plugin.scales == [0.5, 0.5, 0.5]  # the probe, then the step's two micro-batches
 
@@ -380,8 +463,9 @@ class NextStep:
 
 def test_auto_batch_size_retries_the_next_training_step_provider_not_the_builtin_directly(tmp_path):
     nxt = NextStep()
-    oom = make_loop(tmp_path, "next", mlp(train_limit=4), auto_find_batch_size=True, plugins=[nxt],
-                    max_steps=2)
+    oom = make_loop(
+        tmp_path, "next", mlp(train_limit=4), auto_find_batch_size=True, plugins=[nxt], max_steps=2
+    )
     assert oom.plugins.provider_order("training_step") == [RUN, "next_step", "builtin"]
     oom.train()
     assert nxt.sizes == [[16], [8, 8], [4, 4, 4, 4], [4, 4, 4, 4]]  # step 1: two OOMs, then 4 x 4
@@ -428,8 +512,14 @@ def test_a_smaller_micro_batch_also_holds_fewer_inputs_on_the_device(tmp_path, p
             return False
 
     torch.manual_seed(0)
-    oom = make_loop(tmp_path, "oom", DeviceBudget(), auto_find_batch_size=True, plugins=[Provider()],
-                    section={"probe": probe})
+    oom = make_loop(
+        tmp_path,
+        "oom",
+        DeviceBudget(),
+        auto_find_batch_size=True,
+        plugins=[Provider()],
+        section={"probe": probe},
+    )
     oom.train()
     ref = make_loop(tmp_path, "ref", mlp(), per_device_train_batch_size=4, gradient_accumulation_steps=4)
     ref.train()

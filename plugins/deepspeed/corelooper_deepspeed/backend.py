@@ -63,7 +63,9 @@ class DeepSpeedBackend(TorchDistributedCollectives):
     def __init__(self, args, section: dict, base: Path | None = None):
         on_cuda = torch.cuda.is_available() and not args.use_cpu
         if args.mixed_precision == "fp16" and not on_cuda:
-            raise ConfigError('train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".')
+            raise ConfigError(
+                'train.mixed_precision = "fp16" needs a CUDA device; on CPU use "bf16" or "no".'
+            )
         if not section.get("cpu_shm_comm", False):
             # Skip the g++ build of DeepSpeed's shared-memory CPU collectives: gloo is used.
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -104,8 +106,9 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         import deepspeed
 
         model.to(self.device)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
-                                               dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.config, dist_init_required=False
+        )
         self.engine = engine
         report_mode(engine)
         # The loop's scheduler keeps stepping the optimizer it was built on: ZeRO wraps that one
@@ -188,7 +191,11 @@ class DeepSpeedBackend(TorchDistributedCollectives):
 
     def full_parameter_shapes(self, model) -> dict[str, tuple[int, ...]]:
         """ZeRO-3 keeps 0-size placeholders in the module: the real shapes, for checkpoint checks."""
-        return {n: tuple(p.ds_shape) for n, p in self.unwrap_model(model).named_parameters() if hasattr(p, "ds_shape")}
+        return {
+            n: tuple(p.ds_shape)
+            for n, p in self.unwrap_model(model).named_parameters()
+            if hasattr(p, "ds_shape")
+        }
 
     def load_training_state(self, optimizer, directory) -> None:
         """DeepSpeed's own load when the checkpoint was saved with this world size and stage;
@@ -212,8 +219,9 @@ class DeepSpeedBackend(TorchDistributedCollectives):
             return
         # DeepSpeed's own engine torch.load(weights_only=False)s every file: nothing is unpickled here
         self.engine.checkpoint_engine = SafeCheckpointEngine()
-        loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
+        loaded, _ = self.engine.load_checkpoint(
+            str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if loaded is None:
             raise CheckpointError(
                 f"DeepSpeed found no checkpoint to load in {str(path / TAG)!r} (an incomplete copy?). "

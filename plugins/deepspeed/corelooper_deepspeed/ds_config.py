@@ -101,11 +101,15 @@ def _apply_file(config: dict, ours: dict, data: dict, ref: str) -> dict:
                     'instead (or write "auto" in the JSON file).'
                 )
             continue
-        if key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                   "gradient_clipping") and float(given) != float(value):
+        if key in (
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "train_batch_size",
+            "gradient_clipping",
+        ) and float(given) != float(value):
             raise ConfigError(
                 f"deepspeed.config = {ref!r} sets {key} = {given!r}, but corelooper's [train] "
-                f"gives {value!r}. Write \"auto\" in the JSON file (filled from [train], also when a "
+                f'gives {value!r}. Write "auto" in the JSON file (filled from [train], also when a '
                 "resume on another number of processes changes the accumulation to keep the global "
                 "batch), or set it in [train] (per_device_train_batch_size, "
                 "gradient_accumulation_steps, max_grad_norm)."

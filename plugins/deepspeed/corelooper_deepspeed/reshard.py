@@ -64,8 +64,11 @@ def _zero_state(shard: dict) -> tuple[dict, list[torch.Tensor]]:
     """A rank file's base optimizer state dict and its flat fp32 partitions (names per stage)."""
     zero = shard["optimizer_state_dict"]
     base = zero["base_optimizer_state"] if "base_optimizer_state" in zero else zero["optimizer_state_dict"]
-    flats = zero["single_partition_of_fp32_groups"] if "single_partition_of_fp32_groups" in zero \
+    flats = (
+        zero["single_partition_of_fp32_groups"]
+        if "single_partition_of_fp32_groups" in zero
         else zero["fp32_flat_groups"]
+    )
     return base, list(flats)
 
 
@@ -127,8 +130,15 @@ def consolidate(state_dir: Path, out: Path) -> None:
     for key in (FP32, *keys):
         tensors = _full_tensors(stage, shards, model_state["param_shapes"], key)
         save_file(tensors, str(out / f"{key}.safetensors"))
-    meta = {"source": str(state_dir), "zero_stage": stage, "world_size": world, "keys": keys,
-            "engine": {k: int(model_state.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")}}
+    meta = {
+        "source": str(state_dir),
+        "zero_stage": stage,
+        "world_size": world,
+        "keys": keys,
+        "engine": {
+            k: int(model_state.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")
+        },
+    }
     (out / META).write_text(json.dumps(meta, indent=1))
 
 
@@ -175,10 +185,12 @@ def _place(zero, param, value: torch.Tensor, key: str) -> None:
             safe_set_full_optimizer_state(param, value, state_key)
         return
     # ZeRO-3 (its set_full_hp_param cannot place the padded last slice of an uneven split)
-    target, _ = zero._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=state_key)
+    target, _ = zero._get_fp32_opt_state_partition(
+        param, release_swap_buffers=False, optim_state_key=state_key
+    )
     n, rank = target.numel(), zero._get_param_partition_rank(param)
     padded = torch.zeros(n * zero._get_param_partition_world_size(param), dtype=target.dtype)
-    padded[:value.numel()] = value.reshape(-1)
+    padded[: value.numel()] = value.reshape(-1)
     target.data.copy_(padded.narrow(0, rank * n, n).to(target.device))
 
 
@@ -220,9 +232,11 @@ def reshard(engine, state_dir: Path, work: Path, is_main: bool) -> None:
             error = str(e)
         except Exception as e:  # noqa: BLE001 - a layout this code does not know: said on every rank
             _, world = saved_partitioning(state_dir)
-            error = (f"Could not merge the DeepSpeed optimizer partitions in {str(state_dir)!r} for "
-                     f"this world size ({type(e).__name__}: {e}). The checkpoint was not changed: "
-                     f"resume it on {world} processes, the world size it was saved with.")
+            error = (
+                f"Could not merge the DeepSpeed optimizer partitions in {str(state_dir)!r} for "
+                f"this world size ({type(e).__name__}: {e}). The checkpoint was not changed: "
+                f"resume it on {world} processes, the world size it was saved with."
+            )
         if error is not None:
             shutil.rmtree(work, ignore_errors=True)
     message = [error]

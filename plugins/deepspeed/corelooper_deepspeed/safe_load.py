@@ -64,4 +64,6 @@ def check_state_files(state_dir) -> None:
         try:
             load(path, map_location="cpu", mmap=True)  # a refused file raises, naming it
         except RuntimeError as e:
-            raise CheckpointError(f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}") from None
+            raise CheckpointError(
+                f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}"
+            ) from None

@@ -19,8 +19,14 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 import distributed_worker as dw  # noqa: E402
 
-TRAIN = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
-         "max_steps": 5, "save_strategy": "steps", "save_steps": 2}
+TRAIN = {
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 2,
+    "max_grad_norm": 0.5,
+    "max_steps": 5,
+    "save_strategy": "steps",
+    "save_steps": 2,
+}
 STAGES = (1, 2, 3)
 
 
@@ -33,30 +39,58 @@ def close(a, b, tol=1e-5) -> float:
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ds")
-    (tmp / "ds.json").write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-    }))
+    (tmp / "ds.json").write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            }
+        )
+    )
     (tmp / "bad.json").write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
     runs = []
     for stage in STAGES:
-        runs.append({"task": "lm", "sections": {"deepspeed": {"zero_stage": stage}},
-                     "train": {**TRAIN, "output_dir": str(tmp / f"zero{stage}")}})
+        runs.append(
+            {
+                "task": "lm",
+                "sections": {"deepspeed": {"zero_stage": stage}},
+                "train": {**TRAIN, "output_dir": str(tmp / f"zero{stage}")},
+            }
+        )
     for stage in STAGES:
-        runs.append({"task": "lm", "sections": {"deepspeed": {"zero_stage": stage}},
-                     "resume": str(tmp / f"zero{stage}" / "checkpoint-2"),
-                     "train": {**TRAIN, "output_dir": str(tmp / f"zero{stage}_resumed")}})
+        runs.append(
+            {
+                "task": "lm",
+                "sections": {"deepspeed": {"zero_stage": stage}},
+                "resume": str(tmp / f"zero{stage}" / "checkpoint-2"),
+                "train": {**TRAIN, "output_dir": str(tmp / f"zero{stage}_resumed")},
+            }
+        )
     runs += [
         # ZeRO-Offload (optimizer state in CPU memory) with a plain torch optimizer
-        {"task": "lm", "sections": {"deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}},
-         "train": {**TRAIN, "save_strategy": "no", "output_dir": str(tmp / "offload")}},
+        {
+            "task": "lm",
+            "sections": {"deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu"}},
+            "train": {**TRAIN, "save_strategy": "no", "output_dir": str(tmp / "offload")},
+        },
         # a DeepSpeed JSON file with "auto" values
-        {"task": "lm", "sections": {"deepspeed": {"config": str(tmp / "ds.json")}},
-         "train": {**TRAIN, "save_strategy": "no", "output_dir": str(tmp / "json")}},
-        {"task": "lm", "sections": {"deepspeed": {"zero_stage": 3}}, "eval_only": True,
-         "train": {"output_dir": str(tmp / "eval")}},
-        {"expect_error": True, "sections": {"deepspeed": {"config": str(tmp / "bad.json")}},
-         "train": {"max_steps": 1, "output_dir": str(tmp / "bad")}},
+        {
+            "task": "lm",
+            "sections": {"deepspeed": {"config": str(tmp / "ds.json")}},
+            "train": {**TRAIN, "save_strategy": "no", "output_dir": str(tmp / "json")},
+        },
+        {
+            "task": "lm",
+            "sections": {"deepspeed": {"zero_stage": 3}},
+            "eval_only": True,
+            "train": {"output_dir": str(tmp / "eval")},
+        },
+        {
+            "expect_error": True,
+            "sections": {"deepspeed": {"config": str(tmp / "bad.json")}},
+            "train": {"max_steps": 1, "output_dir": str(tmp / "bad")},
+        },
     ]
     return tmp, runs, dw.torchrun([dict(r) for r in runs], tmp, timeout=300)
 
@@ -137,8 +171,12 @@ def test_zero3_evaluation_without_training(ds_runs, tmp_path):
 def test_config_mapping_never_leaves_deepspeed_defaults():
     from corelooper_deepspeed import DEFAULTS, ds_config
 
-    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=3, max_grad_norm=0.0,
-                           mixed_precision="bf16")
+    args = SimpleNamespace(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=3,
+        max_grad_norm=0.0,
+        mixed_precision="bf16",
+    )
     cfg = ds_config.build(args, dict(DEFAULTS), world_size=2, on_cuda=False)
     assert cfg["gradient_clipping"] == 0.0  # DeepSpeed's default would be 1.0
     assert cfg["train_batch_size"] == 24 and cfg["gradient_accumulation_steps"] == 3
@@ -152,8 +190,12 @@ def test_config_mapping_never_leaves_deepspeed_defaults():
 
 
 def test_deepspeed_is_inert_without_its_section(tmp_path):
-    ref = dw.run_one({"train": {"per_device_train_batch_size": 8, "max_steps": 1,
-                                "output_dir": str(tmp_path / "o")}, "evaluate": False})
+    ref = dw.run_one(
+        {
+            "train": {"per_device_train_batch_size": 8, "max_steps": 1, "output_dir": str(tmp_path / "o")},
+            "evaluate": False,
+        }
+    )
     assert ref["backend"] in ("LocalBackend", "AccelerateBackend")  # the builtin
 
 
@@ -196,8 +238,15 @@ def test_deepspeed_payload_in_each_state_file_never_runs(ds_runs, tmp_path):
         shutil.copytree(source, ckpt)
         torch.save({"module": Payload(str(marker))}, ckpt / "deepspeed" / "state" / name)
         write_manifest(ckpt)
-        runs.append({"task": "lm", "sections": {"deepspeed": {"zero_stage": 2}}, "expect_error": True,
-                     "resume": str(ckpt), "train": {**TRAIN, "output_dir": str(ckpt.parent)}})
+        runs.append(
+            {
+                "task": "lm",
+                "sections": {"deepspeed": {"zero_stage": 2}},
+                "expect_error": True,
+                "resume": str(ckpt),
+                "train": {**TRAIN, "output_dir": str(ckpt.parent)},
+            }
+        )
     results = dw.torchrun(runs, tmp_path, timeout=300)
     assert not marker.exists(), "a planted payload ran"
     for name, result in zip(names, results, strict=True):

@@ -29,8 +29,10 @@ STAGES = (1, 2, 3)
 
 def _config(tmp: Path, name: str, stage: int) -> Path:
     path = write_config(tmp, tmp / name, name=f"{name}.toml", weight_decay=0.1)
-    text = path.read_text().replace(":mlp\"\n", ":mlp\"\nargs = {hidden = 15}\n")
-    path.write_text(text + f'[plugins]\nlocal = ["corelooper_deepspeed"]\n[deepspeed]\nzero_stage = {stage}\n')
+    text = path.read_text().replace(':mlp"\n', ':mlp"\nargs = {hidden = 15}\n')
+    path.write_text(
+        text + f'[plugins]\nlocal = ["corelooper_deepspeed"]\n[deepspeed]\nzero_stage = {stage}\n'
+    )
     return path
 
 
@@ -40,8 +42,14 @@ def _run(tmp: Path, config: Path, nproc: int, stop: int = 0, resume: bool = Fals
         args += ["--nproc", str(nproc)]
     if resume:
         args += ["--resume-from-checkpoint", "latest"]
-    return subprocess.run(args, cwd=REPO, env={**env(tmp), "STOP_AT_STEP": str(stop)},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        args,
+        cwd=REPO,
+        env={**env(tmp), "STOP_AT_STEP": str(stop)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _step_losses(run_dir: Path) -> dict[int, float]:
@@ -52,8 +60,11 @@ def _step_losses(run_dir: Path) -> dict[int, float]:
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _ds_saved(checkpoint: Path) -> dict:
@@ -62,8 +73,11 @@ def _ds_saved(checkpoint: Path) -> dict:
 
     state = checkpoint / "deepspeed" / "state"
     model_states = load(sorted(state.glob("*model_states.pt"))[0], map_location="cpu", mmap=True)
-    return {**model_states["ds_config"], "dp_world_size": model_states["dp_world_size"],
-            "partitions": len(list(state.glob("*optim_states.pt")))}
+    return {
+        **model_states["ds_config"],
+        "dp_world_size": model_states["dp_world_size"],
+        "partitions": len(list(state.glob("*optim_states.pt"))),
+    }
 
 
 @pytest.fixture(scope="module", params=STAGES, ids=[f"zero{s}" for s in STAGES])
@@ -86,8 +100,10 @@ def elastic(request, tmp_path_factory):
 
 def test_zero_resumed_on_1_then_2_processes_equals_an_uninterrupted_run(elastic):
     tmp = elastic["tmp"]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
-            "4 per device x 2 accumulation x 1 processes = 8") in elastic["one"].stdout
+    assert (
+        "saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
+        "4 per device x 2 accumulation x 1 processes = 8"
+    ) in elastic["one"].stdout
     assert "continuing after sample 48 of epoch 0" in elastic["one"].stdout
     assert "continuing after sample 8 of epoch 1" in elastic["last"].stdout
     got, want = _step_losses(tmp / "run"), _step_losses(tmp / "ref")
@@ -98,7 +114,9 @@ def test_zero_resumed_on_1_then_2_processes_equals_an_uninterrupted_run(elastic)
 
     final = load_file(str(tmp / "run" / "model.safetensors"))
     weight_diff = max_diff(final, load_file(str(tmp / "ref" / "model.safetensors")))
-    print(f"ZeRO-{elastic['stage']}: max weight difference {weight_diff:.3g}, max loss difference {loss_diff:.3g}")
+    print(
+        f"ZeRO-{elastic['stage']}: max weight difference {weight_diff:.3g}, max loss difference {loss_diff:.3g}"
+    )
     assert weight_diff <= 1e-5
     start = load_file(str(tmp / "run" / "checkpoint-6" / "model.safetensors"))
     assert max_diff(final, start) > 1e-3  # it trained after the resumes
@@ -110,7 +128,11 @@ def test_zero_geometry_reaches_the_deepspeed_config(elastic):
     run = elastic["tmp"] / "run"
     nine, twelve = _ds_saved(run / "checkpoint-9"), _ds_saved(run / "checkpoint-12")
     assert (nine["gradient_accumulation_steps"], nine["train_batch_size"], nine["dp_world_size"]) == (2, 8, 1)
-    assert (twelve["gradient_accumulation_steps"], twelve["train_batch_size"], twelve["dp_world_size"]) == (1, 8, 2)
+    assert (twelve["gradient_accumulation_steps"], twelve["train_batch_size"], twelve["dp_world_size"]) == (
+        1,
+        8,
+        2,
+    )
     assert nine["zero_optimization"]["stage"] == elastic["stage"]
     assert (nine["partitions"], twelve["partitions"]) == (1, 2)
 

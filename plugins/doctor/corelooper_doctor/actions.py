@@ -59,14 +59,21 @@ def check_step_losses(doc, loop, state) -> None:
         median = doc.spikes.check(loss)
         if median is not None:
             doc.spiked_in_window = True
-            record = _spike_record(doc, loop, step, loss, median, [windows[step]] if step in windows else [],
-                                   skipped=False)
+            record = _spike_record(
+                doc, loop, step, loss, median, [windows[step]] if step in windows else [], skipped=False
+            )
             _report_spike(doc, state, record)
 
 
 def _spike_record(doc, loop, step, loss, median, windows, skipped: bool) -> dict:
-    return {"step": step, "loss": loss, "median": median, "factor": doc.cfg["spike_factor"],
-            "skipped": skipped, "sample_indices": _indices(loop, windows) if windows else None}
+    return {
+        "step": step,
+        "loss": loss,
+        "median": median,
+        "factor": doc.cfg["spike_factor"],
+        "skipped": skipped,
+        "sample_indices": _indices(loop, windows) if windows else None,
+    }
 
 
 def _report_spike(doc, state, record: dict) -> None:
@@ -74,10 +81,16 @@ def _report_spike(doc, state, record: dict) -> None:
         return
     append_spike(doc.out, record)
     what = "its update was skipped" if record["skipped"] else "logged"
-    doc.say(f"doctor: loss spike at step {record['step']}: {record['loss']:.4g} > "
-            f"{record['factor']} x the rolling median {record['median']:.4g}; {what}"
-            + (f" (samples {record['sample_indices'][:16]}{'...' if len(record['sample_indices']) > 16 else ''})"
-               if record.get("sample_indices") else "") + ".")
+    doc.say(
+        f"doctor: loss spike at step {record['step']}: {record['loss']:.4g} > "
+        f"{record['factor']} x the rolling median {record['median']:.4g}; {what}"
+        + (
+            f" (samples {record['sample_indices'][:16]}{'...' if len(record['sample_indices']) > 16 else ''})"
+            if record.get("sample_indices")
+            else ""
+        )
+        + "."
+    )
 
 
 def window_logs(doc, loop, state, logs: dict) -> None:
@@ -134,8 +147,10 @@ def run_summary_line(doc) -> str | None:
     split = doc.run_split.shares() if doc.run_split is not None else None
     if split:
         shares, steps = split
-        parts.append(f"time split of {steps} steps{' (after the first window)' if doc.run_split.wall else ''}: "
-                     + timing.split_line(shares, doc.hook_timer is not None))
+        parts.append(
+            f"time split of {steps} steps{' (after the first window)' if doc.run_split.wall else ''}: "
+            + timing.split_line(shares, doc.hook_timer is not None)
+        )
     if doc.syncs is not None:
         parts.append(sync_summary(doc.syncs.taken, doc.logged_steps, doc.syncs.count))
     if doc.memory_peak_gb is not None:
@@ -147,7 +162,9 @@ def sync_summary(in_windows: int, logged_steps: int, after: int) -> str:
     """Syncs per step over the logged windows; those after the last log (the end-of-run save
     copies every tensor to the host: one sync each) apart, not spread over the steps."""
     line = f"{in_windows / max(logged_steps, 1):.2f} host-device syncs per step"
-    return line + (f" (and {after} after the last logged step: the end-of-run save and teardown)" if after else "")
+    return line + (
+        f" (and {after} after the last logged step: the end-of-run save and teardown)" if after else ""
+    )
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -161,8 +178,14 @@ def first_step_breakdown(doc, loop, state) -> None:
     peak = torch.cuda.max_memory_allocated(doc.device) if doc.device.type == "cuda" else None
     model = loop.backend.unwrap_model(loop.model)
     doc.breakdown = memory.breakdown(
-        model, loop.optimizer, doc.device, doc.probe.bytes, loop.args.per_device_train_batch_size,
-        tokens_per_sample(state), peak)
+        model,
+        loop.optimizer,
+        doc.device,
+        doc.probe.bytes,
+        loop.args.per_device_train_batch_size,
+        tokens_per_sample(state),
+        peak,
+    )
     doc.probe = None
     if state.is_world_process_zero:
         doc.write_json("memory.json", doc.breakdown)
@@ -176,8 +199,7 @@ def oom_report(doc, loop, state, exception) -> None:
 
     phase = doc.clock.phase if doc.clock is not None else "training"
     phase = {"other": "logging, evaluation or checkpointing", "data": "data loading"}.get(phase, phase)
-    text = oom.report(phase, state.global_step, doc.breakdown, loop.args, doc.world,
-                      layers(loop), exception)
+    text = oom.report(phase, state.global_step, doc.breakdown, loop.args, doc.world, layers(loop), exception)
     snapshot = oom.dump_cuda_snapshot(doc.out, doc.rank) if doc.device.type == "cuda" else None
     if snapshot:
         text += f" Allocator snapshot: {snapshot} (drag it into https://pytorch.org/memory_viz)."
@@ -205,18 +227,29 @@ def explain_step(doc, loop, state, micro_batches, sample_indices, loss, grad_nor
     step = state.global_step + 1  # the guard fires inside the step, before the counter moves
     model = loop.backend.unwrap_model(loop.model)
     if getattr(loop.backend, "shards_parameters", False):
-        report = {"blame": {"module": None, "where": "not re-run: the parameters are sharded "
-                            "(FSDP/ZeRO-3); replay the saved batch on one process"}}
+        report = {
+            "blame": {
+                "module": None,
+                "where": "not re-run: the parameters are sharded "
+                "(FSDP/ZeRO-3); replay the saved batch on one process",
+            }
+        }
         index = 0
     else:
         index, report = _first_reproduced(model, micro_batches, loss_fn_for(loop))
-    bad_grads = [n for n, p in model.named_parameters()
-                 if p.grad is not None and not bool(p.grad.isfinite().all())]
-    report.update(step=step, action=action, micro_batch=index, rank=doc.rank,
-                  step_loss=float(loss.detach().float().sum()) if loss is not None else None,
-                  grad_norm=float(grad_norm) if grad_norm is not None else None,
-                  parameters_with_nonfinite_grad=bad_grads[:20],
-                  sample_indices=sample_indices[index] if sample_indices else None)
+    bad_grads = [
+        n for n, p in model.named_parameters() if p.grad is not None and not bool(p.grad.isfinite().all())
+    ]
+    report.update(
+        step=step,
+        action=action,
+        micro_batch=index,
+        rank=doc.rank,
+        step_loss=float(loss.detach().float().sum()) if loss is not None else None,
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        parameters_with_nonfinite_grad=bad_grads[:20],
+        sample_indices=sample_indices[index] if sample_indices else None,
+    )
     text = nonfinite.summary(report, step, index)
     found = report["blame"].get("module") is not None
     if found or doc.rank == 0:

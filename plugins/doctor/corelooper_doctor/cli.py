@@ -11,9 +11,17 @@ import typer
 def add_commands(app) -> None:
     @app.command("doctor")
     def doctor(
-        run_dir: Annotated[Path, typer.Argument(help="A run folder (output_dir): finished, crashed or hung.")],
+        run_dir: Annotated[
+            Path, typer.Argument(help="A run folder (output_dir): finished, crashed or hung.")
+        ],
         plot: Annotated[bool, typer.Option("--plot", help="Also write RUN_DIR/doctor/doctor.png.")] = False,
-        replay: Annotated[str | None, typer.Option("--replay", help="Re-run a saved non-finite step (e.g. step-7) with the run's config and saved weights.")] = None,
+        replay: Annotated[
+            str | None,
+            typer.Option(
+                "--replay",
+                help="Re-run a saved non-finite step (e.g. step-7) with the run's config and saved weights.",
+            ),
+        ] = None,
         traceback_: Annotated[bool, typer.Option("--traceback")] = False,
     ) -> None:
         """Post-mortem of a run: non-finite steps and the module blamed, spikes, memory, time split, hangs, advice."""
@@ -54,11 +62,15 @@ def _replay(run_dir: Path, step: str) -> None:
     step_dir = run_dir / "doctor" / step
     config_path = run_dir / "config.toml"
     if not step_dir.is_dir() or not config_path.is_file():
-        raise DataError(f"--replay {step}: needs {step_dir} (a saved non-finite step) and {config_path} "
-                        "(the run's resolved config); list the saved steps with `corelooper doctor RUN_DIR`.")
+        raise DataError(
+            f"--replay {step}: needs {step_dir} (a saved non-finite step) and {config_path} "
+            "(the run's resolved config); list the saved steps with `corelooper doctor RUN_DIR`."
+        )
     config = Config.load(config_path, ["doctor.hang_timeout=0.0"])  # no watchdog for a replay
     if not config.model.factory:
-        raise DataError(f"--replay {step}: {config_path} names no [model] factory (the run built its model in "
-                        "Python); replay it there: corelooper_doctor.replay.replay(step_dir, loop).")
+        raise DataError(
+            f"--replay {step}: {config_path} names no [model] factory (the run built its model in "
+            "Python); replay it there: corelooper_doctor.replay.replay(step_dir, loop)."
+        )
     report = replay(step_dir, Loop(config=config))
     typer.echo(json.dumps(report.get("blame"), indent=1, default=str))

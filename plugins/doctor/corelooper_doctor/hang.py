@@ -59,8 +59,16 @@ def where(frame) -> dict:
 
 
 class Watchdog:
-    def __init__(self, output_dir: str, rank: int, world: int, timeout: float, step_factor: float,
-                 store=None, exit_fn=os._exit) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        rank: int,
+        world: int,
+        timeout: float,
+        step_factor: float,
+        store=None,
+        exit_fn=os._exit,
+    ) -> None:
         self.dir = Path(output_dir) / "doctor"
         self.rank, self.world = rank, world
         self.timeout, self.step_factor = timeout, step_factor
@@ -126,11 +134,18 @@ class Watchdog:
         self._store_set("hang", str(self.rank))
         self.dir.mkdir(parents=True, exist_ok=True)
         frame = sys._current_frames().get(self._main)
-        me = {"rank": self.rank, "step": self.step, "event": self.event, "stalled": round(stalled, 1),
-              **(where(frame) if frame is not None else {})}
+        me = {
+            "rank": self.rank,
+            "step": self.step,
+            "event": self.event,
+            "stalled": round(stalled, 1),
+            **(where(frame) if frame is not None else {}),
+        }
         with open(self.dir / f"hang-rank{self.rank}.txt", "w") as f:
-            f.write(f"# rank {self.rank}: no progress for {stalled:.1f} s, last event {self.event} "
-                    f"at step {self.step}\n")
+            f.write(
+                f"# rank {self.rank}: no progress for {stalled:.1f} s, last event {self.event} "
+                f"at step {self.step}\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         self._nccl_trace()
@@ -194,7 +209,7 @@ def _place(r: dict) -> str:
 
 
 def paragraph(ranks: list[dict], world: int, folder: str) -> str:
-    """"rank 1 has been in f (x.py:3) for 62 s while rank 0 waits in all_reduce at step 3"."""
+    """ "rank 1 has been in f (x.py:3) for 62 s while rank 0 waits in all_reduce at step 3"."""
     waiting = [r for r in ranks if r.get("collective")]
     behind = [r for r in ranks if not r.get("collective")]
     if not behind:  # all in collectives: the ones at the earliest step are behind
@@ -205,13 +220,18 @@ def paragraph(ranks: list[dict], world: int, folder: str) -> str:
     who = "; ".join(
         f"rank {r['rank']} has been in {_place(r)}"
         + (f" (waiting in {r['collective']})" if r.get("collective") else "")
-        + f" for {r['stalled']:.0f} s at step {r['step']}" for r in behind)
+        + f" for {r['stalled']:.0f} s at step {r['step']}"
+        for r in behind
+    )
     text = f"doctor: the run hung: {who}"
     if waiting:
         text += " while " + ", ".join(
-            f"rank {r['rank']} waits in {r['collective']} at step {r['step']}" for r in waiting)
+            f"rank {r['rank']} waits in {r['collective']} at step {r['step']}" for r in waiting
+        )
     if missing:
         text += f"; ranks {missing} did not answer (dead, or their watchdog could not run)"
-    return (text + f". Every rank's Python stacks are in {folder}/hang-rank*.txt. A rank that "
-            "stops in a hook or the data loader, or a collective that only some ranks call, hangs "
-            "the others; [doctor] hang_timeout (and train.ddp_timeout) bound the wait.")
+    return (
+        text + f". Every rank's Python stacks are in {folder}/hang-rank*.txt. A rank that "
+        "stops in a hook or the data loader, or a collective that only some ranks call, hangs "
+        "the others; [doctor] hang_timeout (and train.ddp_timeout) bound the wait."
+    )

@@ -45,7 +45,9 @@ def log_values(device: torch.device) -> dict[str, float]:
 
 def peak_gb(values: dict[str, float]) -> float:
     """The peak among one log's memory values (device allocations on CUDA, RSS on the CPU)."""
-    return max(values.get(f"{PREFIX}memory_max_allocated_gb", 0.0), values.get(f"{PREFIX}memory_peak_rss_gb", 0.0))
+    return max(
+        values.get(f"{PREFIX}memory_max_allocated_gb", 0.0), values.get(f"{PREFIX}memory_peak_rss_gb", 0.0)
+    )
 
 
 def peak_kind(device: torch.device) -> str:
@@ -122,8 +124,15 @@ def static_breakdown(model: torch.nn.Module, optimizer) -> dict[str, int]:
     }
 
 
-def breakdown(model, optimizer, device, activation_bytes: int, micro_batch: int,
-              tokens_per_sample: float, peak_step_bytes: int | None) -> dict[str, Any]:
+def breakdown(
+    model,
+    optimizer,
+    device,
+    activation_bytes: int,
+    micro_batch: int,
+    tokens_per_sample: float,
+    peak_step_bytes: int | None,
+) -> dict[str, Any]:
     out: dict[str, Any] = dict(static_breakdown(model, optimizer))
     static = out["parameters"] + out["gradients"] + out["optimizer_states"]
     per_sample = activation_bytes / max(micro_batch, 1)
@@ -173,6 +182,8 @@ def batch_advice(micro: int, fit: int | None) -> str:
     if fit >= LARGE * max(micro, 1):
         return f"memory is not the limit: per_device_train_batch_size could grow {LARGE}x and more"
     if fit < micro:
-        return (f"per_device_train_batch_size = {micro} may not fit: use {max(fit, 1)} or less, with "
-                "gradient_accumulation_steps for the same global batch")
+        return (
+            f"per_device_train_batch_size = {micro} may not fit: use {max(fit, 1)} or less, with "
+            "gradient_accumulation_steps for the same global batch"
+        )
     return f"per_device_train_batch_size up to {fit} should fit"

@@ -154,8 +154,11 @@ def explain(model: torch.nn.Module, batch, loss_fn) -> dict:
     report: dict[str, Any] = {"batch": {p: stats(t) for p, t in tensors_in(batch)}}
     bad_params = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
     if bad_params:
-        report["blame"] = {"module": bad_params[0].rsplit(".", 1)[0], "where": "weights already non-finite",
-                           "parameters": bad_params[:10]}
+        report["blame"] = {
+            "module": bad_params[0].rsplit(".", 1)[0],
+            "where": "weights already non-finite",
+            "parameters": bad_params[:10],
+        }
         return report
     if not all_finite(tensors_in(batch)):
         report["blame"] = {"module": "(input batch)", "where": "the batch itself holds non-finite values"}
@@ -169,12 +172,18 @@ def explain(model: torch.nn.Module, batch, loss_fn) -> dict:
                 report["blame"] = {**tracer.forward_blame, "where": "forward output"}
                 return report
             if not bool(torch.isfinite(loss).all()):
-                report["blame"] = {"module": "(loss)", "where": "the loss computation, after finite model outputs"}
+                report["blame"] = {
+                    "module": "(loss)",
+                    "where": "the loss computation, after finite model outputs",
+                }
                 return report
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
             blame = backward_blame(tracer, [(n, g) for (n, _), g in zip(named, grads, strict=True)])
-        report["blame"] = blame or {"module": None, "where": "not reproduced: this micro-batch is finite when run again"}
+        report["blame"] = blame or {
+            "module": None,
+            "where": "not reproduced: this micro-batch is finite when run again",
+        }
         return report
     finally:
         tracer.remove()
@@ -185,16 +194,22 @@ def summary(report: dict, step: int, micro_batch: int | None) -> str:
     blame = report.get("blame") or {}
     module, where = blame.get("module"), blame.get("where", "")
     if module is None:
-        return (f"doctor: step {step}: the non-finite value was not reproduced by re-running the "
-                f"step's micro-batches one by one ({where}); it may come from the accumulated "
-                "gradients, from randomness (dropout), or from another rank.")
-    parts = [f"doctor: step {step}, micro-batch {micro_batch}: first non-finite value in "
-             f"{module!r} ({blame.get('type', '?')}), {where}."]
+        return (
+            f"doctor: step {step}: the non-finite value was not reproduced by re-running the "
+            f"step's micro-batches one by one ({where}); it may come from the accumulated "
+            "gradients, from randomness (dropout), or from another rank."
+        )
+    parts = [
+        f"doctor: step {step}, micro-batch {micro_batch}: first non-finite value in "
+        f"{module!r} ({blame.get('type', '?')}), {where}."
+    ]
     for label, key in (("inputs", "inputs"), ("weights", "weights")):
         for name, s in list((blame.get(key) or {}).items())[:3]:
             if "abs_max" in s:
-                parts.append(f"{label} {name}: min {s['min']:.3g}, max {s['max']:.3g}, "
-                             f"abs-max {s['abs_max']:.3g} ({s['dtype']}).")
+                parts.append(
+                    f"{label} {name}: min {s['min']:.3g}, max {s['max']:.3g}, "
+                    f"abs-max {s['abs_max']:.3g} ({s['dtype']})."
+                )
     for key in ("outputs", "grad_input", "grad_weight"):
         s = blame.get(key)
         items = s.items() if key == "outputs" and s else ([(key, s)] if s else [])

@@ -15,46 +15,75 @@ def _options(b: dict[str, Any], args, world: int, layers: int) -> list[tuple[flo
     mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     if mb > 1 and act:
         new_mb = max(1, mb // 4)
-        out.append((act * (1 - new_mb / mb),
-                    f"gradient accumulation: per_device_train_batch_size = {new_mb}, "
-                    f"gradient_accumulation_steps = {ga * mb // new_mb} (same effective batch; or "
-                    "train.auto_find_batch_size = true)"))
+        out.append(
+            (
+                act * (1 - new_mb / mb),
+                f"gradient accumulation: per_device_train_batch_size = {new_mb}, "
+                f"gradient_accumulation_steps = {ga * mb // new_mb} (same effective batch; or "
+                "train.auto_find_batch_size = true)",
+            )
+        )
     if not args.gradient_checkpointing and act:
         keep = 2 / layers if layers > 2 else 0.25  # one input per layer + one layer recomputed
-        out.append((act * (1 - keep), "train.gradient_checkpointing = true (recomputes activations "
-                    "in backward, ~30% slower)"))
+        out.append(
+            (
+                act * (1 - keep),
+                "train.gradient_checkpointing = true (recomputes activations in backward, ~30% slower)",
+            )
+        )
     static = b["gradients"] + b["optimizer_states"]
     if world > 1:
-        out.append(((b["parameters"] + static) * (1 - 1 / world),
-                    f"shard the model over the {world} processes: [fsdp] (FSDP2) or [deepspeed] "
-                    "zero_stage = 3"))
+        out.append(
+            (
+                (b["parameters"] + static) * (1 - 1 / world),
+                f"shard the model over the {world} processes: [fsdp] (FSDP2) or [deepspeed] zero_stage = 3",
+            )
+        )
     else:
-        out.append((b["optimizer_states"], "[deepspeed] zero_stage = 2 with offload_optimizer = "
-                    "\"cpu\" (optimizer states in CPU memory)"))
-    out.append((static * 0.99, "LoRA: a [peft] section (gradients and optimizer states for ~1% of "
-                "the weights)"))
+        out.append(
+            (
+                b["optimizer_states"],
+                '[deepspeed] zero_stage = 2 with offload_optimizer = "cpu" (optimizer states in CPU memory)',
+            )
+        )
+    out.append(
+        (static * 0.99, "LoRA: a [peft] section (gradients and optimizer states for ~1% of the weights)")
+    )
     if b.get("activations_per_token") and act:
-        out.append((act / 2, "halve the sequence length (max_length of the tokenizer/collator, or "
-                    "pack shorter rows)"))
+        out.append(
+            (
+                act / 2,
+                "halve the sequence length (max_length of the tokenizer/collator, or pack shorter rows)",
+            )
+        )
     return out
 
 
-def report(phase: str, step: int, b: dict[str, Any] | None, args, world: int, layers: int,
-           exc: BaseException) -> str:
+def report(
+    phase: str, step: int, b: dict[str, Any] | None, args, world: int, layers: int, exc: BaseException
+) -> str:
     what = f"doctor: out of memory at step {step + 1} during {phase}"
     what += f" (per_device_train_batch_size {args.per_device_train_batch_size}, "
     what += f"gradient_accumulation_steps {args.gradient_accumulation_steps}): {str(exc).splitlines()[0][:200].rstrip('.')}."
     if not b:
-        return what + (" It happened before the first step finished, so no breakdown was measured; "
-                       "start with a smaller per_device_train_batch_size (or "
-                       "train.auto_find_batch_size = true) to see one.")
-    parts = [what, f"Memory per process: parameters {fmt(b['parameters'])}, gradients "
-             f"{fmt(b['gradients'])}, optimizer states {fmt(b['optimizer_states'])}, activations "
-             f"~{fmt(b.get('activations'))} per micro-batch of {b.get('micro_batch')}, of "
-             f"{fmt(b.get('capacity'))}."]
+        return what + (
+            " It happened before the first step finished, so no breakdown was measured; "
+            "start with a smaller per_device_train_batch_size (or "
+            "train.auto_find_batch_size = true) to see one."
+        )
+    parts = [
+        what,
+        f"Memory per process: parameters {fmt(b['parameters'])}, gradients "
+        f"{fmt(b['gradients'])}, optimizer states {fmt(b['optimizer_states'])}, activations "
+        f"~{fmt(b.get('activations'))} per micro-batch of {b.get('micro_batch')}, of "
+        f"{fmt(b.get('capacity'))}.",
+    ]
     ranked = sorted(_options(b, args, world, layers), key=lambda o: o[0], reverse=True)[:3]
-    parts.append("What would make it fit, most memory saved first: " + "; ".join(
-        f"({i}) {text} — saves ~{fmt(saved)}" for i, (saved, text) in enumerate(ranked, 1)) + ".")
+    parts.append(
+        "What would make it fit, most memory saved first: "
+        + "; ".join(f"({i}) {text} — saves ~{fmt(saved)}" for i, (saved, text) in enumerate(ranked, 1))
+        + "."
+    )
     return " ".join(parts)
 
 

@@ -14,8 +14,9 @@ def loss_fn_for(loop):
     def loss_fn(model, batch):
         n = count_loss_items(batch, loop.loss_type if loop.loss_type != "auto" else "cross_entropy")
         n = max(int(n), 1)
-        return loop.plugins.call_provider("compute_loss", loop=loop, model=model, batch=batch,
-                                          num_items_in_batch=n, return_outputs=False)[0]
+        return loop.plugins.call_provider(
+            "compute_loss", loop=loop, model=model, batch=batch, num_items_in_batch=n, return_outputs=False
+        )[0]
 
     return loss_fn
 
@@ -30,16 +31,30 @@ def save_case(doc, loop, step: int, batch, report: dict, text: str) -> Path:
     folder = Path(doc.out) / "doctor" / f"step-{step}"
     folder.mkdir(parents=True, exist_ok=True)
     sfx = _suffix(doc)
-    save_batch(batch, folder / f"batch{sfx}.safetensors",
-               {"step": step, "micro_batch": report.get("micro_batch"),
-                "sample_indices": report.get("sample_indices")})
+    save_batch(
+        batch,
+        folder / f"batch{sfx}.safetensors",
+        {
+            "step": step,
+            "micro_batch": report.get("micro_batch"),
+            "sample_indices": report.get("sample_indices"),
+        },
+    )
     (folder / f"report{sfx}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (folder / f"report{sfx}.txt").write_text(text + "\n")
-    if doc.cfg["save_weights_on_nonfinite"] and doc.rank == 0 and not getattr(loop.backend, "shards_parameters", False):
+    if (
+        doc.cfg["save_weights_on_nonfinite"]
+        and doc.rank == 0
+        and not getattr(loop.backend, "shards_parameters", False)
+    ):
         from corelooper.checkpoints.checkpoint import save_weights
 
-        save_weights(loop.backend.model_state_dict(loop.model), folder, loop.args.save_max_shard_size,
-                     loop.backend.unwrap_model(loop.model))
+        save_weights(
+            loop.backend.model_state_dict(loop.model),
+            folder,
+            loop.args.save_max_shard_size,
+            loop.backend.unwrap_model(loop.model),
+        )
     return folder
 
 

@@ -38,7 +38,7 @@ class Doctor:
         if self.cfg["on_spike"] not in ON_SPIKE:
             raise ConfigError(
                 f"doctor.on_spike = {self.cfg['on_spike']!r}: use one of {list(ON_SPIKE)} "
-                "(\"skip_batch\" drops the spiking step's update and skips it again on resume)."
+                '("skip_batch" drops the spiking step\'s update and skips it again on resume).'
             )
         from .spikes import SpikeDetector
 
@@ -71,8 +71,11 @@ class Doctor:
 
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"spikes": self.spikes.state_dict(), "nonfinite_reports": self.nonfinite_reports,
-                "skipped_steps": {str(k): v for k, v in self.skipped_steps.items()}}
+        return {
+            "spikes": self.spikes.state_dict(),
+            "nonfinite_reports": self.nonfinite_reports,
+            "skipped_steps": {str(k): v for k, v in self.skipped_steps.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.spikes.load_state_dict(state.get("spikes", {}))
@@ -134,8 +137,14 @@ class Doctor:
             return
         from .hang import Watchdog, default_store
 
-        self.watchdog = Watchdog(self.out, self.rank, self.world, self.cfg["hang_timeout"],
-                                 self.cfg["hang_step_factor"], default_store())
+        self.watchdog = Watchdog(
+            self.out,
+            self.rank,
+            self.world,
+            self.cfg["hang_timeout"],
+            self.cfg["hang_step_factor"],
+            default_store(),
+        )
         self.watchdog.start()
 
     def _stop(self) -> None:
@@ -178,7 +187,9 @@ class Doctor:
         if self.watchdog is not None:
             self.watchdog.progress(state.global_step, "on_step_begin", t)
             self.watchdog.long_phase = self.steps_done == 0
-        self.window_steps.append((state.global_step + 1, state.micro_batches_in_epoch, loop.num_micro_batches))
+        self.window_steps.append(
+            (state.global_step + 1, state.micro_batches_in_epoch, loop.num_micro_batches)
+        )
         if self.steps_done == 0 and self.cfg["memory"]:
             from .memory import ActivationProbe
 
@@ -219,7 +230,9 @@ class Doctor:
     # -- logging, evaluation, saving ------------------------------------------------------------------
     @hookimpl(tryfirst=True)
     def on_log(self, loop, state, control, logs) -> None:
-        self._beat(state, "on_log", self._mark("other" if control.should_evaluate or control.should_save else "data"))
+        self._beat(
+            state, "on_log", self._mark("other" if control.should_evaluate or control.should_save else "data")
+        )
         if "loss" not in logs:
             return  # the run summary, or an evaluation
         from .actions import window_logs

@@ -98,8 +98,11 @@ class PhaseClock:
 
 
 def timing_logs(seconds: dict[str, float], wall: float, with_hooks: bool) -> dict[str, float]:
-    return {f"{PREFIX}time_share_{p}": round(s / wall, 4) for p, s in seconds.items()
-            if with_hooks or p != "hooks"}
+    return {
+        f"{PREFIX}time_share_{p}": round(s / wall, 4)
+        for p, s in seconds.items()
+        if with_hooks or p != "hooks"
+    }
 
 
 class InputBoundJudge:
@@ -121,7 +124,11 @@ class InputBoundJudge:
         self.windows += 1
         if self.windows == 1 or self.warned:
             return None
-        self._data, self._wall, self._steps = self._data + data_seconds, self._wall + wall, self._steps + steps
+        self._data, self._wall, self._steps = (
+            self._data + data_seconds,
+            self._wall + wall,
+            self._steps + steps,
+        )
         if self._steps < MIN_SPAN_STEPS or self._wall < MIN_SPAN_SECONDS:
             return None
         share, steps = self._data / self._wall, self._steps

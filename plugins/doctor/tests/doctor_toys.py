@@ -32,8 +32,7 @@ class Classifier(torch.nn.Module):
     def __init__(self, middle: torch.nn.Module, features: int = 8, classes: int = 3):
         super().__init__()
         torch.manual_seed(0)
-        self.body = torch.nn.Sequential(
-            torch.nn.Linear(features, 16), middle, torch.nn.Linear(16, classes))
+        self.body = torch.nn.Sequential(torch.nn.Linear(features, 16), middle, torch.nn.Linear(16, classes))
 
     def forward(self, x):
         return self.body(x)
@@ -93,14 +92,24 @@ class OomAt(torch.nn.Module):
             if self.calls == self.at_call:
                 raise torch.OutOfMemoryError(
                     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-                    "79.11 GiB of which 1.02 GiB is free.")
+                    "79.11 GiB of which 1.02 GiB is free."
+                )
         return self.net(x)
 
 
 def make_loop(tmp_path, model, train, doctor: dict | None = None, plugins=(), **train_args) -> Loop:
-    args = {"output_dir": str(tmp_path / "run"), "max_steps": 8, "per_device_train_batch_size": 8,
-            "learning_rate": 0.05, "lr_scheduler_type": "constant", "logging_steps": 2,
-            "save_strategy": "no", "disable_tqdm": True, "seed": 0, **train_args}
+    args = {
+        "output_dir": str(tmp_path / "run"),
+        "max_steps": 8,
+        "per_device_train_batch_size": 8,
+        "learning_rate": 0.05,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 2,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "seed": 0,
+        **train_args,
+    }
     config = Config.from_dict({"train": args, "doctor": {"hang_timeout": 120.0, **(doctor or {})}})
     return Loop(model, config, train_dataset=train, plugins=[corelooper_doctor, *plugins])
 

@@ -21,9 +21,12 @@ HERE = Path(__file__).parent
 
 def doctor(*args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
-    env["PYTHONPATH"] = f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"  # a replay imports cli_task's factories
-    return subprocess.run([str(CORELOOPER), "doctor", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    env["PYTHONPATH"] = (
+        f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}"  # a replay imports cli_task's factories
+    )
+    return subprocess.run(
+        [str(CORELOOPER), "doctor", *map(str, args)], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_post_mortem_of_a_run_with_a_spike_and_its_plot(tmp_path):
@@ -64,15 +67,18 @@ def test_not_a_run_folder_is_one_paragraph_and_exit_code_4(tmp_path):
 
 def test_doctor_is_listed_and_help_imports_no_torch():
     env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
-    code = ("import sys; from corelooper.cli.app import main; sys.argv = ['corelooper', '--help']\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    code = (
+        "import sys; from corelooper.cli.app import main; sys.argv = ['corelooper', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert " doctor " in proc.stdout
     assert proc.stdout.strip().endswith("False")
 
 
-def corelooper_run(tmp_path: Path, name: str, *args, model: str = "model", train: str = "train",
-                   extra: str = "") -> subprocess.CompletedProcess:
+def corelooper_run(
+    tmp_path: Path, name: str, *args, model: str = "model", train: str = "train", extra: str = ""
+) -> subprocess.CompletedProcess:
     """``corelooper run`` of a toy classifier (cli_task.py) with the installed doctor, as a user
     runs it."""
     task = HERE / "cli_task.py"
@@ -92,10 +98,15 @@ save_strategy = "no"
 [plugins]
 enable = ["doctor"]
 """)
-    env = {k: v for k, v in os.environ.items() if k not in ("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "CORELOOPER_VERBOSE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "CORELOOPER_VERBOSE")
+    }
     env.update(PYTHONPATH=f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    return subprocess.run([str(CORELOOPER), "run", str(config), *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [str(CORELOOPER), "run", str(config), *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_console_lines_show_the_training_essentials_and_verbose_shows_all(tmp_path):
@@ -109,18 +120,23 @@ def test_console_lines_show_the_training_essentials_and_verbose_shows_all(tmp_pa
     # the loggers still get every key
     records = [json.loads(x) for x in (tmp_path / "quiet" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "loss" in r]
-    assert len(logged) == 4 and all("doctor/time_share_data" in r and "doctor/memory_peak_rss_gb" in r for r in logged)
+    assert len(logged) == 4 and all(
+        "doctor/time_share_data" in r and "doctor/memory_peak_rss_gb" in r for r in logged
+    )
     # and the console has the run's split once, at the end
     assert quiet.stderr.count("doctor: time split of 6 steps (after the first window): data ") == 1
     verbose = corelooper_run(tmp_path, "verbose", "--verbose")
     assert verbose.returncode == 0, verbose.stderr
     lines = [x for x in verbose.stdout.splitlines() if x.startswith("[step ") and " loss=" in x]
-    assert len(lines) == 4 and all(" doctor/time_share_data=" in x and " doctor/memory_peak_rss_gb=" in x for x in lines)
+    assert len(lines) == 4 and all(
+        " doctor/time_share_data=" in x and " doctor/memory_peak_rss_gb=" in x for x in lines
+    )
 
 
 def test_post_mortem_and_replay_of_a_run_from_the_command_line(tmp_path):
-    run = corelooper_run(tmp_path, "overflow", model="square_model", train="overflow_train",
-                         extra='on_nonfinite = "skip_step"')
+    run = corelooper_run(
+        tmp_path, "overflow", model="square_model", train="overflow_train", extra='on_nonfinite = "skip_step"'
+    )
     assert run.returncode == 0, run.stderr
     step = next((tmp_path / "overflow" / "doctor").glob("step-*")).name
     out = doctor(tmp_path / "overflow").stdout
@@ -137,6 +153,11 @@ def test_the_throughput_trend_is_in_plain_numbers():
     from corelooper_doctor.postmortem import _trend
 
     logs = [{"tokens_per_second": v} for v in (500.0, 13380.0, 13380.0, 9000.0, 3538.0, 3538.0)]
-    assert _trend(logs) == "tokens/s: 13380 in the first quarter of the logs (after the first), 3538 in the last (-74%)"
+    assert (
+        _trend(logs)
+        == "tokens/s: 13380 in the first quarter of the logs (after the first), 3538 in the last (-74%)"
+    )
     slow = [{"samples_per_second": v} for v in (1.0, 2.5, 2.5, 1.25, 1.25)]
-    assert _trend(slow).startswith("samples/s: 2.5 in the first quarter") and "1.25 in the last (-50%)" in _trend(slow)
+    assert _trend(slow).startswith(
+        "samples/s: 2.5 in the first quarter"
+    ) and "1.25 in the last (-50%)" in _trend(slow)

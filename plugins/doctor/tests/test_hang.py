@@ -11,8 +11,11 @@ from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 
 HERE = Path(__file__).parent
 HANG_TIMEOUT = 8.0
-SLEEP_LINE = next(n for n, line in enumerate((HERE / "hang_task.py").read_text().splitlines(), 1)
-                  if "time.sleep(600)" in line)
+SLEEP_LINE = next(
+    n
+    for n, line in enumerate((HERE / "hang_task.py").read_text().splitlines(), 1)
+    if "time.sleep(600)" in line
+)
 START_UP = 90  # two torch processes starting on a loaded 2-core machine
 
 
@@ -25,7 +28,7 @@ factory = "{task}:model"
 [data]
 train = "{task}:train"
 [train]
-output_dir = "{tmp_path / 'run'}"
+output_dir = "{tmp_path / "run"}"
 max_steps = 6
 per_device_train_batch_size = 4
 logging_steps = 1
@@ -43,11 +46,17 @@ hang_timeout = {hang_timeout}
 
 def _run(tmp_path: Path, config: Path, timeout: float) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
-    env.update(TMPDIR=str(tmp_path), PYTHONPATH=f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}",
-               OMP_NUM_THREADS="1")
+    env.update(
+        TMPDIR=str(tmp_path), PYTHONPATH=f"{HERE}{os.pathsep}{env.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1"
+    )
     corelooper = Path(sys.executable).parent / "corelooper"
-    proc = subprocess.run([str(corelooper), "run", str(config), "--nproc", "2"],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    proc = subprocess.run(
+        [str(corelooper), "run", str(config), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -67,8 +76,13 @@ def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
     assert f'hang_task.py", line {SLEEP_LINE} in on_step_end' in (doctor / "hang-rank1.txt").read_text()
     # and the post-mortem shows it
     env = {k: v for k, v in os.environ.items() if k != "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"}
-    post = subprocess.run([str(Path(sys.executable).parent / "corelooper"), "doctor", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=60, env=env)
+    post = subprocess.run(
+        [str(Path(sys.executable).parent / "corelooper"), "doctor", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert report.strip() in post.stdout and "advice: hang: read the stacks" in post.stdout
     assert "not finished: it hung (the report is below)" in post.stdout
 

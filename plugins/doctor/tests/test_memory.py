@@ -22,8 +22,13 @@ def _mem_total_bytes() -> int:
 
 
 def _breakdown(tmp_path, batch: int):
-    loop = make_loop(tmp_path / f"b{batch}", Classifier(torch.nn.ReLU()), samples(n=128),
-                     per_device_train_batch_size=batch, max_steps=2)
+    loop = make_loop(
+        tmp_path / f"b{batch}",
+        Classifier(torch.nn.ReLU()),
+        samples(n=128),
+        per_device_train_batch_size=batch,
+        max_steps=2,
+    )
     loop.train()
     return loop, json.loads((tmp_path / f"b{batch}" / "run" / "doctor" / "memory.json").read_text())
 
@@ -32,8 +37,12 @@ def test_breakdown_is_measured_from_the_tensors(tmp_path):
     loop, b = _breakdown(tmp_path, 8)
     n_params = sum(p.numel() for p in loop.model.parameters())
     assert b["parameters"] == b["gradients"] == 4 * n_params
-    opt = sum(v.numel() * v.element_size() for st in loop.optimizer.state.values()
-              for v in st.values() if torch.is_tensor(v))
+    opt = sum(
+        v.numel() * v.element_size()
+        for st in loop.optimizer.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
     assert b["optimizer_states"] == opt >= 2 * 4 * n_params  # AdamW: exp_avg, exp_avg_sq (+ step)
     assert b["capacity"] == _mem_total_bytes()  # the kernel's figure for this machine's RAM
     free = 0.9 * b["capacity"] - (b["parameters"] + b["gradients"] + b["optimizer_states"])
@@ -65,13 +74,17 @@ def test_oom_report_names_the_phase_the_breakdown_and_ranked_fixes(tmp_path):
     with pytest.raises(TrainingError, match="out of memory"):
         loop.train()
     text = (tmp_path / "run" / "doctor" / "oom-rank0.txt").read_text()
-    assert text.startswith("doctor: out of memory at step 3 during forward (per_device_train_batch_size 8, "
-                           "gradient_accumulation_steps 1): CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert text.startswith(
+        "doctor: out of memory at step 3 during forward (per_device_train_batch_size 8, "
+        "gradient_accumulation_steps 1): CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
     assert "Memory per process: parameters 780 B, gradients 780 B" in text
     # ranked by bytes saved; on this toy the weights' state outweighs 940 B of activations
     assert "(1) LoRA: a [peft] section" in text
     assert '(2) [deepspeed] zero_stage = 2 with offload_optimizer = "cpu"' in text
-    assert "(3) gradient accumulation: per_device_train_batch_size = 2, gradient_accumulation_steps = 4" in text
+    assert (
+        "(3) gradient accumulation: per_device_train_batch_size = 2, gradient_accumulation_steps = 4" in text
+    )
     assert "(4) " not in text
 
 
@@ -100,7 +113,8 @@ def test_the_start_up_line_speaks_in_per_device_train_batch_size(tmp_path, capfd
     assert breakdown_line(tight).endswith("; per_device_train_batch_size up to 20 should fit.")
     over = {**b, "largest_micro_batch": 3}
     assert "per_device_train_batch_size = 8 may not fit: use 3 or less, with gradient_accumulation_steps" in (
-        breakdown_line(over))
+        breakdown_line(over)
+    )
     assert worth_saying(tight) and worth_saying(over) and not worth_saying(b)
 
 

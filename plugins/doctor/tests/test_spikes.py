@@ -52,7 +52,9 @@ def test_spike_logged_with_its_step_and_samples(tmp_path):
     loop.train()
     logs = [h for h in loop.state.log_history if "loss" in h]
     worst = max(logs, key=lambda h: h["loss"])
-    spikes = [json.loads(line) for line in (tmp_path / "run" / "doctor" / "spikes.jsonl").read_text().splitlines()]
+    spikes = [
+        json.loads(line) for line in (tmp_path / "run" / "doctor" / "spikes.jsonl").read_text().splitlines()
+    ]
     assert [s["step"] for s in spikes] == [worst["step"]] == [SPIKE_STEP]
     assert OUTLIER in spikes[0]["sample_indices"]
     assert len(spikes[0]["sample_indices"]) == 8
@@ -77,7 +79,10 @@ def test_skip_batch_drops_the_update_and_a_resume_skips_it_again(tmp_path):
     doctor = {"on_spike": "skip_batch"}
     loop = make_loop(tmp_path, _linear(), _data(), doctor=doctor, plugins=[rec], **args)
     loop.train()
-    skipped = [json.loads(x) for x in (tmp_path / "run" / "doctor" / "skipped_batches.jsonl").read_text().splitlines()]
+    skipped = [
+        json.loads(x)
+        for x in (tmp_path / "run" / "doctor" / "skipped_batches.jsonl").read_text().splitlines()
+    ]
     assert len(skipped) == 1 and OUTLIER in skipped[0]["sample_indices"]
     step = skipped[0]["step"]
     assert step == SPIKE_STEP
@@ -114,14 +119,18 @@ class DoctorReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(("doctor", "reads_at"), [
-    ({}, []),  # the window loss the loop logged: nothing read
-    ({"spike_per_step": True}, [4, 8, 12, 16]),  # each step's loss, read with each log
-    ({"on_spike": "skip_batch"}, list(range(0, STEPS))),  # before each update: asked for
-])
+@pytest.mark.parametrize(
+    ("doctor", "reads_at"),
+    [
+        ({}, []),  # the window loss the loop logged: nothing read
+        ({"spike_per_step": True}, [4, 8, 12, 16]),  # each step's loss, read with each log
+        ({"on_spike": "skip_batch"}, list(range(0, STEPS))),  # before each update: asked for
+    ],
+)
 def test_what_the_doctor_reads_from_the_device_and_when(tmp_path, doctor, reads_at):
-    loop = make_loop(tmp_path, _linear(), _data(), doctor=doctor, logging_steps=4, max_steps=STEPS,
-                     learning_rate=0.01)
+    loop = make_loop(
+        tmp_path, _linear(), _data(), doctor=doctor, logging_steps=4, max_steps=STEPS, learning_rate=0.01
+    )
     reads = DoctorReads(loop)
     with reads:
         loop.train()
@@ -129,10 +138,19 @@ def test_what_the_doctor_reads_from_the_device_and_when(tmp_path, doctor, reads_
 
 
 def test_per_step_spikes_are_found_at_the_next_log_step(tmp_path):
-    loop = make_loop(tmp_path, _linear(), _data(), doctor={"spike_per_step": True}, logging_steps=4,
-                     max_steps=STEPS, learning_rate=0.01)
+    loop = make_loop(
+        tmp_path,
+        _linear(),
+        _data(),
+        doctor={"spike_per_step": True},
+        logging_steps=4,
+        max_steps=STEPS,
+        learning_rate=0.01,
+    )
     loop.train()
-    spikes = [json.loads(line) for line in (tmp_path / "run" / "doctor" / "spikes.jsonl").read_text().splitlines()]
+    spikes = [
+        json.loads(line) for line in (tmp_path / "run" / "doctor" / "spikes.jsonl").read_text().splitlines()
+    ]
     assert [s["step"] for s in spikes] == [SPIKE_STEP]  # the step itself, not its window
     assert OUTLIER in spikes[0]["sample_indices"] and len(spikes[0]["sample_indices"]) == 8
     flagged = [h["step"] for h in loop.state.log_history if h.get("doctor/loss_spike")]

@@ -19,8 +19,9 @@ from corelooper_doctor import syncs
 from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 from doctor_toys import Classifier, make_loop, samples
 
-TORCH_WARNING = ("called a synchronizing CUDA operation (Triggered internally at "
-                 "/pytorch/c10/cuda/CUDAFunctions.cpp:150.)")
+TORCH_WARNING = (
+    "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:150.)"
+)
 
 
 def torch_sync_warning() -> None:
@@ -83,8 +84,15 @@ def test_uninstall_restores_the_warning_machinery():
 
 def test_host_syncs_per_step_are_logged_per_window(tmp_path, capfd, recwarn, simulated_cuda):
     # 2 micro-batches x 3 syncs per forward = 6 syncs per optimizer step
-    loop = make_loop(tmp_path, Syncing(per_forward=3), samples(), max_steps=8, logging_steps=4,
-                     per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    loop = make_loop(
+        tmp_path,
+        Syncing(per_forward=3),
+        samples(),
+        max_steps=8,
+        logging_steps=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
     loop.train()
     logs = [h for h in loop.state.log_history if "loss" in h]
     assert [h["doctor/host_syncs_per_step"] for h in logs] == [6.0, 6.0]
@@ -114,6 +122,8 @@ def test_the_end_line_keeps_the_syncs_after_the_last_log_apart():
     from corelooper_doctor.actions import sync_summary
 
     line = sync_summary(in_windows=36, logged_steps=12, after=148)
-    assert line == ("3.00 host-device syncs per step (and 148 after the last logged step: the end-of-run save "
-                    "and teardown)")
+    assert line == (
+        "3.00 host-device syncs per step (and 148 after the last logged step: the end-of-run save "
+        "and teardown)"
+    )
     assert sync_summary(48, 8, 0) == "6.00 host-device syncs per step"

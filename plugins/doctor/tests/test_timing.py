@@ -62,8 +62,13 @@ class StallAtSecondEpoch(TensorSamples):
 
 def test_a_short_last_window_is_not_called_input_bound(tmp_path, capsys):
     data = samples()  # 64 samples, batch 8: 8 steps per epoch; step 9 opens the second epoch
-    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), StallAtSecondEpoch(data.x, data.y),
-                     max_steps=9, logging_steps=4)
+    loop = make_loop(
+        tmp_path,
+        Classifier(torch.nn.ReLU()),
+        StallAtSecondEpoch(data.x, data.y),
+        max_steps=9,
+        logging_steps=4,
+    )
     loop.train()
     windows = _seconds(loop)
     assert [w["steps"] for w in windows] == [4, 4, 1]
@@ -80,8 +85,9 @@ def test_time_in_plugin_hooks_is_its_own_share(tmp_path, capsys):
         def on_optimizer_step(self):
             time.sleep(0.2)
 
-    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), {"time_hooks": True}, plugins=[Slow()],
-                     max_steps=6)
+    loop = make_loop(
+        tmp_path, Classifier(torch.nn.ReLU()), samples(), {"time_hooks": True}, plugins=[Slow()], max_steps=6
+    )
     loop.train()
     for window in _seconds(loop, hooks=True)[1:]:  # the first holds the first AdamW step (imports dynamo)
         assert window["hooks"] >= 0.95 * 2 * 0.2  # two steps' sleeps, carved out of the optimizer
@@ -110,6 +116,8 @@ def test_a_plugin_that_raises_is_still_named_with_the_doctor_timing_hooks(tmp_pa
             if state.global_step == 2:
                 raise ValueError("boom")
 
-    loop = make_loop(tmp_path, Classifier(torch.nn.ReLU()), samples(), {"time_hooks": True}, plugins=[Broken()])
+    loop = make_loop(
+        tmp_path, Classifier(torch.nn.ReLU()), samples(), {"time_hooks": True}, plugins=[Broken()]
+    )
     with pytest.raises(PluginError, match="Plugin 'broken' raised in hook 'on_step_end' at global_step 2"):
         loop.train()

@@ -42,9 +42,9 @@ def corelooper_configure(config, plugins) -> None:
     stopper = EarlyStopping(*resolved(config), setting=setting)
     if config.train.eval_strategy == "no":
         raise ConfigError(
-            "[early_stopping] is enabled but train.eval_strategy = \"no\": it decides from "
-            "evaluations, and none would run. Set train.eval_strategy = \"steps\" (with "
-            "train.eval_steps) or \"epoch\", or remove the [early_stopping] section (or set "
+            '[early_stopping] is enabled but train.eval_strategy = "no": it decides from '
+            'evaluations, and none would run. Set train.eval_strategy = "steps" (with '
+            'train.eval_steps) or "epoch", or remove the [early_stopping] section (or set '
             "early_stopping.enabled = false)."
         )
     plugins.register(stopper, f"{SECTION}.run")

@@ -57,15 +57,20 @@ class Geometry:
         return self.world_size * self.per_device
 
     def describe(self) -> str:
-        return (f"{self.per_device} per device x {self.accumulation} accumulation x "
-                f"{self.world_size} processes = {self.global_batch}")
+        return (
+            f"{self.per_device} per device x {self.accumulation} accumulation x "
+            f"{self.world_size} processes = {self.global_batch}"
+        )
 
 
 def saved_geometry(state: dict[str, Any]) -> Geometry | None:
     """The geometry a checkpoint's ``loop_state.json`` was written with (None: an old format)."""
     try:
-        return Geometry(int(state["world_size"]), int(state["train_batch_size"]),
-                        int(state["gradient_accumulation_steps"]))
+        return Geometry(
+            int(state["world_size"]),
+            int(state["train_batch_size"]),
+            int(state["gradient_accumulation_steps"]),
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -108,16 +113,22 @@ def settle(config, plugins, directory, world_size: int, dataset, announce: bool)
         return config
     saved = saved_geometry(_read_state(directory))
     if announce:
-        print(f"corelooper: {directory} was saved with {saved.describe()}; on "  # the step: the console's line
-              f"{new.world_size} processes: {new.describe()} (global batch kept)", flush=True)
+        print(
+            f"corelooper: {directory} was saved with {saved.describe()}; on "  # the step: the console's line
+            f"{new.world_size} processes: {new.describe()} (global batch kept)",
+            flush=True,
+        )
         data = dataset()
         if not _is_iterable(data):  # a stream's length is unknown (docs/clusters.md says what differs)
             _warn_if_epoch_end_differs(len(data), saved)
-    if (new.per_device, new.accumulation) == (config.train.per_device_train_batch_size,
-                                              config.train.gradient_accumulation_steps):
+    if (new.per_device, new.accumulation) == (
+        config.train.per_device_train_batch_size,
+        config.train.gradient_accumulation_steps,
+    ):
         return config  # the configured geometry already keeps the global batch
-    return config.replace("train", per_device_train_batch_size=new.per_device,
-                          gradient_accumulation_steps=new.accumulation)
+    return config.replace(
+        "train", per_device_train_batch_size=new.per_device, gradient_accumulation_steps=new.accumulation
+    )
 
 
 def planned_geometry(config, plugins, directory, world_size: int, dataset) -> Geometry | None:
@@ -176,7 +187,9 @@ def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[st
         return state
     loader = getattr(loop, "train_loader", None)
     own_position = callable(getattr(loader, "load_state_dict", None))  # a stream's loader
-    if saved.global_batch != now.global_batch or (own_position and getattr(loader, "split", None) != "global"):
+    if saved.global_batch != now.global_batch or (
+        own_position and getattr(loader, "split", None) != "global"
+    ):
         _warn_not_exact(saved, now)  # a stream split by shards: refused in settle, or restarted
         return state
     if own_position:
@@ -190,8 +203,11 @@ def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[st
             f"{saved.world_size} processes."
         )
     if loop.state.is_world_process_zero:
-        print(f"corelooper: continuing after sample {position} of epoch {_epoch_index(state)} "
-              "(no sample repeated or skipped)", flush=True)
+        print(
+            f"corelooper: continuing after sample {position} of epoch {_epoch_index(state)} "
+            "(no sample repeated or skipped)",
+            flush=True,
+        )
     return {**state, "micro_batches_in_epoch": position // now.micro_batch}
 
 
@@ -239,8 +255,10 @@ def _can_resplit_stream(config, plugins, dataset, world_size: int, saved: Geomet
         return False
     if split.mode == "global":  # this run would read globally, the checkpoint's is in shards
         why = "as the run that saved it split its stream"
-        fix = (f"New runs of this configuration read their stream globally ({split.why}) and resume on "
-               "any number of processes.")
+        fix = (
+            f"New runs of this configuration read their stream globally ({split.why}) and resume on "
+            "any number of processes."
+        )
     else:
         why = split.why
         fix = f"New runs read their stream globally, and resume on any number of processes, if you {split.to_global}."

@@ -10,14 +10,17 @@ from corelooper_elastic_resume.geometry import Geometry, plan
 from corelooper.errors import ConfigError
 
 
-@pytest.mark.parametrize(("saved", "world", "per_device", "expected"), [
-    (Geometry(2, 4, 1), 1, 4, Geometry(1, 4, 2)),     # fewer processes: more accumulation
-    (Geometry(1, 4, 2), 2, 4, Geometry(2, 4, 1)),
-    (Geometry(1, 4, 1), 2, 4, Geometry(2, 2, 1)),     # no exact accumulation: smaller micro-batch
-    (Geometry(2, 6, 1), 4, 6, Geometry(4, 3, 1)),
-    (Geometry(1, 5, 3), 3, 5, Geometry(3, 5, 1)),
-    (Geometry(2, 3, 2), 4, 8, Geometry(4, 3, 1)),     # never above what fits the 12-sample batch
-])
+@pytest.mark.parametrize(
+    ("saved", "world", "per_device", "expected"),
+    [
+        (Geometry(2, 4, 1), 1, 4, Geometry(1, 4, 2)),  # fewer processes: more accumulation
+        (Geometry(1, 4, 2), 2, 4, Geometry(2, 4, 1)),
+        (Geometry(1, 4, 1), 2, 4, Geometry(2, 2, 1)),  # no exact accumulation: smaller micro-batch
+        (Geometry(2, 6, 1), 4, 6, Geometry(4, 3, 1)),
+        (Geometry(1, 5, 3), 3, 5, Geometry(3, 5, 1)),
+        (Geometry(2, 3, 2), 4, 8, Geometry(4, 3, 1)),  # never above what fits the 12-sample batch
+    ],
+)
 def test_plan_keeps_the_global_batch(saved, world, per_device, expected):
     got = plan(saved, world, per_device)
     assert got == expected and got.global_batch == saved.global_batch
@@ -25,8 +28,11 @@ def test_plan_keeps_the_global_batch(saved, world, per_device, expected):
 
 
 def test_no_exact_split_is_refused_naming_what_works():
-    with pytest.raises(ConfigError, match=r"global batch is 4 per device x 1 accumulation x 2 processes = 8 "
-                                          r"samples, and 8 is not divisible by 3.*\(1, 2, 4, 8\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global batch is 4 per device x 1 accumulation x 2 processes = 8 "
+        r"samples, and 8 is not divisible by 3.*\(1, 2, 4, 8\)",
+    ):
         plan(Geometry(2, 4, 1), 3, 4)
 
 

@@ -73,7 +73,9 @@ def _hf_fsdp(value, train):
         return None
     words = value.split() if isinstance(value, str) else list(value) if isinstance(value, list) else []
     if value is not True and not words:
-        raise ConfigError(f"train.fsdp must be HF's option string (e.g. 'full_shard auto_wrap'), got {value!r}.")
+        raise ConfigError(
+            f"train.fsdp must be HF's option string (e.g. 'full_shard auto_wrap'), got {value!r}."
+        )
     out = {}
     for word in words:
         if word not in _FSDP_WORDS:
@@ -94,7 +96,9 @@ def _hf_fsdp_config(value, train):
     if not value:
         return None
     if not isinstance(value, dict):
-        raise ConfigError(f"train.fsdp_config must be a table (HF reads a JSON file; write its keys here), got {value!r}.")
+        raise ConfigError(
+            f"train.fsdp_config must be a table (HF reads a JSON file; write its keys here), got {value!r}."
+        )
     out = {}
     for key, v in value.items():
         name = _FSDP_CONFIG.get(key.removeprefix("fsdp_"))

@@ -60,10 +60,12 @@ class FSDPBackend(TorchDistributedCollectives):
         if param_dtype not in _DTYPES:
             raise ConfigError(f'fsdp.param_dtype = {param_dtype!r}: use "bf16", "fp16", "fp32" or "".')
         if options.get("reduce_dtype", "fp32") not in _DTYPES:
-            raise ConfigError(f'fsdp.reduce_dtype = {options["reduce_dtype"]!r}: use "fp32", "bf16" or "fp16".')
+            raise ConfigError(
+                f'fsdp.reduce_dtype = {options["reduce_dtype"]!r}: use "fp32", "bf16" or "fp16".'
+            )
         if param_dtype == "fp16":
             raise ConfigError(
-                'FSDP with fp16 needs a sharded gradient scaler, which corelooper-fsdp does not '
+                "FSDP with fp16 needs a sharded gradient scaler, which corelooper-fsdp does not "
                 'provide: use train.mixed_precision = "bf16" (or fsdp.param_dtype = "bf16").'
             )
         self.param_dtype = _DTYPES[param_dtype]
@@ -117,7 +119,10 @@ class FSDPBackend(TorchDistributedCollectives):
             for unit in units:
                 checkpointed(unit)
         model.to(self.device)
-        kwargs = {"mesh": self.mesh, "reshard_after_forward": bool(self.options.get("reshard_after_forward", True))}
+        kwargs = {
+            "mesh": self.mesh,
+            "reshard_after_forward": bool(self.options.get("reshard_after_forward", True)),
+        }
         if self.param_dtype is not None or self.reduce_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, output_dtype=None
@@ -189,7 +194,8 @@ class FSDPBackend(TorchDistributedCollectives):
 
         # broadcast_from_rank0 turns the values it is given into DTensors: hand it a copy.
         set_model_state_dict(
-            model, dict(state_dict) if self.is_main_process else {},
+            model,
+            dict(state_dict) if self.is_main_process else {},
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict),
         )
 
@@ -237,8 +243,12 @@ class FSDPBackend(TorchDistributedCollectives):
                 f"The FSDP state in {str(path)!r} could not be loaded ({causes}); nothing in it was "
                 "unpickled. Resume from another checkpoint."
             ) from None
-        set_state_dict(self.model, optimizer, model_state_dict=state.get("model", model_sd),
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model,
+            optimizer,
+            model_state_dict=state.get("model", model_sd),
+            optim_state_dict=state["optimizer"],
+        )
 
     def end(self) -> None:
         pass  # the process group belongs to the launcher; torchrun tears it down

@@ -26,15 +26,33 @@ from corelooper.errors import CheckpointError
 # would admit Path, Future, FileSystemWriter and whatever else those modules import.
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_CLASSES = {
-    *((_DCP_METADATA, n) for n in ("Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-                                   "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                   "_MEM_FORMAT_ENCODING")),
+    *(
+        (_DCP_METADATA, n)
+        for n in (
+            "Metadata",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
 }
-_ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-            ("builtins", "slice"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-            ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-            ("torch.serialization", "_get_layout")}  # how TensorProperties pickles a layout
+_ALLOWED = {
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("torch.serialization", "_get_layout"),
+}  # how TensorProperties pickles a layout
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -58,7 +76,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
             "without running it. Resume from another checkpoint."
         ) from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"Checkpoint file {str(path)!r} holds a {type(metadata).__name__}, not DCP metadata.")
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} holds a {type(metadata).__name__}, not DCP metadata."
+        )
     return metadata
 
 

@@ -17,10 +17,22 @@ sys.path.insert(0, str(REPO / "tests"))
 import distributed_worker as dw  # noqa: E402
 
 WRAP = {"fsdp": {"wrap": ["Block"]}}
-LM = {"fsdp": {"wrap": ["Block"], "activation_checkpointing": True, "reshard_after_forward": False,
-               "cpu_offload": True}}
-LM_TRAIN = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 0.5,
-            "max_steps": 5, "save_strategy": "steps", "save_steps": 2}
+LM = {
+    "fsdp": {
+        "wrap": ["Block"],
+        "activation_checkpointing": True,
+        "reshard_after_forward": False,
+        "cpu_offload": True,
+    }
+}
+LM_TRAIN = {
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 2,
+    "max_grad_norm": 0.5,
+    "max_steps": 5,
+    "save_strategy": "steps",
+    "save_steps": 2,
+}
 
 
 def close(a, b, tol=1e-5) -> float:
@@ -33,17 +45,35 @@ def close(a, b, tol=1e-5) -> float:
 def fsdp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     runs = [
-        {"sections": WRAP, "train": {"per_device_train_batch_size": 4, "max_steps": 6,
-                                     "output_dir": str(tmp / "plain")}},
+        {
+            "sections": WRAP,
+            "train": {"per_device_train_batch_size": 4, "max_steps": 6, "output_dir": str(tmp / "plain")},
+        },
         {"task": "lm", "sections": LM, "train": {**LM_TRAIN, "output_dir": str(tmp / "lm")}},
-        {"task": "lm", "sections": LM, "resume": str(tmp / "lm" / "checkpoint-2"),
-         "train": {**LM_TRAIN, "output_dir": str(tmp / "lm_resumed")}},
-        {"task": "lm", "sections": WRAP, "evaluate": False,
-         "train": {**LM_TRAIN, "mixed_precision": "bf16", "max_steps": 3, "save_strategy": "no",
-                   "output_dir": str(tmp / "bf16")}},
+        {
+            "task": "lm",
+            "sections": LM,
+            "resume": str(tmp / "lm" / "checkpoint-2"),
+            "train": {**LM_TRAIN, "output_dir": str(tmp / "lm_resumed")},
+        },
+        {
+            "task": "lm",
+            "sections": WRAP,
+            "evaluate": False,
+            "train": {
+                **LM_TRAIN,
+                "mixed_precision": "bf16",
+                "max_steps": 3,
+                "save_strategy": "no",
+                "output_dir": str(tmp / "bf16"),
+            },
+        },
         {"task": "lm", "sections": WRAP, "eval_only": True, "train": {"output_dir": str(tmp / "eval")}},
-        {"expect_error": True, "sections": {"fsdp": {"wrap": ["Blokc"]}},
-         "train": {"max_steps": 1, "output_dir": str(tmp / "bad")}},
+        {
+            "expect_error": True,
+            "sections": {"fsdp": {"wrap": ["Blokc"]}},
+            "train": {"max_steps": 1, "output_dir": str(tmp / "bad")},
+        },
     ]
     return tmp, runs, dw.torchrun([dict(r) for r in runs], tmp)
 
@@ -119,8 +149,12 @@ def test_fsdp_evaluation_without_training(fsdp_runs, tmp_path):
 
 
 def test_fsdp_is_inert_without_its_section(tmp_path):
-    ref = dw.run_one({"train": {"per_device_train_batch_size": 8, "max_steps": 1,
-                                "output_dir": str(tmp_path / "o")}, "evaluate": False})
+    ref = dw.run_one(
+        {
+            "train": {"per_device_train_batch_size": 8, "max_steps": 1, "output_dir": str(tmp_path / "o")},
+            "evaluate": False,
+        }
+    )
     assert ref["backend"] in ("LocalBackend", "AccelerateBackend")  # the builtin
 
 
@@ -164,8 +198,15 @@ def test_fsdp_payload_in_each_sharded_file_never_runs(fsdp_runs, tmp_path):
         (ckpt / "fsdp_state" / name).write_bytes(pickle.dumps(Payload(str(marker))))
         write_manifest(ckpt)
         planted.append(name)
-        runs.append({"task": "lm", "sections": LM, "expect_error": True, "resume": str(ckpt),
-                     "train": {**LM_TRAIN, "output_dir": str(out)}})
+        runs.append(
+            {
+                "task": "lm",
+                "sections": LM,
+                "expect_error": True,
+                "resume": str(ckpt),
+                "train": {**LM_TRAIN, "output_dir": str(out)},
+            }
+        )
     results = dw.torchrun(runs, tmp_path)
     assert not marker.exists(), "a planted payload ran"
     for name, result in zip(planted, results, strict=True):

@@ -35,22 +35,41 @@ def _config(tmp_path: Path, name: str, sharded_state: bool = True, **train) -> P
 
 def _run(tmp_path: Path, config: Path, nproc: int, stop: int = 0, resume: bool = False):
     """``corelooper run`` with the FSDP and elastic plugins (autoload is off in tests: named with -p)."""
-    args = [sys.executable, "-m", "corelooper", "run", str(config), "-p", "corelooper_fsdp",
-            "-p", str(tmp_path / "stop_at.py"), *ELASTIC]
+    args = [
+        sys.executable,
+        "-m",
+        "corelooper",
+        "run",
+        str(config),
+        "-p",
+        "corelooper_fsdp",
+        "-p",
+        str(tmp_path / "stop_at.py"),
+        *ELASTIC,
+    ]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     if resume:
         args += ["--resume-from-checkpoint", "latest"]
     (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
-    return subprocess.run(args, cwd=REPO, env={**env(tmp_path), "STOP_AT_STEP": str(stop)},
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        args,
+        cwd=REPO,
+        env={**env(tmp_path), "STOP_AT_STEP": str(stop)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _steps(run_dir: Path) -> dict[int, dict[str, float]]:
     """Loss, gradient norm and learning rate of each logged step."""
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [(x["step"], {k: x[k] for k in ("loss", "grad_norm", "learning_rate")})
-             for x in lines if "loss" in x and "train_runtime" not in x]
+    steps = [
+        (x["step"], {k: x[k] for k in ("loss", "grad_norm", "learning_rate")})
+        for x in lines
+        if "loss" in x and "train_runtime" not in x
+    ]
     assert len({s for s, _ in steps}) == len(steps), steps  # each step logged once
     return dict(steps)
 
@@ -81,8 +100,10 @@ def test_fsdp_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_pa
     assert _shards(run / "checkpoint-6") == ["__0_0.distcp", "__1_0.distcp"]  # saved sharded on 2
     one = _run(tmp_path, cfg, 1, stop=9, resume=True)
     assert one.returncode == 143, one.stderr[-3000:]
-    assert ("saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
-            "4 per device x 2 accumulation x 1 processes = 8") in one.stdout
+    assert (
+        "saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
+        "4 per device x 2 accumulation x 1 processes = 8"
+    ) in one.stdout
     assert "continuing after sample 48 of epoch 0" in one.stdout
     assert _shards(run / "checkpoint-9") == ["__0_0.distcp"]  # 1 process: FSDP2 on a mesh of one
     last = _run(tmp_path, cfg, 2, resume=True)
@@ -113,8 +134,10 @@ def test_fsdp_optimizer_only_sharded_state_resumes_on_one_process(tmp_path, refe
     want_steps, want_final = reference
     step_diff = _step_diff(_steps(run), want_steps)
     weight_diff = max_diff(load_file(str(run / "model.safetensors")), want_final)
-    print(f"2 -> 1 (optimizer only): max step difference {step_diff:.3g}, max final-weight difference "
-          f"{weight_diff:.3g}")
+    print(
+        f"2 -> 1 (optimizer only): max step difference {step_diff:.3g}, max final-weight difference "
+        f"{weight_diff:.3g}"
+    )
     assert step_diff <= 1e-5 and weight_diff <= 1e-5
 
 
@@ -129,21 +152,31 @@ def test_fsdp_refused_resumes_name_what_would_work(tmp_path):
 
     refused = _run(tmp_path, cfg, 2, resume=True)
     assert refused.returncode == 2, refused.stderr[-3000:]  # a ConfigError
-    message = ("Cannot resume exactly on 2 processes: the checkpoint's global batch is 3 per device x 1 "
-               "accumulation x 1 processes = 3 samples, and 3 is not divisible by 2. Resume on a number "
-               "of processes that divides it (1, 3), or start a new run (another train.output_dir) with "
-               "the batch size you want.")
+    message = (
+        "Cannot resume exactly on 2 processes: the checkpoint's global batch is 3 per device x 1 "
+        "accumulation x 1 processes = 3 samples, and 3 is not divisible by 2. Resume on a number "
+        "of processes that divides it (1, 3), or start a new run (another train.output_dir) with "
+        "the batch size you want."
+    )
     assert message in refused.stderr and refused.stderr.count("Cannot resume") == 1
     assert sorted(p.name for p in (tmp_path / "odd").iterdir()) == before
 
     # The same checkpoint on 1 process without [fsdp] (the builtin backend, which looks for an
     # optimizer.pt): refused, naming the section to keep.
-    plain = write_config(tmp_path, tmp_path / "odd", name="plain.toml", per_device_train_batch_size=3,
-                         max_steps=2, save_steps=1)
+    plain = write_config(
+        tmp_path,
+        tmp_path / "odd",
+        name="plain.toml",
+        per_device_train_batch_size=3,
+        max_steps=2,
+        save_steps=1,
+    )
     plain.write_text(plain.read_text() + MODEL)
     dropped = _run(tmp_path, plain, 1, resume=True)
     assert dropped.returncode == 5, dropped.stderr[-3000:]  # a CheckpointError
-    assert ("optimizer.pt' is missing (optimizer state). The checkpoint was saved by a run with [fsdp], "
-            "which this config does not have") in dropped.stderr
+    assert (
+        "optimizer.pt' is missing (optimizer state). The checkpoint was saved by a run with [fsdp], "
+        "which this config does not have"
+    ) in dropped.stderr
     assert "Resume with [fsdp] in the config" in dropped.stderr
     assert sorted(p.name for p in (tmp_path / "odd").iterdir()) == before

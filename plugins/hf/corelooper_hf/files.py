@@ -20,8 +20,14 @@ from typing import Any
 
 from corelooper.errors import DataError
 
-SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
-            ".txt": "text"}
+SUFFIXES = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
 _GLOB = set("*?[")
 
 
@@ -122,8 +128,11 @@ def _load_folder(path: Path, key: str):
             f"({type(e).__name__}: {e}). Name the files inside it, or a glob such as '{path}/*.parquet'."
         ) from None
     if isinstance(loaded, datasets.DatasetDict):
-        split = "train" if key.endswith("train") else next(
-            (s for s in ("validation", "eval", "test") if s in loaded), None)
+        split = (
+            "train"
+            if key.endswith("train")
+            else next((s for s in ("validation", "eval", "test") if s in loaded), None)
+        )
         if split not in loaded:
             raise DataError(f"{key}: {path} holds the splits {list(loaded)}; name one folder inside it.")
         loaded = loaded[split]
@@ -136,8 +145,10 @@ def _explain(files: list[str], kind: str, key: str, error: Exception) -> DataErr
             found = json_problem(Path(f))
             if found:
                 return DataError(f"{key}: {found}")
-    return DataError(f"{key}: reading {files[0] if len(files) == 1 else files} as {kind} failed: "
-                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    return DataError(
+        f"{key}: reading {files[0] if len(files) == 1 else files} as {kind} failed: "
+        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    )
 
 
 def json_problem(path: Path) -> str | None:
@@ -157,10 +168,12 @@ def json_problem(path: Path) -> str | None:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                return (f"{path}, line {n}: not valid JSON ({e.msg}, column {e.colno}). Each line of a "
-                        "JSON Lines file must be one JSON object.")
+                return (
+                    f"{path}, line {n}: not valid JSON ({e.msg}, column {e.colno}). Each line of a "
+                    "JSON Lines file must be one JSON object."
+                )
             if not isinstance(row, dict):
-                return f"{path}, line {n}: a {type(row).__name__}, not a JSON object ({{\"column\": ...}})."
+                return f'{path}, line {n}: a {type(row).__name__}, not a JSON object ({{"column": ...}}).'
     return None
 
 
@@ -179,15 +192,17 @@ def _sources(spec, key: str) -> list[tuple[str, float]]:
                 raise DataError(f"{key}[{i}].weight must be a number > 0, got {weight!r}.")
             out.append((item["path"], float(weight)))
         else:
-            raise DataError(f"{key}[{i}] = {item!r}: use a path or {{ path = \"...\", weight = 0.5 }}.")
+            raise DataError(f'{key}[{i}] = {item!r}: use a path or {{ path = "...", weight = 0.5 }}.')
     return out
 
 
 def load_spec(spec, key: str, base: Path | None = None, seed: int = 42):
     """A path, a glob, a folder, or a weighted mixture of them, as one ``datasets.Dataset``."""
     sources = _sources(spec, key)
-    parts = [load_files(ref, f"{key}[{i}]" if len(sources) > 1 else key, base)
-             for i, (ref, _) in enumerate(sources)]
+    parts = [
+        load_files(ref, f"{key}[{i}]" if len(sources) > 1 else key, base)
+        for i, (ref, _) in enumerate(sources)
+    ]
     if len(parts) == 1:
         return parts[0]
     import datasets
@@ -198,10 +213,16 @@ def load_spec(spec, key: str, base: Path | None = None, seed: int = 42):
         raise DataError(f"{key}: the sources of a mixture need the same columns ({listed}).")
     total = sum(w for _, w in sources)
     try:
-        return datasets.interleave_datasets(parts, probabilities=[w / total for _, w in sources], seed=seed,
-                                            stopping_strategy="first_exhausted")
+        return datasets.interleave_datasets(
+            parts,
+            probabilities=[w / total for _, w in sources],
+            seed=seed,
+            stopping_strategy="first_exhausted",
+        )
     except (ValueError, TypeError) as e:
-        raise DataError(f"{key}: the sources cannot be mixed ({e}); give them the same column types.") from None
+        raise DataError(
+            f"{key}: the sources cannot be mixed ({e}); give them the same column types."
+        ) from None
 
 
 def load_split(config, split: str):

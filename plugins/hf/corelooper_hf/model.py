@@ -102,10 +102,15 @@ def missing_folder(ref: str, config: Config, error: Exception | None = None) -> 
     offline = any(os.environ.get(k, "") not in ("", "0") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     text = f"model.name_or_path = {ref!r}: the folder does not exist (looked in {' and '.join(places)})."
     if not _looks_like_path(ref):
-        why = "offline (HF_HUB_OFFLINE is set), so" if offline else (
-            f"as a Hugging Face hub name it failed ({type(error).__name__}), and offline")
-        text += (f" {why} hub names cannot be downloaded: download the model once "
-                 "(`hf download NAME --local-dir DIR`) and set model.name_or_path to DIR.")
+        why = (
+            "offline (HF_HUB_OFFLINE is set), so"
+            if offline
+            else (f"as a Hugging Face hub name it failed ({type(error).__name__}), and offline")
+        )
+        text += (
+            f" {why} hub names cannot be downloaded: download the model once "
+            "(`hf download NAME --local-dir DIR`) and set model.name_or_path to DIR."
+        )
     return text
 
 
@@ -125,7 +130,8 @@ def load_tokenizer(config: Config):
     key = "model.tokenizer" if config.model.tokenizer else "model.name_or_path"
     try:
         return AutoTokenizer.from_pretrained(
-            where, trust_remote_code=config.model.trust_remote_code,
+            where,
+            trust_remote_code=config.model.trust_remote_code,
             local_files_only=Path(where).exists(),
         )
     except (OSError, ValueError, KeyError, TypeError, ImportError) as e:

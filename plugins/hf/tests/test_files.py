@@ -18,6 +18,7 @@ def build_model(config):
 
     return build.build_model(load_plugins(config), config)
 
+
 datasets = pytest.importorskip("datasets")
 ROWS = [{"text": f"row {i}", "difficulty_score": i / 10} for i in range(20)]
 
@@ -123,8 +124,14 @@ def llama_dir(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("llama")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -133,22 +140,26 @@ def test_model_by_path_with_dtype_and_attention(llama_dir):
     import torch
     import transformers
 
-    cfg = Config.from_dict({"model": {"name_or_path": str(llama_dir), "torch_dtype": "bfloat16",
-                                      "attn_implementation": "eager"}})
+    cfg = Config.from_dict(
+        {"model": {"name_or_path": str(llama_dir), "torch_dtype": "bfloat16", "attn_implementation": "eager"}}
+    )
     model = build_model(cfg)
     assert isinstance(model, transformers.LlamaForCausalLM)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert model.config._attn_implementation == "eager"
     reference = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
-    assert torch.equal(build_model(Config.from_dict({"model": {"name_or_path": str(llama_dir)}})
-                                   ).model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert torch.equal(
+        build_model(Config.from_dict({"model": {"name_or_path": str(llama_dir)}})).model.embed_tokens.weight,
+        reference.model.embed_tokens.weight,
+    )
 
 
 def test_model_task_and_bad_paths_explain(llama_dir, tmp_path):
     import transformers
 
-    cls = build_model(Config.from_dict({"model": {"name_or_path": str(llama_dir),
-                                                  "task": "sequence_classification"}}))
+    cls = build_model(
+        Config.from_dict({"model": {"name_or_path": str(llama_dir), "task": "sequence_classification"}})
+    )
     assert isinstance(cls, transformers.LlamaForSequenceClassification)
     with pytest.raises(ConfigError, match="model.task = 'nope'"):
         build_model(Config.from_dict({"model": {"name_or_path": str(llama_dir), "task": "nope"}}))

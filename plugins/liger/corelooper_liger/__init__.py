@@ -101,7 +101,9 @@ def unavailable_reason(train) -> str | None:
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    section = plugins.section_or_inactive(config, SECTION, "no [liger] section (or train.use_liger_kernel = true)")
+    section = plugins.section_or_inactive(
+        config, SECTION, "no [liger] section (or train.use_liger_kernel = true)"
+    )
     if section is None:
         return
     kwargs = kernel_kwargs(section)
@@ -185,8 +187,11 @@ class LigerPatch:
             return
         self.applied = apply(loop.model, self.kwargs)
         if loop.state.is_world_process_zero:
-            logger.info("corelooper-liger: patched %s with Liger kernels %s", type(loop.model).__name__,
-                        self.applied or "(the model type's defaults)")
+            logger.info(
+                "corelooper-liger: patched %s with Liger kernels %s",
+                type(loop.model).__name__,
+                self.applied or "(the model type's defaults)",
+            )
 
 
 # The switches of Liger's patch functions that [liger] has as keys of its own (the rest: [liger] extra).
@@ -222,4 +227,6 @@ def _hf_liger_kernel_config(value, train):
 @hookimpl
 def corelooper_settings():
     """HF's ``use_liger_kernel`` / ``liger_kernel_config`` -> ``[liger]``."""
-    return {"train": {"use_liger_kernel": _hf_use_liger_kernel, "liger_kernel_config": _hf_liger_kernel_config}}
+    return {
+        "train": {"use_liger_kernel": _hf_use_liger_kernel, "liger_kernel_config": _hf_liger_kernel_config}
+    }

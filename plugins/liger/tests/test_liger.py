@@ -31,7 +31,7 @@ HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 # benchmarks/gpu/'s cl_bf16_liger step (Triton kernels cannot run on a CPU).
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report of a machine without CUDA")
 
-TASK = '''
+TASK = """
 import torch
 
 
@@ -44,27 +44,30 @@ def train_set():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=g)
     return [(x[i], int(x[i].sum() > 0)) for i in range(32)]
-'''
+"""
 
 
 def write_config(tmp_path: Path, train: str = "", liger: str | None = None) -> Path:
     (tmp_path / "task.py").write_text(TASK)
     section = f"[liger]\n{liger}\n" if liger is not None else ""
     config = tmp_path / "config.toml"
-    config.write_text(textwrap.dedent(f"""\
+    config.write_text(
+        textwrap.dedent(f"""\
         [model]
-        factory = "{tmp_path / 'task.py'}:model"
+        factory = "{tmp_path / "task.py"}:model"
         [data]
-        train = "{tmp_path / 'task.py'}:train_set"
+        train = "{tmp_path / "task.py"}:train_set"
         [train]
-        output_dir = "{tmp_path / 'run'}"
+        output_dir = "{tmp_path / "run"}"
         max_steps = 2
         per_device_train_batch_size = 8
         save_strategy = "no"
         disable_tqdm = true
         report_to = "none"
         {train}
-        """) + section)
+        """)
+        + section
+    )
     return config
 
 
@@ -87,8 +90,9 @@ def liger_line(stdout: str) -> str:
 def test_cli_reports_inactive_without_a_section_and_without_cuda(tmp_path):
     none = cli("plugins", "--config", str(write_config(tmp_path)))
     assert none.returncode == 0, none.stderr
-    assert liger_line(none.stdout).endswith("inactive for this config: no [liger] section "
-                                            "(or train.use_liger_kernel = true)]")
+    assert liger_line(none.stdout).endswith(
+        "inactive for this config: no [liger] section (or train.use_liger_kernel = true)]"
+    )
     asked = cli("plugins", "--config", str(write_config(tmp_path, liger="rms_norm = true")))
     assert asked.returncode == 0, asked.stderr
     line = liger_line(asked.stdout)
@@ -103,12 +107,17 @@ def test_cli_reports_inactive_without_a_section_and_without_cuda(tmp_path):
 def test_cli_names_the_package_when_liger_kernel_is_missing(tmp_path):
     # An entry of None in sys.modules makes `import liger_kernel` fail and find_spec() answer None:
     # the process sees no liger-kernel, as on a machine without it.
-    out = cli("plugins", "--config", str(write_config(tmp_path, liger="")),
-              prelude="import sys; sys.modules['liger_kernel'] = None")
+    out = cli(
+        "plugins",
+        "--config",
+        str(write_config(tmp_path, liger="")),
+        prelude="import sys; sys.modules['liger_kernel'] = None",
+    )
     assert out.returncode == 0, out.stderr
     assert liger_line(out.stdout).endswith(
         "inactive for this config: liger-kernel is not installed: pip install liger-kernel "
-        "(Linux with a CUDA GPU; it brings triton)]")
+        "(Linux with a CUDA GPU; it brings triton)]"
+    )
 
 
 @no_cuda
@@ -127,8 +136,11 @@ def test_hf_names_become_the_section():
     from corelooper.config import Config
 
     args = TrainArgs(use_liger_kernel=True, liger_kernel_config={"rope": False, "layer_norm": True})
-    assert dict(Config(train=args).sections["liger"]) == {"enabled": True, "rope": False,
-                                                           "extra": {"layer_norm": True}}
+    assert dict(Config(train=args).sections["liger"]) == {
+        "enabled": True,
+        "rope": False,
+        "extra": {"layer_norm": True},
+    }
     # As HF: false (its default) needs nothing, and a config without use_liger_kernel patches nothing.
     assert "liger" not in Config(train=TrainArgs(use_liger_kernel=False)).sections
     alone = TrainArgs(liger_kernel_config={"swiglu": True})
@@ -139,14 +151,17 @@ def test_hf_names_become_the_section():
         Config(train=TrainArgs(use_liger_kernel=True), sections={"liger": {"enabled": False}})
 
 
-@pytest.mark.parametrize(("section", "train", "match"), [
-    ({"rms_nrom": True}, {}, r"Unknown key liger.rms_nrom. Did you mean 'rms_norm'"),
-    ({"rope": "yes"}, {}, r"liger.rope = 'yes': must be true, false, or left out"),
-    ({"cross_entropy": True, "fused_linear_cross_entropy": True}, {}, "not both"),
-    ({"extra": {"swiglu": False}}, {}, r"\[liger\] extra sets \['swiglu'\], which are \[liger\] keys"),
-    ({}, {"lm": {"loss": "chunked"}}, "lm.loss = 'chunked' and Liger's fused linear cross-entropy"),
-    ({"fused_linear_cross_entropy": True}, {"lm": {"loss": "chunked"}}, "Choose one"),
-])
+@pytest.mark.parametrize(
+    ("section", "train", "match"),
+    [
+        ({"rms_nrom": True}, {}, r"Unknown key liger.rms_nrom. Did you mean 'rms_norm'"),
+        ({"rope": "yes"}, {}, r"liger.rope = 'yes': must be true, false, or left out"),
+        ({"cross_entropy": True, "fused_linear_cross_entropy": True}, {}, "not both"),
+        ({"extra": {"swiglu": False}}, {}, r"\[liger\] extra sets \['swiglu'\], which are \[liger\] keys"),
+        ({}, {"lm": {"loss": "chunked"}}, "lm.loss = 'chunked' and Liger's fused linear cross-entropy"),
+        ({"fused_linear_cross_entropy": True}, {"lm": {"loss": "chunked"}}, "Choose one"),
+    ],
+)
 def test_config_errors_name_the_key_and_the_fix(make_loop, section, train, match):
     with pytest.raises(ConfigError, match=match):
         make_loop([corelooper_liger], sections={"liger": section, **train})
@@ -154,11 +169,17 @@ def test_config_errors_name_the_key_and_the_fix(make_loop, section, train, match
 
 @no_cuda  # on a GPU the patch would run, and the tiny task's model is not a transformers model
 def test_chunked_loss_with_liger_other_kernels_is_accepted(make_loop):
-    loop = make_loop([corelooper_liger], sections={"liger": {"fused_linear_cross_entropy": False},
-                                                   "lm": {"loss": "chunked"}})
+    loop = make_loop(
+        [corelooper_liger],
+        sections={"liger": {"fused_linear_cross_entropy": False}, "lm": {"loss": "chunked"}},
+    )
     assert loop.plugins.get(corelooper_liger.RUN_PLUGIN_NAME) is None
-    assert loop.plugins.inactive["liger"].startswith("no CUDA GPU here" if HAS_LIGER else "liger-kernel is not")
-    disabled = make_loop([corelooper_liger], sections={"liger": {"enabled": False}, "lm": {"loss": "chunked"}})
+    assert loop.plugins.inactive["liger"].startswith(
+        "no CUDA GPU here" if HAS_LIGER else "liger-kernel is not"
+    )
+    disabled = make_loop(
+        [corelooper_liger], sections={"liger": {"enabled": False}, "lm": {"loss": "chunked"}}
+    )
     assert disabled.plugins.inactive["liger"] == "[liger] enabled = false"
 
 
@@ -167,7 +188,7 @@ def test_a_model_that_is_not_a_transformers_model_is_refused():
         corelooper_liger.apply(torch.nn.Linear(2, 2), {})
 
 
-PATCH = '''
+PATCH = """
 import json, transformers, torch, corelooper_liger
 from corelooper.data.columns import forward_signature
 from corelooper.errors import ConfigError
@@ -197,17 +218,24 @@ try:
 except ConfigError as e:
     out["gpt2"] = str(e)
 print(json.dumps(out))
-'''
+"""
 
 
 # On Linux the plugin depends on liger-kernel: a missing install fails here. Elsewhere triton has
 # no wheels, the plugin installs without it, and there is nothing to patch with.
-@pytest.mark.skipif(not HAS_LIGER and sys.platform != "linux",
-                    reason="liger-kernel (triton) has Linux wheels only; the plugin declares it only there")
+@pytest.mark.skipif(
+    not HAS_LIGER and sys.platform != "linux",
+    reason="liger-kernel (triton) has Linux wheels only; the plugin declares it only there",
+)
 def test_patch_call_on_a_tiny_llama_replaces_its_modules_and_forward():
     # No forward afterwards: Triton kernels need a CUDA GPU (see the module docstring).
-    p = subprocess.run([sys.executable, "-c", PATCH], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [sys.executable, "-c", PATCH],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["applied"] == {"rope": True, "swiglu": True}  # geglu is not a llama switch: ignored

@@ -62,7 +62,9 @@ def corelooper_configure(config, plugins):
         raise ConfigError(f"lm.loss = {loss!r}: use one of {', '.join(map(repr, LOSSES))}.")
     if head not in HEADS:
         raise ConfigError(f"lm.head = {head!r}: use one of {', '.join(map(repr, HEADS))}.")
-    liger_flce = "liger" in config.sections and config.section("liger").get("fused_linear_cross_entropy") is not False
+    liger_flce = (
+        "liger" in config.sections and config.section("liger").get("fused_linear_cross_entropy") is not False
+    )
     if head == "trained" and liger_flce:
         raise ConfigError(
             "lm.head = 'trained' and Liger's fused linear cross-entropy ([liger]) both replace the model's "
@@ -71,11 +73,15 @@ def corelooper_configure(config, plugins):
         )
     accuracy = cfg.get("token_accuracy")
     if accuracy not in (None, "auto", True, False):
-        raise ConfigError(f"lm.token_accuracy = {accuracy!r}: use true, false or \"auto\" (unset: on in [sft] runs).")
+        raise ConfigError(
+            f'lm.token_accuracy = {accuracy!r}: use true, false or "auto" (unset: on in [sft] runs).'
+        )
     entropy = cfg.get("entropy", False)
     if not isinstance(entropy, bool):
-        raise ConfigError(f"lm.entropy = {entropy!r}: use true or false (default false: it costs a log-softmax "
-                          "over the trained logits per micro-batch).")
+        raise ConfigError(
+            f"lm.entropy = {entropy!r}: use true or false (default false: it costs a log-softmax "
+            "over the trained logits per micro-batch)."
+        )
     accuracy = accuracy is True or (accuracy in (None, "auto") and "sft" in config.sections)
     counter = None
     if accuracy or entropy:
@@ -87,11 +93,15 @@ def corelooper_configure(config, plugins):
         plugins.register_for_checkpointing(f"{SECTION}.token_accuracy", counter)
     # "auto": "trained?" (only where exact) in [sft] runs; not with Liger's fused loss (it already
     # skips the full logits) nor torch_compile (the row selection breaks the compiled graph: nonzero)
-    compiled = bool(getattr(config.train, "torch_compile", False) or getattr(config.train, "torch_compile_backend", None))
+    compiled = bool(
+        getattr(config.train, "torch_compile", False) or getattr(config.train, "torch_compile_backend", None)
+    )
     if head == "auto":
         head = "trained?" if "sft" in config.sections and not liger_flce and not compiled else "all"
     if loss == "default" and head == "all" and counter is None:
-        plugins.set_inactive(SECTION, "lm.loss is 'default' and the head covers every position (HF's own loss)")
+        plugins.set_inactive(
+            SECTION, "lm.loss is 'default' and the head covers every position (HF's own loss)"
+        )
         return
     plugins.register(LMLoss(chunked=loss == "chunked", head=head, accuracy=counter), f"{SECTION}.run")
 
@@ -168,8 +178,9 @@ class LMLoss:
         if self.chunked:
             from .chunked_ce import chunked_causal_lm_loss
 
-            return chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, smoothing, trained_only=trained,
-                                          accuracy=counter)
+            return chunked_causal_lm_loss(
+                loop, model, batch, num_items_in_batch, smoothing, trained_only=trained, accuracy=counter
+            )
         return self._trained_loss(model, batch, num_items_in_batch, smoothing, counter)
 
     def _counted_own_loss(self, loop, model, batch, num_items_in_batch):
@@ -187,7 +198,12 @@ class LMLoss:
 
         from .trained_head import causal_targets, loss_from_logits
 
-        if model.training or self.head == "all" or not isinstance(batch, Mapping) or not self._exact(loop, model):
+        if (
+            model.training
+            or self.head == "all"
+            or not isinstance(batch, Mapping)
+            or not self._exact(loop, model)
+        ):
             return None
         batch = model_inputs(loop, batch)
         if "labels" not in batch and "shift_labels" not in batch:
@@ -197,8 +213,12 @@ class LMLoss:
             loss, answer = self._sliced(model, batch, num_items_in_batch, smoothing, wanted)
             if loss is not None:
                 return loss, answer
-        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]  # return_dict=False: a tuple
+        outputs = model(
+            **{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False
+        )
+        logits = (
+            outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        )  # return_dict=False: a tuple
         return loss_from_logits(logits, causal_targets(batch), num_items_in_batch, smoothing), outputs
 
     def _sliced(self, model, batch, num_items_in_batch, smoothing, wanted):
@@ -210,7 +230,9 @@ class LMLoss:
         if loss is None:
             self.sliced = answer
             logging.getLogger("corelooper.lm").warning(
-                "corelooper-lm: evaluating with the output layer's logits in one piece, not a slice at a time: %s.", answer)
+                "corelooper-lm: evaluating with the output layer's logits in one piece, not a slice at a time: %s.",
+                answer,
+            )
         return loss, answer
 
     def _exact(self, loop, model) -> bool:

@@ -36,8 +36,12 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     in float32, a piece of rows at a time (no float32 copy of all of a large vocabulary's logits)."""
     vocab = logits.shape[-1]
     flat = logits.reshape(-1, vocab)
-    pieces = [_entropy_rows(piece.float()) for piece in flat.split(max(1, ENTROPY_CHUNK // max(vocab, 1)), dim=0)]
-    return torch.cat(pieces).reshape(logits.shape[:-1]) if pieces else flat.new_zeros(logits.shape[:-1]).float()
+    pieces = [
+        _entropy_rows(piece.float()) for piece in flat.split(max(1, ENTROPY_CHUNK // max(vocab, 1)), dim=0)
+    ]
+    return (
+        torch.cat(pieces).reshape(logits.shape[:-1]) if pieces else flat.new_zeros(logits.shape[:-1]).float()
+    )
 
 
 def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,9 @@ class TrainTokenAccuracy:
             targets = targets.to(logits.device)
             counted = targets != -100
             total = counted.sum()
-            hits = ((argmax(logits) == targets) & counted).sum() if KEY in self.keys else torch.zeros_like(total)
+            hits = (
+                ((argmax(logits) == targets) & counted).sum() if KEY in self.keys else torch.zeros_like(total)
+            )
             counts = torch.stack([hits, total])
             self.local = counts if self.local is None else self.local + counts
             if ENTROPY in self.keys:  # float64 sums where the device has them (not MPS)
@@ -103,7 +109,11 @@ class TrainTokenAccuracy:
             return answer
         loss, outputs = answer
         logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
-        if isinstance(batch, Mapping) and ("labels" in batch or "shift_labels" in batch) and logits is not None:
+        if (
+            isinstance(batch, Mapping)
+            and ("labels" in batch or "shift_labels" in batch)
+            and logits is not None
+        ):
             targets = causal_targets(batch)
             if tuple(targets.shape) == tuple(logits.shape[:-1]):
                 self.add(logits, targets)
@@ -122,8 +132,15 @@ class TrainTokenAccuracy:
     def next_loss(self, after, loop, model, batch, num_items_in_batch):
         """The loss of the ``compute_loss`` provider after plugin object ``after``, asked for its
         outputs too, once their logits are counted."""
-        answer = loop.plugins.call_next("compute_loss", after, loop=loop, model=model, batch=batch,
-                                        num_items_in_batch=num_items_in_batch, return_outputs=True)[0]
+        answer = loop.plugins.call_next(
+            "compute_loss",
+            after,
+            loop=loop,
+            model=model,
+            batch=batch,
+            num_items_in_batch=num_items_in_batch,
+            return_outputs=True,
+        )[0]
         return self.counted(answer, batch)
 
     @hookimpl(trylast=True)  # after the flow and other plugins have decided should_log / should_save
@@ -136,7 +153,9 @@ class TrainTokenAccuracy:
 
     @hookimpl(trylast=True)
     def on_evaluate(self, loop, control) -> None:
-        if control.should_training_stop:  # stopped by an evaluation (early stopping): the last window is logged
+        if (
+            control.should_training_stop
+        ):  # stopped by an evaluation (early stopping): the last window is logged
             self._fold(loop, publish=True)
 
     def _at_boundary(self, loop, control) -> None:
@@ -153,10 +172,16 @@ class TrainTokenAccuracy:
         correct, counted = backend.reduce_sum(local.to(backend.device)).tolist()
         summed = 0.0
         if ENTROPY in self.keys:
-            local = self.local_entropy if self.local_entropy is not None else torch.zeros((), dtype=torch.float32)
+            local = (
+                self.local_entropy if self.local_entropy is not None else torch.zeros((), dtype=torch.float32)
+            )
             summed = float(backend.reduce_sum(local.to(backend.device)))
         self.local, self.local_entropy = None, None
-        self.carried = [self.carried[0] + int(correct), self.carried[1] + int(counted), self.carried[2] + summed]
+        self.carried = [
+            self.carried[0] + int(correct),
+            self.carried[1] + int(counted),
+            self.carried[2] + summed,
+        ]
         if publish and self.carried[1]:  # (an empty fold, as at the epoch end after a stop, keeps the value)
             correct, counted, summed = self.carried
             self.pending = {key: (correct if key == KEY else summed) / counted for key in self.keys}
@@ -177,4 +202,8 @@ class TrainTokenAccuracy:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.local, self.local_entropy, self.pending = None, None, {}
-        self.carried = [int(state.get("correct", 0)), int(state.get("counted", 0)), float(state.get("entropy", 0.0))]
+        self.carried = [
+            int(state.get("correct", 0)),
+            int(state.get("counted", 0)),
+            float(state.get("entropy", 0.0)),
+        ]

@@ -62,8 +62,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(start, start + ctx.chunk)
             h = hidden[sl]
-            g = _chunk_grad_logits(_chunk_logits(h, weight, bias), lse[sl], labels[sl],
-                                   ctx.ignore_index, ctx.smoothing).mul_(grad_total)
+            g = _chunk_grad_logits(
+                _chunk_logits(h, weight, bias), lse[sl], labels[sl], ctx.ignore_index, ctx.smoothing
+            ).mul_(grad_total)
             g = g.to(weight.dtype)  # the gradient of the upcast, as autograd would give it
             if need_h:
                 grad_h[sl] = g @ weight
@@ -135,8 +136,9 @@ def chunked_cross_entropy(
     y = labels.reshape(-1).to(h.device, torch.long)
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape)}")
-    return _ChunkedCrossEntropy.apply(h, weight, bias, y, chunk_tokens, ignore_index, float(label_smoothing),
-                                      count_hits)
+    return _ChunkedCrossEntropy.apply(
+        h, weight, bias, y, chunk_tokens, ignore_index, float(label_smoothing), count_hits
+    )
 
 
 # Configurations whose logits are not ``hidden @ weight.T``: the chunked loss would train on
@@ -170,8 +172,15 @@ def output_head(model) -> torch.nn.Linear:
     return head
 
 
-def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothing: float = 0.0,
-                           trained_only: bool = False, accuracy=None):
+def chunked_causal_lm_loss(
+    loop,
+    model,
+    batch,
+    num_items_in_batch,
+    label_smoothing: float = 0.0,
+    trained_only: bool = False,
+    accuracy=None,
+):
     """The training loss of an HF causal LM with the chunked cross-entropy, GA-exact.
 
     The model runs through its own ``forward`` (so DDP and PEFT wrappers see the call), without
@@ -216,8 +225,14 @@ def chunked_causal_lm_loss(loop, model, batch, num_items_in_batch, label_smoothi
     hidden = captured[0]
     if trained_only:  # the kept rows only (the last layer may have computed nothing else)
         hidden, labels = (hidden[0] if trimmed else hidden[keep]), labels[keep]
-    total = chunked_cross_entropy(hidden, head.weight, labels, bias=head.bias, label_smoothing=label_smoothing,
-                                  count_hits=accuracy.add if accuracy is not None else None)
+    total = chunked_cross_entropy(
+        hidden,
+        head.weight,
+        labels,
+        bias=head.bias,
+        label_smoothing=label_smoothing,
+        count_hits=accuracy.add if accuracy is not None else None,
+    )
     if num_items_in_batch is None:
         num_items_in_batch = (labels != -100).sum()
     return total / num_items_in_batch

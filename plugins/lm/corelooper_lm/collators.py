@@ -80,7 +80,11 @@ class DataCollatorForCausalLM:
             raise DataError(f"Sample {i}: labels has {len(labels)} tokens, input_ids {len(ids)}.")
         if self.mask_prompt and n_prompt:
             labels[:n_prompt] = [IGNORE_INDEX] * min(n_prompt, len(labels))
-        mask = _ids(sample["attention_mask"], "attention_mask", i) if "attention_mask" in sample else [1] * len(ids)
+        mask = (
+            _ids(sample["attention_mask"], "attention_mask", i)
+            if "attention_mask" in sample
+            else [1] * len(ids)
+        )
         if self.max_length is not None:
             ids, labels, mask = ids[: self.max_length], labels[: self.max_length], mask[: self.max_length]
         return ids, labels, mask
@@ -113,7 +117,9 @@ class DataCollatorForCausalLM:
             if key in skip:
                 continue
             values = [s[key] for s in samples]
-            if all(isinstance(v, (int, float, bool)) or (torch.is_tensor(v) and v.dim() == 0) for v in values):
+            if all(
+                isinstance(v, (int, float, bool)) or (torch.is_tensor(v) and v.dim() == 0) for v in values
+            ):
                 batch[key] = torch.stack([torch.as_tensor(v) for v in values])
         return batch
 

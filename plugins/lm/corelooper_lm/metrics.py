@@ -28,7 +28,9 @@ class TokenAccuracy:
     State: one float64 tensor ``[correct, counted, entropy]``, summed over processes by ``sync``.
     """
 
-    def __init__(self, shift: bool = True, name: str = "accuracy", entropy: bool = False, accuracy: bool = True):
+    def __init__(
+        self, shift: bool = True, name: str = "accuracy", entropy: bool = False, accuracy: bool = True
+    ):
         self.shift, self.name, self.entropy, self.accuracy = shift, name, entropy, accuracy
         # causal: only positions whose next label counts are read (the loss provider may then
         # compute the output layer for those alone, a slice at a time)
@@ -48,17 +50,24 @@ class TokenAccuracy:
         self.state = torch.zeros(3, dtype=torch.float64)
 
     def update(self, predictions, label_ids: torch.Tensor) -> None:
-        pred, ent = self._predictions(predictions[0] if isinstance(predictions, (tuple, list)) else predictions)
+        pred, ent = self._predictions(
+            predictions[0] if isinstance(predictions, (tuple, list)) else predictions
+        )
         labels = label_ids
         if self.shift:
             pred, labels = pred[..., :-1], labels[..., 1:]
             ent = ent[..., :-1] if ent is not None else None
         counted = labels != IGNORE_INDEX
         hits = (pred == labels) & counted
-        summed = (torch.where(counted, ent, 0.0).sum(dtype=torch.float64) if ent is not None
-                  else torch.zeros((), dtype=torch.float64, device=labels.device))
+        summed = (
+            torch.where(counted, ent, 0.0).sum(dtype=torch.float64)
+            if ent is not None
+            else torch.zeros((), dtype=torch.float64, device=labels.device)
+        )
         # no .item(): the device is not synchronised per batch
-        batch = torch.stack([hits.sum().to(torch.float64), counted.sum().to(torch.float64), summed.to(torch.float64)])
+        batch = torch.stack(
+            [hits.sum().to(torch.float64), counted.sum().to(torch.float64), summed.to(torch.float64)]
+        )
         self.state = self.state.to(batch.device) + batch
 
     def _predictions(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,8 +79,10 @@ class TokenAccuracy:
 
             return argmax(logits), (entropy(logits) if self.entropy else None)
         if self.entropy:
-            raise ValueError("TokenAccuracy(entropy=True) needs the logits (or its preprocess_logits' answer), "
-                             "not argmax ids: the entropy is computed from the predicted distribution.")
+            raise ValueError(
+                "TokenAccuracy(entropy=True) needs the logits (or its preprocess_logits' answer), "
+                "not argmax ids: the entropy is computed from the predicted distribution."
+            )
         return logits, None
 
     def sync(self, reduce_sum) -> None:

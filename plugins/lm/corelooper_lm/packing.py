@@ -140,7 +140,7 @@ def block_causal_mask(seq_lengths: Sequence[Sequence[int]], total: int, dtype=No
     for r, lens in enumerate(seq_lengths):
         ids = torch.repeat_interleave(torch.arange(len(lens)), torch.as_tensor(list(lens), dtype=torch.long))
         segment[r, : len(ids)] = ids
-        segment[r, len(ids):] = len(lens)  # the padding's own segment
+        segment[r, len(ids) :] = len(lens)  # the padding's own segment
     same = segment[:, :, None] == segment[:, None, :]
     causal = torch.ones((total, total), dtype=torch.bool).tril()
     allowed = same & causal
@@ -163,8 +163,13 @@ class SegmentCollator:
     ``labels`` (0 on padding), so a weighted loss multiplies them with the per-token loss.
     """
 
-    def __init__(self, pad_token_id: int, attn_implementation: str | None = "sdpa",
-                 mask_dtype=None, pad_to_multiple_of: int | None = None):
+    def __init__(
+        self,
+        pad_token_id: int,
+        attn_implementation: str | None = "sdpa",
+        mask_dtype=None,
+        pad_to_multiple_of: int | None = None,
+    ):
         self.pad_token_id = pad_token_id
         self.flash = is_varlen(attn_implementation)
         self.bool_mask = attn_implementation in (None, "sdpa")
@@ -190,7 +195,9 @@ class SegmentCollator:
         return batch
 
 
-def _rows_to_tensors(rows: Sequence[Sequence[Segment]], lengths: list[list[int]], total: int, pad: int) -> dict:
+def _rows_to_tensors(
+    rows: Sequence[Sequence[Segment]], lengths: list[list[int]], total: int, pad: int
+) -> dict:
     """``input_ids``, ``labels`` (-100 on each segment's first token and on padding),
     ``position_ids`` (restarting per segment; the padding counts on as one more segment) and the
     per-token extras, built as flat lists and turned into tensors once."""
@@ -221,9 +228,11 @@ def _rows_to_tensors(rows: Sequence[Sequence[Segment]], lengths: list[list[int]]
         for name in names:
             extras[name].extend([0.0] * pad_n)
     shape = (len(rows), total)
-    batch = {"input_ids": torch.tensor(ids, dtype=torch.long).view(shape),
-             "labels": torch.tensor(labels, dtype=torch.long).view(shape),
-             "position_ids": torch.tensor(pos, dtype=torch.long).view(shape)}
+    batch = {
+        "input_ids": torch.tensor(ids, dtype=torch.long).view(shape),
+        "labels": torch.tensor(labels, dtype=torch.long).view(shape),
+        "position_ids": torch.tensor(pos, dtype=torch.long).view(shape),
+    }
     batch.update({k: torch.tensor(v, dtype=torch.float32).view(shape) for k, v in extras.items()})
     return batch
 

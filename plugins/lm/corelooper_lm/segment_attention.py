@@ -38,8 +38,17 @@ def segment_bounds(cu_seq_lens=None, position_ids=None, rows: int = 1, length: i
     return out
 
 
-def segment_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                         scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+def segment_sdpa_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """``transformers`` attention-interface function (``query``: ``[B, heads, T, head_dim]``;
     returns ``([B, T, heads, head_dim], None)``, as ``sdpa_attention_forward``)."""
     import torch
@@ -47,22 +56,40 @@ def segment_sdpa_forward(module, query, key, value, attention_mask, dropout: flo
 
     rows, length = query.shape[0], query.shape[2]
     if attention_mask is not None or key.shape[2] != length or length <= 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     cu = kwargs.get("cu_seq_lens_q")
-    bounds = segment_bounds(cu if rows == 1 and cu is not None and int(cu[-1]) <= length else None,
-                            kwargs.get("position_ids"), rows, length)
+    bounds = segment_bounds(
+        cu if rows == 1 and cu is not None and int(cu[-1]) <= length else None,
+        kwargs.get("position_ids"),
+        rows,
+        length,
+    )
     if all(len(b) == 2 for b in bounds):  # one segment per row: plain causal attention
-        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, None, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     out = []
     for r, starts in enumerate(bounds):
         sizes = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > a]
         # split, not slices: its backward writes each piece's gradient into one tensor once,
         # where every slice's backward would fill a whole-row zero tensor
-        q, k, v = (t[r:r + 1].split(sizes, dim=2) for t in (query, key, value))
-        pieces = [sdpa_attention_forward(module, qi, ki, vi, None, dropout=dropout, scaling=scaling, is_causal=True)[0]
-                  for qi, ki, vi in zip(q, k, v, strict=True)]
+        q, k, v = (t[r : r + 1].split(sizes, dim=2) for t in (query, key, value))
+        pieces = [
+            sdpa_attention_forward(
+                module, qi, ki, vi, None, dropout=dropout, scaling=scaling, is_causal=True
+            )[0]
+            for qi, ki, vi in zip(q, k, v, strict=True)
+        ]
         out.append(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0])
     return (torch.cat(out, dim=0) if rows > 1 else out[0]), None
 

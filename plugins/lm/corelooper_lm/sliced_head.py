@@ -72,7 +72,9 @@ def preprocessed_loss(model, batch, num_items_in_batch, smoothing: float, wanted
     return record.total / items, Preprocessed(predictions)
 
 
-def _one_forward(model, batch, targets, smoothing: float, wanted: LogitsWanted, record: _Slices) -> str | None:
+def _one_forward(
+    model, batch, targets, smoothing: float, wanted: LogitsWanted, record: _Slices
+) -> str | None:
     """One forward of ``model`` on ``batch``, its output layer in slices (adding to ``record``);
     the reason when the model's logits are not the layer's own."""
     keep = targets != -100
@@ -80,7 +82,9 @@ def _one_forward(model, batch, targets, smoothing: float, wanted: LogitsWanted, 
     record.calls, record.probe = 0, None
     trim = trimmed_last_layer(model, keep) if wanted.counted_only else nullcontext([])
     with trim as trimmed, _swapped(head, record, targets, keep, wanted, trimmed, smoothing):
-        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
+        outputs = model(
+            **{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False
+        )
     return _why_not_own(record, outputs["logits"] if isinstance(outputs, dict) else outputs[0])
 
 
@@ -94,8 +98,15 @@ def row_pieces(batch, targets) -> list[tuple[dict, torch.Tensor]]:
     whole = [(batch, targets)]
     cu = batch.get("cu_seq_lens_q")
     ids = batch.get("input_ids")
-    if (torch.is_grad_enabled() or cu is None or not torch.is_tensor(ids) or ids.dim() != 2 or ids.shape[0] != 1
-            or ids.shape[1] <= PIECE_POSITIONS or _several_processes()):
+    if (
+        torch.is_grad_enabled()
+        or cu is None
+        or not torch.is_tensor(ids)
+        or ids.dim() != 2
+        or ids.shape[0] != 1
+        or ids.shape[1] <= PIECE_POSITIONS
+        or _several_processes()
+    ):
         return whole
     length = ids.shape[1]
     per_position = {k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:2] == (1, length)}
@@ -136,8 +147,11 @@ def _why_not_own(record: _Slices, logits) -> str | None:
         return "the model's output layer got other positions than the batch's (logits_to_keep?)"
     if logits is record.probe:
         return None
-    if torch.is_tensor(logits) and logits.dtype != record.probe.dtype and torch.equal(
-            logits, record.probe.to(logits.dtype)):
+    if (
+        torch.is_tensor(logits)
+        and logits.dtype != record.probe.dtype
+        and torch.equal(logits, record.probe.to(logits.dtype))
+    ):
         return None  # only upcast: the loss upcasts each slice too
     return "the model changes the output layer's logits before returning them (soft-capping, a logit scale)"
 
@@ -156,23 +170,37 @@ def _swapped(head: torch.nn.Module, record: _Slices, targets, keep, wanted: Logi
         else:  # not the call we understand (record.probe stays None: evaluated whole)
             return own_forward(hidden, *args, **kwargs)
         record.probe = own_forward(hidden.reshape(-1, hidden.shape[-1])[-1:].unsqueeze(0), *args, **kwargs)
-        _slices(lambda x: own_forward(x, *args, **kwargs), rows, row_targets.long(), wanted.preprocess,
-                smoothing, record)
+        _slices(
+            lambda x: own_forward(x, *args, **kwargs),
+            rows,
+            row_targets.long(),
+            wanted.preprocess,
+            smoothing,
+            record,
+        )
         return record.probe
 
     with swapped_forward(head, forward):
         yield
 
 
-def _slices(layer, rows: torch.Tensor, row_targets: torch.Tensor, preprocess, smoothing: float,
-            record: _Slices) -> None:
+def _slices(
+    layer, rows: torch.Tensor, row_targets: torch.Tensor, preprocess, smoothing: float, record: _Slices
+) -> None:
     """The loss and the metric's predictions of ``rows``, the layer over one slice at a time."""
     step = slice_rows(record.probe.shape[-1])
-    total = record.total if record.total is not None else torch.zeros((), device=rows.device, dtype=torch.float32)
+    total = (
+        record.total if record.total is not None else torch.zeros((), device=rows.device, dtype=torch.float32)
+    )
     for start in range(0, max(len(rows), 1), step):
-        logits = layer(rows[start:start + step])
-        total = total + F.cross_entropy(logits.float(), row_targets[start:start + step], ignore_index=-100,
-                                        reduction="sum", label_smoothing=smoothing)
+        logits = layer(rows[start : start + step])
+        total = total + F.cross_entropy(
+            logits.float(),
+            row_targets[start : start + step],
+            ignore_index=-100,
+            reduction="sum",
+            label_smoothing=smoothing,
+        )
         if preprocess is not None:
             record.predictions.append(preprocess(logits))
         del logits  # before the next slice's

@@ -89,7 +89,11 @@ class Throughput:
         if "tokens_per_second" not in logs or "samples_per_second" not in logs:
             return
         if self.meter is None:
-            self.meter = ThroughputMeter(loop.backend.unwrap_model(loop.model), loop.args.peak_flops,
-                                         state.world_size)
-        logs.update(self.meter.logs(logs["tokens_per_second"], logs["samples_per_second"],
-                                    state.num_input_tokens_seen))
+            self.meter = ThroughputMeter(
+                loop.backend.unwrap_model(loop.model), loop.args.peak_flops, state.world_size
+            )
+        logs.update(
+            self.meter.logs(
+                logs["tokens_per_second"], logs["samples_per_second"], state.num_input_tokens_seen
+            )
+        )

@@ -81,8 +81,9 @@ class HeadCallError(RuntimeError):
     """The model did not call its output layer exactly once with ``[..., positions, hidden]``."""
 
 
-def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: float = 0.0,
-                           accuracy=None) -> torch.Tensor:
+def trained_positions_loss(
+    model, batch, num_items_in_batch, label_smoothing: float = 0.0, accuracy=None
+) -> torch.Tensor:
     """The causal-LM loss of ``model`` on ``batch``, with logits only where a label is counted.
 
     Equals the model's own loss (``model(**batch, num_items_in_batch=n).loss``) to float rounding,
@@ -107,28 +108,34 @@ def trained_positions_loss(model, batch, num_items_in_batch, label_smoothing: fl
 
         handle = head.register_forward_pre_hook(gather)
         try:
-            outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False)
+            outputs = model(
+                **{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}, use_cache=False
+            )
         finally:
             handle.remove()
     kept = int(keep.sum()) if keep.device.type == "cpu" else None
     expected = (1, kept) if trimmed else tuple(keep.shape)
     if len(calls) != 1 or (calls[0][:-1] != expected and not (trimmed and kept is None)):
-        raise HeadCallError(f"the output layer was called {len(calls)} time(s) with input shapes {calls}, "
-                            f"expected once with {expected} + (hidden,)")
+        raise HeadCallError(
+            f"the output layer was called {len(calls)} time(s) with input shapes {calls}, "
+            f"expected once with {expected} + (hidden,)"
+        )
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
     if logits.dim() != 3 or (kept is not None and logits.shape[1] != kept):
-        raise HeadCallError(f"the model returned logits of shape {tuple(logits.shape)} from {kept} kept positions")
+        raise HeadCallError(
+            f"the model returned logits of shape {tuple(logits.shape)} from {kept} kept positions"
+        )
     kept_targets = targets[keep].long()
     # a view of the one row: select's backward (``logits[0]``) would zero and copy a logits-sized array
     logits = logits.reshape(-1, logits.shape[-1])
     if accuracy is not None:
         accuracy.add(logits, kept_targets)
-    total = F.cross_entropy(logits.float(), kept_targets, ignore_index=-100, reduction="sum",
-                            label_smoothing=label_smoothing)
+    total = F.cross_entropy(
+        logits.float(), kept_targets, ignore_index=-100, reduction="sum", label_smoothing=label_smoothing
+    )
     if num_items_in_batch is None:
         num_items_in_batch = keep.sum()
     return total / num_items_in_batch
-
 
 
 EVAL_CHUNK_BYTES = 4 * 2**20  # one chunk's float32 log-softmax in an evaluation with a metric
@@ -139,8 +146,9 @@ def slice_rows(vocab: int) -> int:
     return max(64, EVAL_CHUNK_BYTES // (4 * vocab))
 
 
-def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None,
-                     label_smoothing: float = 0.0) -> torch.Tensor:
+def loss_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """HF's causal-LM loss from a forward's ``logits`` (``[..., positions, vocab]``) and
     ``causal_targets``, over slices of rows (views: no copy of float32 logits): the log-softmax of
     one slice at a time, never a second array as large as the logits, which an evaluation with a
@@ -149,6 +157,11 @@ def loss_from_logits(logits: torch.Tensor, targets: torch.Tensor, num_items_in_b
     rows = slice_rows(logits.shape[-1])
     total = torch.zeros((), device=logits.device, dtype=torch.float32)
     for start in range(0, flat.shape[0], rows):
-        total = total + F.cross_entropy(flat[start:start + rows].float(), flat_targets[start:start + rows],
-                                        ignore_index=-100, reduction="sum", label_smoothing=label_smoothing)
+        total = total + F.cross_entropy(
+            flat[start : start + rows].float(),
+            flat_targets[start : start + rows],
+            ignore_index=-100,
+            reduction="sum",
+            label_smoothing=label_smoothing,
+        )
     return total / ((flat_targets != -100).sum() if num_items_in_batch is None else num_items_in_batch)

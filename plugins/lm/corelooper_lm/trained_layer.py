@@ -50,7 +50,9 @@ class Kept:
     def of(cls, keep: torch.Tensor) -> Kept:
         host = keep.cpu()  # the one host read of a trimmed forward
         flat = host.flatten().nonzero().flatten()
-        return cls([row.nonzero().flatten().tolist() for row in host], flat.to(keep.device, non_blocking=True))
+        return cls(
+            [row.nonzero().flatten().tolist() for row in host], flat.to(keep.device, non_blocking=True)
+        )
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s kept positions (``[rows, positions, ...]`` -> ``[n, ...]``), no host sync."""
@@ -79,7 +81,9 @@ def why_not_trimmable(model) -> str | None:
         return "no decoder layers (get_decoder().layers)"
     parts = {name for name, _ in layer.named_children()}
     if parts != LAYER_PARTS:
-        return f"its last layer ({type(layer).__name__}) has parts {sorted(parts)}, not a Llama-family layer's"
+        return (
+            f"its last layer ({type(layer).__name__}) has parts {sorted(parts)}, not a Llama-family layer's"
+        )
     attn = layer.self_attn
     names = {name for name, _ in attn.named_children()}
     if not PROJECTIONS <= names or names - PROJECTIONS - PER_HEAD_NORMS or len(names & PER_HEAD_NORMS) == 1:
@@ -130,16 +134,28 @@ def trimmed_last_layer(model, keep: torch.Tensor):
 
     def forward(hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
         def whole():
-            return own_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                               position_embeddings=position_embeddings, **kwargs)
+            return own_forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
 
         if hidden_states.shape[:-1] != keep.shape or position_embeddings is None:
             return whole()
         kept = Kept.of(keep)
         if not len(kept.index):
             return whole()
-        out = trimmed_forward(layer, hidden_states, kept, attention_mask, position_ids, position_embeddings,
-                              kwargs.get("cu_seq_lens_q"))
+        out = trimmed_forward(
+            layer,
+            hidden_states,
+            kept,
+            attention_mask,
+            position_ids,
+            position_embeddings,
+            kwargs.get("cu_seq_lens_q"),
+        )
         if not state.checked and not _matches(state, out, whole, keep):
             return whole()
         trimmed.append(True)
@@ -156,7 +172,9 @@ def _matches(state: TrimState, out: torch.Tensor, whole, keep) -> bool:
         own = (own[0] if isinstance(own, tuple) else own)[keep]
     got = out[0].detach()
     # the rounding of the dtype the matmuls ran in: another number of rows may round otherwise
-    dtype = torch.get_autocast_dtype(got.device.type) if torch.is_autocast_enabled(got.device.type) else got.dtype
+    dtype = (
+        torch.get_autocast_dtype(got.device.type) if torch.is_autocast_enabled(got.device.type) else got.dtype
+    )
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 2 * torch.finfo(dtype).eps
     if got.shape == own.shape and torch.allclose(got.float(), own.float(), rtol=tol, atol=tol / 10):
         state.checked = True
@@ -166,12 +184,14 @@ def _matches(state: TrimState, out: torch.Tensor, whole, keep) -> bool:
     logging.getLogger("corelooper.lm").warning(
         "corelooper-lm: the model's last decoder layer runs over every position from now on: %s. The loss "
         "is unchanged (the layer's own forward); this layer is not the Llama-family one it looks like.",
-        state.reason)
+        state.reason,
+    )
     return False
 
 
-def trimmed_forward(layer, hidden_states, kept: Kept, attention_mask, position_ids, position_embeddings,
-                    cu_seq_lens=None) -> torch.Tensor:
+def trimmed_forward(
+    layer, hidden_states, kept: Kept, attention_mask, position_ids, position_embeddings, cu_seq_lens=None
+) -> torch.Tensor:
     """A Llama-family layer's output at the kept positions: ``[1, n, hidden]``."""
     attn = layer.self_attn
     rows, length, _ = hidden_states.shape
@@ -195,8 +215,9 @@ def trimmed_forward(layer, hidden_states, kept: Kept, attention_mask, position_i
     return hidden.unsqueeze(0)
 
 
-def _kept_attention(attn, query, key, value, kept_rows: list[list[int]], attention_mask, position_ids,
-                    cu_seq_lens) -> torch.Tensor:
+def _kept_attention(
+    attn, query, key, value, kept_rows: list[list[int]], attention_mask, position_ids, cu_seq_lens
+) -> torch.Tensor:
     """``sdpa`` for the kept queries (``[1, heads, n, d]``) over the keys they would see in the
     full layer; ``[n, heads, d]``. One call per segment (per row with a 4-D mask), as the layer's
     own attention does; a kept query at position ``t`` of its segment sees keys ``0..t``."""
@@ -213,8 +234,13 @@ def _kept_attention(attn, query, key, value, kept_rows: list[list[int]], attenti
     for r, row_segments in enumerate(segments):
         sizes = [end - start for start, end in zip(bounds[r], bounds[r][1:], strict=False)]
         # split, not slices: one backward op writes every piece's gradient (segment_attention.py)
-        pieces = zip(key_rows[r].split(sizes, dim=2), value_rows[r].split(sizes, dim=2), bounds[r], row_segments,
-                     strict=False)
+        pieces = zip(
+            key_rows[r].split(sizes, dim=2),
+            value_rows[r].split(sizes, dim=2),
+            bounds[r],
+            row_segments,
+            strict=False,
+        )
         for k, v, start, kept in pieces:
             if kept:
                 out.append(_attend(attn, next(queries), k, v, kept, start, attention_mask, r))
@@ -232,9 +258,13 @@ def _attend(attn, query, key, value, kept: list[int], start: int, attention_mask
     elif len(kept) == length:  # every position kept: the layer's own causal call
         mask, is_causal = None, True
     else:  # a kept query at position t of its segment sees the keys 0..t
-        mask, is_causal = (torch.arange(length, device=key.device)[None, :] <= local[:, None])[None, None], None
-    return sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling,
-                                  is_causal=is_causal)[0].squeeze(0)  # a view: select's backward would copy
+        mask, is_causal = (
+            (torch.arange(length, device=key.device)[None, :] <= local[:, None])[None, None],
+            None,
+        )
+    return sdpa_attention_forward(
+        attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, is_causal=is_causal
+    )[0].squeeze(0)  # a view: select's backward would copy
 
 
 def _segments(kept_rows: list[list[int]], bounds: list[list[int]]) -> list[list[list[int]]]:

@@ -12,8 +12,9 @@ from corelooper_lm.accuracy import TrainTokenAccuracy, argmax, entropy
 from corelooper_lm.metrics import TokenAccuracy
 
 
-@pytest.mark.parametrize("shape", [(450, 2048), (3, 5, 2048), (7, 50257), (4, 151936), (2, 300), (1, 0, 64),
-                                   (5, 32000), (6, 17)])
+@pytest.mark.parametrize(
+    "shape", [(450, 2048), (3, 5, 2048), (7, 50257), (4, 151936), (2, 300), (1, 0, 64), (5, 32000), (6, 17)]
+)
 def test_the_same_indices_as_torch_argmax(shape):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
     assert torch.equal(argmax(x), x.argmax(-1))
@@ -50,7 +51,9 @@ def test_entropy_is_trls_in_pieces_too(shape, monkeypatch):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * 3
     whole = entropy(x)
     torch.testing.assert_close(whole.double(), trl_entropy(x.double()), rtol=0, atol=1e-6)  # the exact value
-    torch.testing.assert_close(whole, trl_entropy(x), rtol=1e-5, atol=1e-5)  # TRL's float32 formula rounds more
+    torch.testing.assert_close(
+        whole, trl_entropy(x), rtol=1e-5, atol=1e-5
+    )  # TRL's float32 formula rounds more
     monkeypatch.setattr(accuracy, "ENTROPY_CHUNK", 7 * max(shape[-1], 1))  # pieces of 7 rows
     assert torch.equal(entropy(x), whole)  # each row alone: the pieces change nothing
     assert entropy(x.bfloat16()).dtype == torch.float32  # counted in float32, whatever the logits

@@ -107,9 +107,14 @@ def test_bad_shapes_are_named():
 
 
 def _train_llama(model, samples, train_args, batch, ga, loss_impl, steps=3):
-    args = train_args(per_device_train_batch_size=batch, gradient_accumulation_steps=ga, max_steps=steps,
-                      lr_scheduler_type="constant", max_grad_norm=1.0,
-                      output_dir=train_args().output_dir + f"-{batch}x{ga}-{loss_impl}")
+    args = train_args(
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=ga,
+        max_steps=steps,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        output_dir=train_args().output_dir + f"-{batch}x{ga}-{loss_impl}",
+    )
     args = Config(train=args, sections={"lm": {"loss": loss_impl}})
     loop = Loop(copy.deepcopy(model), args, train_dataset=samples, blocked_plugins=["console"])
     loop.train()
@@ -124,7 +129,9 @@ def test_llama_chunked_equals_default_loss_and_stays_ga_exact(train_args, monkey
 
     calls = []
     real = chunked_ce.chunked_cross_entropy
-    monkeypatch.setattr(chunked_ce, "chunked_cross_entropy", lambda h, *a, **k: calls.append(h.shape) or real(h, *a, **k))
+    monkeypatch.setattr(
+        chunked_ce, "chunked_cross_entropy", lambda h, *a, **k: calls.append(h.shape) or real(h, *a, **k)
+    )
     samples = toys.lm_samples(24, seed=0)
     model = toys.tiny_llama(seed=0)
     hf_losses, hf_params = _train_llama(model, samples, train_args, 8, 1, "default")
@@ -142,8 +149,12 @@ def test_llama_chunked_equals_default_loss_and_stays_ga_exact(train_args, monkey
 
 
 def test_chunked_needs_an_hf_causal_lm(train_args):
-    loop = Loop(toys.tiny_lm(), Config(train=train_args(max_steps=1), sections={"lm": {"loss": "chunked"}}), train_dataset=toys.lm_samples(4),
-                blocked_plugins=["console"])
+    loop = Loop(
+        toys.tiny_lm(),
+        Config(train=train_args(max_steps=1), sections={"lm": {"loss": "chunked"}}),
+        train_dataset=toys.lm_samples(4),
+        blocked_plugins=["console"],
+    )
     with pytest.raises(ConfigError, match=r"lm.loss = 'chunked' needs a Hugging Face causal LM.*TinyLM"):
         loop.train()
 
@@ -158,12 +169,23 @@ def test_label_smoothing_and_shift_labels_as_hf():
     from corelooper_lm.chunked_ce import chunked_causal_lm_loss
 
     model = toys.tiny_llama(seed=3)
-    batch = {k: torch.stack([s[k] for s in toys.lm_samples(4, seed=1)]) for k in ("input_ids", "attention_mask", "labels")}
+    batch = {
+        k: torch.stack([s[k] for s in toys.lm_samples(4, seed=1)])
+        for k in ("input_ids", "attention_mask", "labels")
+    }
     n = (batch["labels"][:, 1:] != -100).sum()
     # label smoothing: the default loss computes it from the logits with F.cross_entropy
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    ref = F.cross_entropy(logits[:, :-1].reshape(-1, toys.VOCAB).float(), batch["labels"][:, 1:].reshape(-1),
-                          ignore_index=-100, reduction="sum", label_smoothing=0.1) / n
+    ref = (
+        F.cross_entropy(
+            logits[:, :-1].reshape(-1, toys.VOCAB).float(),
+            batch["labels"][:, 1:].reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+            label_smoothing=0.1,
+        )
+        / n
+    )
     got = chunked_causal_lm_loss(_Run(), model, batch, n, label_smoothing=0.1)
     assert abs(got.item() - ref.item()) < 1e-6
     # shift_labels (already shifted, e.g. by a padding-free collator): HF's own loss is the oracle
@@ -178,10 +200,22 @@ def test_models_whose_logits_are_not_a_plain_projection_are_refused():
     from corelooper_lm.chunked_ce import output_head
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    gemma = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
     assert gemma.config.final_logit_softcapping  # Gemma 2 soft-caps its logits
-    with pytest.raises(ConfigError, match=r"Gemma2ForCausalLM's logits are not that \(its config sets final_logit_softcapping"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Gemma2ForCausalLM's logits are not that \(its config sets final_logit_softcapping",
+    ):
         output_head(gemma)
     llama = toys.tiny_llama()
     assert output_head(llama) is llama.lm_head
@@ -194,9 +228,14 @@ def test_through_a_peft_model_equals_its_own_loss_and_gradients():
     from corelooper_lm.chunked_ce import chunked_causal_lm_loss
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(toys.tiny_llama(seed=4), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                lora_dropout=0.0, init_lora_weights=False))
-    batch = {k: torch.stack([s[k] for s in toys.lm_samples(4, seed=2)]) for k in ("input_ids", "attention_mask", "labels")}
+    model = get_peft_model(
+        toys.tiny_llama(seed=4),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False),
+    )
+    batch = {
+        k: torch.stack([s[k] for s in toys.lm_samples(4, seed=2)])
+        for k in ("input_ids", "attention_mask", "labels")
+    }
     n = (batch["labels"][:, 1:] != -100).sum()
     lora = [p for name, p in model.named_parameters() if "lora_" in name]
     ref = model(**batch, num_items_in_batch=n).loss

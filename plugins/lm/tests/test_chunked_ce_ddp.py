@@ -15,17 +15,31 @@ import distributed_worker as dw  # noqa: E402
 
 
 def test_chunked_loss_under_ddp_matches_one_process_with_hf_loss(tmp_path):
-    train = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 3,
-             "max_grad_norm": 1.0, "output_dir": str(tmp_path / "ddp")}
+    train = {
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "max_grad_norm": 1.0,
+        "output_dir": str(tmp_path / "ddp"),
+    }
     run = {"task": "llama", "n_train": 24, "train": train, "sections": {"lm": {"loss": "chunked"}}}
     # the second run proves the setting reaches the ranks' loss: a model that is no HF LM is refused
-    refused = {"task": "lm", "expect_error": True, "train": {**train, "output_dir": str(tmp_path / "refused")},
-               "sections": {"lm": {"loss": "chunked"}}}
+    refused = {
+        "task": "lm",
+        "expect_error": True,
+        "train": {**train, "output_dir": str(tmp_path / "refused")},
+        "sections": {"lm": {"loss": "chunked"}},
+    }
     by_rank, errors = dw.torchrun([dict(run), refused], tmp_path)
     for rank in (0, 1):
         assert "ConfigError: lm.loss = 'chunked' needs a Hugging Face causal LM" in errors[rank]["error"]
-    ref = dw.run_one({**run, "sections": {}, "train": {**train, "per_device_train_batch_size": 4,
-                                                       "output_dir": str(tmp_path / "one")}})
+    ref = dw.run_one(
+        {
+            **run,
+            "sections": {},
+            "train": {**train, "per_device_train_batch_size": 4, "output_dir": str(tmp_path / "one")},
+        }
+    )
     r0, r1 = by_rank[0], by_rank[1]
     assert r0["world_size"] == 2 and r0["wrapped"] == "DistributedDataParallel"
     assert torch.equal(torch.tensor(r0["local_params"]), torch.tensor(r1["local_params"]))  # ranks agree

@@ -35,8 +35,9 @@ def test_collator_pads_right_and_masks_padding_not_eos():
 
 
 def test_collator_left_padding_multiple_of_and_position_ids():
-    c = DataCollatorForCausalLM(pad_token_id=9, padding_side="left", pad_to_multiple_of=4,
-                                return_position_ids=True)
+    c = DataCollatorForCausalLM(
+        pad_token_id=9, padding_side="left", pad_to_multiple_of=4, return_position_ids=True
+    )
     batch = c([{"input_ids": [1, 2, 3, 4, 5]}, {"input_ids": torch.tensor([6, 7])}])
     assert batch["input_ids"].shape == (2, 8)
     assert batch["input_ids"][1].tolist() == [9] * 6 + [6, 7]
@@ -47,16 +48,19 @@ def test_collator_left_padding_multiple_of_and_position_ids():
 
 def test_collator_masks_prompt_of_prompt_completion_samples():
     c = DataCollatorForCausalLM(pad_token_id=0)
-    batch = c([
-        {"prompt_ids": [11, 12, 13], "completion_ids": [21, 22], "weight": 0.5},
-        {"input_ids": [31, 32, 33, 34], "prompt_length": 1, "weight": 2.0},
-    ])
+    batch = c(
+        [
+            {"prompt_ids": [11, 12, 13], "completion_ids": [21, 22], "weight": 0.5},
+            {"input_ids": [31, 32, 33, 34], "prompt_length": 1, "weight": 2.0},
+        ]
+    )
     assert batch["input_ids"].tolist() == [[11, 12, 13, 21, 22], [31, 32, 33, 34, 0]]
     assert batch["labels"].tolist() == [[-100, -100, -100, 21, 22], [-100, 32, 33, 34, -100]]
     assert batch["weight"].tolist() == [0.5, 2.0]
     assert "prompt_length" not in batch
     unmasked = DataCollatorForCausalLM(pad_token_id=0, mask_prompt=False)(
-        [{"prompt_ids": [11], "completion_ids": [21]}])
+        [{"prompt_ids": [11], "completion_ids": [21]}]
+    )
     assert unmasked["labels"].tolist() == [[11, 21]]
 
 
@@ -117,8 +121,13 @@ def test_length_grouped_order_is_a_seeded_permutation_grouping_lengths():
     assert order == length_grouped_order(lengths, batch_size=8, seed=7, epoch=0)
     assert order != length_grouped_order(lengths, batch_size=8, seed=7, epoch=1)
     assert lengths[order[0]] == max(lengths)  # the longest batch first: an OOM shows at once
-    spread = lambda o: sum(  # noqa: E731
-        max(lengths[i] for i in o[k:k + 8]) - min(lengths[i] for i in o[k:k + 8]) for k in range(0, 1000, 8))
+
+    def spread(o):
+        return sum(
+            max(lengths[i] for i in o[k : k + 8]) - min(lengths[i] for i in o[k : k + 8])
+            for k in range(0, 1000, 8)
+        )
+
     random_order = torch.randperm(1000, generator=torch.Generator().manual_seed(0)).tolist()
     assert spread(order) < spread(random_order) / 5  # padding within batches shrinks a lot
 
@@ -131,8 +140,9 @@ def test_group_by_length_loader_shards_ranks_and_resumes_exactly():
     collate = DataCollatorForCausalLM(pad_token_id=0)
 
     def loader(rank=0, replicas=1):
-        return BatchLoader(data, 4, collate_fn=collate, seed=3, num_replicas=replicas, rank=rank,
-                           lengths=lengths)
+        return BatchLoader(
+            data, 4, collate_fn=collate, seed=3, num_replicas=replicas, rank=rank, lengths=lengths
+        )
 
     full = loader()
     full.set_epoch(2)
@@ -181,10 +191,28 @@ class TinyLM(torch.nn.Module):
 def test_unused_columns_are_dropped_with_one_log_line(caplog, tmp_path):
     from corelooper import Loop
 
-    data = [{"input_ids": torch.randint(0, 50, (6,)), "labels": torch.randint(0, 50, (6,)),
-             "difficulty_score": torch.tensor(1.0), "source_id": torch.tensor(i)} for i in range(16)]
-    loop = Loop(TinyLM(), {"train": {"max_steps": 3, "output_dir": str(tmp_path), "save_strategy": "no",
-                                     "logging_steps": 1, "learning_rate": 1e-2}}, train_dataset=data)
+    data = [
+        {
+            "input_ids": torch.randint(0, 50, (6,)),
+            "labels": torch.randint(0, 50, (6,)),
+            "difficulty_score": torch.tensor(1.0),
+            "source_id": torch.tensor(i),
+        }
+        for i in range(16)
+    ]
+    loop = Loop(
+        TinyLM(),
+        {
+            "train": {
+                "max_steps": 3,
+                "output_dir": str(tmp_path),
+                "save_strategy": "no",
+                "logging_steps": 1,
+                "learning_rate": 1e-2,
+            }
+        },
+        train_dataset=data,
+    )
     with caplog.at_level(logging.WARNING, logger="corelooper.data.loader"):
         loop.train()
     lines = [r.getMessage() for r in caplog.records if "remove_unused_columns" in r.getMessage()]
@@ -201,10 +229,26 @@ def test_remove_unused_columns_false_passes_everything(tmp_path):
     from corelooper import Loop
     from corelooper.errors import TrainingError
 
-    data = [{"input_ids": torch.randint(0, 50, (6,)), "labels": torch.randint(0, 50, (6,)),
-             "source_id": torch.tensor(i)} for i in range(8)]
-    loop = Loop(TinyLM(), {"train": {"max_steps": 1, "output_dir": str(tmp_path), "save_strategy": "no",
-                                     "remove_unused_columns": False}}, train_dataset=data)
+    data = [
+        {
+            "input_ids": torch.randint(0, 50, (6,)),
+            "labels": torch.randint(0, 50, (6,)),
+            "source_id": torch.tensor(i),
+        }
+        for i in range(8)
+    ]
+    loop = Loop(
+        TinyLM(),
+        {
+            "train": {
+                "max_steps": 1,
+                "output_dir": str(tmp_path),
+                "save_strategy": "no",
+                "remove_unused_columns": False,
+            }
+        },
+        train_dataset=data,
+    )
     with pytest.raises(TrainingError, match="source_id"):
         loop.train()
 
@@ -230,10 +274,21 @@ def test_train_group_by_length_reaches_the_loop_batches(tmp_path):
     for flag in (False, True):
         recorder = Seen()
         seen = recorder.batches
-        loop = Loop(TinyLM(), {"train": {"output_dir": str(tmp_path / str(flag)), "max_steps": 12,
-                                         "save_strategy": "no", "per_device_train_batch_size": 8,
-                                         "group_by_length": flag}},
-                    train_dataset=data, data_collator=DataCollatorForCausalLM(pad_token_id=0), plugins=[recorder])
+        loop = Loop(
+            TinyLM(),
+            {
+                "train": {
+                    "output_dir": str(tmp_path / str(flag)),
+                    "max_steps": 12,
+                    "save_strategy": "no",
+                    "per_device_train_batch_size": 8,
+                    "group_by_length": flag,
+                }
+            },
+            train_dataset=data,
+            data_collator=DataCollatorForCausalLM(pad_token_id=0),
+            plugins=[recorder],
+        )
         loop.train()
         assert loop.state.global_step == 12
         padding[flag] = sum(int((b["attention_mask"] == 0).sum()) for b in seen)

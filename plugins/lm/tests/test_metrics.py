@@ -21,8 +21,15 @@ COMMON = dict(disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, report_
 def llama():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -35,9 +42,13 @@ def padded(seqs, length=20):
     rows = []
     for s in seqs:
         k = len(s)
-        rows.append({"input_ids": torch.tensor(s + [0] * (length - k)),
-                     "attention_mask": torch.tensor([1] * k + [0] * (length - k)),
-                     "labels": torch.tensor([-100] * 2 + s[2:] + [-100] * (length - k))})
+        rows.append(
+            {
+                "input_ids": torch.tensor(s + [0] * (length - k)),
+                "attention_mask": torch.tensor([1] * k + [0] * (length - k)),
+                "labels": torch.tensor([-100] * 2 + s[2:] + [-100] * (length - k)),
+            }
+        )
     return rows
 
 
@@ -52,10 +63,19 @@ def hf_token_accuracy(eval_pred):
 def test_token_accuracy_is_hfs_whole_set_compute_metrics_value(tmp_path):
     model, data = llama(), padded(sequences())
     args = dict(per_device_eval_batch_size=4, **COMMON)
-    hf = transformers.Trainer(model=copy.deepcopy(model), args=transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), **args), eval_dataset=data, compute_metrics=hf_token_accuracy)
-    loop = Loop(copy.deepcopy(model), TrainArgs(output_dir=str(tmp_path / "cl"), **args), eval_dataset=data,
-                compute_metrics=TokenAccuracy(), blocked_plugins=["console"])
+    hf = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **args),
+        eval_dataset=data,
+        compute_metrics=hf_token_accuracy,
+    )
+    loop = Loop(
+        copy.deepcopy(model),
+        TrainArgs(output_dir=str(tmp_path / "cl"), **args),
+        eval_dataset=data,
+        compute_metrics=TokenAccuracy(),
+        blocked_plugins=["console"],
+    )
     hf_acc, cl = hf.evaluate()["eval_accuracy"], loop.evaluate()
     assert 0 < cl["eval_accuracy"] == pytest.approx(hf_acc, abs=1e-12)
     assert loop.evaluate()["eval_accuracy"] == cl["eval_accuracy"]  # reset between evaluations
@@ -69,9 +89,13 @@ def test_packed_evaluation_gives_the_unpacked_accuracy_and_loss(tmp_path):
     assert len(packed) < len(seqs)  # really packed, several samples per row
     results = []
     for data, batch in ((alone, 1), (packed, 2)):
-        loop = Loop(copy.deepcopy(model), TrainArgs(output_dir=str(tmp_path / str(batch)), per_device_eval_batch_size=batch,
-                                                    **COMMON), eval_dataset=data, compute_metrics=TokenAccuracy(),
-                    blocked_plugins=["console"])
+        loop = Loop(
+            copy.deepcopy(model),
+            TrainArgs(output_dir=str(tmp_path / str(batch)), per_device_eval_batch_size=batch, **COMMON),
+            eval_dataset=data,
+            compute_metrics=TokenAccuracy(),
+            blocked_plugins=["console"],
+        )
         results.append(loop.evaluate())
     unpacked, in_rows = results
     assert in_rows["eval_accuracy"] == unpacked["eval_accuracy"] > 0
@@ -97,15 +121,23 @@ def test_the_token_accuracy_setting_reports_it_unless_the_run_has_its_own_metric
 
     def loop(name, lm, **kwargs):
         args = TrainArgs(output_dir=str(tmp_path / name), per_device_eval_batch_size=4, **COMMON)
-        return Loop(copy.deepcopy(model), Config(train=args, sections={"lm": lm}), eval_dataset=data,
-                    blocked_plugins=["console"], **kwargs)
+        return Loop(
+            copy.deepcopy(model),
+            Config(train=args, sections={"lm": lm}),
+            eval_dataset=data,
+            blocked_plugins=["console"],
+            **kwargs,
+        )
 
     given = loop("given", {}, compute_metrics=TokenAccuracy()).evaluate()
     on = loop("on", {"token_accuracy": True, "head": "trained"}).evaluate()
     assert on["eval_token_accuracy"] == given["eval_accuracy"] > 0
     assert abs(on["eval_loss"] - given["eval_loss"]) <= 1e-6 + 1e-9
-    own = loop("own", {"token_accuracy": True},
-               compute_metrics=lambda p, ids: hf_token_accuracy((p.numpy(), ids.numpy()))).evaluate()
+    own = loop(
+        "own",
+        {"token_accuracy": True},
+        compute_metrics=lambda p, ids: hf_token_accuracy((p.numpy(), ids.numpy())),
+    ).evaluate()
     assert "eval_token_accuracy" not in own and own["eval_accuracy"] == pytest.approx(given["eval_accuracy"])
     assert "eval_token_accuracy" not in loop("auto", {}).evaluate()  # "auto" outside [sft] runs: off
     with pytest.raises(ConfigError, match=r"lm.token_accuracy = 'yes': use true, false"):

@@ -23,8 +23,14 @@ transformers = pytest.importorskip("transformers")
 def tiny_llama(attn: str):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attn,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
     )
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -56,14 +62,18 @@ def test_packed_logits_equal_each_sample_alone(attn, use_cache):
     longest = max(sum(len(s.input_ids) for s in row) for row in rows)
     assert batch["attention_mask"].shape == (len(rows), 1, longest, longest)
     with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"], use_cache=use_cache).logits
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=use_cache,
+        ).logits
     worst = 0.0
     for r, row in enumerate(rows):
         pos = 0
         for seg in row:
             k = len(seg.input_ids)
-            worst = max(worst, (out[r, pos:pos + k] - alone_logits(model, seg)).abs().max().item())
+            worst = max(worst, (out[r, pos : pos + k] - alone_logits(model, seg)).abs().max().item())
             pos += k
     assert worst <= 1e-5, worst
 
@@ -75,7 +85,7 @@ def test_without_the_mask_samples_leak_so_the_test_can_fail():
     with torch.no_grad():
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     k = len(segs[0].input_ids)
-    second = out[0, k:k + len(segs[1].input_ids)]
+    second = out[0, k : k + len(segs[1].input_ids)]
     assert (second - alone_logits(model, segs[1])).abs().max().item() > 1e-2
 
 
@@ -85,8 +95,11 @@ def test_padding_free_batch_one_row_equals_padded_loss(attn):
     segs = samples(6, seed=4)
     free = SegmentCollator(pad_token_id=0, attn_implementation=attn)([segs])  # padding-free: one row
     longest = max(len(s.input_ids) for s in segs)
-    padded = {"input_ids": torch.zeros((6, longest), dtype=torch.long),
-              "labels": torch.full((6, longest), -100), "attention_mask": torch.zeros((6, longest), dtype=torch.long)}
+    padded = {
+        "input_ids": torch.zeros((6, longest), dtype=torch.long),
+        "labels": torch.full((6, longest), -100),
+        "attention_mask": torch.zeros((6, longest), dtype=torch.long),
+    }
     for r, s in enumerate(segs):
         k = len(s.input_ids)
         padded["input_ids"][r, :k] = torch.tensor(s.input_ids)
@@ -130,8 +143,11 @@ def naive_bfd(lengths, capacity):
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins, room = [], []
     for i in order:
-        best = min((r, b) for b, r in enumerate(room) if r >= lengths[i]) if any(
-            r >= lengths[i] for r in room) else None
+        best = (
+            min((r, b) for b, r in enumerate(room) if r >= lengths[i])
+            if any(r >= lengths[i] for r in room)
+            else None
+        )
         if best is None:
             bins.append([i])
             room.append(capacity - lengths[i])
@@ -192,15 +208,18 @@ def test_packed_dataset_bfd_items_do_not_leak_through_default_collate():
     batch = default_collate([ds[i] for i in range(len(ds))])
     assert batch["attention_mask"].shape == (len(ds), 1, 40, 40)
     with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"]).logits
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+        ).logits
     worst = 0.0
     for r, lens in enumerate(ds.seq_lengths):
         pos = 0
         for k in lens:
-            ids = batch["input_ids"][r, pos:pos + k].tolist()
+            ids = batch["input_ids"][r, pos : pos + k].tolist()
             alone = alone_logits(model, Segment(ids, ids, {}))
-            worst = max(worst, (out[r, pos:pos + k] - alone).abs().max().item())
+            worst = max(worst, (out[r, pos : pos + k] - alone).abs().max().item())
             pos += k
     assert worst <= 1e-5, worst
 
@@ -209,8 +228,16 @@ def test_flash_kwargs_reach_a_transformers_forward():
     from corelooper.data.columns import accepted_columns, forward_signature
 
     sig = forward_signature(tiny_llama("sdpa"))
-    keys = ["input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-            "max_length_k", "difficulty_score"]
+    keys = [
+        "input_ids",
+        "labels",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "difficulty_score",
+    ]
     assert accepted_columns(sig, keys) == tuple(k for k in keys if k != "difficulty_score")
 
 
@@ -245,10 +272,21 @@ def test_train_samples_per_second_counts_packed_samples(tmp_path):
     plan = plan_packing([len(s.input_ids) for s in segs], 32, "bfd")
     rows = [[segs[i] for i, _, _ in row] for row in plan]
     model = tiny_llama("sdpa").train()
-    loop = Loop(model, {"train": {"output_dir": str(tmp_path), "save_strategy": "no", "num_train_epochs": 2,
-                                  "per_device_train_batch_size": len(rows), "disable_tqdm": True,
-                                  "remove_unused_columns": False}},
-                train_dataset=rows, data_collator=SegmentCollator(pad_token_id=0, attn_implementation="sdpa"))
+    loop = Loop(
+        model,
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "save_strategy": "no",
+                "num_train_epochs": 2,
+                "per_device_train_batch_size": len(rows),
+                "disable_tqdm": True,
+                "remove_unused_columns": False,
+            }
+        },
+        train_dataset=rows,
+        data_collator=SegmentCollator(pad_token_id=0, attn_implementation="sdpa"),
+    )
     state = loop.train()
     assert state.total_samples_seen == 18
     summary = state.log_history[-1]

@@ -17,8 +17,15 @@ transformers = pytest.importorskip("transformers")
 def tiny_llama(attn="sdpa", kv_heads=2):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=256, attn_implementation=attn, use_cache=False,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+        use_cache=False,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -41,9 +48,11 @@ def alone(model, seg):
 def padded(segs, left=False):
     """The segments as a padded batch (right-padded, or left-padded with ``left``)."""
     longest = max(len(s.input_ids) for s in segs)
-    batch = {"input_ids": torch.zeros((len(segs), longest), dtype=torch.long),
-             "labels": torch.full((len(segs), longest), -100),
-             "attention_mask": torch.zeros((len(segs), longest), dtype=torch.long)}
+    batch = {
+        "input_ids": torch.zeros((len(segs), longest), dtype=torch.long),
+        "labels": torch.full((len(segs), longest), -100),
+        "attention_mask": torch.zeros((len(segs), longest), dtype=torch.long),
+    }
     for r, s in enumerate(segs):
         k = len(s.input_ids)
         where = slice(longest - k, longest) if left else slice(0, k)
@@ -62,14 +71,17 @@ def test_packed_logits_equal_each_sample_alone(kv_heads):
     plan = plan_packing([len(s.input_ids) for s in segs], 32, "bfd")
     rows = [[segs[i] for i, _, _ in row] for row in plan]
     batch = SegmentCollator(pad_token_id=0, attn_implementation=SEGMENT_SDPA)(rows)
-    assert "attention_mask" not in batch and batch["input_ids"].shape == (1, sum(len(s.input_ids) for s in segs))
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (
+        1,
+        sum(len(s.input_ids) for s in segs),
+    )
     with torch.no_grad():
         out = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
     order = [s for row in rows for s in row]
     pos, worst = 0, 0.0
     for seg in order:
         k = len(seg.input_ids)
-        worst = max(worst, (out[pos:pos + k] - refs[segs.index(seg)]).abs().max().item())
+        worst = max(worst, (out[pos : pos + k] - refs[segs.index(seg)]).abs().max().item())
         pos += k
     assert worst <= 1e-5, worst
 
@@ -85,7 +97,7 @@ def test_without_cu_seq_lens_segments_come_from_position_ids():
     pos = 0
     for seg, ref in zip(segs, refs, strict=True):
         k = len(seg.input_ids)
-        assert (out[pos:pos + k] - ref).abs().max().item() <= 1e-5
+        assert (out[pos : pos + k] - ref).abs().max().item() <= 1e-5
         pos += k
 
 

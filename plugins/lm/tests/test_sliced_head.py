@@ -73,13 +73,17 @@ def test_sliced_loss_and_predictions_equal_the_models_own(monkeypatch, family, n
 def forward_lengths(model) -> list[int]:
     """The positions of each forward of ``model``'s decoder."""
     lengths: list[int] = []
-    model.get_decoder().register_forward_pre_hook(lambda m, args, kw: lengths.append(kw["input_ids"].shape[1]),
-                                                  with_kwargs=True)
+    model.get_decoder().register_forward_pre_hook(
+        lambda m, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
     return lengths
 
 
-@pytest.mark.parametrize("wanted", [LogitsWanted(top2, True), LogitsWanted(top2, False), LogitsWanted(None, True)],
-                         ids=["counted", "every", "loss_only"])
+@pytest.mark.parametrize(
+    "wanted",
+    [LogitsWanted(top2, True), LogitsWanted(top2, False), LogitsWanted(None, True)],
+    ids=["counted", "every", "loss_only"],
+)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_padding_free_row_is_evaluated_in_pieces_of_whole_samples(monkeypatch, family, wanted):
     """Pieces of at most PIECE_POSITIONS positions (a longer sample alone), each a forward of its
@@ -158,8 +162,12 @@ def test_several_processes_evaluate_a_row_in_one_forward(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    done = subprocess.run([sys.executable, "-c", TWO_RANKS, str(Path(__file__).parent), str(port)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_RANKS, str(Path(__file__).parent), str(port)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -170,16 +178,28 @@ def test_label_smoothing_and_the_steps_item_count():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         loss, _ = preprocessed_loss(model, batch, torch.tensor(77), 0.1, LogitsWanted(top2, True))
     targets = trained_head.causal_targets(batch).reshape(-1)
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets, reduction="sum",
-                                            label_smoothing=0.1) / 77
+    ref = (
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), targets, reduction="sum", label_smoothing=0.1
+        )
+        / 77
+    )
     assert abs(loss.item() - ref.item()) <= 1e-6
 
 
 def test_a_model_that_changes_its_logits_after_the_head_is_named():
     """Gemma 2 soft-caps the logits after the output layer: the slices would lack it."""
-    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       final_logit_softcapping=5.0, attn_implementation="eager")
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        final_logit_softcapping=5.0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config).eval()
     batch = layout(model, "right_padded", segments(6))[0]
@@ -213,14 +233,27 @@ def hf_accuracy(eval_pred):
 
 def evaluate_both(tmp_path, model, data, lm, batch=4):
     """HF's Trainer.evaluate (argmax preprocessing, its documented way) and corelooper's."""
-    common = dict(per_device_eval_batch_size=batch, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
-                  report_to="none")
-    hf = transformers.Trainer(model=copy.deepcopy(model), args=transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), **common), eval_dataset=data, compute_metrics=hf_accuracy,
-        preprocess_logits_for_metrics=lambda logits, _labels: logits.argmax(-1)).evaluate()
-    loop = Loop(copy.deepcopy(model), Config(train=TrainArgs(output_dir=str(tmp_path / "cl"), **common),
-                                             sections={"lm": lm}),
-                eval_dataset=data, compute_metrics=TokenAccuracy(), blocked_plugins=["console"])
+    common = dict(
+        per_device_eval_batch_size=batch,
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        report_to="none",
+    )
+    hf = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **common),
+        eval_dataset=data,
+        compute_metrics=hf_accuracy,
+        preprocess_logits_for_metrics=lambda logits, _labels: logits.argmax(-1),
+    ).evaluate()
+    loop = Loop(
+        copy.deepcopy(model),
+        Config(train=TrainArgs(output_dir=str(tmp_path / "cl"), **common), sections={"lm": lm}),
+        eval_dataset=data,
+        compute_metrics=TokenAccuracy(),
+        blocked_plugins=["console"],
+    )
     return hf, loop
 
 
@@ -228,9 +261,19 @@ def model_of(family):
     if family == "llama":
         return make("llama", 2)
     torch.manual_seed(0)  # Gemma 2 soft-caps its logits after the output layer
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, final_logit_softcapping=5.0, attn_implementation="eager"))
+    return transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            final_logit_softcapping=5.0,
+            attn_implementation="eager",
+        )
+    )
 
 
 def fallback_warnings(caplog):
@@ -242,9 +285,21 @@ def test_loss_only_evaluation_runs_the_head_in_slices(tmp_path, caplog, family):
     from test_trained_head import prompt_masked, stack
 
     model, data = model_of(family), prompt_masked(10, seed=3)
-    loop = Loop(copy.deepcopy(model), Config(train=TrainArgs(
-        output_dir=str(tmp_path), per_device_eval_batch_size=4, disable_tqdm=True, use_cpu=True, report_to=[]),
-        sections={"lm": {"head": "trained"}}), eval_dataset=data, blocked_plugins=["console"])
+    loop = Loop(
+        copy.deepcopy(model),
+        Config(
+            train=TrainArgs(
+                output_dir=str(tmp_path),
+                per_device_eval_batch_size=4,
+                disable_tqdm=True,
+                use_cpu=True,
+                report_to=[],
+            ),
+            sections={"lm": {"head": "trained"}},
+        ),
+        eval_dataset=data,
+        blocked_plugins=["console"],
+    )
     calls = head_rows_of(loop.model.get_output_embeddings())
     with caplog.at_level(logging.WARNING, logger="corelooper.lm"):
         got = loop.evaluate()
@@ -270,7 +325,9 @@ def test_evaluate_with_token_accuracy_equals_hf_trainer(tmp_path, caplog, family
     with caplog.at_level(logging.WARNING, logger="corelooper.lm"):
         calls = head_rows_of(head)
         got = loop.evaluate()
-    assert got["eval_accuracy"] == pytest.approx(hf["eval_accuracy"], abs=1e-12) and got["eval_accuracy"] > 0.4
+    assert (
+        got["eval_accuracy"] == pytest.approx(hf["eval_accuracy"], abs=1e-12) and got["eval_accuracy"] > 0.4
+    )
     # HF's eval_loss is the mean of per-batch means; corelooper's is token-weighted over the set,
     # which is the model's own loss over all samples in one batch
     with torch.no_grad():
@@ -309,15 +366,30 @@ def test_metric_sees_the_same_predictions_with_and_without_the_sliced_head(tmp_p
     data = half_right(model, data)
     for head in ("all", "trained"):
         metric = Recorder()
-        loop = Loop(copy.deepcopy(model), Config(train=TrainArgs(
-            output_dir=str(tmp_path / head), per_device_eval_batch_size=4, disable_tqdm=True, use_cpu=True,
-            report_to=[]), sections={"lm": {"head": head}}), eval_dataset=data, compute_metrics=metric,
-            blocked_plugins=["console"])
+        loop = Loop(
+            copy.deepcopy(model),
+            Config(
+                train=TrainArgs(
+                    output_dir=str(tmp_path / head),
+                    per_device_eval_batch_size=4,
+                    disable_tqdm=True,
+                    use_cpu=True,
+                    report_to=[],
+                ),
+                sections={"lm": {"head": head}},
+            ),
+            eval_dataset=data,
+            compute_metrics=metric,
+            blocked_plugins=["console"],
+        )
         results[head] = (loop.evaluate(), metric.seen)
     (ref, ref_seen), (got, seen) = results["all"], results["trained"]
-    assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6 + 1e-9 and got["eval_accuracy"] == ref["eval_accuracy"] > 0.4
+    assert (
+        abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6 + 1e-9
+        and got["eval_accuracy"] == ref["eval_accuracy"] > 0.4
+    )
     for whole, sliced, sample in zip(ref_seen, seen, range(0, 9, 4), strict=True):
-        labels = torch.stack([d["labels"] for d in data[sample:sample + 4]])
+        labels = torch.stack([d["labels"] for d in data[sample : sample + 4]])
         counted = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1))
         assert torch.equal(sliced[counted], whole[counted]) and (sliced[~counted] == PAD).all()
 

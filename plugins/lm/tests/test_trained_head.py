@@ -42,7 +42,9 @@ def head_rows(model):
     rows: list[int] = []
     if not hasattr(model, "get_output_embeddings"):  # not an HF model: nothing to record
         return rows
-    model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: rows.append(out.shape[:-1].numel()))
+    model.get_output_embeddings().register_forward_hook(
+        lambda _m, _a, out: rows.append(out.shape[:-1].numel())
+    )
     return rows
 
 
@@ -101,14 +103,26 @@ def test_soft_capped_logits_and_lora_on_lm_head_stay_exact():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=toys.VOCAB, hidden_size=16, intermediate_size=32,
-                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                           head_dim=8, final_logit_softcapping=0.5, attn_implementation="eager"))
+    gemma = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=toys.VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            final_logit_softcapping=0.5,
+            attn_implementation="eager",
+        )
+    )
     assert why_not_exact(gemma) is None
     samples = prompt_masked(4, seed=4)
     assert_same_step(gemma, [stack(samples[:2]), stack(samples[2:])])
-    lora = get_peft_model(toys.tiny_llama(seed=5), LoraConfig(r=4, target_modules=["q_proj", "lm_head"],
-                                                               lora_dropout=0.0, init_lora_weights=False))
+    lora = get_peft_model(
+        toys.tiny_llama(seed=5),
+        LoraConfig(r=4, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False),
+    )
     rows = assert_same_step(lora, [stack(samples)])
     assert rows == [int((stack(samples)["labels"][:, 1:] != -100).sum())]
 
@@ -116,9 +130,18 @@ def test_soft_capped_logits_and_lora_on_lm_head_stay_exact():
 def test_what_is_not_exact_is_named():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    moe = MixtralForCausalLM(MixtralConfig(vocab_size=toys.VOCAB, hidden_size=16, intermediate_size=32,
-                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                           num_local_experts=2, output_router_logits=True))
+    moe = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=toys.VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_local_experts=2,
+            output_router_logits=True,
+        )
+    )
     assert "router (MoE) loss" in why_not_exact(moe)
     assert "no output layer" in why_not_exact(toys.tiny_lm())
     llama = toys.tiny_llama()
@@ -127,14 +150,26 @@ def test_what_is_not_exact_is_named():
 
 
 def _args(tmp_path, name, **overrides):
-    base = dict(output_dir=str(tmp_path / name), save_strategy="no", logging_steps=1, disable_tqdm=True,
-                learning_rate=1e-2, max_steps=3, lr_scheduler_type="constant", max_grad_norm=1.0)
+    base = dict(
+        output_dir=str(tmp_path / name),
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        learning_rate=1e-2,
+        max_steps=3,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+    )
     return TrainArgs(**{**base, **overrides})
 
 
 def train(model, tmp_path, name, lm, batch=6, ga=1, **train_args):
-    config = Config(train=_args(tmp_path, name, per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
-                                **train_args), sections={"lm": lm})
+    config = Config(
+        train=_args(
+            tmp_path, name, per_device_train_batch_size=batch, gradient_accumulation_steps=ga, **train_args
+        ),
+        sections={"lm": lm},
+    )
     model = copy.deepcopy(model)
     rows = head_rows(model)
     loop = Loop(model, config, train_dataset=prompt_masked(18, seed=7), blocked_plugins=["console"])
@@ -147,14 +182,19 @@ def train(model, tmp_path, name, lm, batch=6, ga=1, **train_args):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_in_a_loop_equals_the_full_head_with_ga(tmp_path, lm, smoothing):
     model = toys.tiny_llama(seed=6)
-    ref_losses, ref_params, ref_rows = train(model, tmp_path, "all", {"head": "all"},
-                                             label_smoothing_factor=smoothing)
-    losses, params, rows = train(model, tmp_path, "trained", lm, batch=3, ga=2, label_smoothing_factor=smoothing)
+    ref_losses, ref_params, ref_rows = train(
+        model, tmp_path, "all", {"head": "all"}, label_smoothing_factor=smoothing
+    )
+    losses, params, rows = train(
+        model, tmp_path, "trained", lm, batch=3, ga=2, label_smoothing_factor=smoothing
+    )
     assert len(losses) == len(ref_losses) == 3
     # logged losses are rounded to 6 decimals (corelooper/logwindow.py): one unit of rounding apart at most
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-6 + 1e-9
     assert max((ref_params[k] - params[k]).abs().max().item() for k in params) <= 1e-5
-    assert max((ref_params[k] - v).abs().max().item() for k, v in model.state_dict().items()) > 1e-3  # it trained
+    assert (
+        max((ref_params[k] - v).abs().max().item() for k, v in model.state_dict().items()) > 1e-3
+    )  # it trained
     if "loss" not in lm:  # the head ran on the trained positions only (the chunked loss bypasses it)
         assert sum(rows) < 0.6 * sum(ref_rows)
 
@@ -179,14 +219,26 @@ def test_auto_leaves_a_compiled_sft_run_to_the_model_s_own_loss(tmp_path):
     for head in ("auto", "trained"):
         torch._dynamo.reset()
         counters.clear()
-        loop = Loop(config=Config.from_dict({
-            "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data)},
-            "train": {"output_dir": str(tmp_path / head), "max_steps": 2, "save_strategy": "no",
-                      "per_device_train_batch_size": 6, "disable_tqdm": True, "torch_compile": True,
-                      "torch_compile_backend": "eager"},
-            "sft": {"assistant_only_loss": True, "max_length": 64, "padding_free": False},
-            "lm": {"head": head},
-        }), blocked_plugins=["console"])
+        loop = Loop(
+            config=Config.from_dict(
+                {
+                    "model": {"name_or_path": str(model_dir)},
+                    "data": {"train": str(data)},
+                    "train": {
+                        "output_dir": str(tmp_path / head),
+                        "max_steps": 2,
+                        "save_strategy": "no",
+                        "per_device_train_batch_size": 6,
+                        "disable_tqdm": True,
+                        "torch_compile": True,
+                        "torch_compile_backend": "eager",
+                    },
+                    "sft": {"assistant_only_loss": True, "max_length": 64, "padding_free": False},
+                    "lm": {"head": head},
+                }
+            ),
+            blocked_plugins=["console"],
+        )
         assert loop.plugins.pm.get_plugin("lm.run").head == ("all" if head == "auto" else "trained")
         loop.train()
         graphs[head] = counters["stats"]["unique_graphs"]
@@ -201,13 +253,26 @@ def test_auto_is_on_in_sft_runs_and_off_elsewhere(tmp_path):
     model_dir, data = make_model_folder(tmp_path / "model"), write_chats(tmp_path / "chats.jsonl")
     losses, tokens = {}, {}
     for head in ("auto", "all"):
-        loop = Loop(config=Config.from_dict({
-            "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data)},
-            "train": {"output_dir": str(tmp_path / head), "max_steps": 2, "save_strategy": "no", "logging_steps": 1,
-                      "per_device_train_batch_size": 6, "learning_rate": 1e-2, "disable_tqdm": True},
-            "sft": {"assistant_only_loss": True, "max_length": 64, "padding_free": True},
-            "lm": {"head": head},
-        }), blocked_plugins=["console"])
+        loop = Loop(
+            config=Config.from_dict(
+                {
+                    "model": {"name_or_path": str(model_dir)},
+                    "data": {"train": str(data)},
+                    "train": {
+                        "output_dir": str(tmp_path / head),
+                        "max_steps": 2,
+                        "save_strategy": "no",
+                        "logging_steps": 1,
+                        "per_device_train_batch_size": 6,
+                        "learning_rate": 1e-2,
+                        "disable_tqdm": True,
+                    },
+                    "sft": {"assistant_only_loss": True, "max_length": 64, "padding_free": True},
+                    "lm": {"head": head},
+                }
+            ),
+            blocked_plugins=["console"],
+        )
         # registered either way in an [sft] run (it counts the training token_accuracy); "all": the model's loss
         assert loop.plugins.pm.get_plugin("lm.run").head == ("trained?" if head == "auto" else "all")
         rows = head_rows(loop.model)
@@ -215,22 +280,40 @@ def test_auto_is_on_in_sft_runs_and_off_elsewhere(tmp_path):
         losses[head] = [h["loss"] for h in loop.state.log_history if "loss" in h]
         tokens[head] = sum(rows)
     assert len(losses["auto"]) == 2
-    assert max(abs(a - b) for a, b in zip(losses["auto"], losses["all"], strict=True)) <= 1e-6 + 1e-9  # rounded
+    assert (
+        max(abs(a - b) for a, b in zip(losses["auto"], losses["all"], strict=True)) <= 1e-6 + 1e-9
+    )  # rounded
     assert 0 < tokens["auto"] < tokens["all"] / 1.5  # the full head computed the prompt's logits too
-    off = Loop(config=Config.from_dict({  # head "all" and no token_accuracy: nothing left for it to do
-        "model": {"name_or_path": str(model_dir)}, "data": {"train": str(data)},
-        "train": {"output_dir": str(tmp_path / "off"), "max_steps": 1},
-        "sft": {"max_length": 64}, "lm": {"head": "all", "token_accuracy": False},
-    }), blocked_plugins=["console"])
-    assert off.plugins.pm.get_plugin("lm.run") is None and off.plugins.pm.get_plugin("lm.train_token_accuracy") is None
+    off = Loop(
+        config=Config.from_dict(
+            {  # head "all" and no token_accuracy: nothing left for it to do
+                "model": {"name_or_path": str(model_dir)},
+                "data": {"train": str(data)},
+                "train": {"output_dir": str(tmp_path / "off"), "max_steps": 1},
+                "sft": {"max_length": 64},
+                "lm": {"head": "all", "token_accuracy": False},
+            }
+        ),
+        blocked_plugins=["console"],
+    )
+    assert (
+        off.plugins.pm.get_plugin("lm.run") is None
+        and off.plugins.pm.get_plugin("lm.train_token_accuracy") is None
+    )
     # outside SFT runs "auto" leaves the model's own loss alone: nothing registered
-    loop = Loop(toys.tiny_llama(), Config(train=_args(tmp_path, "plain")), train_dataset=prompt_masked(6),
-                blocked_plugins=["console"])
+    loop = Loop(
+        toys.tiny_llama(),
+        Config(train=_args(tmp_path, "plain")),
+        train_dataset=prompt_masked(6),
+        blocked_plugins=["console"],
+    )
     assert loop.plugins.pm.get_plugin("lm.run") is None
 
 
 def test_asked_for_together_with_liger_fused_loss_is_refused(tmp_path):
-    pytest.importorskip("corelooper_liger", reason="corelooper-liger (plugins/liger) declares the [liger] section")
+    pytest.importorskip(
+        "corelooper_liger", reason="corelooper-liger (plugins/liger) declares the [liger] section"
+    )
     with pytest.raises(ConfigError, match=r"lm.head = 'trained' and Liger's fused linear cross-entropy"):
         train(toys.tiny_llama(), tmp_path, "liger", {"head": "trained"}, use_liger_kernel=True)
 
@@ -240,7 +323,9 @@ def evaluate(model, tmp_path, name, lm, **loop_kwargs):
     config = Config(train=_args(tmp_path, name, per_device_eval_batch_size=4), sections={"lm": lm})
     model = copy.deepcopy(model)
     rows = head_rows(model)
-    loop = Loop(model, config, eval_dataset=prompt_masked(10, seed=3), blocked_plugins=["console"], **loop_kwargs)
+    loop = Loop(
+        model, config, eval_dataset=prompt_masked(10, seed=3), blocked_plugins=["console"], **loop_kwargs
+    )
     return loop.evaluate(), rows
 
 
@@ -284,7 +369,11 @@ def test_evaluation_that_needs_the_logits_gets_every_position(tmp_path):
     assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6 + 1e-9  # its loss from them, a slice at a time
     sees = _SeesOutputs()  # a plugin's on_prediction_step that takes the outputs gets them, whole
     got, rows = evaluate(model, tmp_path, "hooked", {"head": "trained"}, plugins=[sees])
-    assert rows == ref_rows and len(sees.shapes) == 3 and all(s[-1] == model.config.vocab_size for s in sees.shapes)
+    assert (
+        rows == ref_rows
+        and len(sees.shapes) == 3
+        and all(s[-1] == model.config.vocab_size for s in sees.shapes)
+    )
     assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-6
 
 
@@ -303,8 +392,11 @@ def test_the_loss_from_kept_logits_is_hfs_a_chunk_at_a_time(monkeypatch, smoothi
     labels[:, :15] = -100
     widths: list[int] = []
     real_ce = torch.nn.functional.cross_entropy
-    monkeypatch.setattr(torch.nn.functional, "cross_entropy",
-                        lambda x, *a, **k: widths.append(x.shape[0]) or real_ce(x, *a, **k))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "cross_entropy",
+        lambda x, *a, **k: widths.append(x.shape[0]) or real_ce(x, *a, **k),
+    )
     monkeypatch.setattr(trained_head, "EVAL_CHUNK_BYTES", 4 * 500 * 100)  # 100 rows per slice
     got = loss_from_logits(logits, causal_targets({"labels": labels}), torch.tensor(70), smoothing)
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", real_ce)
@@ -315,4 +407,3 @@ def test_the_loss_from_kept_logits_is_hfs_a_chunk_at_a_time(monkeypatch, smoothi
         ref = ForCausalLMLoss(logits, labels, vocab_size=500, num_items_in_batch=torch.tensor(70))
     assert abs(got.item() - ref.item()) <= 1e-6 and ref.item() > 1.0
     assert widths == [100, 20]  # 120 positions, 100 at a time
-

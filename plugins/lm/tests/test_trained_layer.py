@@ -22,8 +22,15 @@ from test_trained_head import ga_step, own_loss  # one GA step's loss and gradie
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 96
-SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=256, use_cache=False)
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    use_cache=False,
+)
 
 
 def make(family="llama", kv_heads=4, attn="sdpa", seed=0, **extra):
@@ -33,7 +40,9 @@ def make(family="llama", kv_heads=4, attn="sdpa", seed=0, **extra):
     elif family == "qwen2":  # biased q/k/v projections
         config = transformers.Qwen2Config(**SIZES, num_key_value_heads=kv_heads, **extra)
     elif family == "mistral":  # without a sliding window (with one: not trimmed, below)
-        config = transformers.MistralConfig(**SIZES, num_key_value_heads=kv_heads, sliding_window=None, **extra)
+        config = transformers.MistralConfig(
+            **SIZES, num_key_value_heads=kv_heads, sliding_window=None, **extra
+        )
     else:
         config = transformers.LlamaConfig(**SIZES, num_key_value_heads=kv_heads, **extra)
     config._attn_implementation = attn
@@ -59,18 +68,28 @@ def segments(n=6, seed=0, turns=1):
 
 def layout(model, name, segs):
     """The micro-batches of one GA step in layout ``name`` (the model switched as that layout needs)."""
-    halves = [segs[: len(segs) // 2], segs[len(segs) // 2:]]
+    halves = [segs[: len(segs) // 2], segs[len(segs) // 2 :]]
     if name in ("segments", "positions_only"):
         use_segment_attention(model)
         batches = [SegmentCollator(0, SEGMENT_SDPA)([h]) for h in halves]
         if name == "positions_only":  # the segments read from position_ids (they restart at 0)
-            batches = [{k: v for k, v in b.items() if not k.startswith(("cu_seq", "max_length"))} for b in batches]
+            batches = [
+                {k: v for k, v in b.items() if not k.startswith(("cu_seq", "max_length"))} for b in batches
+            ]
         return batches
     if name == "block_mask":  # several packed rows, plain sdpa with a 4-D boolean block mask
         return [SegmentCollator(0, "sdpa")([h[:2], h[2:]]) for h in halves]
     if name == "full_rows":  # equal lengths, no padding, no mask: the layer's own causal path
-        return [{k: v for k, v in padded([Segment(s.input_ids[:4], s.labels[:3] + [s.input_ids[3]], {})
-                                          for s in h]).items() if k != "attention_mask"} for h in halves]
+        return [
+            {
+                k: v
+                for k, v in padded(
+                    [Segment(s.input_ids[:4], s.labels[:3] + [s.input_ids[3]], {}) for s in h]
+                ).items()
+                if k != "attention_mask"
+            }
+            for h in halves
+        ]
     return [padded(h, left=name == "left_padded") for h in halves]
 
 
@@ -101,7 +120,9 @@ LAYOUTS = ["right_padded", "left_padded", "full_rows", "segments", "positions_on
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-@pytest.mark.parametrize("family,kv_heads", [("llama", 4), ("llama", 2), ("qwen3", 2), ("qwen2", 4), ("mistral", 2)])
+@pytest.mark.parametrize(
+    "family,kv_heads", [("llama", 4), ("llama", 2), ("qwen3", 2), ("qwen2", 4), ("mistral", 2)]
+)
 def test_trimmed_layer_equals_the_models_own_loss_and_gradients(family, kv_heads, name):
     model = make(family, kv_heads)
     assert why_not_trimmable(model) is None
@@ -110,8 +131,12 @@ def test_trimmed_layer_equals_the_models_own_loss_and_gradients(family, kv_heads
 
 
 def test_a_sample_whose_last_position_alone_trains_and_one_that_trains_nothing():
-    segs = [Segment([5, 6, 7, 8], [-100, -100, -100, 8], {}), Segment([9, 10, 11], [-100, -100, -100], {}),
-            Segment([12, 13], [12, 13], {}), Segment([14, 15, 16], [-100, 15, -100], {})]
+    segs = [
+        Segment([5, 6, 7, 8], [-100, -100, -100, 8], {}),
+        Segment([9, 10, 11], [-100, -100, -100], {}),
+        Segment([12, 13], [12, 13], {}),
+        Segment([14, 15, 16], [-100, 15, -100], {}),
+    ]
     rows, trained, _ = compare(make(), "segments", segs)
     assert rows == trained == [1, 2]
     model = make()
@@ -135,13 +160,22 @@ def test_evaluation_trims_with_dropout_configured_because_it_is_inactive():
 def test_where_trimming_would_change_the_numbers_the_whole_layer_runs(case):
     """Dropout draws per position, so fewer positions would draw other masks; a recomputed layer
     (gradient checkpointing) runs its own forward after this one. Same seed, same loss, whole layer."""
-    model = make(attention_dropout=0.2 if case == "attention_dropout" else 0.0,
-                 attn="eager" if case == "eager" else "sdpa")
+    model = make(
+        attention_dropout=0.2 if case == "attention_dropout" else 0.0,
+        attn="eager" if case == "eager" else "sdpa",
+    )
     if case == "lora_dropout":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                 lora_dropout=0.2, init_lora_weights=False))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                target_modules=["q_proj", "v_proj", "down_proj"],
+                lora_dropout=0.2,
+                init_lora_weights=False,
+            ),
+        )
     if case == "gradient_checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -154,24 +188,55 @@ def test_where_trimming_would_change_the_numbers_the_whole_layer_runs(case):
 def test_lora_without_dropout_is_trimmed_and_exact():
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(make(kv_heads=2), LoraConfig(r=4, target_modules=["q_proj", "o_proj", "up_proj"],
-                                                        lora_dropout=0.0, init_lora_weights=False))
+    model = get_peft_model(
+        make(kv_heads=2),
+        LoraConfig(
+            r=4, target_modules=["q_proj", "o_proj", "up_proj"], lora_dropout=0.0, init_lora_weights=False
+        ),
+    )
     rows, trained, _ = compare(model, "segments", segments(6, seed=7, turns=2))
     assert rows == trained
 
 
 def test_what_it_does_not_understand_is_named():
-    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=8, attn_implementation="eager"))
+    gemma = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            attn_implementation="eager",
+        )
+    )
     assert "not a Llama-family layer's" in why_not_trimmable(gemma)
-    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, sliding_window=8, attn_implementation="sdpa"))
+    mistral = transformers.MistralForCausalLM(
+        transformers.MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            sliding_window=8,
+            attn_implementation="sdpa",
+        )
+    )
     assert "sliding-window" in why_not_trimmable(mistral)
-    full = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, sliding_window=None, attn_implementation="sdpa"))
+    full = transformers.MistralForCausalLM(
+        transformers.MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            sliding_window=None,
+            attn_implementation="sdpa",
+        )
+    )
     assert why_not_trimmable(full) is None
 
 
@@ -217,11 +282,15 @@ def test_the_chunked_loss_over_trained_positions_uses_the_trimmed_layer_too():
     from corelooper_lm.chunked_ce import chunked_causal_lm_loss
 
     def chunked(model, batch, n):
-        return chunked_causal_lm_loss(SimpleNamespace(loss_type="causal_lm"), model, batch, n, trained_only=True)
+        return chunked_causal_lm_loss(
+            SimpleNamespace(loss_type="causal_lm"), model, batch, n, trained_only=True
+        )
 
     model = make(kv_heads=2)
     reference, probe = copy.deepcopy(model), copy.deepcopy(model)
-    ref_loss, ref_grads = ga_step(reference, layout(reference, "segments", segments(6, seed=8, turns=2)), own_loss)
+    ref_loss, ref_grads = ga_step(
+        reference, layout(reference, "segments", segments(6, seed=8, turns=2)), own_loss
+    )
     rows = layer_rows(probe)
     batches = layout(probe, "segments", segments(6, seed=8, turns=2))
     loss, grads = ga_step(probe, batches, chunked)

@@ -111,5 +111,10 @@ class NEFTune:
 @hookimpl
 def corelooper_settings():
     """HF's ``neftune_noise_alpha`` -> ``[neftune] noise_alpha``."""
-    return {"train": {"neftune_noise_alpha": lambda value, train: (
-        None if value is None else {SECTION: {"noise_alpha": value}})}}
+    return {
+        "train": {
+            "neftune_noise_alpha": lambda value, train: (
+                None if value is None else {SECTION: {"noise_alpha": value}}
+            )
+        }
+    }

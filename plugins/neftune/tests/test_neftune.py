@@ -48,10 +48,23 @@ class Probe:
 def test_noise_only_while_training_and_hook_removed_after(tmp_path):
     probe = Probe()
     model = TinyLM()
-    loop = Loop(model, {"train": {"output_dir": str(tmp_path), "max_steps": 3, "save_strategy": "no",
-                                  "eval_strategy": "steps", "eval_steps": 2, "logging_steps": 1},
-                        "neftune": {"noise_alpha": 5.0}},
-                train_dataset=data(), eval_dataset=data(8), plugins=[probe])
+    loop = Loop(
+        model,
+        {
+            "train": {
+                "output_dir": str(tmp_path),
+                "max_steps": 3,
+                "save_strategy": "no",
+                "eval_strategy": "steps",
+                "eval_steps": 2,
+                "logging_steps": 1,
+            },
+            "neftune": {"noise_alpha": 5.0},
+        },
+        train_dataset=data(),
+        eval_dataset=data(8),
+        plugins=[probe],
+    )
     assert not model.embed._forward_hooks  # nothing before training begins
     loop.train()
     assert len(probe.seen) == 3
@@ -75,8 +88,12 @@ def test_hook_removed_when_training_fails(tmp_path):
             raise RuntimeError("boom")
 
     model = TinyLM()
-    loop = Loop(model, {"train": {"output_dir": str(tmp_path), "max_steps": 3, "save_strategy": "no"},
-                        "neftune": {}}, train_dataset=data(), plugins=[Boom()])
+    loop = Loop(
+        model,
+        {"train": {"output_dir": str(tmp_path), "max_steps": 3, "save_strategy": "no"}, "neftune": {}},
+        train_dataset=data(),
+        plugins=[Boom()],
+    )
     with pytest.raises(Exception, match="boom"):
         loop.train()
     assert not model.embed._forward_hooks
@@ -84,22 +101,45 @@ def test_hook_removed_when_training_fails(tmp_path):
 
 def test_inert_without_section_and_clear_errors(tmp_path):
     model = TinyLM()
-    Loop(model, {"train": {"output_dir": str(tmp_path), "max_steps": 1, "save_strategy": "no"}},
-         train_dataset=data(), plugins=[Probe()]).train()
+    Loop(
+        model,
+        {"train": {"output_dir": str(tmp_path), "max_steps": 1, "save_strategy": "no"}},
+        train_dataset=data(),
+        plugins=[Probe()],
+    ).train()
     assert not model.embed._forward_hooks
-    for section, match in (({"noise_alpha": 0.0}, "noise_alpha must be > 0"),
-                           ({"module": "nope"}, "neftune.module = 'nope'")):
-        loop = Loop(TinyLM(), {"train": {"output_dir": str(tmp_path / "x"), "max_steps": 1,
-                                         "save_strategy": "no", "overwrite_output_dir": True},
-                               "neftune": section}, train_dataset=data())
+    for section, match in (
+        ({"noise_alpha": 0.0}, "noise_alpha must be > 0"),
+        ({"module": "nope"}, "neftune.module = 'nope'"),
+    ):
+        loop = Loop(
+            TinyLM(),
+            {
+                "train": {
+                    "output_dir": str(tmp_path / "x"),
+                    "max_steps": 1,
+                    "save_strategy": "no",
+                    "overwrite_output_dir": True,
+                },
+                "neftune": section,
+            },
+            train_dataset=data(),
+        )
         with pytest.raises(ConfigError, match=match):
             loop.train()
 
 
 def test_hf_model_input_embeddings_get_the_noise(tmp_path):
     transformers = pytest.importorskip("transformers")  # test extra of corelooper-neftune
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     seen = []
@@ -111,7 +151,14 @@ def test_hf_model_input_embeddings_get_the_noise(tmp_path):
             with torch.no_grad():
                 seen.append(not torch.equal(emb(x), torch.nn.functional.embedding(x, emb.weight)))
 
-    Loop(model, {"train": {"output_dir": str(tmp_path), "max_steps": 2, "save_strategy": "no"},
-                 "neftune": {"noise_alpha": 10.0}}, train_dataset=data(), plugins=[Look()]).train()
+    Loop(
+        model,
+        {
+            "train": {"output_dir": str(tmp_path), "max_steps": 2, "save_strategy": "no"},
+            "neftune": {"noise_alpha": 10.0},
+        },
+        train_dataset=data(),
+        plugins=[Look()],
+    ).train()
     assert seen == [True, True]
     assert not model.get_input_embeddings()._forward_hooks

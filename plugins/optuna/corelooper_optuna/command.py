@@ -20,7 +20,8 @@ def add_hpo_command(app: typer.Typer) -> None:
     def hpo(
         config: Annotated[Path, typer.Argument(help="The TOML config file, with an [optuna] section.")],
         trials: Annotated[
-            int | None, typer.Option("--trials", "-n", help="Total trials of the study (default: optuna.n_trials).")
+            int | None,
+            typer.Option("--trials", "-n", help="Total trials of the study (default: optuna.n_trials)."),
         ] = None,
         set_: SetOpt = None,
         p: PluginOpt = None,

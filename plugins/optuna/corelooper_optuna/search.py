@@ -100,7 +100,9 @@ def apply(base: dict, params: dict[str, Any]) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"optuna.space: {path!r} does not name a config value ({p!r} is not a table).")
+                raise ConfigError(
+                    f"optuna.space: {path!r} does not name a config value ({p!r} is not a table)."
+                )
         node[last] = value
     return d
 
@@ -116,23 +118,34 @@ def make_study(config: Config, s: dict, direction: str):
     out = Path(config.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     storage = s["storage"] or f"sqlite:///{(out / 'optuna.db').resolve()}"
-    sampler = {"tpe": lambda: optuna.samplers.TPESampler(seed=s["seed"]),
-               "random": lambda: optuna.samplers.RandomSampler(seed=s["seed"])}.get(s["sampler"])
+    sampler = {
+        "tpe": lambda: optuna.samplers.TPESampler(seed=s["seed"]),
+        "random": lambda: optuna.samplers.RandomSampler(seed=s["seed"]),
+    }.get(s["sampler"])
     if sampler is None:
         raise ConfigError(f'optuna.sampler must be "tpe" or "random", got {s["sampler"]!r}.')
     if s["pruner"] == "median":
-        pruner = optuna.pruners.MedianPruner(n_startup_trials=s["n_startup_trials"], n_warmup_steps=s["n_warmup_steps"])
+        pruner = optuna.pruners.MedianPruner(
+            n_startup_trials=s["n_startup_trials"], n_warmup_steps=s["n_warmup_steps"]
+        )
     elif s["pruner"] == "none":
         pruner = optuna.pruners.NopPruner()
     else:
         raise ConfigError(f'optuna.pruner must be "median" or "none", got {s["pruner"]!r}.')
     name = s["study_name"] or out.resolve().name
-    return optuna.create_study(study_name=name, storage=storage, sampler=sampler(), pruner=pruner,
-                               direction=direction, load_if_exists=True)
+    return optuna.create_study(
+        study_name=name,
+        storage=storage,
+        sampler=sampler(),
+        pruner=pruner,
+        direction=direction,
+        load_if_exists=True,
+    )
 
 
-def run_study(config: Config, trials: int | None = None, blocked: list[str] = (),
-              echo: Callable[[str], None] = print):
+def run_study(
+    config: Config, trials: int | None = None, blocked: list[str] = (), echo: Callable[[str], None] = print
+):
     """Run (or resume) the study; returns it. Prints the trials table and the best trial."""
     import optuna
 
@@ -174,11 +187,15 @@ def run_study(config: Config, trials: int | None = None, blocked: list[str] = ()
         loop.train()
         trial.set_user_attr("output_dir", str(trial_dir))
         if reporter.pruned_at is not None:
-            echo(f"trial {trial.number}: pruned at step {reporter.pruned_at} ({metric} = {reporter.last:.6g})")
+            echo(
+                f"trial {trial.number}: pruned at step {reporter.pruned_at} ({metric} = {reporter.last:.6g})"
+            )
             raise optuna.TrialPruned()
         if reporter.last is None:  # no evaluation during training: evaluate the final model
             if loop.eval_dataset is None:
-                raise ConfigError(f"optuna watches {metric!r}, but the config has no evaluation data (data.eval).")
+                raise ConfigError(
+                    f"optuna watches {metric!r}, but the config has no evaluation data (data.eval)."
+                )
             loop.evaluate()
         echo(f"trial {trial.number}: {metric} = {reporter.last:.6g}")
         return reporter.last
@@ -196,8 +213,13 @@ def report(study, metric: str, out: Path, echo: Callable[[str], None]) -> dict |
     names = sorted({k for t in study.trials for k in t.params})
     rows = [["trial", "state", metric, *names]]
     for t in study.trials:
-        value = f"{t.value:.6g}" if t.value is not None else (
-            f"{t.intermediate_values[max(t.intermediate_values)]:.6g}*" if t.intermediate_values else "-")
+        value = (
+            f"{t.value:.6g}"
+            if t.value is not None
+            else (
+                f"{t.intermediate_values[max(t.intermediate_values)]:.6g}*" if t.intermediate_values else "-"
+            )
+        )
         rows.append([str(t.number), t.state.name.lower(), value, *(_fmt(t.params.get(n)) for n in names)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -208,11 +230,20 @@ def report(study, metric: str, out: Path, echo: Callable[[str], None]) -> dict |
         return None
     best = study.best_trial
     trial_dir = best.user_attrs.get("output_dir", str(out / f"trial-{best.number}"))
-    summary = {"number": best.number, "metric": metric, "value": best.value, "direction": study.direction.name.lower(),
-               "params": best.params, "output_dir": trial_dir, "config": str(Path(trial_dir) / "config.toml"),
-               "trials": len(study.trials)}
+    summary = {
+        "number": best.number,
+        "metric": metric,
+        "value": best.value,
+        "direction": study.direction.name.lower(),
+        "params": best.params,
+        "output_dir": trial_dir,
+        "config": str(Path(trial_dir) / "config.toml"),
+        "trials": len(study.trials),
+    }
     (out / "best_trial.json").write_text(json.dumps(summary, indent=1) + "\n")
-    echo(f"best trial {best.number}: {metric} = {best.value:.6g}  ({', '.join(f'{k}={_fmt(v)}' for k, v in best.params.items())})")
+    echo(
+        f"best trial {best.number}: {metric} = {best.value:.6g}  ({', '.join(f'{k}={_fmt(v)}' for k, v in best.params.items())})"
+    )
     echo(f"  its run: {trial_dir} (config: {summary['config']}); summary in {out / 'best_trial.json'}")
     return summary
 

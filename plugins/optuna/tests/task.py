@@ -22,7 +22,9 @@ class Blobs(torch.utils.data.Dataset):
 class MLP(torch.nn.Module):
     def __init__(self, hidden: int = 16):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4)
+        )
 
     def forward(self, x):
         return self.net(x)

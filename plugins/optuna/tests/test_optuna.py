@@ -41,8 +41,8 @@ seed = 7
 [optuna.space]
 {space}
 """
-SPACE = '''"train.learning_rate" = { low = 1e-4, high = 0.3, log = true }
-"model.args.hidden" = [8, 32]'''
+SPACE = """"train.learning_rate" = { low = 1e-4, high = 0.3, log = true }
+"model.args.hidden" = [8, 32]"""
 
 
 def write_config(tmp_path, extra: str = "", space: str = SPACE) -> Path:
@@ -54,8 +54,14 @@ def write_config(tmp_path, extra: str = "", space: str = SPACE) -> Path:
 def hpo(*args, cwd):
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     env.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", None)
-    return subprocess.run([sys.executable, "-m", "corelooper", "hpo", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "corelooper", "hpo", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def last_eval(run_dir: Path, key: str) -> float:
@@ -105,13 +111,18 @@ def test_three_trials_best_config_and_metric_reported_and_study_resumes(tmp_path
 def test_a_bad_trial_is_pruned_at_its_first_evaluation(tmp_path):
     """Trial 0 learns (lr 0.05); trial 1 cannot (lr 0): at step 4 its eval_loss is above the
     median of trial 0's, so the median pruner stops it there."""
-    extra = ('pruner = "median"\nn_startup_trials = 1\n'
-             'enqueue = [{ "train.learning_rate" = 0.05 }, { "train.learning_rate" = 0.0 }]')
+    extra = (
+        'pruner = "median"\nn_startup_trials = 1\n'
+        'enqueue = [{ "train.learning_rate" = 0.05 }, { "train.learning_rate" = 0.0 }]'
+    )
     cfg = write_config(tmp_path, extra=extra, space='"train.learning_rate" = [0.05, 0.0]')
     proc = hpo(str(cfg), "--trials", "2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trial 1: pruned at step 4" in proc.stdout
-    rows = [json.loads(line) for line in (tmp_path / "study" / "trial-1" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "study" / "trial-1" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows if r["event"] == "eval"] == [4]  # it stopped after that evaluation
     best = json.loads((tmp_path / "study" / "best_trial.json").read_text())
     assert best["number"] == 0 and best["params"] == {"train.learning_rate": 0.05}
@@ -137,8 +148,11 @@ def test_inert_in_a_normal_run(tmp_path, make_loop):
     """Installed, the plugin only declares [optuna]: a run with the section trains as without it."""
     from corelooper_optuna import DEFAULTS
 
-    loop = make_loop(autoload=True, save_strategy="no", sections={
-        "plugins": {"enable": ["optuna"]}, "optuna": {"space": {"train.learning_rate": [0.1]}}})
+    loop = make_loop(
+        autoload=True,
+        save_strategy="no",
+        sections={"plugins": {"enable": ["optuna"]}, "optuna": {"space": {"train.learning_rate": [0.1]}}},
+    )
     loop.train()
     assert loop.config.section("optuna")["n_trials"] == DEFAULTS["n_trials"]
     assert loop.state.global_step == 8

@@ -109,8 +109,13 @@ def on_train_begin(loop, state):
     model = loop.backend.unwrap_model(loop.model)
     trainable, total = model.get_nb_trainable_parameters()
     logger.info("peft: %d of %d parameters train (%.4f%%)", trainable, total, 100 * trainable / total)
-    loop.log({"trainable_params": trainable, "all_params": total,
-              "trainable_percent": round(100 * trainable / total, 4)})
+    loop.log(
+        {
+            "trainable_params": trainable,
+            "all_params": total,
+            "trainable_percent": round(100 * trainable / total, 4),
+        }
+    )
 
 
 @hookimpl
@@ -152,8 +157,9 @@ def run_tokenizer(loop):
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(folder, local_files_only=True,
-                                                 trust_remote_code=loop.config.model.trust_remote_code)
+            return AutoTokenizer.from_pretrained(
+                folder, local_files_only=True, trust_remote_code=loop.config.model.trust_remote_code
+            )
         except (OSError, ValueError, KeyError, TypeError):  # no tokenizer files there
             continue
     return None
@@ -220,10 +226,13 @@ def load_adapter_in_place(loop, directory: Path, adapter_name: str = "default") 
 
     model.load_state_dict = capture  # peft maps the names; the backend does the copying
     try:
-        set_peft_model_state_dict(model, {k: torch.tensor(i) for i, k in enumerate(names)},
-                                  adapter_name=adapter_name)
+        set_peft_model_state_dict(
+            model, {k: torch.tensor(i) for i, k in enumerate(names)}, adapter_name=adapter_name
+        )
     except (KeyError, ValueError, RuntimeError, IndexError) as e:
-        raise CheckpointError(f"Checkpoint file {str(path)!r}: peft could not map its tensors: {e}.") from None
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r}: peft could not map its tensors: {e}."
+        ) from None
     finally:
         del model.load_state_dict
     mapped = {k: weights[names[int(v)]] if v.dim() == 0 else v for k, v in mapped.items()}
@@ -240,7 +249,9 @@ def _read_adapter(path: Path) -> dict:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}.") from None
+        raise CheckpointError(
+            f"Checkpoint file {str(path)!r} is unreadable (truncated or corrupt?): {e}."
+        ) from None
 
 
 def _no_incompatible_keys():
@@ -254,16 +265,24 @@ def _check_adapter_tensors(model, mapped: dict, path: Path, adapter_name: str) -
     from corelooper.errors import CheckpointError
 
     params = dict(model.named_parameters())
-    expected = {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in params.items()
-                if f".{adapter_name}." in n or n.endswith(f".{adapter_name}")}
-    wrong = [f"{k}: file {tuple(v.shape)} vs model {expected[k]}"
-             for k, v in mapped.items() if k in expected and tuple(v.shape) != expected[k]]
+    expected = {
+        n: tuple(getattr(p, "ds_shape", None) or p.shape)
+        for n, p in params.items()
+        if f".{adapter_name}." in n or n.endswith(f".{adapter_name}")
+    }
+    wrong = [
+        f"{k}: file {tuple(v.shape)} vs model {expected[k]}"
+        for k, v in mapped.items()
+        if k in expected and tuple(v.shape) != expected[k]
+    ]
     unknown = sorted(k for k in mapped if k not in params and k not in dict(model.named_buffers()))
     missing = sorted(k for k in expected if k not in mapped)
     if wrong or unknown or missing:
-        parts = ([f"shape mismatch {'; '.join(wrong[:3])}"] if wrong else []) + (
-            [f"not in the model: {unknown[:3]}"] if unknown else []) + (
-            [f"missing from the file: {missing[:3]}"] if missing else [])
+        parts = (
+            ([f"shape mismatch {'; '.join(wrong[:3])}"] if wrong else [])
+            + ([f"not in the model: {unknown[:3]}"] if unknown else [])
+            + ([f"missing from the file: {missing[:3]}"] if missing else [])
+        )
         raise CheckpointError(
             f"Checkpoint file {str(path)!r} does not fit the model's adapter {adapter_name!r} "
             f"({', '.join(parts)}). It was saved with another [peft] config or base model: resume "

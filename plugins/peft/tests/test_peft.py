@@ -18,9 +18,16 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -34,9 +41,17 @@ LORA = {"method": "lora", "config": {"r": 4, "lora_alpha": 8, "target_modules": 
 
 
 def config(out, steps=6, save_steps=6, **peft_section):
-    return {"train": {"output_dir": str(out), "max_steps": steps, "save_steps": save_steps,
-                      "per_device_train_batch_size": 4, "learning_rate": 1e-2, "logging_steps": 2},
-            "peft": {**LORA, **peft_section}}
+    return {
+        "train": {
+            "output_dir": str(out),
+            "max_steps": steps,
+            "save_steps": save_steps,
+            "per_device_train_batch_size": 4,
+            "learning_rate": 1e-2,
+            "logging_steps": 2,
+        },
+        "peft": {**LORA, **peft_section},
+    }
 
 
 def test_lora_trains_only_the_adapter_and_exports_it_for_peft(tmp_path):
@@ -86,13 +101,18 @@ def test_merge_on_export_writes_a_plain_model_with_the_same_outputs(tmp_path):
 def test_resume_from_an_adapter_checkpoint_is_exact(tmp_path):
     full = Loop(tiny_llama(), config(tmp_path / "full", steps=8, save_steps=4), train_dataset=data())
     full.train()
+
     class StopAt4:  # an interrupted run: same schedule as the full one, stopped after step 4
         @staticmethod
         def on_step_end(state, control):
             control.should_training_stop = state.global_step >= 4
 
-    part = Loop(tiny_llama(), config(tmp_path / "part", steps=8, save_steps=4), train_dataset=data(),
-                plugins=[StopAt4()])
+    part = Loop(
+        tiny_llama(),
+        config(tmp_path / "part", steps=8, save_steps=4),
+        train_dataset=data(),
+        plugins=[StopAt4()],
+    )
     part.train()
     assert part.state.global_step == 4
     resumed = Loop(tiny_llama(), config(tmp_path / "part", steps=8, save_steps=4), train_dataset=data())
@@ -106,8 +126,10 @@ def test_resume_from_an_adapter_checkpoint_is_exact(tmp_path):
 
 def test_other_peft_methods_through_their_config(tmp_path):
     cfg = config(tmp_path / "ia3", steps=2, save_steps=2)
-    cfg["peft"] = {"method": "ia3", "config": {"target_modules": ["k_proj", "down_proj"],
-                                               "feedforward_modules": ["down_proj"]}}
+    cfg["peft"] = {
+        "method": "ia3",
+        "config": {"target_modules": ["k_proj", "down_proj"], "feedforward_modules": ["down_proj"]},
+    }
     loop = Loop(tiny_llama(), cfg, train_dataset=data())
     loop.train()
     assert (tmp_path / "ia3" / "adapter_model.safetensors").is_file()
@@ -120,8 +142,13 @@ def test_bad_peft_config_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match=r"\[peft.config\] is not valid for LoraConfig"):
         Loop(tiny_llama(), {"train": {"output_dir": str(tmp_path)}, "peft": {"config": {"rank": 4}}})
     with pytest.raises(ConfigError, match="target_modules"):
-        Loop(tiny_llama(), {"train": {"output_dir": str(tmp_path)},
-                            "peft": {"config": {"target_modules": ["nothing_here"]}}})
+        Loop(
+            tiny_llama(),
+            {
+                "train": {"output_dir": str(tmp_path)},
+                "peft": {"config": {"target_modules": ["nothing_here"]}},
+            },
+        )
 
 
 def test_inert_without_a_peft_section(tmp_path):
@@ -132,8 +159,12 @@ def test_inert_without_a_peft_section(tmp_path):
 def test_an_interrupted_run_writes_no_merged_model(tmp_path):
     from corelooper_testing import SigtermAt
 
-    loop = Loop(tiny_llama(), config(tmp_path / "run", steps=6, save_steps=6, merge_on_export=True),
-                train_dataset=data(), plugins=[SigtermAt(3)])
+    loop = Loop(
+        tiny_llama(),
+        config(tmp_path / "run", steps=6, save_steps=6, merge_on_export=True),
+        train_dataset=data(),
+        plugins=[SigtermAt(3)],
+    )
     state = loop.train()
     assert state.preempted and state.global_step == 3
     assert (tmp_path / "run" / "checkpoint-3" / "adapter_model.safetensors").is_file()
@@ -177,5 +208,6 @@ def test_a_bad_adapter_checkpoint_is_a_checkpoint_error_naming_file_and_tensor(t
 
     _rewrite(ckpt, "adapter_model.safetensors", b"\0" * 64)  # corrupt
     with pytest.raises(CheckpointError, match="adapter_model.safetensors.*unreadable"):
-        Loop(tiny_llama(), config(tmp_path / "third", steps=4, save_steps=2),
-             train_dataset=data()).train(resume_from_checkpoint=str(ckpt))
+        Loop(tiny_llama(), config(tmp_path / "third", steps=4, save_steps=2), train_dataset=data()).train(
+            resume_from_checkpoint=str(ckpt)
+        )

@@ -39,10 +39,20 @@ def corelooper_add_commands(app) -> None:
     @app.command()
     def ray(
         config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
-        set_: Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE", help="Config override (repeatable).")] = None,
-        p: Annotated[list[str] | None, typer.Option("-p", metavar="NAME", help="As -p of `corelooper run`.")] = None,
+        set_: Annotated[
+            list[str] | None,
+            typer.Option("--set", "-s", metavar="KEY=VALUE", help="Config override (repeatable)."),
+        ] = None,
+        p: Annotated[
+            list[str] | None, typer.Option("-p", metavar="NAME", help="As -p of `corelooper run`.")
+        ] = None,
         resume_from_checkpoint: Annotated[
-            str | None, typer.Option("--resume-from-checkpoint", metavar="latest|auto|PATH", help="Default: auto (see docs/clusters.md).")
+            str | None,
+            typer.Option(
+                "--resume-from-checkpoint",
+                metavar="latest|auto|PATH",
+                help="Default: auto (see docs/clusters.md).",
+            ),
         ] = None,
         traceback_: Annotated[bool, typer.Option("--traceback", help="Show the full traceback.")] = False,
     ) -> None:

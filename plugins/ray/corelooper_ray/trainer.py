@@ -34,7 +34,9 @@ class RayReporter:
     def on_save(self, loop, state, checkpoint_dir) -> None:
         import ray.train
 
-        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if state.is_local_process_zero else None
+        checkpoint = (
+            ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if state.is_local_process_zero else None
+        )
         ray.train.report(_metrics(state.log_history), checkpoint=checkpoint)
 
 
@@ -42,8 +44,13 @@ def _metrics(log_history: list[dict[str, Any]]) -> dict[str, Any]:
     """Every logged key with its latest value (HF's RayTrainReportCallback does the same)."""
     merged: dict[str, Any] = {}
     for entry in log_history:
-        merged.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and not (
-            isinstance(v, float) and math.isnan(v))})
+        merged.update(
+            {
+                k: v
+                for k, v in entry.items()
+                if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+            }
+        )
     return merged
 
 
@@ -124,18 +131,31 @@ def fit(config, blocked: list[str], resume: str | None):
     # Ray Train copies workers' prints into its own log records too: every line would show twice
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     if not ray.is_initialized():
-        ray.init(address=s["address"] or None, num_cpus=s["num_cpus"] or None, include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
+        ray.init(
+            address=s["address"] or None,
+            num_cpus=s["num_cpus"] or None,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
     gpu = use_gpu(s["use_gpu"], ray.cluster_resources().get("GPU", 0))
     output_dir = Path(config.train.output_dir)
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"config": config.to_dict(), "blocked": list(blocked), "resume": resume,
-                           "source": str(config.source) if config.source else None},
-        scaling_config=ScalingConfig(num_workers=s["num_workers"], use_gpu=gpu,
-                                     resources_per_worker=s["resources_per_worker"] or None),
-        run_config=RunConfig(name=s["name"] or output_dir.name, storage_path=s["storage_path"] or None,
-                             failure_config=FailureConfig(max_failures=s["max_failures"])),
+        train_loop_config={
+            "config": config.to_dict(),
+            "blocked": list(blocked),
+            "resume": resume,
+            "source": str(config.source) if config.source else None,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=s["num_workers"], use_gpu=gpu, resources_per_worker=s["resources_per_worker"] or None
+        ),
+        run_config=RunConfig(
+            name=s["name"] or output_dir.name,
+            storage_path=s["storage_path"] or None,
+            failure_config=FailureConfig(max_failures=s["max_failures"]),
+        ),
     )
     try:
         return trainer.fit()

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[3]
 TOYS = REPO / "tests" / "toys.py"
 
-KILLER = '''
+KILLER = """
 import os
 import signal
 from pathlib import Path
@@ -32,7 +32,7 @@ def on_step_end(state):
     if os.environ.get("RANK") == "1" and state.global_step == 8 and not MARK.exists():
         MARK.write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)  # the worker process dies, as on a lost node
-'''
+"""
 
 
 def write_config(path: Path, output_dir: Path, ray: str = "") -> Path:
@@ -48,11 +48,23 @@ def write_config(path: Path, output_dir: Path, ray: str = "") -> Path:
 def corelooper(tmp: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     # Ray's session folder holds AF_UNIX sockets (at most 107 bytes of path): a short one
     with tempfile.TemporaryDirectory(prefix="ray-", dir="/tmp") as ray_tmp:
-        env = {**os.environ, "TMPDIR": str(tmp), "RAY_TMPDIR": ray_tmp, "OMP_NUM_THREADS": "1",
-               "PYTHONHASHSEED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {
+            **os.environ,
+            "TMPDIR": str(tmp),
+            "RAY_TMPDIR": ray_tmp,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONHASHSEED": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
         env.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", None)  # `corelooper ray` comes from this plugin
-        return subprocess.run([sys.executable, "-m", "corelooper", *args, "-p", "no:tensorboard"], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "corelooper", *args, "-p", "no:tensorboard"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -64,8 +76,10 @@ def _losses(path: Path) -> dict[int, float]:
 
 def test_a_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path):
     (tmp_path / "killer.py").write_text(KILLER)
-    ray = (f'[ray]\nnum_workers = 2\nmax_failures = 1\nnum_cpus = 2\n'
-           f'storage_path = "{tmp_path / "ray"}"\nname = "digits"\n')
+    ray = (
+        f"[ray]\nnum_workers = 2\nmax_failures = 1\nnum_cpus = 2\n"
+        f'storage_path = "{tmp_path / "ray"}"\nname = "digits"\n'
+    )
     config = write_config(tmp_path / "ray.toml", tmp_path / "run", ray)
     run = corelooper(tmp_path, "ray", str(config), "-p", str(tmp_path / "killer.py"))
     out = run.stdout + run.stderr
@@ -84,11 +98,16 @@ def test_a_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(t
     last = tmp_path / "ray" / "digits" / snapshot["checkpoint_results"][-1]["checkpoint_dir_name"]
     assert (last / "manifest.json").is_file() and (last / "rng_state_1.pth").is_file()
 
-    ref = corelooper(tmp_path, "run", str(write_config(tmp_path / "ref.toml", tmp_path / "ref")), "--nproc", "2")
+    ref = corelooper(
+        tmp_path, "run", str(write_config(tmp_path / "ref.toml", tmp_path / "ref")), "--nproc", "2"
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     got, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("run", "ref"))
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
-    got_losses, want_losses = _losses(tmp_path / "run" / "metrics.jsonl"), _losses(tmp_path / "ref" / "metrics.jsonl")
+    got_losses, want_losses = (
+        _losses(tmp_path / "run" / "metrics.jsonl"),
+        _losses(tmp_path / "ref" / "metrics.jsonl"),
+    )
     assert sorted(got_losses) == list(range(1, 13))
     assert max(abs(got_losses[s] - want_losses[s]) for s in want_losses) <= 1e-5
 
@@ -101,11 +120,15 @@ def test_a_bad_ray_section_is_a_config_error_before_ray_starts(tmp_path):
 
 
 def test_help_lists_the_command_without_importing_ray_or_torch():
-    code = ("import sys\nfrom corelooper.cli.app import main\nsys.argv = ['corelooper', '--help']\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "print('IMPORTED', sorted(m for m in ('ray', 'torch') if m in sys.modules))\n")
+    code = (
+        "import sys\nfrom corelooper.cli.app import main\nsys.argv = ['corelooper', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('IMPORTED', sorted(m for m in ('ray', 'torch') if m in sys.modules))\n"
+    )
     env = {**os.environ}
     env.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", None)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert " ray " in r.stdout and " slurm " in r.stdout and "IMPORTED []" in r.stdout, r.stdout

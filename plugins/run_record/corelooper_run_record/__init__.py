@@ -45,6 +45,8 @@ def libraries(dists) -> list[str]:
             if name and name not in found and not name.startswith("corelooper"):
                 found.append(name)
     return found
+
+
 HEAD_BYTES = 1 << 20
 RUN_JSON = "run.json"
 
@@ -60,13 +62,18 @@ def _version(dist: str) -> str | None:
 
 def _git(folder: Path) -> dict | None:
     """The commit and dirtiness of the repository holding ``folder`` (None outside one)."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True,
-                              timeout=20, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=20, check=True
+        ).stdout.strip()
+
     try:
         # dirty as `git describe --dirty` means it: tracked files changed (not the run's own output)
-        return {"commit": git("rev-parse", "HEAD"),
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
     except (OSError, subprocess.SubprocessError):  # no git, or not a repository
         return None
 
@@ -75,8 +82,11 @@ def file_identity(path: Path) -> dict:
     with path.open("rb") as fh:
         head = hashlib.sha256(fh.read(HEAD_BYTES)).hexdigest()
     st = path.stat()
-    return {"size": st.st_size, "mtime": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(st.st_mtime)),
-            "sha256_head": head}
+    return {
+        "size": st.st_size,
+        "mtime": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(st.st_mtime)),
+        "sha256_head": head,
+    }
 
 
 def data_files(config) -> dict[str, dict]:
@@ -131,16 +141,29 @@ def _plugin_name(name: str, info) -> str:
 
 
 def record(loop, state) -> dict:
-    plugins = {_plugin_name(name, info): {"kind": info.kind, "dist": info.dist, "version": info.version}
-               for name, info in loop.plugins.info.items() if info.kind != "run"}
+    plugins = {
+        _plugin_name(name, info): {"kind": info.kind, "dist": info.dist, "version": info.version}
+        for name, info in loop.plugins.info.items()
+        if info.kind != "run"
+    }
     project = loop.config.source.parent if loop.config.source else Path.cwd()
     return {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": _command(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": _command(),
         "config": loop.config.to_dict(),
-        "versions": {"corelooper": _version("corelooper"), "python": sys.version.split()[0],
-                     **{lib: _version(lib) for lib in libraries({i.dist for i in loop.plugins.info.values() if i.dist})}},
-        "plugins": plugins, "git": _git(project), "host": socket.gethostname(),
-        "world_size": state.world_size, "device": str(loop.backend.device),
+        "versions": {
+            "corelooper": _version("corelooper"),
+            "python": sys.version.split()[0],
+            **{
+                lib: _version(lib)
+                for lib in libraries({i.dist for i in loop.plugins.info.values() if i.dist})
+            },
+        },
+        "plugins": plugins,
+        "git": _git(project),
+        "host": socket.gethostname(),
+        "world_size": state.world_size,
+        "device": str(loop.backend.device),
         "data": data_files(loop.config),
     }
 

@@ -24,8 +24,10 @@ def read_record(run_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{str(run_dir)!r} has no run.json: name a run folder (train.output_dir) "
-                          "written by corelooper run.") from None
+        raise ConfigError(
+            f"{str(run_dir)!r} has no run.json: name a run folder (train.output_dir) "
+            "written by corelooper run."
+        ) from None
     except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON ({e}).") from None
 
@@ -60,8 +62,12 @@ def differences(a: dict, b: dict) -> list[str]:
         fa, fb = flatten(a.get(section), section), flatten(b.get(section), section)
         for key in sorted(set(fa) | set(fb)):
             va, vb = fa.get(key, ABSENT), fb.get(key, ABSENT)
-            if key == "command.argv" and isinstance(va, list) and isinstance(vb, list) \
-                    and split_sets(va)[0] == split_sets(vb)[0]:
+            if (
+                key == "command.argv"
+                and isinstance(va, list)
+                and isinstance(vb, list)
+                and split_sets(va)[0] == split_sets(vb)[0]
+            ):
                 continue  # only the --sets differ: command.sets says how
             if va != vb:
                 lines.append(f"{key}: {shown(va)} -> {shown(vb)}")
@@ -108,7 +114,9 @@ def add_commands(app) -> None:
     def diff(
         run_a: Annotated[Path, typer.Argument(help="A run folder (output_dir) with run.json.")],
         run_b: Annotated[Path, typer.Argument(help="Another run folder.")],
-        traceback_: Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")] = False,
+        traceback_: Annotated[
+            bool, typer.Option("--traceback", help="Show the full traceback of an error.")
+        ] = False,
     ) -> None:
         """What differs between two runs (config, versions, plugins, data, git, host, devices), and
         the first logged step where their losses part."""

@@ -65,8 +65,13 @@ def _versions() -> dict[str, str]:
 
     from . import __version__
 
-    return {"corelooper-sft": __version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "datasets": datasets.__version__, "format": str(FORMAT)}
+    return {
+        "corelooper-sft": __version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "datasets": datasets.__version__,
+        "format": str(FORMAT),
+    }
 
 
 def data_hash(ds, h) -> None:
@@ -96,7 +101,11 @@ def tokenizer_hash(tok, h) -> bool:
         return False  # a slow tokenizer built in memory: no state to hash, no cache
     if backend is not None:
         h.update(backend.to_str().encode())
-    h.update(json.dumps([type(tok).__name__, tok.special_tokens_map, len(tok)], sort_keys=True, default=str).encode())
+    h.update(
+        json.dumps(
+            [type(tok).__name__, tok.special_tokens_map, len(tok)], sort_keys=True, default=str
+        ).encode()
+    )
     return True
 
 
@@ -105,8 +114,11 @@ def key(ds, tok, cfg: Mapping[str, Any], template: str | None) -> str | None:
     h = hashlib.sha256()
     if not tokenizer_hash(tok, h):
         return None
-    settings = {"sft": dict(cfg), "template": template or getattr(tok, "chat_template", None),
-                "versions": _versions()}
+    settings = {
+        "sft": dict(cfg),
+        "template": template or getattr(tok, "chat_template", None),
+        "versions": _versions(),
+    }
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     data_hash(ds, h)
     return h.hexdigest()[:32]
@@ -138,8 +150,13 @@ def load(name: str, where: str):
         if len(ds) != meta["rows"]:
             raise ValueError(f"{len(ds)} rows, {meta['rows']} written")
     except Exception as e:  # corrupt, partial or foreign: never trusted, rebuilt
-        logger.warning("sft: %s: the cached preparation in %s is unusable (%s: %s): ignored and rebuilt.",
-                       where, folder, type(e).__name__, e)
+        logger.warning(
+            "sft: %s: the cached preparation in %s is unusable (%s: %s): ignored and rebuilt.",
+            where,
+            folder,
+            type(e).__name__,
+            e,
+        )
         shutil.rmtree(folder, ignore_errors=True)
         return None
     return ds, meta
@@ -181,8 +198,11 @@ def store(name: str, rows: Path, meta: dict[str, Any], where: str):
     rename into place; the data set read back from it (memory-mapped). None if it failed (said)."""
     base, tmp = root(), rows.parent.parent
     try:
-        files = {str(f.relative_to(tmp)): [f.stat().st_size, _file_hash(f)]
-                 for f in sorted((tmp / "data").rglob("*")) if f.is_file()}
+        files = {
+            str(f.relative_to(tmp)): [f.stat().st_size, _file_hash(f)]
+            for f in sorted((tmp / "data").rglob("*"))
+            if f.is_file()
+        }
         (tmp / "meta.json").write_text(json.dumps({**meta, "key": name, "files": files}), encoding="utf-8")
         shutil.rmtree(base / name, ignore_errors=True)
         os.replace(tmp, base / name)

@@ -47,7 +47,9 @@ def _backend(tok):
     backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
     if backend is None or backend.padding is not None or backend.truncation is not None:
         return None
-    if bool(getattr(backend, "encode_special_tokens", False)) != bool(getattr(tok, "split_special_tokens", False)):
+    if bool(getattr(backend, "encode_special_tokens", False)) != bool(
+        getattr(tok, "split_special_tokens", False)
+    ):
         return None
     return backend
 
@@ -82,33 +84,49 @@ def encode(conversations: list[list[dict]], tok, template: str, masked: bool) ->
         return None
     if backend is None:
         return None
-    texts, spans = render_jinja_template(conversations=conversations, chat_template=tok.get_chat_template(template),
-                                         return_assistant_tokens_mask=masked, **tok.special_tokens_map)
+    texts, spans = render_jinja_template(
+        conversations=conversations,
+        chat_template=tok.get_chat_template(template),
+        return_assistant_tokens_mask=masked,
+        **tok.special_tokens_map,
+    )
     encodings = backend.encode_batch(texts, add_special_tokens=False)
     lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
     total = int(lengths.sum())
     ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int64, count=total)
     if not masked:
         return Encoded(lengths, ids, None)
-    offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)), dtype=np.int64,
-                          count=2 * total).reshape(total, 2)
+    offsets = np.fromiter(
+        chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)),
+        dtype=np.int64,
+        count=2 * total,
+    ).reshape(total, 2)
     return Encoded(lengths, ids, batch_mask(offsets, lengths, spans, [len(t) for t in texts]))
 
 
-def batch_mask(offsets: np.ndarray, lengths: np.ndarray, spans: Sequence[Sequence[tuple[int, int]]],
-               text_lengths: Sequence[int]) -> np.ndarray:
+def batch_mask(
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    spans: Sequence[Sequence[tuple[int, int]]],
+    text_lengths: Sequence[int],
+) -> np.ndarray:
     """``assistant_mask`` of every conversation at once: character positions made global (each
     text after the previous one), so a token never reaches another conversation's span (its end
     is at most its text's end, where the next text's spans begin) and one pass covers the batch."""
     base = np.zeros(len(text_lengths), dtype=np.int64)
     base[1:] = np.cumsum(np.asarray(text_lengths, dtype=np.int64))[:-1]
     counts = np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))
-    sp = np.fromiter(chain.from_iterable(chain.from_iterable(spans)), dtype=np.int64,
-                     count=2 * int(counts.sum())).reshape(-1, 2)
+    sp = np.fromiter(
+        chain.from_iterable(chain.from_iterable(spans)), dtype=np.int64, count=2 * int(counts.sum())
+    ).reshape(-1, 2)
     if len(sp) and np.any(np.diff(sp[:, 1] + np.repeat(base, counts)) < 0):  # ends out of order in a row
-        return np.concatenate([np.zeros(0, dtype=bool)] + [
-            _mask_loop([tuple(x) for x in o], s) for o, s in zip(np.split(offsets, np.cumsum(lengths)[:-1]), spans,
-                                                                 strict=True)])
+        return np.concatenate(
+            [np.zeros(0, dtype=bool)]
+            + [
+                _mask_loop([tuple(x) for x in o], s)
+                for o, s in zip(np.split(offsets, np.cumsum(lengths)[:-1]), spans, strict=True)
+            ]
+        )
     return _mask(offsets + np.repeat(base, lengths)[:, None], sp + np.repeat(base, counts)[:, None])
 
 

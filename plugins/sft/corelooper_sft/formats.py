@@ -13,8 +13,18 @@ from collections.abc import Mapping
 from corelooper.errors import DataError
 
 MESSAGES, PROMPT_COMPLETION, TEXT, TOKENIZED = "messages", "prompt_completion", "text", "tokenized"
-CONSUMED = ("messages", "tools", "prompt", "completion", "input_ids", "labels", "completion_mask",
-            "assistant_masks", "attention_mask", "chat_template_kwargs")
+CONSUMED = (
+    "messages",
+    "tools",
+    "prompt",
+    "completion",
+    "input_ids",
+    "labels",
+    "completion_mask",
+    "assistant_masks",
+    "attention_mask",
+    "chat_template_kwargs",
+)
 
 
 def detect(row: Mapping, text_field: str, where: str) -> str:
@@ -36,15 +46,15 @@ def detect(row: Mapping, text_field: str, where: str) -> str:
 
 
 def is_conversation(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, Mapping) and "role" in m for m in value
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
     )
 
 
 def check_messages(messages, where: str, key: str = "messages") -> None:
     if not is_conversation(messages):
         raise DataError(
-            f"{where}: '{key}' must be a non-empty list of {{\"role\": ..., \"content\": ...}} messages, "
+            f'{where}: \'{key}\' must be a non-empty list of {{"role": ..., "content": ...}} messages, '
             f"got {str(messages)[:80]!r}."
         )
 
@@ -55,5 +65,8 @@ RESERVED = ("length", "trained", "untruncated_length")
 
 def extras(row: Mapping) -> dict[str, float]:
     """Numeric per-sample columns (``difficulty_score``) that travel to the batch."""
-    return {k: float(v) for k, v in row.items()
-            if k not in CONSUMED and k not in RESERVED and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k not in CONSUMED and k not in RESERVED and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }

@@ -60,8 +60,16 @@ def as_hf_dataset(dataset, where: str):
 BATCH = 1000  # rows per batched tokenizer call: the Rust encoder's batch, and datasets' write unit
 
 
-def tokenize_dataset(dataset, tokenizer, cfg: Mapping[str, Any], where: str, chat_template: str | None,
-                     fingerprint: str | None = None, limit: Limit | None = None, rows_file: str | None = None):
+def tokenize_dataset(
+    dataset,
+    tokenizer,
+    cfg: Mapping[str, Any],
+    where: str,
+    chat_template: str | None,
+    fingerprint: str | None = None,
+    limit: Limit | None = None,
+    rows_file: str | None = None,
+):
     """The rows tokenized and masked, and ``limit`` (max_length) applied, in one ``datasets.map``:
     the rows are written once, to ``rows_file`` when given (a cache entry), else where ``datasets``
     puts a map's output."""
@@ -75,8 +83,15 @@ def tokenize_dataset(dataset, tokenizer, cfg: Mapping[str, Any], where: str, cha
     # With a cache key, datasets neither hashes the tokenizer (slow) nor reuses its own cache file:
     # a rebuild is a rebuild.
     kw = {"new_fingerprint": fingerprint, "load_from_cache_file": False} if fingerprint else {}
-    return ds.map(fn, with_indices=True, batched=True, batch_size=BATCH, remove_columns=ds.column_names,
-                  cache_file_name=rows_file, **kw)
+    return ds.map(
+        fn,
+        with_indices=True,
+        batched=True,
+        batch_size=BATCH,
+        remove_columns=ds.column_names,
+        cache_file_name=rows_file,
+        **kw,
+    )
 
 
 class BatchTokenizer:
@@ -108,9 +123,13 @@ class BatchTokenizer:
         reserved = [n for n in names if n in formats.RESERVED]
         if reserved and not self.said_reserved:
             self.said_reserved = True
-            logger.warning("sft: %s: the data's column(s) %s are not used: corelooper-sft computes its own "
-                           "per-sample %s. Rename them to pass them to the batch.", self.rows.where,
-                           reserved, ", ".join(formats.RESERVED))
+            logger.warning(
+                "sft: %s: the data's column(s) %s are not used: corelooper-sft computes its own "
+                "per-sample %s. Rename them to pass them to the batch.",
+                self.rows.where,
+                reserved,
+                ", ".join(formats.RESERVED),
+            )
         rows = [dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         fast = [k for k, row in enumerate(rows) if self._fast(row)]
         try:
@@ -140,10 +159,17 @@ class BatchTokenizer:
         r = self.rows
         masked = r.assistant_only
         convs = [chatbatch.plain(row["messages"]) for row in rows]
-        enc = chatbatch.encode(convs, r.tok, r.template, masked) if all(c is not None for c in convs) else None
+        enc = (
+            chatbatch.encode(convs, r.tok, r.template, masked) if all(c is not None for c in convs) else None
+        )
         if enc is None:  # rich messages or a padding/truncating backend: transformers' own path
-            out = r.tok.apply_chat_template([row["messages"] for row in rows], chat_template=r.template,
-                                            tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
+            out = r.tok.apply_chat_template(
+                [row["messages"] for row in rows],
+                chat_template=r.template,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=masked,
+            )
             enc = chatbatch.Encoded.from_lists(out["input_ids"], out["assistant_masks"] if masked else None)
         labels = np.where(enc.mask, enc.ids, IGNORE) if masked else enc.ids
         trained = labels != IGNORE
@@ -159,8 +185,10 @@ class BatchTokenizer:
 def _items(chats: dict) -> list[dict]:
     enc = chats["enc"]
     ids, labels = enc.split(enc.ids), enc.split(chats["labels"])
-    return [{"input_ids": i.tolist(), "labels": lab.tolist(), "length": len(i), "trained": int(t)}
-            for i, lab, t in zip(ids, labels, chats["trained"], strict=True)]
+    return [
+        {"input_ids": i.tolist(), "labels": lab.tolist(), "length": len(i), "trained": int(t)}
+        for i, lab, t in zip(ids, labels, chats["trained"], strict=True)
+    ]
 
 
 def _table(chats: dict, extras: list[dict]):
@@ -171,9 +199,12 @@ def _table(chats: dict, extras: list[dict]):
 
     enc = chats["enc"]
     offsets = pa.array(np.concatenate([[0], np.cumsum(enc.lengths)]).astype(np.int32))
-    cols = {"input_ids": pa.ListArray.from_arrays(offsets, pa.array(enc.ids, type=pa.int32())),
-            "labels": pa.ListArray.from_arrays(offsets, pa.array(chats["labels"], type=pa.int32())),
-            "length": pa.array(enc.lengths), "trained": pa.array(chats["trained"])}
+    cols = {
+        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(enc.ids, type=pa.int32())),
+        "labels": pa.ListArray.from_arrays(offsets, pa.array(chats["labels"], type=pa.int32())),
+        "length": pa.array(enc.lengths),
+        "trained": pa.array(chats["trained"]),
+    }
     for key in dict.fromkeys(k for e in extras for k in e):  # a row without an extra: None
         cols[key] = pa.array([e.get(key) for e in extras], type=pa.float64())
     return pa.table(cols)
@@ -238,8 +269,12 @@ def _as_table(out):
 
     if isinstance(out, pa.Table):
         return out
-    types = {"input_ids": pa.list_(pa.int32()), "labels": pa.list_(pa.int32()), "length": pa.int64(),
-             "trained": pa.int64()}
+    types = {
+        "input_ids": pa.list_(pa.int32()),
+        "labels": pa.list_(pa.int32()),
+        "length": pa.int64(),
+        "trained": pa.int64(),
+    }
     names = [*FIRST_COLUMNS, *(k for k in out if k not in FIRST_COLUMNS)]
     return pa.table({k: pa.array(out[k], type=types.get(k, pa.float64())) for k in names})
 
@@ -272,8 +307,12 @@ class _Truncate:
         trained = (flat["labels"] != IGNORE).astype(np.int64)
         counts = np.add.reduceat(trained, offsets[:-1]) - trained[offsets[:-1]] if kept.all() else None
         if counts is None:
-            counts = np.array([trained[a + 1:b].sum() for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
-        cols["trained"] = pa.array(np.where(lengths > self.max_length, counts, table.column("trained").to_numpy()))
+            counts = np.array(
+                [trained[a + 1 : b].sum() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+            )
+        cols["trained"] = pa.array(
+            np.where(lengths > self.max_length, counts, table.column("trained").to_numpy())
+        )
         cols["length"] = pa.array(kept)
         cols["untruncated_length"] = table.column("length")
         return pa.table(cols)
@@ -285,8 +324,12 @@ class TokenizedRows:
     def __init__(self, ds, stats: Stats):
         self.stats = stats
         self._lengths = column(ds, "length") if "length" in ds.column_names else None
-        self.untruncated = column(ds, "untruncated_length") if "untruncated_length" in ds.column_names else None
-        self.ds = ds.remove_columns([c for c in ("length", "untruncated_length", "trained") if c in ds.column_names])
+        self.untruncated = (
+            column(ds, "untruncated_length") if "untruncated_length" in ds.column_names else None
+        )
+        self.ds = ds.remove_columns(
+            [c for c in ("length", "untruncated_length", "trained") if c in ds.column_names]
+        )
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -335,8 +378,14 @@ class PackedRows:
         return [sum(b - a for _, a, b in row) for row in self.plan]
 
 
-def prepare(dataset, tokenizer, cfg: Mapping[str, Any], where: str, chat_template: str | None = None,
-            use_cache: bool = True):
+def prepare(
+    dataset,
+    tokenizer,
+    cfg: Mapping[str, Any],
+    where: str,
+    chat_template: str | None = None,
+    use_cache: bool = True,
+):
     """The data set as the model will see it: ``TokenizedRows`` or, when packing, ``PackedRows``;
     read back from the cache (cache.py) when the data, tokenizer, template and settings are unchanged."""
     from . import cache
@@ -347,7 +396,9 @@ def prepare(dataset, tokenizer, cfg: Mapping[str, Any], where: str, chat_templat
     source = as_hf_dataset(dataset, where)
     if len(source) == 0:
         raise DataError(f"{where}: the data set is empty.")
-    name = cache.key(source, tokenizer, cfg, chat_template) if use_cache and cache.root() is not None else None
+    name = (
+        cache.key(source, tokenizer, cfg, chat_template) if use_cache and cache.root() is not None else None
+    )
     hit = cache.load(name, where) if name else None
     if hit is not None:
         ds, meta = hit
@@ -389,8 +440,11 @@ def _prepare(source, tokenizer, cfg, where: str, chat_template, packing: bool, n
         ds, stats = _tokenized(source, tokenizer, cfg, where, chat_template, packing, name, None)
     plan = _plan(stats.lengths, cfg) if packing else None
     if rows_file is not None:
-        meta = {"stats": {k: v for k, v in vars(stats).items() if k not in ("where", "lengths")}, "plan": plan,
-                "rows": len(ds)}
+        meta = {
+            "stats": {k: v for k, v in vars(stats).items() if k not in ("where", "lengths")},
+            "plan": plan,
+            "rows": len(ds),
+        }
         stored = cache.store(name, rows_file, meta, where)  # renamed into place: read back from there
         ds = ds if stored is None else stored
     return ds, stats, plan
@@ -399,8 +453,9 @@ def _prepare(source, tokenizer, cfg, where: str, chat_template, packing: bool, n
 def _tokenized(source, tokenizer, cfg, where: str, chat_template, packing: bool, name: str | None, rows_file):
     stats = Stats(where, samples=len(source))
     limit = Limit(cfg, stats) if Limit.needed(cfg, packing) else None
-    ds = tokenize_dataset(source, tokenizer, cfg, where, chat_template, name, limit,
-                          str(rows_file) if rows_file else None)
+    ds = tokenize_dataset(
+        source, tokenizer, cfg, where, chat_template, name, limit, str(rows_file) if rows_file else None
+    )
     if len(ds) == 0:
         raise DataError(f"{where}: no sample is left after [sft] overlong = {cfg['overlong']!r}.")
     stats.lengths = column(ds, "length")
@@ -414,8 +469,14 @@ class SFTCollator:
     ``"padding_free"`` (the batch's samples in one row) or ``"packed"`` (``PackedRows`` items);
     the last two never leak attention and carry extras per token (``[B, T]``)."""
 
-    def __init__(self, mode: str, pad_token_id: int, attn_implementation: str | None = "sdpa",
-                 mask_dtype=None, pad_to_multiple_of: int | None = None):
+    def __init__(
+        self,
+        mode: str,
+        pad_token_id: int,
+        attn_implementation: str | None = "sdpa",
+        mask_dtype=None,
+        pad_to_multiple_of: int | None = None,
+    ):
         from corelooper_lm.collators import DataCollatorForCausalLM
         from corelooper_lm.packing import SegmentCollator
 
@@ -426,14 +487,20 @@ class SFTCollator:
     def __call__(self, items: list) -> dict:
         if self.mode == "padded":
             return self.padded(items)
-        rows = [[_segment(p) for p in row] for row in items] if self.mode == "packed" else [
-            [_segment(p) for p in items]]
+        rows = (
+            [[_segment(p) for p in row] for row in items]
+            if self.mode == "packed"
+            else [[_segment(p) for p in items]]
+        )
         return self.segments(rows)
 
 
 def _segment(item: Mapping):
     from corelooper_lm.packing import Segment
 
-    extras = {k: v for k, v in item.items() if k not in ("input_ids", "labels")
-              and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    extras = {
+        k: v
+        for k, v in item.items()
+        if k not in ("input_ids", "labels") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     return Segment(item["input_ids"], item["labels"], extras)

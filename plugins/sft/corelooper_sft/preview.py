@@ -25,7 +25,10 @@ def register(app) -> None:
         config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],
         n: Annotated[int, typer.Option("-n", help="How many samples (packed rows when packing).")] = 3,
         as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sample.")] = False,
-        set_: Annotated[list[str] | None, typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a config value.")] = None,
+        set_: Annotated[
+            list[str] | None,
+            typer.Option("--set", "-s", metavar="KEY=VALUE", help="Override a config value."),
+        ] = None,
         split: Annotated[str, typer.Option("--split", help="train or eval.")] = "train",
         traceback_: Annotated[bool, typer.Option("--traceback", help="Show the full traceback.")] = False,
     ) -> None:
@@ -52,9 +55,11 @@ def load(config_path: Path, overrides: list[str], split: str, n: int = 0):
 
     config = Config.load(config_path, overrides)
     if SECTION not in config.sections:
-        raise ConfigError(f"{config_path} has no [{SECTION}] section: `corelooper data preview` shows the samples as "
-                          f"[{SECTION}] tokenizes, masks and packs them (chat or prompt/completion data). Add an "
-                          f"[{SECTION}] section (docs/data.md) to preview this config's data.")
+        raise ConfigError(
+            f"{config_path} has no [{SECTION}] section: `corelooper data preview` shows the samples as "
+            f"[{SECTION}] tokenizes, masks and packs them (chat or prompt/completion data). Add an "
+            f"[{SECTION}] section (docs/data.md) to preview this config's data."
+        )
     config = config.with_defaults({SECTION: DEFAULTS})
     cfg = config.section(SECTION)
     check(cfg)
@@ -84,7 +89,9 @@ def jsonl_file(ref, config_path: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def read_rows(file: Path, count: int, start: tuple[int, int] = (0, 0)) -> tuple[list[dict], tuple[int, int], bool]:
+def read_rows(
+    file: Path, count: int, start: tuple[int, int] = (0, 0)
+) -> tuple[list[dict], tuple[int, int], bool]:
     """Up to ``count`` rows of a JSON Lines file from byte offset ``start[0]`` (line ``start[1]``):
     the rows, where the next read starts, and whether the file ended. Reads nothing further."""
     from corelooper.errors import DataError
@@ -102,8 +109,10 @@ def read_rows(file: Path, count: int, start: tuple[int, int] = (0, 0)) -> tuple[
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{file}, line {line_no}: not valid JSON ({e.msg}, column {e.colno}). Each line "
-                                "of a JSON Lines file must be one JSON object.") from None
+                raise DataError(
+                    f"{file}, line {line_no}: not valid JSON ({e.msg}, column {e.colno}). Each line "
+                    "of a JSON Lines file must be one JSON object."
+                ) from None
             if not isinstance(row, dict):
                 raise DataError(f"{file}, line {line_no}: a {type(row).__name__}, not a JSON object.")
             rows.append(row)
@@ -141,7 +150,9 @@ def run_preview(config_path: Path, n: int, as_json: bool, overrides: list[str], 
         return
     from rich.console import Console
 
-    console = Console(highlight=False, soft_wrap=True)  # no line breaks the data does not have (a pipe is 80 wide)
+    console = Console(
+        highlight=False, soft_wrap=True
+    )  # no line breaks the data does not have (a pipe is 80 wide)
     for r, item in enumerate(rows):
         pieces = item if isinstance(item, list) else [item]
         head = f"row {r}: {len(pieces)} samples packed" if plan is not None else f"sample {r}"
@@ -189,7 +200,7 @@ def _json_item(prepared, r: int, item, plan) -> dict:
     for p in item:  # as the collator makes them: a piece's first token is never predicted
         labels.extend([-100] + list(p["labels"][1:]))
     bounds, pos = [], 0
-    for (sample, a, b) in plan[r]:
+    for sample, a, b in plan[r]:
         bounds.append({"sample": sample, "start": pos, "end": pos + b - a, "sample_tokens": [a, b]})
         pos += b - a
     return {"row": r, "input_ids": ids, "labels": labels, "boundaries": bounds}
@@ -198,26 +209,37 @@ def _json_item(prepared, r: int, item, plan) -> dict:
 def stats_of(prepared) -> dict:
     s = prepared.stats
     lengths = s.lengths
-    edges = [2 ** k for k in range(4, 16)]
+    edges = [2**k for k in range(4, 16)]
     hist, lo = {}, 0
     for e in edges:
         count = sum(lo < x <= e for x in lengths)
         if count:
             hist[f"{lo + 1}-{e}"] = count
         lo = e
-    return {"samples": s.samples, "kept": len(lengths), "tokens": s.tokens, "trained_tokens": s.trained_tokens,
-            "trained_share": round(s.trained_tokens / max(s.tokens, 1), 4), "overlong": s.overlong,
-            "truncated": s.truncated, "dropped": s.dropped, "fully_masked_dropped": s.fully_masked_dropped,
-            "length_histogram": hist, "longest_sample": max(lengths, default=0),  # not [sft] max_length
-            "packed_rows": len(prepared) if hasattr(prepared, "plan") else None,
-            "read": getattr(s, "read", None)}
+    return {
+        "samples": s.samples,
+        "kept": len(lengths),
+        "tokens": s.tokens,
+        "trained_tokens": s.trained_tokens,
+        "trained_share": round(s.trained_tokens / max(s.tokens, 1), 4),
+        "overlong": s.overlong,
+        "truncated": s.truncated,
+        "dropped": s.dropped,
+        "fully_masked_dropped": s.fully_masked_dropped,
+        "length_histogram": hist,
+        "longest_sample": max(lengths, default=0),  # not [sft] max_length
+        "packed_rows": len(prepared) if hasattr(prepared, "plan") else None,
+        "read": getattr(s, "read", None),
+    }
 
 
 def describe(stats: dict) -> str:
-    lines = [f"{stats['kept']} samples kept of {stats['samples']}; {stats['tokens']} tokens, "
-             f"{stats['trained_tokens']} trained ({100 * stats['trained_share']:.1f}%)",
-             f"over max_length: {stats['overlong']} (truncated {stats['truncated']}, dropped {stats['dropped']}"
-             f", dropped with no trained token left {stats['fully_masked_dropped']})"]
+    lines = [
+        f"{stats['kept']} samples kept of {stats['samples']}; {stats['tokens']} tokens, "
+        f"{stats['trained_tokens']} trained ({100 * stats['trained_share']:.1f}%)",
+        f"over max_length: {stats['overlong']} (truncated {stats['truncated']}, dropped {stats['dropped']}"
+        f", dropped with no trained token left {stats['fully_masked_dropped']})",
+    ]
     if stats["packed_rows"] is not None:
         lines.append(f"packed into {stats['packed_rows']} rows")
     read = stats.get("read")

@@ -26,14 +26,21 @@ def check(cfg: dict[str, Any]) -> None:
     if cfg["max_length"] is not None and cfg["max_length"] < 0:
         raise ConfigError(f"sft.max_length must be >= 0 (0: no limit), got {cfg['max_length']}.")
     if cfg["padding_free"] not in (None, "auto", True, False):
-        raise ConfigError(f"sft.padding_free must be true, false or \"auto\" (unset), got {cfg['padding_free']!r}.")
+        raise ConfigError(
+            f'sft.padding_free must be true, false or "auto" (unset), got {cfg["padding_free"]!r}.'
+        )
     if cfg["segment_attention"] not in (None, "auto", True, False):
-        raise ConfigError("sft.segment_attention must be true, false or \"auto\" (unset), got "
-                          f"{cfg['segment_attention']!r}.")
+        raise ConfigError(
+            f'sft.segment_attention must be true, false or "auto" (unset), got {cfg["segment_attention"]!r}.'
+        )
     if cfg["packing"] and cfg["padding_free"] is True:
-        raise ConfigError("Set sft.packing or sft.padding_free, not both (packed rows are already padding-free).")
+        raise ConfigError(
+            "Set sft.packing or sft.padding_free, not both (packed rows are already padding-free)."
+        )
     if cfg["completion_only_loss"] not in (None, True, False):
-        raise ConfigError(f"sft.completion_only_loss must be true, false or unset, got {cfg['completion_only_loss']!r}.")
+        raise ConfigError(
+            f"sft.completion_only_loss must be true, false or unset, got {cfg['completion_only_loss']!r}."
+        )
 
 
 def segments_for(cfg: dict[str, Any], device_type: str) -> bool:
@@ -62,8 +69,12 @@ def padding_free_for(cfg: dict[str, Any], model, device_type: str) -> tuple[bool
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if attn.startswith("flash_attention"):
         return True, f"{attn}: its varlen kernel keeps the samples apart"
-    if (device_type == "cpu" and attn == "sdpa" and segments_for(cfg, device_type)
-            and getattr(type(base), "_supports_attention_backend", False)):
+    if (
+        device_type == "cpu"
+        and attn == "sdpa"
+        and segments_for(cfg, device_type)
+        and getattr(type(base), "_supports_attention_backend", False)
+    ):
         return True, "sdpa on the CPU: one row per batch with segment-wise attention computes no padding"
     return False, f"{attn or 'this attention'} on {device_type}: padded batches"
 
@@ -132,7 +143,9 @@ def prepare_data(loop, model, data: dict[str, Any], cfg: dict[str, Any]) -> dict
     check(cfg)
     free, why = padding_free_for(cfg, model, loop.backend.device.type)
     if cfg["padding_free"] not in (True, False) and free:
-        logger.info("sft.padding_free (unset: auto) -> padding-free batches, the same samples per step (%s)", why)
+        logger.info(
+            "sft.padding_free (unset: auto) -> padding-free batches, the same samples per step (%s)", why
+        )
     cfg = {**cfg, "padding_free": free}
     config = loop.config
     tok = find_tokenizer(config, model)
@@ -144,12 +157,17 @@ def prepare_data(loop, model, data: dict[str, Any], cfg: dict[str, Any]) -> dict
     out: dict[str, Any] = {}
     for split in ("train", "eval"):
         if data[f"{split}_dataset"] is not None:
-            out[f"{split}_dataset"] = prepare_split(data[f"{split}_dataset"], tok, cfg, split,
-                                                    f"data.{split} ({names[split]})", template)
+            out[f"{split}_dataset"] = prepare_split(
+                data[f"{split}_dataset"], tok, cfg, split, f"data.{split} ({names[split]})", template
+            )
     if backend.is_main_process:
         backend.wait_for_everyone()
     collator = data["data_collator"]
-    if (cfg["packing"] or cfg["padding_free"]) and segments_for(cfg, backend.device.type) and collator is None:
+    if (
+        (cfg["packing"] or cfg["padding_free"])
+        and segments_for(cfg, backend.device.type)
+        and collator is None
+    ):
         from corelooper_lm.segment_attention import use_segment_attention
 
         use_segment_attention(model)  # sdpa -> one sdpa per segment: no T x T mask per row
@@ -170,8 +188,9 @@ class SplitCollator:
     def __init__(self, cfg: dict[str, Any], pad_token_id: int, attn: str | None, dtype):
         multiple = cfg["pad_to_multiple_of"]
         self.packed = SFTCollator("packed", pad_token_id, attn, dtype, multiple)
-        self.other = SFTCollator("padding_free" if cfg["padding_free"] else "padded", pad_token_id, attn,
-                                 dtype, multiple)
+        self.other = SFTCollator(
+            "padding_free" if cfg["padding_free"] else "padded", pad_token_id, attn, dtype, multiple
+        )
 
     def __call__(self, items: list):
         return (self.packed if isinstance(items[0], list) else self.other)(items)

@@ -71,7 +71,9 @@ class RowTokenizer:
     # -- formats ----------------------------------------------------------------------------------
     def _text(self, text, where: str) -> list[int]:
         if not isinstance(text, str):
-            raise DataError(f"{where}: column {self.text_field!r} must be a string, got {type(text).__name__}.")
+            raise DataError(
+                f"{where}: column {self.text_field!r} must be a string, got {type(text).__name__}."
+            )
         eos = self.tok.eos_token
         if eos and not text.endswith(eos):
             text = text + eos  # as TRL: the model learns to stop
@@ -102,7 +104,9 @@ class RowTokenizer:
             ids = self.tok(text=prompt + completion)["input_ids"]
             trained = [1] * len(ids)
         else:
-            raise DataError(f"{where}: 'prompt' and 'completion' must both be strings or both lists of messages.")
+            raise DataError(
+                f"{where}: 'prompt' and 'completion' must both be strings or both lists of messages."
+            )
         n = common_prefix_length(prompt_ids, ids)
         if completion_only:
             trained = [0] * n + trained[n:]
@@ -119,11 +123,17 @@ class RowTokenizer:
         tools = json.loads(tools) if isinstance(tools, str) else tools
         try:
             return self.tok.apply_chat_template(
-                messages, tools=tools or None, chat_template=self.template, tokenize=kwargs.pop("tokenize", True),
-                return_dict=kwargs.pop("return_dict", True), **kwargs,
+                messages,
+                tools=tools or None,
+                chat_template=self.template,
+                tokenize=kwargs.pop("tokenize", True),
+                return_dict=kwargs.pop("return_dict", True),
+                **kwargs,
             )
         except Exception as e:  # jinja2 errors: the template or the row is at fault, name both
-            raise DataError(f"{where}: the chat template failed on this row: {type(e).__name__}: {e}.") from None
+            raise DataError(
+                f"{where}: the chat template failed on this row: {type(e).__name__}: {e}."
+            ) from None
 
     def _chat(self, messages, row, where: str) -> tuple[list[int], list[int]]:
         """Token ids and the trained mask (all ones unless ``assistant_only_loss``)."""
@@ -141,8 +151,13 @@ class RowTokenizer:
         for k, m in enumerate(messages):
             if m.get("role") != "assistant":
                 continue
-            before = self._render(messages[:k], row, where, tokenize=False, return_dict=False,
-                                  add_generation_prompt=True) if k else ""
+            before = (
+                self._render(
+                    messages[:k], row, where, tokenize=False, return_dict=False, add_generation_prompt=True
+                )
+                if k
+                else ""
+            )
             through = self._render(messages[: k + 1], row, where, tokenize=False, return_dict=False)
             if not (text.startswith(before) and text.startswith(through) and through.startswith(before)):
                 raise DataError(

@@ -30,16 +30,28 @@ INLINE = (
     "{% generation %}{{ ' ' + m['content'] + '<|im_end|>' }}{% endgeneration %}"
     "{%- else -%}{{ ' ' + m['content'] + '\\n' }}{%- endif -%}{%- endfor -%}"
 )
-LONG = [{"role": "system", "content": "Answer in one line."}] + [
-    {"role": "user" if k % 2 == 0 else "assistant", "content": f"turn {k}: " + "packing puts samples in one row " * (k % 3 + 1)}
-    for k in range(9)
-] + [{"role": "assistant", "content": "你好！ 早上好。 def add(a, b): return a + b"}]
-CONVERSATIONS = [c["messages"] for c in CHATS] + [LONG, LONG[1:], [{"role": "user", "content": " x "},
-                                                                     {"role": "assistant", "content": " "}]]
+LONG = (
+    [{"role": "system", "content": "Answer in one line."}]
+    + [
+        {
+            "role": "user" if k % 2 == 0 else "assistant",
+            "content": f"turn {k}: " + "packing puts samples in one row " * (k % 3 + 1),
+        }
+        for k in range(9)
+    ]
+    + [{"role": "assistant", "content": "你好！ 早上好。 def add(a, b): return a + b"}]
+)
+CONVERSATIONS = [c["messages"] for c in CHATS] + [
+    LONG,
+    LONG[1:],
+    [{"role": "user", "content": " x "}, {"role": "assistant", "content": " "}],
+]
 
 
 def hf(tok, conversations, masked):
-    out = tok.apply_chat_template(conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=masked)
+    out = tok.apply_chat_template(
+        conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=masked
+    )
     return out["input_ids"], out["assistant_masks"] if masked else None
 
 
@@ -127,10 +139,14 @@ def test_prepared_rows_equal_the_row_path_through_truncation(mode, template):
 
 def test_rows_it_cannot_take_go_to_transformers_path():
     tok = make_tokenizer(WITH_MARKERS)
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]},
-             {"role": "assistant", "content": "Paris."}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]},
+        {"role": "assistant", "content": "Paris."},
+    ]
     assert chatbatch.plain(parts) is None  # content parts: transformers normalizes them
-    assert chatbatch.plain([{"role": "user", "content": "a", "name": None}]) == [{"role": "user", "content": "a"}]
+    assert chatbatch.plain([{"role": "user", "content": "a", "name": None}]) == [
+        {"role": "user", "content": "a"}
+    ]
     tok.backend_tokenizer.enable_truncation(8)  # what tok(...) would switch off first
     assert chatbatch.encode([chatbatch.plain(CHATS[0]["messages"])], tok, tok.chat_template, True) is None
     tok.backend_tokenizer.no_truncation()

@@ -27,15 +27,35 @@ def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
     model = tmp_path / "tiny-llama"
     made = sh([str(BIN / "python"), str(EXAMPLE / "make_model.py"), "--out", str(model)], ROOT, env)
     # the script says what it wrote and nothing else (no shard bar, no DeepSpeed accelerator notice)
-    assert (made.stdout + made.stderr).strip() == f"wrote {model}/ (tokenizer: 512 tokens, chat template: ChatML)"
+    assert (
+        made.stdout + made.stderr
+    ).strip() == f"wrote {model}/ (tokenizer: 512 tokens, chat template: ChatML)"
     common = ["--set", f'model.name_or_path="{model}"']
-    preview = sh([str(BIN / "corelooper"), "data", "preview", str(EXAMPLE / "config.toml"), "-n", "1", *common],
-                 ROOT, env)
+    preview = sh(
+        [str(BIN / "corelooper"), "data", "preview", str(EXAMPLE / "config.toml"), "-n", "1", *common],
+        ROOT,
+        env,
+    )
     assert "packed into" in preview.stdout and "[[" in preview.stdout  # packed, assistant tokens marked
     out = tmp_path / "run"
-    ran = sh([str(BIN / "corelooper"), "run", str(EXAMPLE / "config.toml"), *common, "--set",
-              f'train.output_dir="{out}"', "--set", "train.max_steps=8", "--set", "train.eval_steps=8", "--set",
-              "train.save_steps=8"], ROOT, env)
+    ran = sh(
+        [
+            str(BIN / "corelooper"),
+            "run",
+            str(EXAMPLE / "config.toml"),
+            *common,
+            "--set",
+            f'train.output_dir="{out}"',
+            "--set",
+            "train.max_steps=8",
+            "--set",
+            "train.eval_steps=8",
+            "--set",
+            "train.save_steps=8",
+        ],
+        ROOT,
+        env,
+    )
     said = ran.stdout + ran.stderr  # the start line first, then the adapter's share; the merged folder named
     assert said.index("corelooper: training 8 steps") < said.index("trainable_params=16384")
     assert f"peft: the merged model (adapter folded into the base weights) is in {out / 'merged'}" in said
@@ -68,7 +88,10 @@ def assert_complete_export(merged: Path, base: Path, env: dict) -> None:
     for section in ("peft", "plugins"):  # the export is a plain model: no adapter, no weighting
         cfg.pop(section)
     cfg["model"] = {"name_or_path": str(merged)}
-    cfg["data"] = {"train": str(EXAMPLE / "data" / "chat.jsonl"), "eval": str(EXAMPLE / "data" / "chat.jsonl")}
+    cfg["data"] = {
+        "train": str(EXAMPLE / "data" / "chat.jsonl"),
+        "eval": str(EXAMPLE / "data" / "chat.jsonl"),
+    }
     cfg["train"]["output_dir"] = str(merged.parent / "eval_merged")
     path = merged.parent / "eval_merged.toml"
     path.write_text(dumps_toml(cfg))
@@ -79,17 +102,44 @@ def assert_complete_export(merged: Path, base: Path, env: dict) -> None:
 
 @pytest.mark.skipif(not EXAMPLE.is_dir(), reason="runs from a repository checkout")
 def test_sft_chat_example_with_zero3_on_two_processes_merges_and_reloads(tmp_path):
-    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT),
-           "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "HF_DATASETS_CACHE": str(tmp_path / "cache"),
+        "PYTHONPATH": str(ROOT),
+        "TMPDIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+    }
     model = tmp_path / "tiny-llama"
     sh([str(BIN / "python"), str(EXAMPLE / "make_model.py"), "--out", str(model)], ROOT, env)
     out = tmp_path / "run"
-    sh([str(BIN / "corelooper"), "run", str(EXAMPLE / "config.toml"), "--nproc", "2",
-        "--set", f'model.name_or_path="{model}"', "--set", f'train.output_dir="{out}"', "--set", "train.max_steps=4",
-        "--set", "train.eval_steps=4", "--set", "train.save_steps=4", "--set", "deepspeed.zero_stage=3"], ROOT, env)
+    sh(
+        [
+            str(BIN / "corelooper"),
+            "run",
+            str(EXAMPLE / "config.toml"),
+            "--nproc",
+            "2",
+            "--set",
+            f'model.name_or_path="{model}"',
+            "--set",
+            f'train.output_dir="{out}"',
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.eval_steps=4",
+            "--set",
+            "train.save_steps=4",
+            "--set",
+            "deepspeed.zero_stage=3",
+        ],
+        ROOT,
+        env,
+    )
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     (evaluation,) = [x for x in lines if "eval_loss" in x]
-    assert 4 < evaluation["eval_loss"] < 7  # the plain token mean (ln 512 = 6.2 at random init), not the weighted loss
+    assert (
+        4 < evaluation["eval_loss"] < 7
+    )  # the plain token mean (ln 512 = 6.2 at random init), not the weighted loss
 
     from transformers import AutoModelForCausalLM
 

@@ -52,8 +52,9 @@ def run(dataset, tok, caplog, **kw):
     return out, HIT in caplog.text
 
 
-@pytest.mark.parametrize("template,assistant_only", [(WITH_MARKERS, True), (WITH_MARKERS, False),
-                                                     (NO_MARKERS, True)])
+@pytest.mark.parametrize(
+    "template,assistant_only", [(WITH_MARKERS, True), (WITH_MARKERS, False), (NO_MARKERS, True)]
+)
 def test_batched_tokenization_equals_row_by_row(tmp_path, template, assistant_only):
     tok = make_tokenizer(template)
     # mixed formats in one batch: chats, a chat with tools, text, prompt/completion
@@ -65,8 +66,9 @@ def test_batched_tokenization_equals_row_by_row(tmp_path, template, assistant_on
         got = prepared[i]
         assert got["input_ids"] == want["input_ids"] and got["labels"] == want["labels"]
         assert got["difficulty_score"] == row["difficulty_score"]
-    assert prepared.stats.trained_tokens == sum(sum(x != -100 for x in one(dict(r), i)["labels"][1:])
-                                                for i, r in enumerate(data))
+    assert prepared.stats.trained_tokens == sum(
+        sum(x != -100 for x in one(dict(r), i)["labels"][1:]) for i, r in enumerate(data)
+    )
 
 
 def test_a_row_with_no_trained_token_is_named_in_the_batched_path():
@@ -105,7 +107,7 @@ def _change_data(tmp_path, data, tok):
 def _change_one_character(tmp_path, data, tok):  # same size, same head, a later row differs
     text = data.read_text(encoding="utf-8")
     k = text.rindex("Paris.")
-    data.write_text(text[:k] + "Paria." + text[k + 6:], encoding="utf-8")
+    data.write_text(text[:k] + "Paria." + text[k + 6 :], encoding="utf-8")
     return load(data), tok, {}
 
 
@@ -132,8 +134,17 @@ def _change_setting(tmp_path, data, tok):
     return load(data), tok, {"max_length": 63}
 
 
-@pytest.mark.parametrize("change", [_change_data, _change_one_character, _touch_data, _change_tokenizer_files,
-                                    _change_template, _change_setting])
+@pytest.mark.parametrize(
+    "change",
+    [
+        _change_data,
+        _change_one_character,
+        _touch_data,
+        _change_tokenizer_files,
+        _change_template,
+        _change_setting,
+    ],
+)
 def test_each_kind_of_change_invalidates_the_cache(tmp_path, caplog, change):
     from transformers import AutoTokenizer
 
@@ -193,11 +204,15 @@ def test_the_rows_are_written_once_into_the_cache_entry(tmp_path, caplog):
     prepared = run(dataset, tok, caplog, max_length=40)[0]
     assert set((tmp_path / "hf_cache").rglob("*.arrow")) == before
     entry = _entry(tmp_path)
-    assert sorted(str(p.relative_to(entry)) for p in entry.rglob("*") if p.is_file()) == ["data/rows.arrow",
-                                                                                          "meta.json"]
+    assert sorted(str(p.relative_to(entry)) for p in entry.rglob("*") if p.is_file()) == [
+        "data/rows.arrow",
+        "meta.json",
+    ]
     assert [f["filename"] for f in prepared.ds.cache_files] == [str(entry / "data" / "rows.arrow")]
     # token lists as int32: half the bytes of int64 (the rows still read back as Python ints)
-    assert {str(prepared.ds.data.schema.field(c).type) for c in ("input_ids", "labels")} == {"list<item: int32>"}
+    assert {str(prepared.ds.data.schema.field(c).type) for c in ("input_ids", "labels")} == {
+        "list<item: int32>"
+    }
     assert prepared.stats.truncated > 0 and not list((tmp_path / "sft_cache").glob(".tmp-*"))
 
 
@@ -206,7 +221,9 @@ def small_disk(tmp_path):
     """A real 8 KiB tmpfs (mounting needs root, as the core's disk-full tests)."""
     d = tmp_path / "small"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(d)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(d)], capture_output=True, text=True
+    )
     if r.returncode:
         pytest.fail(f"mount tmpfs failed (the test needs root): {r.stderr}")
     yield d
@@ -226,11 +243,19 @@ def test_a_full_cache_disk_costs_the_cache_not_the_run(tmp_path, caplog, monkeyp
 
 
 def preview(tmp_path, model_dir, args, extra=""):
-    (tmp_path / "c.toml").write_text(f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "chats.jsonl"\n'
-                                     f"[sft]\nassistant_only_loss = true\nmax_length = 64\n{extra}")
+    (tmp_path / "c.toml").write_text(
+        f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "chats.jsonl"\n'
+        f"[sft]\nassistant_only_loss = true\nmax_length = 64\n{extra}"
+    )
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
-    return subprocess.run(CLI + ["data", "preview", str(tmp_path / "c.toml"), *args], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        CLI + ["data", "preview", str(tmp_path / "c.toml"), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("extra", ["", "packing = true\n"])
@@ -261,13 +286,15 @@ def test_preview_names_a_malformed_line_among_those_it_reads(tmp_path, model_dir
 @pytest.mark.parametrize("overlong", ["drop", "truncate"])
 def test_lengths_of_a_filtered_data_set_are_those_of_its_rows(overlong):
     # dropping (and truncating, then dropping rows left untrained) leaves a filtered view
-    data = CHATS * 3 + [{"messages": [{"role": "user", "content": "x " * 60},
-                                      {"role": "assistant", "content": "y"}]}]
+    data = CHATS * 3 + [
+        {"messages": [{"role": "user", "content": "x " * 60}, {"role": "assistant", "content": "y"}]}
+    ]
     prepared = prepare(data, make_tokenizer(), cfg(max_length=45, overlong=overlong), "t", use_cache=False)
     assert prepared.lengths == [len(prepared[i]["input_ids"]) for i in range(len(prepared))]
     assert prepared.stats.dropped + prepared.stats.fully_masked_dropped > 0
-    assert prepared.stats.trained_tokens == sum(sum(x != -100 for x in prepared[i]["labels"][1:])
-                                                for i in range(len(prepared)))
+    assert prepared.stats.trained_tokens == sum(
+        sum(x != -100 for x in prepared[i]["labels"][1:]) for i in range(len(prepared))
+    )
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -277,8 +304,14 @@ def test_a_data_column_named_like_a_pipeline_column_is_named_and_not_used(caplog
     with caplog.at_level(logging.WARNING, logger="corelooper.sft"):
         prepared = prepare(rows, make_tokenizer(), cfg(packing=packing), "data.train", use_cache=False)
     tokenized = prepared.rows if packing else prepared
-    assert tokenized.lengths == [len(tokenized[i]["input_ids"]) for i in range(len(tokenized))] != [3] * len(rows)
+    assert (
+        tokenized.lengths
+        == [len(tokenized[i]["input_ids"]) for i in range(len(tokenized))]
+        != [3] * len(rows)
+    )
     assert "length" not in tokenized[0] and "trained" not in tokenized[0]
     assert caplog.text.count("the data's column(s) ['length', 'trained'] are not used") == 1
-    plain = prepare([dict(c) for c in CHATS] * 2, make_tokenizer(), cfg(packing=packing), "data.train", use_cache=False)
+    plain = prepare(
+        [dict(c) for c in CHATS] * 2, make_tokenizer(), cfg(packing=packing), "data.train", use_cache=False
+    )
     assert prepared.stats.trained_tokens == plain.stats.trained_tokens

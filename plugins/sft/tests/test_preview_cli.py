@@ -14,11 +14,13 @@ CLI = [str(Path(sys.executable).with_name("corelooper"))]
 
 
 def setup(tmp_path, model_dir, extra=""):
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in CHATS * 3),
-                                         encoding="utf-8")
+    (tmp_path / "chats.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in CHATS * 3), encoding="utf-8"
+    )
     (tmp_path / "c.toml").write_text(
         f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "chats.jsonl"\n'
-        f"[sft]\nassistant_only_loss = true\nmax_length = 40\n{extra}")
+        f"[sft]\nassistant_only_loss = true\nmax_length = 40\n{extra}"
+    )
     return tmp_path / "c.toml"
 
 
@@ -40,8 +42,21 @@ def test_preview_shows_trained_tokens_counts_and_statistics(tmp_path, model_dir)
 
 def test_preview_json_gives_ids_labels_and_packing_boundaries(tmp_path, model_dir):
     cfg = setup(tmp_path, model_dir)
-    out = run(["data", "preview", str(cfg), "-n", "2", "--json", "--set", "sft.packing=true",
-               "--set", "sft.max_length=128"], tmp_path)
+    out = run(
+        [
+            "data",
+            "preview",
+            str(cfg),
+            "-n",
+            "2",
+            "--json",
+            "--set",
+            "sft.packing=true",
+            "--set",
+            "sft.max_length=128",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     rows, stats = lines[:-1], lines[-1]["stats"]
@@ -64,7 +79,9 @@ def test_preview_errors_are_one_paragraph_with_exit_code(tmp_path, model_dir):
 
 def setup_bad(tmp_path, model_dir):
     (tmp_path / "bad.jsonl").write_text('{"messages": oops}\n')
-    (tmp_path / "bad.toml").write_text(f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "bad.jsonl"\n[sft]\n')
+    (tmp_path / "bad.toml").write_text(
+        f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "bad.jsonl"\n[sft]\n'
+    )
     return tmp_path / "bad.toml"
 
 
@@ -72,13 +89,21 @@ def test_preview_adds_no_line_breaks_and_names_a_config_without_sft(tmp_path, mo
     """Piped (80 columns for rich), a long sample stays one line as the model sees it; a config
     with no [sft] section is told so, not asked for a tokenizer."""
     long = "word " * 40 + "end."
-    (tmp_path / "long.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Say it."},
-                                                                  {"role": "assistant", "content": long}]}) + "\n")
-    (tmp_path / "long.toml").write_text(f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "long.jsonl"\n'
-                                        "[sft]\nassistant_only_loss = true\n")
+    (tmp_path / "long.jsonl").write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": long}]}
+        )
+        + "\n"
+    )
+    (tmp_path / "long.toml").write_text(
+        f'[model]\nname_or_path = "{model_dir}"\n[data]\ntrain = "long.jsonl"\n'
+        "[sft]\nassistant_only_loss = true\n"
+    )
     out = run(["data", "preview", str(tmp_path / "long.toml"), "-n", "1"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert long.strip() in out.stdout.replace("[[", "").replace("]]", "")  # one line, unbroken
     (tmp_path / "plain.toml").write_text('[model]\nfactory = "m:f"\n[data]\ntrain = "chats.jsonl"\n')
     out = run(["data", "preview", str(tmp_path / "plain.toml")], tmp_path)
-    assert out.returncode == 2 and "has no [sft] section" in out.stderr and "tokenizer" not in out.stderr, out.stderr
+    assert out.returncode == 2 and "has no [sft] section" in out.stderr and "tokenizer" not in out.stderr, (
+        out.stderr
+    )

@@ -44,10 +44,22 @@ local = ["examples.sft_chat.weighting"]
 
 
 def run(cfg, out, nproc, batch, tmp_path):
-    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / f"cache{nproc}"), "PYTHONPATH": str(ROOT),
-           "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    args = [str(BIN / "corelooper"), "run", str(cfg), "--set", f'train.output_dir="{out}"',
-            "--set", f"train.per_device_train_batch_size={batch}"] + (["--nproc", str(nproc)] if nproc > 1 else [])
+    env = {
+        **os.environ,
+        "HF_DATASETS_CACHE": str(tmp_path / f"cache{nproc}"),
+        "PYTHONPATH": str(ROOT),
+        "TMPDIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+    }
+    args = [
+        str(BIN / "corelooper"),
+        "run",
+        str(cfg),
+        "--set",
+        f'train.output_dir="{out}"',
+        "--set",
+        f"train.per_device_train_batch_size={batch}",
+    ] + (["--nproc", str(nproc)] if nproc > 1 else [])
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return load_file(str(out / "model.safetensors"))

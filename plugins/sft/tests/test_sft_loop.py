@@ -28,18 +28,30 @@ def write_chats(path, n=24):
 def config(tmp_path, model_dir, sft=None, **train):
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = write_chats(tmp_path / "chats.jsonl")
-    return Config.from_dict({
-        "model": {"name_or_path": str(model_dir)},
-        "data": {"train": str(data), "eval": str(data)},
-        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "save_strategy": "no",
-                  "per_device_train_batch_size": 4, "per_device_eval_batch_size": 3, "learning_rate": 1e-2,
-                  **train},
-        "sft": {"assistant_only_loss": True, "max_length": 64, **(sft or {})},
-    })
+    return Config.from_dict(
+        {
+            "model": {"name_or_path": str(model_dir)},
+            "data": {"train": str(data), "eval": str(data)},
+            "train": {
+                "output_dir": str(tmp_path / "run"),
+                "max_steps": 2,
+                "save_strategy": "no",
+                "per_device_train_batch_size": 4,
+                "per_device_eval_batch_size": 3,
+                "learning_rate": 1e-2,
+                **train,
+            },
+            "sft": {"assistant_only_loss": True, "max_length": 64, **(sft or {})},
+        }
+    )
 
 
-LAYOUTS = {"padded": {"padding_free": False}, "padding_free": {"padding_free": True},
-           "bfd": {"packing": True}, "bfd_split": {"packing": True, "packing_strategy": "bfd_split"}}
+LAYOUTS = {
+    "padded": {"padding_free": False},
+    "padding_free": {"padding_free": True},
+    "bfd": {"packing": True},
+    "bfd_split": {"packing": True, "packing_strategy": "bfd_split"},
+}
 # "wrapped" cuts samples at row ends (each piece loses the context before the cut): another loss by design.
 
 
@@ -62,7 +74,9 @@ def test_eval_loss_and_item_counts_are_the_same_packed_and_unpacked(tmp_path, an
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_padding_free_unset_picks_the_faster_exact_layout_and_trains_as_padded(tmp_path, model_dir, attn, caplog):
+def test_padding_free_unset_picks_the_faster_exact_layout_and_trains_as_padded(
+    tmp_path, model_dir, attn, caplog
+):
     """``sft.padding_free`` unset ("auto"): on the CPU an sdpa model gets padding-free batches with
     segment-wise attention (half the time of padded ones: benchmarks/README.md), an eager one keeps
     padded batches; either way the run's weights equal the explicitly padded run's (exact)."""
@@ -70,8 +84,14 @@ def test_padding_free_unset_picks_the_faster_exact_layout_and_trains_as_padded(t
 
     weights = {}
     for name, sft in (("auto", {}), ("padded", {"padding_free": False})):
-        cfg = config(tmp_path / name, model_dir, {**sft, "max_length": 256}, max_steps=2, optim="sgd",
-                     max_grad_norm=0.0).replace("model", attn_implementation=attn)
+        cfg = config(
+            tmp_path / name,
+            model_dir,
+            {**sft, "max_length": 256},
+            max_steps=2,
+            optim="sgd",
+            max_grad_norm=0.0,
+        ).replace("model", attn_implementation=attn)
         with caplog.at_level(logging.INFO, logger="corelooper.sft"):
             loop = Loop(config=cfg)
         batch = loop.data_collator(loop.train_dataset.__getitems__([0, 1, 2]))
@@ -94,8 +114,9 @@ def test_padding_free_must_be_a_bool_or_auto(tmp_path, model_dir):
 
 
 def test_packing_really_packs_and_trains(tmp_path, model_dir):
-    loop = Loop(config=config(tmp_path, model_dir, {"packing": True, "max_length": 256}, max_steps=3,
-                           logging_steps=1))
+    loop = Loop(
+        config=config(tmp_path, model_dir, {"packing": True, "max_length": 256}, max_steps=3, logging_steps=1)
+    )
     assert len(loop.train_dataset) < 24 and loop.model.config.use_cache is False
     batch = loop.data_collator(loop.train_dataset.__getitems__([0, 1]))
     # sdpa became segment-wise sdpa: one unpadded row, the samples' bounds in cu_seq_lens, no T x T mask
@@ -121,7 +142,9 @@ def test_segment_attention_unset_is_the_cpus_only(tmp_path, model_dir):
 
 
 def test_without_segment_attention_sdpa_gets_a_boolean_block_mask(tmp_path, model_dir):
-    loop = Loop(config=config(tmp_path, model_dir, {"packing": True, "max_length": 256, "segment_attention": False}))
+    loop = Loop(
+        config=config(tmp_path, model_dir, {"packing": True, "max_length": 256, "segment_attention": False})
+    )
     assert loop.model.config._attn_implementation == "sdpa"
     batch = loop.data_collator(loop.train_dataset.__getitems__([0, 1]))
     assert batch["attention_mask"].dim() == 4 and batch["attention_mask"].dtype == torch.bool
@@ -141,7 +164,8 @@ class WeightedLoss:
         outputs = model(**inputs)
         logits, labels = outputs.logits[:, :-1], batch["labels"][:, 1:]
         per_token = torch.nn.functional.cross_entropy(
-            logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
+            logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none"
+        )
         w = weight[:, None] if weight.dim() == 1 else weight[:, 1:]
         loss = (per_token * w).sum() / num_items_in_batch
         return (loss, outputs) if return_outputs else loss
@@ -188,9 +212,17 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, model_dir):
 def test_weighted_loss_is_exact_under_gradient_accumulation(tmp_path, model_dir, layout):
     params = {}
     for bs, ga in ((4, 1), (2, 2), (1, 4)):
-        cfg = config(tmp_path / f"{bs}x{ga}", model_dir, {**LAYOUTS[layout], "max_length": 256}, max_steps=1,
-                     per_device_train_batch_size=bs, gradient_accumulation_steps=ga, optim="sgd",
-                     max_grad_norm=0.0, learning_rate=1.0)
+        cfg = config(
+            tmp_path / f"{bs}x{ga}",
+            model_dir,
+            {**LAYOUTS[layout], "max_length": 256},
+            max_steps=1,
+            per_device_train_batch_size=bs,
+            gradient_accumulation_steps=ga,
+            optim="sgd",
+            max_grad_norm=0.0,
+            learning_rate=1.0,
+        )
         loop = Loop(config=cfg, plugins=[WeightedLoss()])
         loop.train()
         params[(bs, ga)] = torch.cat([p.detach().flatten() for p in loop.model.parameters()])
@@ -205,14 +237,25 @@ def test_packed_run_resumes_exactly(tmp_path, model_dir):
     from safetensors.torch import load_file
 
     def run(out, resume=None):
-        cfg = config(tmp_path / out, model_dir, {"packing": True, "max_length": 128}, max_steps=4,
-                     per_device_train_batch_size=2, save_strategy="steps", save_steps=2, save_total_limit=3)
+        cfg = config(
+            tmp_path / out,
+            model_dir,
+            {"packing": True, "max_length": 128},
+            max_steps=4,
+            per_device_train_batch_size=2,
+            save_strategy="steps",
+            save_steps=2,
+            save_total_limit=3,
+        )
         Loop(config=cfg, plugins=[WeightedLoss()]).train(resume_from_checkpoint=resume)
         return tmp_path / out / "run"
 
     straight = run("straight")  # its checkpoint-2 is where the second run resumes, in a fresh folder
     run("again", resume=str(straight / "checkpoint-2"))
-    a, b = load_file(str(straight / "model.safetensors")), load_file(str(tmp_path / "again" / "run" / "model.safetensors"))
+    a, b = (
+        load_file(str(straight / "model.safetensors")),
+        load_file(str(tmp_path / "again" / "run" / "model.safetensors")),
+    )
     mid = load_file(str(straight / "checkpoint-2" / "model.safetensors"))
     assert max((a[k] - mid[k]).abs().max().item() for k in a) > 1e-4  # steps 3-4 changed the weights
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

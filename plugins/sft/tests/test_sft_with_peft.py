@@ -56,10 +56,16 @@ def run(tmp_path, model_dir, names: tuple[str, str], first: str, monkeypatch):  
     return loop, seen
 
 
-@pytest.mark.parametrize("names,first", [(("sft", "peft"), "peft"), (("zz_sft", "aa_peft"), "sft"),
-                                         (("aa_sft", "zz_peft"), "sft")])
-def test_sft_and_peft_compose_the_same_whatever_their_names(tmp_path, model_dir, monkeypatch,  # noqa: F811
-                                                            names, first):
+@pytest.mark.parametrize(
+    "names,first", [(("sft", "peft"), "peft"), (("zz_sft", "aa_peft"), "sft"), (("aa_sft", "zz_peft"), "sft")]
+)
+def test_sft_and_peft_compose_the_same_whatever_their_names(
+    tmp_path,
+    model_dir,
+    monkeypatch,  # noqa: F811
+    names,
+    first,
+):
     ref, ref_seen = run(tmp_path / "ref", model_dir, ("sft", "peft"), "sft", monkeypatch)
     loop, seen = run(tmp_path / "other", model_dir, names, first, monkeypatch)
     for lp, s in ((ref, ref_seen), (loop, seen)):
@@ -68,8 +74,10 @@ def test_sft_and_peft_compose_the_same_whatever_their_names(tmp_path, model_dir,
         assert len(s.models) == 1 and isinstance(s.models[0], peft.PeftModel)
         assert s.models[0].config._attn_implementation == "corelooper_segment_sdpa"
     assert len(loop.train_dataset) == len(ref.train_dataset) < 24  # packed, the same rows
-    losses = [[h["loss"] for h in lp.state.log_history if "loss" in h and "train_runtime" not in h]
-              for lp in (ref, loop)]
+    losses = [
+        [h["loss"] for h in lp.state.log_history if "loss" in h and "train_runtime" not in h]
+        for lp in (ref, loop)
+    ]
     assert len(losses[0]) == 2 and losses[0] == losses[1]
     got = dict(loop.backend.unwrap_model(loop.model).named_parameters())
     for name, p in ref.backend.unwrap_model(ref.model).named_parameters():

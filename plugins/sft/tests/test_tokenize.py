@@ -17,9 +17,14 @@ PROMPT_COMPLETION = [
     {"prompt": "Translate: good morning", "completion": " 早上好。"},
 ]
 CONV_PROMPT_COMPLETION = [
-    {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "completion": [{"role": "assistant", "content": "4."}]},
-    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}],
-     "completion": [{"role": "assistant", "content": "你好！"}]},
+    {
+        "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+        "completion": [{"role": "assistant", "content": "4."}],
+    },
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}],
+        "completion": [{"role": "assistant", "content": "你好！"}],
+    },
 ]
 TEXT = [{"text": "Packing puts short samples into one row."}, {"text": "你好，世界"}]
 
@@ -34,11 +39,21 @@ def trl_rows(rows, model_dir, tmp_path, **sft):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir=str(tmp_path / "trl"), report_to=[], bf16=False, max_length=None,
-                     gradient_checkpointing=False, dataset_num_proc=None, **sft)
-    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
-                         train_dataset=Dataset.from_list(copy.deepcopy(rows)),
-                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+    args = SFTConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to=[],
+        bf16=False,
+        max_length=None,
+        gradient_checkpointing=False,
+        dataset_num_proc=None,
+        **sft,
+    )
+    trainer = SFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        args=args,
+        train_dataset=Dataset.from_list(copy.deepcopy(rows)),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
     ds = trainer.train_dataset
     return [(list(r["input_ids"]), list(r["labels"])) for r in ds]
 
@@ -51,23 +66,36 @@ def ours(rows, model_dir, **kw):
     return [(list(r["input_ids"]), list(r["labels"])) for r in (out[i] for i in range(len(out)))]
 
 
-@pytest.mark.parametrize(("rows", "kw"), [
-    (CHATS, {}),
-    (CHATS, {"assistant_only_loss": True}),
-    (PROMPT_COMPLETION, {}),
-    (PROMPT_COMPLETION, {"completion_only_loss": False}),
-    (CONV_PROMPT_COMPLETION, {}),
-    (CONV_PROMPT_COMPLETION, {"assistant_only_loss": True}),
-    (TEXT, {}),
-], ids=["chat", "chat-assistant-only", "prompt-completion", "pc-full-loss", "conv-pc", "conv-pc-assistant",
-        "text"])
+@pytest.mark.parametrize(
+    ("rows", "kw"),
+    [
+        (CHATS, {}),
+        (CHATS, {"assistant_only_loss": True}),
+        (PROMPT_COMPLETION, {}),
+        (PROMPT_COMPLETION, {"completion_only_loss": False}),
+        (CONV_PROMPT_COMPLETION, {}),
+        (CONV_PROMPT_COMPLETION, {"assistant_only_loss": True}),
+        (TEXT, {}),
+    ],
+    ids=[
+        "chat",
+        "chat-assistant-only",
+        "prompt-completion",
+        "pc-full-loss",
+        "conv-pc",
+        "conv-pc-assistant",
+        "text",
+    ],
+)
 def test_same_tokens_and_labels_as_trl(rows, kw, model_dir, tmp_path):
     mine = ours(rows, model_dir, **kw)
-    theirs = trl_rows([{k: v for k, v in r.items() if k != "difficulty_score"} for r in rows],
-                      model_dir, tmp_path, **kw)
+    theirs = trl_rows(
+        [{k: v for k, v in r.items() if k != "difficulty_score"} for r in rows], model_dir, tmp_path, **kw
+    )
     assert mine == theirs
     assert any(x == -100 for _, labels in mine for x in labels) == bool(
-        kw.get("assistant_only_loss") or ("prompt" in rows[0] and kw.get("completion_only_loss") is not False))
+        kw.get("assistant_only_loss") or ("prompt" in rows[0] and kw.get("completion_only_loss") is not False)
+    )
 
 
 def test_prefix_rendering_gives_the_generation_marker_masks():
@@ -124,8 +152,10 @@ def test_empty_data_set_is_an_error():
 
 
 def test_tools_column_reaches_the_chat_template():
-    template = ("{%- if tools %}{{ 'TOOLS:' + (tools | map(attribute='name') | join(',')) + '\\n' }}{% endif -%}"
-                + NO_MARKERS)
+    template = (
+        "{%- if tools %}{{ 'TOOLS:' + (tools | map(attribute='name') | join(',')) + '\\n' }}{% endif -%}"
+        + NO_MARKERS
+    )
     tok = make_tokenizer(template)
     row = {**CHATS[0], "tools": [{"name": "search"}, {"name": "calc"}]}
     out = RowTokenizer(tok, cfg(assistant_only_loss=True), "t")(row, 0)

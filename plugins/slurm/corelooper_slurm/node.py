@@ -180,8 +180,10 @@ def rendezvous_failure(endpoint: str, error: BaseException) -> str:
     text = str(cause)
     if "EADDRINUSE" in text or "address already in use" in text.lower():
         port = endpoint.rpartition(":")[2]
-        return (f"the rendezvous port {port} on {endpoint.rpartition(':')[0]} is held by another program "
-                f"(EADDRINUSE): give `corelooper slurm --port` a free one, or leave it out to have one picked")
+        return (
+            f"the rendezvous port {port} on {endpoint.rpartition(':')[0]} is held by another program "
+            f"(EADDRINUSE): give `corelooper slurm --port` a free one, or leave it out to have one picked"
+        )
     first = text.strip().splitlines()[0] if text.strip() else type(cause).__name__
     return f"the rendezvous at {endpoint} failed: {first}"
 
@@ -218,8 +220,10 @@ def main(argv: list[str]) -> int:
         print(node_line(state, codes, what), file=sys.stderr, flush=True)
         _write(Path(argv[1]) / f"node-{node}", state + "\n")
         return 0 if state in ("finished", "stopped") else 1
-    print("usage: python -m corelooper_slurm.node latest OUTPUT_DIR | port FIRST | torchrun STATE_DIR -- ARGS...",
-          file=sys.stderr)
+    print(
+        "usage: python -m corelooper_slurm.node latest OUTPUT_DIR | port FIRST | torchrun STATE_DIR -- ARGS...",
+        file=sys.stderr,
+    )
     return 2
 
 

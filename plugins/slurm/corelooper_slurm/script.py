@@ -90,7 +90,11 @@ def check(spec: JobSpec) -> None:
     """Refuse what sbatch would refuse later, in words."""
     from corelooper.errors import ConfigError
 
-    if spec.nodes < 1 or spec.gpus_per_node < 0 or (spec.nproc_per_node is not None and spec.nproc_per_node < 1):
+    if (
+        spec.nodes < 1
+        or spec.gpus_per_node < 0
+        or (spec.nproc_per_node is not None and spec.nproc_per_node < 1)
+    ):
         raise ConfigError(
             f"--nodes {spec.nodes} --gpus-per-node {spec.gpus_per_node}: use at least 1 node and 0 "
             "or more GPUs per node (and --nproc-per-node >= 1 when given)."
@@ -110,13 +114,17 @@ def check(spec: JobSpec) -> None:
             "run may go on with after losing some), or leave it out (then a lost node ends the job)."
         )
     if spec.restarts < 0:
-        raise ConfigError(f"--max-restarts {spec.restarts}: give 0 (a lost node or failed rank ends the run) "
-                          "or more (torchrun restarts the ranks that many times, from the newest checkpoint).")
+        raise ConfigError(
+            f"--max-restarts {spec.restarts}: give 0 (a lost node or failed rank ends the run) "
+            "or more (torchrun restarts the ranks that many times, from the newest checkpoint)."
+        )
     if spec.max_requeues < 0:
         raise ConfigError(f"--max-requeues {spec.max_requeues}: give 0 (never requeue) or more.")
     if spec.port is not None and not 1024 <= spec.port <= 65535:
-        raise ConfigError(f"--port {spec.port}: give a free TCP port from 1024 to 65535, or leave it out "
-                          "(then each job uses the first free port from 15000 + its job id % 10000).")
+        raise ConfigError(
+            f"--port {spec.port}: give a free TCP port from 1024 to 65535, or leave it out "
+            "(then each job uses the first free port from 15000 + its job id % 10000)."
+        )
     if spec.grace < 1:
         raise ConfigError(f"--grace {spec.grace}: give the seconds the job needs to save (e.g. 120).")
 
@@ -150,34 +158,56 @@ def render(spec: JobSpec) -> str:
     for item in spec.plugin_options:
         run += ["-p", item]
     torchrun = [  # torch.distributed.run's arguments (corelooper_slurm.node runs it)
-        "--nnodes", f'"{spec.min}:$SLURM_NNODES"' if spec.elastic else '"$SLURM_NNODES"',
-        "--nproc_per_node", str(spec.procs), "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", '"$head_node:$port"', "--rdzv_id", '"$SLURM_JOB_ID"',
-        "--max_restarts", str(spec.restarts), "--signals_to_handle", f"{TORCHRUN_SIGNALS},SIG{sig}",
-        "--shutdown_timeout", str(spec.grace),
+        "--nnodes",
+        f'"{spec.min}:$SLURM_NNODES"' if spec.elastic else '"$SLURM_NNODES"',
+        "--nproc_per_node",
+        str(spec.procs),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        '"$head_node:$port"',
+        "--rdzv_id",
+        '"$SLURM_JOB_ID"',
+        "--max_restarts",
+        str(spec.restarts),
+        "--signals_to_handle",
+        f"{TORCHRUN_SIGNALS},SIG{sig}",
+        "--shutdown_timeout",
+        str(spec.grace),
     ]
     quoted = [a if a.startswith('"') else shlex.quote(a) for a in torchrun]
     output_dir = spec.output_dir or spec.workdir / "output"
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), _HEADER.format(
-        sig=sig, python=spec.python, workdir=spec.workdir, config=spec.config, output_dir=output_dir,
-        max_requeues=spec.max_requeues,
-    ), _BODY.format(
-        sig=sig,
-        python=shlex.quote(spec.python),
-        output_dir=shlex.quote(str(output_dir)),
-        state_dir=shlex.quote(str(output_dir.parent / f".{output_dir.name}.slurm")),
-        # below Linux's ephemeral ports (32768 up), which any connection may hold for a while
-        port=spec.port if spec.port is not None
-        else '$("$python" -m corelooper_slurm.node port $(( 15000 + SLURM_JOB_ID % 10000 )))',
-        srun_cpus=f"--cpus-per-task={spec.cpus_per_task} " if spec.cpus_per_task
-        else '--cpus-per-task="$SLURM_CPUS_ON_NODE" ',
-        max_requeues=spec.max_requeues,
-        min_nodes=spec.min if spec.elastic else '"$SLURM_NNODES"',
-        elastic=_ELASTIC if spec.elastic else "",
-        srun_kill="--kill-on-bad-exit=0 --no-kill" if spec.elastic else "--kill-on-bad-exit=1",
-        torchrun=" \\\n    ".join(_pairs(quoted)),
-        run=" ".join(shlex.quote(a) for a in run),
-    )]
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        _HEADER.format(
+            sig=sig,
+            python=spec.python,
+            workdir=spec.workdir,
+            config=spec.config,
+            output_dir=output_dir,
+            max_requeues=spec.max_requeues,
+        ),
+        _BODY.format(
+            sig=sig,
+            python=shlex.quote(spec.python),
+            output_dir=shlex.quote(str(output_dir)),
+            state_dir=shlex.quote(str(output_dir.parent / f".{output_dir.name}.slurm")),
+            # below Linux's ephemeral ports (32768 up), which any connection may hold for a while
+            port=spec.port
+            if spec.port is not None
+            else '$("$python" -m corelooper_slurm.node port $(( 15000 + SLURM_JOB_ID % 10000 )))',
+            srun_cpus=f"--cpus-per-task={spec.cpus_per_task} "
+            if spec.cpus_per_task
+            else '--cpus-per-task="$SLURM_CPUS_ON_NODE" ',
+            max_requeues=spec.max_requeues,
+            min_nodes=spec.min if spec.elastic else '"$SLURM_NNODES"',
+            elastic=_ELASTIC if spec.elastic else "",
+            srun_kill="--kill-on-bad-exit=0 --no-kill" if spec.elastic else "--kill-on-bad-exit=1",
+            torchrun=" \\\n    ".join(_pairs(quoted)),
+            run=" ".join(shlex.quote(a) for a in run),
+        ),
+    ]
     return "\n".join(lines)
 
 

@@ -108,17 +108,24 @@ class SlurmCluster:
     def restart_slurmd(self, node: str) -> None:
         """Start the node's slurmd again (after a test killed it: the node comes back)."""
         log = open(self.root / f"slurmd-{node}.out", "a")  # noqa: SIM115 - kept open for the daemon's life
-        self.processes.append(subprocess.Popen(["slurmd", "-D", "-N", node], env=self.env, stdout=log,
-                                               stderr=subprocess.STDOUT))
+        self.processes.append(
+            subprocess.Popen(["slurmd", "-D", "-N", node], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        )
 
     def slurmd(self, node: str) -> subprocess.Popen:
         return next(p for p in reversed(self.processes) if p.args == ["slurmd", "-D", "-N", node])
 
     def logs(self) -> str:
         tails = []
-        for path in [self.root / "munged.log", self.root / "slurmctld.log", *sorted(self.root.glob("slurmd-*.log"))]:
+        for path in [
+            self.root / "munged.log",
+            self.root / "slurmctld.log",
+            *sorted(self.root.glob("slurmd-*.log")),
+        ]:
             if path.exists():
-                tails.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+                tails.append(
+                    f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+                )
         return "\n".join(tails)
 
     def stop(self) -> None:
@@ -139,13 +146,16 @@ class SlurmCluster:
 def _controller_up(cluster: SlurmCluster) -> bool:
     controller = cluster.processes[1]
     if controller.poll() is not None:  # e.g. "fatal: ..." in a config it refuses: say so now
-        raise RuntimeError(f"slurmctld exited with {controller.returncode}; logs in {cluster.root}:\n{cluster.logs()}")
+        raise RuntimeError(
+            f"slurmctld exited with {controller.returncode}; logs in {cluster.root}:\n{cluster.logs()}"
+        )
     ping = cluster.run("scontrol", "ping")
     return ping.returncode == 0 and "UP" in ping.stdout
 
 
-def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost",),
-          slurmd_timeout: int = 300) -> SlurmCluster:
+def start(
+    root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost",), slurmd_timeout: int = 300
+) -> SlurmCluster:
     """munged -> slurmctld -> one slurmd per node, each in the foreground of a child process.
     Several nodes share this host's CPUs (each gets all of them: the tests run one small task per node).
     ``slurmd_timeout``: seconds before slurmctld sets a silent node DOWN (Slurm's default 300)."""
@@ -157,13 +167,29 @@ def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost"
     conf = root / "slurm.conf"
     cpus = os.cpu_count() or 1
     node_lines = "\n".join(NODE.format(name=n, port=_free_port(), cpus=cpus) for n in nodes)
-    conf.write_text(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port(),
-                                node_lines=node_lines, node_names=",".join(nodes), slurmd_timeout=slurmd_timeout,
-                                first_job_id=_first_job_id()))
+    conf.write_text(
+        CONF.format(
+            root=root,
+            ctld_port=_free_port(),
+            slurmd_port=_free_port(),
+            node_lines=node_lines,
+            node_names=",".join(nodes),
+            slurmd_timeout=slurmd_timeout,
+            first_job_id=_first_job_id(),
+        )
+    )
     cluster = SlurmCluster(root, {**env, "SLURM_CONF": str(conf)})
     commands = [
-        ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={root}/munge.socket",
-         f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"],
+        [
+            "munged",
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={root}/munge.socket",
+            f"--pid-file={root}/munged.pid",
+            f"--log-file={root}/munged.log",
+            f"--seed-file={root}/munged.seed",
+        ],
         ["slurmctld", "-D", "-c", "-i"],
         *(["slurmd", "-D", "-N", n] for n in nodes),
     ]
@@ -171,13 +197,18 @@ def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost"
         for i, cmd in enumerate(commands):
             name = f"slurmd-{cmd[-1]}" if cmd[0] == "slurmd" else cmd[0]
             log = open(root / f"{name}.out", "w")  # noqa: SIM115 - kept open for the daemon's life
-            cluster.processes.append(subprocess.Popen(cmd, env=cluster.env, stdout=log, stderr=subprocess.STDOUT))
+            cluster.processes.append(
+                subprocess.Popen(cmd, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
+            )
             if i == 0:
                 cluster.wait_for("munged did not start", (root / "munge.socket").exists, 20)
             if i == 1:
                 cluster.wait_for("slurmctld did not answer", lambda: _controller_up(cluster), 60)
-        cluster.wait_for("the nodes did not become idle", lambda: cluster.run(
-            "sinfo", "-h", "-N", "-o", "%T").stdout.split().count("idle") == len(nodes), 90)
+        cluster.wait_for(
+            "the nodes did not become idle",
+            lambda: cluster.run("sinfo", "-h", "-N", "-o", "%T").stdout.split().count("idle") == len(nodes),
+            90,
+        )
     except BaseException:
         cluster.stop()
         raise
@@ -187,7 +218,12 @@ def start(root: Path, env: dict[str, str], nodes: tuple[str, ...] = ("localhost"
 def rendezvous_ports(log: str, job_id: str) -> list[int]:
     """The rendezvous port of each start of the job, as its log names them; each is the plugin's
     default (the first free one from 15000 + job id % 10000)."""
-    ports = [int(p) for p in re.findall(rf"corelooper-slurm: job {job_id} \(restart \d+\) on .*; rendezvous \S+:(\d+)", log)]
+    ports = [
+        int(p)
+        for p in re.findall(
+            rf"corelooper-slurm: job {job_id} \(restart \d+\) on .*; rendezvous \S+:(\d+)", log
+        )
+    ]
     first = 15000 + int(job_id) % 10000
     assert ports and all(first <= p < first + 100 for p in ports), (first, ports, log[-3000:])
     return ports

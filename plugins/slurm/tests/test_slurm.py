@@ -48,8 +48,14 @@ def base_env(tmp: Path) -> dict[str, str]:
 
 
 def corelooper(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "corelooper", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "corelooper", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +74,32 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     config = write_config(tmp_path / "job.toml", tmp_path / "job")
     env = {**slurm.env, "TMPDIR": str(tmp_path)}
     # the defaults under test: the whole node's CPUs for its task, the port from the job id
-    submitted = corelooper("slurm", str(config), "--nodes", "1", "--nproc-per-node", "2",
-                           "--output", str(tmp_path / "job-%j.out"), "-p", str(tmp_path / "slow.py"),
-                           "-p", "no:tensorboard", "--grace", "60", env=env, timeout=60)
+    submitted = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--output",
+        str(tmp_path / "job-%j.out"),
+        "-p",
+        str(tmp_path / "slow.py"),
+        "-p",
+        "no:tensorboard",
+        "--grace",
+        "60",
+        env=env,
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
     metrics = tmp_path / "job" / "metrics.jsonl"
-    slurm.wait_for("the job did not train 4 steps", lambda: metrics.exists() and metrics.read_text().count(
-        '"loss"') >= 4, 180)
+    slurm.wait_for(
+        "the job did not train 4 steps",
+        lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 4,
+        180,
+    )
     signal_sent = slurm.run("scancel", "--signal=USR1", "--batch", job_id)
     assert signal_sent.returncode == 0, signal_sent.stderr
 
@@ -93,14 +117,22 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     assert log.count(f"corelooper: stopped at step {stopped_at}") == 1  # rank 0 speaks, both ranks stop
     port, port_again = slurm_cluster.rendezvous_ports(log, job_id)
     first, second = log.split(f"corelooper-slurm: job {job_id} (restart 1)")
-    assert f"corelooper-slurm: job {job_id} (restart 0) on localhost: starting fresh (no checkpoint yet); " \
-           f"rendezvous localhost:{port}" in first
-    assert second.startswith(f" on localhost: resumed from checkpoint-{stopped_at}; rendezvous localhost:{port_again}")
+    assert (
+        f"corelooper-slurm: job {job_id} (restart 0) on localhost: starting fresh (no checkpoint yet); "
+        f"rendezvous localhost:{port}" in first
+    )
+    assert second.startswith(
+        f" on localhost: resumed from checkpoint-{stopped_at}; rendezvous localhost:{port_again}"
+    )
     assert "SIGUSR1: every rank finishes its step and saves a checkpoint" in first
-    assert (f"corelooper-slurm: node localhost ({cpus} CPUs): stopped; torchrun got SIGUSR1; "
-            "rank 0: 138 (stopped on SIGUSR1, saved), rank 1: 138 (stopped on SIGUSR1, saved)") in first
-    assert (f"requeueing job {job_id}: checkpoint-{stopped_at} is newer than checkpoint-0 "
-            "(requeue 1 of at most 20)") in first
+    assert (
+        f"corelooper-slurm: node localhost ({cpus} CPUs): stopped; torchrun got SIGUSR1; "
+        "rank 0: 138 (stopped on SIGUSR1, saved), rank 1: 138 (stopped on SIGUSR1, saved)"
+    ) in first
+    assert (
+        f"requeueing job {job_id}: checkpoint-{stopped_at} is newer than checkpoint-0 "
+        "(requeue 1 of at most 20)"
+    ) in first
     assert (f"corelooper-slurm: node localhost ({cpus} CPUs): finished; every rank finished") in second
     assert "corelooper-slurm: finished on 1 of 1 nodes (newest checkpoint-" in second
     for noise in ("SignalException", "Traceback", "srun: error"):  # one line per node instead
@@ -116,21 +148,37 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     got_losses, want_losses = (_losses(tmp_path / d / "metrics.jsonl") for d in ("job", "ref"))
     assert sorted(got_losses) == list(range(1, STEPS + 1))
     assert max(abs(got_losses[s] - want_losses[s]) for s in want_losses) <= 1e-5
-    assert not torch.equal(final["net.0.weight"], load_file(str(checkpoints[0] / "model.safetensors"))["net.0.weight"])
+    assert not torch.equal(
+        final["net.0.weight"], load_file(str(checkpoints[0] / "model.safetensors"))["net.0.weight"]
+    )
 
 
 def _submit(slurm, tmp_path: Path, *extra: str) -> tuple[str, Path]:
     config = write_config(tmp_path / "job.toml", tmp_path / "job")
-    submitted = corelooper("slurm", str(config), "--nproc-per-node", "2", "--output", str(tmp_path / "job-%j.out"),
-                           "-p", "no:tensorboard", "--grace", "30", *extra,
-                           env={**slurm.env, "TMPDIR": str(tmp_path)}, timeout=60)
+    submitted = corelooper(
+        "slurm",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        "--output",
+        str(tmp_path / "job-%j.out"),
+        "-p",
+        "no:tensorboard",
+        "--grace",
+        "30",
+        *extra,
+        env={**slurm.env, "TMPDIR": str(tmp_path)},
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
     return job_id, tmp_path / f"job-{job_id}.out"
 
 
 def _ended(slurm, job_id: str, log: Path) -> tuple[dict[str, str], str]:
-    slurm.wait_for("the job did not end", lambda: slurm.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 120)
+    slurm.wait_for(
+        "the job did not end", lambda: slurm.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 120
+    )
     return slurm.job(job_id), log.read_text()
 
 
@@ -139,12 +187,16 @@ def test_a_signal_during_start_up_ends_the_job_instead_of_requeueing_it(slurm, t
     then made no progress, again and again. Now: no newer checkpoint, no requeue, the reason."""
     (tmp_path / "slow_start.py").write_text("import time\n\ntime.sleep(20)  # the ranks are still starting\n")
     job_id, log_path = _submit(slurm, tmp_path, "-p", str(tmp_path / "slow_start.py"))
-    slurm.wait_for("the job did not start", lambda: log_path.exists() and "starting fresh" in log_path.read_text(), 90)
+    slurm.wait_for(
+        "the job did not start", lambda: log_path.exists() and "starting fresh" in log_path.read_text(), 90
+    )
     assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
     job, log = _ended(slurm, job_id, log_path)
     assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "1:0"), (job, log)
-    assert "not requeueing: this restart wrote no checkpoint newer than checkpoint-0 (the signal came " \
-           "before a step was saved)" in log, log
+    assert (
+        "not requeueing: this restart wrote no checkpoint newer than checkpoint-0 (the signal came "
+        "before a step was saved)" in log
+    ), log
     assert "corelooper-slurm: node localhost" in log and ": failed; " in log, log
     assert not list((tmp_path / "job").glob("checkpoint-*"))
 
@@ -153,15 +205,20 @@ def test_a_job_requeued_max_requeues_times_ends_with_the_reason(slurm, tmp_path)
     (tmp_path / "slow.py").write_text(SLOW)
     job_id, log_path = _submit(slurm, tmp_path, "--max-requeues", "0", "-p", str(tmp_path / "slow.py"))
     metrics = tmp_path / "job" / "metrics.jsonl"
-    slurm.wait_for("the job did not train 2 steps", lambda: metrics.exists() and metrics.read_text().count(
-        '"loss"') >= 2, 120)
+    slurm.wait_for(
+        "the job did not train 2 steps",
+        lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 2,
+        120,
+    )
     assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
     job, log = _ended(slurm, job_id, log_path)
     assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "1:0"), (job, log)
     step = int(next((tmp_path / "job").glob("checkpoint-*")).name.split("-")[1])
     assert 2 <= step < STEPS
-    assert (f"not requeueing: --max-requeues 0 reached (restart 0); resume with the same command: "
-            f"checkpoint-{step}") in log, log
+    assert (
+        f"not requeueing: --max-requeues 0 reached (restart 0); resume with the same command: "
+        f"checkpoint-{step}"
+    ) in log, log
     assert ": stopped; torchrun got SIGUSR1; rank 0: 138 (stopped on SIGUSR1, saved)" in log, log
 
 
@@ -174,23 +231,59 @@ def _losses(path: Path) -> dict[int, float]:
 
 def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     config = write_config(tmp_path / "c.toml", tmp_path / "out")
-    out = corelooper("slurm", str(config), "--nodes", "4", "--gpus-per-node", "8", "--time", "2-00:00:00",
-                     "--partition", "gpu", "--signal", "SIGUSR2", "--grace", "300", "--set", "train.seed=1",
-                     "--script", str(tmp_path / "job.sbatch"), "--dry-run", env=base_env(tmp_path), timeout=60)
+    out = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "2-00:00:00",
+        "--partition",
+        "gpu",
+        "--signal",
+        "SIGUSR2",
+        "--grace",
+        "300",
+        "--set",
+        "train.seed=1",
+        "--script",
+        str(tmp_path / "job.sbatch"),
+        "--dry-run",
+        env=base_env(tmp_path),
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert (tmp_path / "job.sbatch").read_text().strip() == text.strip()
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --time=2-00:00:00", "#SBATCH --partition=gpu", "#SBATCH --requeue",
-                 "#SBATCH --signal=B:USR2@300", "export CORELOOPER_STOP_SIGNALS=SIGUSR2", "trap on_signal USR2",
-                 '--rdzv_endpoint "$head_node:$port"',
-                 'port=$("$python" -m corelooper_slurm.node port $(( 15000 + SLURM_JOB_ID % 10000 )))',
-                 "#SBATCH --exclusive", 'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE"',
-                 f"#   python:     {sys.executable}", f"#   workdir:    {REPO}", f"#   config:     {config}",
-                 f"#   output_dir: {tmp_path / 'out'}", "--nproc_per_node 8", "--rdzv_backend c10d",
-                 "--signals_to_handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2", "--shutdown_timeout 300",
-                 'scontrol requeue "$SLURM_JOB_ID"', '--nnodes "$SLURM_NNODES"', "--max_restarts 0",
-                 f"-m corelooper run {config} --resume-from-checkpoint auto --set train.seed=1"):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=2-00:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR2@300",
+        "export CORELOOPER_STOP_SIGNALS=SIGUSR2",
+        "trap on_signal USR2",
+        '--rdzv_endpoint "$head_node:$port"',
+        'port=$("$python" -m corelooper_slurm.node port $(( 15000 + SLURM_JOB_ID % 10000 )))',
+        "#SBATCH --exclusive",
+        'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE"',
+        f"#   python:     {sys.executable}",
+        f"#   workdir:    {REPO}",
+        f"#   config:     {config}",
+        f"#   output_dir: {tmp_path / 'out'}",
+        "--nproc_per_node 8",
+        "--rdzv_backend c10d",
+        "--signals_to_handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
+        "--shutdown_timeout 300",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        '--nnodes "$SLURM_NNODES"',
+        "--max_restarts 0",
+        f"-m corelooper run {config} --resume-from-checkpoint auto --set train.seed=1",
+    ):
         assert line in text, line
     # the script is valid bash
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
@@ -203,21 +296,60 @@ def test_min_nodes_makes_the_job_go_on_without_a_lost_node(tmp_path):
     """--min-nodes below --nodes: Slurm keeps the allocation and the step when a node or its task
     dies, torchrun's elastic agent re-rendezvous the survivors (MIN:MAX) and restarts their ranks."""
     config = write_config(tmp_path / "c.toml", tmp_path / "out")
-    out = corelooper("slurm", str(config), "--nodes", "4", "--min-nodes", "2", "--script", str(tmp_path / "job.sbatch"),
-                     "--dry-run", env=base_env(tmp_path), timeout=60)
+    out = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "4",
+        "--min-nodes",
+        "2",
+        "--script",
+        str(tmp_path / "job.sbatch"),
+        "--dry-run",
+        env=base_env(tmp_path),
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
-    for line in ("#SBATCH --nodes=4", "#SBATCH --no-kill\n", "#SBATCH --requeue",
-                 "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n", "docs/clusters.md",
-                 "srun --kill-on-bad-exit=0 --no-kill ", '--nnodes "2:$SLURM_NNODES"', "--max_restarts 3 ",
-                 "min_nodes=2\n", 'export CORELOOPER_SLURM_HEAD_NODE="$head_node"'):
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --no-kill\n",
+        "#SBATCH --requeue",
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n",
+        "docs/clusters.md",
+        "srun --kill-on-bad-exit=0 --no-kill ",
+        '--nnodes "2:$SLURM_NNODES"',
+        "--max_restarts 3 ",
+        "min_nodes=2\n",
+        'export CORELOOPER_SLURM_HEAD_NODE="$head_node"',
+    ):
         assert line in out.stdout, line
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
-    given = corelooper("slurm", str(config), "--nodes", "2", "--min-nodes", "1", "--max-restarts", "1", "--dry-run",
-                       env=base_env(tmp_path), timeout=60)
+    given = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "2",
+        "--min-nodes",
+        "1",
+        "--max-restarts",
+        "1",
+        "--dry-run",
+        env=base_env(tmp_path),
+        timeout=60,
+    )
     assert '--nnodes "1:$SLURM_NNODES"' in given.stdout and "--max_restarts 1 " in given.stdout, given.stderr
     # --max-restarts alone: torchrun restarts failed ranks on every node, a lost node still ends the job
-    alone = corelooper("slurm", str(config), "--nodes", "2", "--max-restarts", "2", "--dry-run",
-                       env=base_env(tmp_path), timeout=60)
+    alone = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "2",
+        "--max-restarts",
+        "2",
+        "--dry-run",
+        env=base_env(tmp_path),
+        timeout=60,
+    )
     assert "--max_restarts 2 " in alone.stdout and "--no-kill" not in alone.stdout, alone.stderr
     assert '--nnodes "$SLURM_NNODES"' in alone.stdout
 
@@ -225,16 +357,37 @@ def test_min_nodes_makes_the_job_go_on_without_a_lost_node(tmp_path):
 def test_dry_run_overrides_and_the_grace_sized_from_the_last_save(tmp_path):
     config = write_config(tmp_path / "c.toml", tmp_path / "out")
     env = base_env(tmp_path)
-    out = corelooper("slurm", str(config), "--cpus-per-task", "16", "--port", "29600", "--max-requeues", "3",
-                     "--set", f"train.output_dir={tmp_path / 'other'}", "--dry-run", env=env, timeout=60)
+    out = corelooper(
+        "slurm",
+        str(config),
+        "--cpus-per-task",
+        "16",
+        "--port",
+        "29600",
+        "--max-requeues",
+        "3",
+        "--set",
+        f"train.output_dir={tmp_path / 'other'}",
+        "--dry-run",
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
-    for line in ("#SBATCH --cpus-per-task=16", "srun --kill-on-bad-exit=1 --cpus-per-task=16 ", "port=29600\n",
-                 "#SBATCH --signal=B:USR1@120", 'if [ "$restarts" -ge 3 ]', f"output_dir={tmp_path / 'other'}\n"):
+    for line in (
+        "#SBATCH --cpus-per-task=16",
+        "srun --kill-on-bad-exit=1 --cpus-per-task=16 ",
+        "port=29600\n",
+        "#SBATCH --signal=B:USR1@120",
+        'if [ "$restarts" -ge 3 ]',
+        f"output_dir={tmp_path / 'other'}\n",
+    ):
         assert line in out.stdout, line
     assert "--exclusive" not in out.stdout
     # a run saved before (in a Slurm job rank 0 keeps each save's measured seconds): 60 + 2 x 100
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / ".corelooper-slurm-save.json").write_text('{"checkpoint": "checkpoint-9", "save_seconds": 100.2}')
+    (tmp_path / "out" / ".corelooper-slurm-save.json").write_text(
+        '{"checkpoint": "checkpoint-9", "save_seconds": 100.2}'
+    )
     sized = corelooper("slurm", str(config), "--dry-run", env=env, timeout=60)
     assert "#SBATCH --signal=B:USR1@261" in sized.stdout and "--shutdown_timeout 261" in sized.stdout
     given = corelooper("slurm", str(config), "--grace", "90", "--dry-run", env=env, timeout=60)
@@ -243,18 +396,33 @@ def test_dry_run_overrides_and_the_grace_sized_from_the_last_save(tmp_path):
 
 def test_bad_options_are_one_paragraph_errors(tmp_path):
     config = write_config(tmp_path / "c.toml", tmp_path / "out")
-    bad = corelooper("slurm", str(config), "--signal", "KILL", "--dry-run", env=base_env(tmp_path), timeout=60)
+    bad = corelooper(
+        "slurm", str(config), "--signal", "KILL", "--dry-run", env=base_env(tmp_path), timeout=60
+    )
     assert bad.returncode == 2 and "--signal 'KILL' is not a signal a job can catch" in bad.stderr
     assert "Traceback" not in bad.stderr
-    missing = corelooper("slurm", str(tmp_path / "nope.toml"), "--dry-run", env=base_env(tmp_path), timeout=60)
+    missing = corelooper(
+        "slurm", str(tmp_path / "nope.toml"), "--dry-run", env=base_env(tmp_path), timeout=60
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
-    for option, value, words in (("--max-requeues", "-1", "--max-requeues -1: give 0"),
-                                 ("--port", "80", "--port 80: give a free TCP port from 1024 to 65535"),
-                                 ("--min-nodes", "0", "--min-nodes 0 with --nodes 2: give 1 to 2"),
-                                 ("--min-nodes", "3", "--min-nodes 3 with --nodes 2: give 1 to 2"),
-                                 ("--max-restarts", "-1", "--max-restarts -1: give 0")):
-        out = corelooper("slurm", str(config), "--nodes", "2", option, value, "--dry-run", env=base_env(tmp_path),
-                         timeout=60)
+    for option, value, words in (
+        ("--max-requeues", "-1", "--max-requeues -1: give 0"),
+        ("--port", "80", "--port 80: give a free TCP port from 1024 to 65535"),
+        ("--min-nodes", "0", "--min-nodes 0 with --nodes 2: give 1 to 2"),
+        ("--min-nodes", "3", "--min-nodes 3 with --nodes 2: give 1 to 2"),
+        ("--max-restarts", "-1", "--max-restarts -1: give 0"),
+    ):
+        out = corelooper(
+            "slurm",
+            str(config),
+            "--nodes",
+            "2",
+            option,
+            value,
+            "--dry-run",
+            env=base_env(tmp_path),
+            timeout=60,
+        )
         assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
     no_slurm = corelooper("slurm", str(config), env={**base_env(tmp_path), "PATH": str(tmp_path)}, timeout=60)
     assert no_slurm.returncode == 2 and "sbatch was not found on PATH" in no_slurm.stderr
@@ -284,20 +452,47 @@ def test_a_held_rendezvous_port_is_one_line_not_a_traceback(tmp_path):
     RendezvousConnectionError traceback and the node died without a status ("lost"); now the
     node's line names the port and the fix, and the node reports "failed"."""
     (tmp_path / "never.py").write_text("raise SystemExit('the ranks never start')\n")
-    env = {**base_env(tmp_path), "CORELOOPER_SLURM_HEAD_NODE": "n1", "SLURMD_NODENAME": "n1",
-           "SLURM_NODEID": "0", "SLURM_CPUS_ON_NODE": "2"}
+    env = {
+        **base_env(tmp_path),
+        "CORELOOPER_SLURM_HEAD_NODE": "n1",
+        "SLURMD_NODENAME": "n1",
+        "SLURM_NODEID": "0",
+        "SLURM_CPUS_ON_NODE": "2",
+    }
     with socket.socket() as holder:
         holder.bind(("", 0))
         holder.listen()
         port = holder.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "corelooper_slurm.node", "torchrun", str(tmp_path / "state"), "--",
-             "--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
-             f"localhost:{port}", "--rdzv_id", "1", str(tmp_path / "never.py")],
-            env=env, capture_output=True, text=True, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "corelooper_slurm.node",
+                "torchrun",
+                str(tmp_path / "state"),
+                "--",
+                "--nnodes",
+                "1",
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"localhost:{port}",
+                "--rdzv_id",
+                "1",
+                str(tmp_path / "never.py"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode == 1, out.stderr
-    assert (f"corelooper-slurm: node n1 (2 CPUs): failed; the rendezvous port {port} on localhost is held by "
-            "another program (EADDRINUSE): give `corelooper slurm --port` a free one, or leave it out to have "
-            "one picked; no rank exit status") in out.stderr, out.stderr
+    assert (
+        f"corelooper-slurm: node n1 (2 CPUs): failed; the rendezvous port {port} on localhost is held by "
+        "another program (EADDRINUSE): give `corelooper slurm --port` a free one, or leave it out to have "
+        "one picked; no rank exit status"
+    ) in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "the ranks never start" not in out.stderr, out.stderr
     assert (tmp_path / "state" / "node-0").read_text() == "failed\n"

@@ -71,23 +71,49 @@ def test_this_slurm_runs_several_slurmd_on_one_host(slurm2):
 def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
     config = write_slurm_config(tmp_path / "job.toml", tmp_path / "job")
     env = {**slurm2.env, "TMPDIR": str(tmp_path)}
-    submitted = corelooper("slurm", str(config), "--nodes", "2", "--nproc-per-node", "1",
-                           "--output", str(tmp_path / "job-%j.out"), "-p", "no:tensorboard", env=env, timeout=60)
+    submitted = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--output",
+        str(tmp_path / "job-%j.out"),
+        "-p",
+        "no:tensorboard",
+        env=env,
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
-    slurm2.wait_for("the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 240)
+    slurm2.wait_for(
+        "the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 240
+    )
     job, log = slurm2.job(job_id), (tmp_path / f"job-{job_id}.out").read_text()
-    assert (job["JobState"], job["NumNodes"], job["NodeList"]) == ("COMPLETED", "2", f"{HEAD},{SECOND}"), (job, log)
+    assert (job["JobState"], job["NumNodes"], job["NodeList"]) == ("COMPLETED", "2", f"{HEAD},{SECOND}"), (
+        job,
+        log,
+    )
     [port] = slurm_cluster.rendezvous_ports(log, job_id)
-    assert (f"corelooper-slurm: job {job_id} (restart 0) on {HEAD},{SECOND}: starting fresh (no checkpoint yet); "
-            f"rendezvous {HEAD}:{port}") in log, log
+    assert (
+        f"corelooper-slurm: job {job_id} (restart 0) on {HEAD},{SECOND}: starting fresh (no checkpoint yet); "
+        f"rendezvous {HEAD}:{port}"
+    ) in log, log
     for node in NODES:  # one line per node: each ran its task, and its rank finished
         assert f"corelooper-slurm: node {node} (" in log and "): finished; every rank finished" in log, log
     assert log.count("): finished; every rank finished") == 2, log
     assert "x 2 processes" in log, log  # one job of world size 2, not two runs of 1
 
-    ref = corelooper("run", str(write_slurm_config(tmp_path / "ref.toml", tmp_path / "ref")), "--nproc", "2",
-                     "-p", "no:tensorboard", env=base_env(tmp_path))
+    ref = corelooper(
+        "run",
+        str(write_slurm_config(tmp_path / "ref.toml", tmp_path / "ref")),
+        "--nproc",
+        "2",
+        "-p",
+        "no:tensorboard",
+        env=base_env(tmp_path),
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     final, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("job", "ref"))
     assert max((final[k] - want[k]).abs().max().item() for k in want) <= 1e-5
@@ -104,8 +130,11 @@ def _kill_node_tasks(job_id: str, node: str, stepd: bool = False) -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and want <= set((proc / "environ").read_bytes().split(b"\0")) \
-                    and b"corelooper" in (proc / "cmdline").read_bytes():
+            if (
+                proc.name.isdigit()
+                and want <= set((proc / "environ").read_bytes().split(b"\0"))
+                and b"corelooper" in (proc / "cmdline").read_bytes()
+            ):
                 pids.append(int(proc.name))
                 parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
                 if stepd and Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"slurmstepd"):
@@ -126,43 +155,86 @@ def test_a_node_lost_mid_job_the_other_resumes_alone_and_the_job_completes(slurm
     (tmp_path / "slow.py").write_text(SLOW)
     config = write_config(tmp_path, tmp_path / "job", name="job.toml", max_steps=LOST_STEPS)
     env = {**slurm2.env, "TMPDIR": str(tmp_path)}
-    submitted = corelooper("slurm", str(config), "--nodes", "2", "--min-nodes", "1", "--max-restarts", "1",
-                           "--nproc-per-node", "1", "--output", str(tmp_path / "job-%j.out"),
-                           "-p", str(tmp_path / "slow.py"), "-p", "no:tensorboard", env=env, timeout=60)
+    submitted = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "2",
+        "--min-nodes",
+        "1",
+        "--max-restarts",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--output",
+        str(tmp_path / "job-%j.out"),
+        "-p",
+        str(tmp_path / "slow.py"),
+        "-p",
+        "no:tensorboard",
+        env=env,
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
     log_path = tmp_path / f"job-{job_id}.out"
     slurm2.wait_for("the job saved no checkpoint", lambda: (tmp_path / "job" / "checkpoint-3").is_dir(), 240)
     assert _kill_node_tasks(job_id, SECOND), "no process of the job's task on the second node"
-    slurm2.wait_for("the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 300)
+    slurm2.wait_for(
+        "the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 300
+    )
     job, log = slurm2.job(job_id), log_path.read_text()
-    assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "0", f"{HEAD},{SECOND}"), (job, log)
+    assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "0", f"{HEAD},{SECOND}"), (
+        job,
+        log,
+    )
     assert "x 2 processes" in log, log  # it started as one job of world size 2
     resumed = re.search(RESUMED.format(a=1, n=2, m=1, b=2), log)
     assert resumed, log[-6000:]
     lost_at = int(resumed.group(1))
     assert 3 <= lost_at < LOST_STEPS, log[-4000:]
     assert f"corelooper-slurm: node {SECOND}: lost; its task ended without a status" in log, log[-4000:]
-    assert f"corelooper-slurm: node {HEAD} (" in log and "): finished; every rank finished" in log, log[-4000:]
+    assert f"corelooper-slurm: node {HEAD} (" in log and "): finished; every rank finished" in log, log[
+        -4000:
+    ]
     assert "corelooper-slurm: finished on 1 of 2 nodes (newest checkpoint-" in log, log[-4000:]
     assert "requeueing" not in log, log[-4000:]
 
     # the reference (as tests/test_node_lost.py builds it): 2 processes to the end (its
     # checkpoint-<lost_at> is the job's), then 1 process from that checkpoint to the end
-    two = corelooper("run", str(write_config(tmp_path, tmp_path / "two", name="two.toml", max_steps=LOST_STEPS)),
-                     "--nproc", "2", "-p", "no:tensorboard", env=base_env(tmp_path))
+    two = corelooper(
+        "run",
+        str(write_config(tmp_path, tmp_path / "two", name="two.toml", max_steps=LOST_STEPS)),
+        "--nproc",
+        "2",
+        "-p",
+        "no:tensorboard",
+        env=base_env(tmp_path),
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     saved = f"checkpoint-{lost_at}/model.safetensors"
-    assert max_diff(load_file(str(tmp_path / "two" / saved)), load_file(str(tmp_path / "job" / saved))) <= 1e-5
+    assert (
+        max_diff(load_file(str(tmp_path / "two" / saved)), load_file(str(tmp_path / "job" / saved))) <= 1e-5
+    )
     (tmp_path / "ref").mkdir()
     shutil.copytree(tmp_path / "two" / f"checkpoint-{lost_at}", tmp_path / "ref" / f"checkpoint-{lost_at}")
-    one = corelooper("run", str(write_config(tmp_path, tmp_path / "ref", name="ref.toml", max_steps=LOST_STEPS)),
-                     "--resume-from-checkpoint", "latest", "-p", "no:tensorboard", env=base_env(tmp_path))
-    assert one.returncode == 0 and re.search(RESUMED.format(a=1, n=2, m=1, b=2), one.stdout + one.stderr), \
+    one = corelooper(
+        "run",
+        str(write_config(tmp_path, tmp_path / "ref", name="ref.toml", max_steps=LOST_STEPS)),
+        "--resume-from-checkpoint",
+        "latest",
+        "-p",
+        "no:tensorboard",
+        env=base_env(tmp_path),
+    )
+    assert one.returncode == 0 and re.search(RESUMED.format(a=1, n=2, m=1, b=2), one.stdout + one.stderr), (
         one.stderr[-3000:]
+    )
     final = load_file(str(tmp_path / "job" / "model.safetensors"))
     assert max_diff(final, load_file(str(tmp_path / "ref" / "model.safetensors"))) <= 1e-5
-    assert max_diff(final, load_file(str(tmp_path / "two" / "model.safetensors"))) <= 1e-5  # same global batch
+    assert (
+        max_diff(final, load_file(str(tmp_path / "two" / "model.safetensors"))) <= 1e-5
+    )  # same global batch
     assert max_diff(final, load_file(str(tmp_path / "job" / saved))) > 1e-3  # it trained on after the loss
 
 
@@ -173,19 +245,38 @@ def test_a_failed_node_leaves_the_job_which_completes_and_does_not_rejoin_it(slu
     which resumes alone; the node, back in service, is idle, not in the running job."""
     (tmp_path / "slow.py").write_text(SLOW)
     config = write_config(tmp_path, tmp_path / "job", name="job.toml", max_steps=2 * LOST_STEPS)
-    submitted = corelooper("slurm", str(config), "--nodes", "2", "--min-nodes", "1", "--nproc-per-node", "1",
-                           "--output", str(tmp_path / "job-%j.out"), "-p", str(tmp_path / "slow.py"),
-                           "-p", "no:tensorboard", env={**slurm2.env, "TMPDIR": str(tmp_path)}, timeout=60)
+    submitted = corelooper(
+        "slurm",
+        str(config),
+        "--nodes",
+        "2",
+        "--min-nodes",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--output",
+        str(tmp_path / "job-%j.out"),
+        "-p",
+        str(tmp_path / "slow.py"),
+        "-p",
+        "no:tensorboard",
+        env={**slurm2.env, "TMPDIR": str(tmp_path)},
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().rsplit(" ", 1)[-1]
     slurm2.wait_for("the job saved no checkpoint", lambda: (tmp_path / "job" / "checkpoint-3").is_dir(), 240)
     slurmd = slurm2.slurmd(SECOND)
     slurmd.kill()  # the node fails: its slurmd, then everything the job ran there
     slurmd.wait()
-    assert len(_kill_node_tasks(job_id, SECOND, stepd=True)) == 3, "agent, rank and slurmstepd of the second node"
+    assert len(_kill_node_tasks(job_id, SECOND, stepd=True)) == 3, (
+        "agent, rank and slurmstepd of the second node"
+    )
 
     def state(node: str) -> str:
-        return dict(line.split() for line in slurm2.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.splitlines())[node]
+        return dict(
+            line.split() for line in slurm2.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.splitlines()
+        )[node]
 
     slurm2.wait_for("the node was not set DOWN", lambda: state(SECOND).startswith("down"), 120)
     job = slurm2.job(job_id)
@@ -193,8 +284,12 @@ def test_a_failed_node_leaves_the_job_which_completes_and_does_not_rejoin_it(slu
     slurm2.restart_slurmd(SECOND)  # the node comes back (ReturnToService=2): idle, not in the job
     slurm2.wait_for("the node did not return", lambda: state(SECOND) == "idle", 60)
     running = slurm2.job(job_id)
-    assert (running["JobState"], running["NodeList"]) == ("RUNNING", HEAD), "the job ended before the node was back"
-    slurm2.wait_for("the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 300)
+    assert (running["JobState"], running["NodeList"]) == ("RUNNING", HEAD), (
+        "the job ended before the node was back"
+    )
+    slurm2.wait_for(
+        "the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 300
+    )
     job, log = slurm2.job(job_id), (tmp_path / f"job-{job_id}.out").read_text()
     assert (job["JobState"], job["Restarts"], job["NodeList"]) == ("COMPLETED", "0", HEAD), (job, log[-4000:])
     assert re.search(RESUMED.format(a=1, n=2, m=1, b=2), log), log[-6000:]

@@ -48,9 +48,15 @@ def _loader(loop, dataset, batch_size: int, cycle: bool, split: str = "shards"):
 
     a = loop.args
     return StreamingLoader(
-        dataset, batch_size, loop.data_collator, rank=loop.backend.process_index,
-        num_replicas=loop.backend.num_processes, num_workers=a.dataloader_num_workers,
-        drop_last=a.dataloader_drop_last, cycle=cycle, split=split,
+        dataset,
+        batch_size,
+        loop.data_collator,
+        rank=loop.backend.process_index,
+        num_replicas=loop.backend.num_processes,
+        num_workers=a.dataloader_num_workers,
+        drop_last=a.dataloader_drop_last,
+        cycle=cycle,
+        split=split,
         pin_memory=a.dataloader_pin_memory and loop.backend.device.type == "cuda",
     )
 

@@ -84,7 +84,9 @@ def current_shard() -> Shard:
 
 
 def is_stateful(dataset) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
 
 
 def _identity(x):
@@ -110,7 +112,9 @@ def _own_part(dataset, rank: int, world: int, worker: int, workers: int) -> tupl
     ``p % m == i``, splitting only what the dataset does not split itself."""
     ranks_split, workers_split = _splits_itself(dataset, workers)
     k = 1 if workers_split else max(1, workers)
-    return (1 if ranks_split else world) * k, (0 if ranks_split else rank) * k + (0 if workers_split else worker)
+    return (1 if ranks_split else world) * k, (0 if ranks_split else rank) * k + (
+        0 if workers_split else worker
+    )
 
 
 @dataclass(frozen=True)
@@ -131,19 +135,32 @@ def choose_split(dataset, requested: str, num_workers: int) -> Split:
         return Split("global", "as configured")
     if requested == "shards":
         auto = choose_split(dataset, "auto", num_workers)
-        return Split("shards", "as configured", auto.to_global or 'set train.stream_split = "auto" or "global"')
+        return Split(
+            "shards", "as configured", auto.to_global or 'set train.stream_split = "auto" or "global"'
+        )
     name = type(dataset).__name__
     if getattr(dataset, "shards_itself", False):
-        return Split("shards", f'"auto": {name} sets shards_itself = True and reads only its shard',
-                     'set train.stream_split = "global" (every process and worker then reads the whole stream)')
+        return Split(
+            "shards",
+            f'"auto": {name} sets shards_itself = True and reads only its shard',
+            'set train.stream_split = "global" (every process and worker then reads the whole stream)',
+        )
     if _is_hf_stream(dataset) and getattr(dataset, "_distributed", None) is not None:
-        return Split("shards", f'"auto": this {name} was split by datasets.distributed.split_dataset_by_node',
-                     "pass the dataset before that split")
+        return Split(
+            "shards",
+            f'"auto": this {name} was split by datasets.distributed.split_dataset_by_node',
+            "pass the dataset before that split",
+        )
     if _is_hf_stream(dataset) and num_workers > 0:
-        return Split("shards", f'"auto": a {name} splits its shards among the {num_workers} dataloader workers itself',
-                     "set train.dataloader_num_workers = 0")
-    return Split("global", f'"auto": {name} does not split itself, so every reader reads the whole stream in '
-                 "either mode")
+        return Split(
+            "shards",
+            f'"auto": a {name} splits its shards among the {num_workers} dataloader workers itself',
+            "set train.dataloader_num_workers = 0",
+        )
+    return Split(
+        "global",
+        f'"auto": {name} does not split itself, so every reader reads the whole stream in either mode',
+    )
 
 
 def saved_split(directory) -> str | None:
@@ -175,8 +192,19 @@ class _ShardStream(IterableDataset):
     ends; runs in a dataloader worker (or in the process). Worker ``w`` reads shard
     ``rank * K + w`` (a Hugging Face dataset gives its own shards to the worker id)."""
 
-    def __init__(self, dataset, batch_size: int, collate_fn: Callable, drop_last: bool, rank: int,
-                 world: int, workers: int, states: dict[int, dict], cycle: bool, epoch: int = 0):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        collate_fn: Callable,
+        drop_last: bool,
+        rank: int,
+        world: int,
+        workers: int,
+        states: dict[int, dict],
+        cycle: bool,
+        epoch: int = 0,
+    ):
         self.dataset, self.batch_size, self.collate_fn = dataset, batch_size, collate_fn
         self.drop_last, self.rank, self.world, self.workers = drop_last, rank, world, workers
         self.states, self.cycle, self.epoch = states, cycle, epoch
@@ -216,8 +244,12 @@ class _ShardStream(IterableDataset):
             epoch, position, ds_state = epoch + 1, 0, None
 
     def _state(self, shard: int, epoch: int, position: int, stateful: bool) -> dict:
-        return {"shard": shard, "epoch": epoch, "position": position,
-                "dataset": self.dataset.state_dict() if stateful else None}
+        return {
+            "shard": shard,
+            "epoch": epoch,
+            "position": position,
+            "dataset": self.dataset.state_dict() if stateful else None,
+        }
 
 
 class _GlobalStream(IterableDataset):
@@ -225,8 +257,18 @@ class _GlobalStream(IterableDataset):
     (worker ``w`` of K takes micro-batches ``w, w + K, ...`` of this iteration, the order in which
     the DataLoader asks its workers), with the global position after that micro-batch."""
 
-    def __init__(self, dataset, batch_size: int, collate_fn: Callable, drop_last: bool, rank: int,
-                 world: int, workers: int, state: dict, cycle: bool):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        collate_fn: Callable,
+        drop_last: bool,
+        rank: int,
+        world: int,
+        workers: int,
+        state: dict,
+        cycle: bool,
+    ):
         self.dataset, self.batch_size, self.collate_fn = dataset, batch_size, collate_fn
         self.drop_last, self.rank, self.world, self.workers = drop_last, rank, world, workers
         self.state, self.cycle = state, cycle
@@ -266,8 +308,11 @@ class _GlobalStream(IterableDataset):
     def _state(self, epoch: int, position: int, ended: bool) -> dict:
         if ended:  # the stream's epoch is over: the next one starts from its beginning
             return {"epoch": epoch + 1, "position": 0, "dataset": None}
-        return {"epoch": epoch, "position": position,
-                "dataset": self.dataset.state_dict() if is_stateful(self.dataset) else None}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "dataset": self.dataset.state_dict() if is_stateful(self.dataset) else None,
+        }
 
 
 def _check_readable_globally(dataset, num_workers: int) -> None:
@@ -303,15 +348,31 @@ class StreamingLoader:
     (resumable on another number of processes or workers); ``"auto"``: one of the two,
     ``choose_split`` (module docstring). ``choice.why`` says which and why."""
 
-    def __init__(self, dataset, batch_size: int, collate_fn: Callable | None = None, *, rank: int = 0,
-                 num_replicas: int = 1, num_workers: int = 0, drop_last: bool = False,
-                 pin_memory: bool = False, cycle: bool = True, split: str = "shards"):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        collate_fn: Callable | None = None,
+        *,
+        rank: int = 0,
+        num_replicas: int = 1,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        cycle: bool = True,
+        split: str = "shards",
+    ):
         self.choice = choose_split(dataset, split, num_workers)
         if self.choice.mode == "global":
             _check_readable_globally(dataset, num_workers)
         if split == "auto":
             logger.info('Training stream split: "%s" (%s).', self.choice.mode, self.choice.why)
-        self.dataset, self.batch_size, self.requested, self.split = dataset, batch_size, split, self.choice.mode
+        self.dataset, self.batch_size, self.requested, self.split = (
+            dataset,
+            batch_size,
+            split,
+            self.choice.mode,
+        )
         self.collate_fn = collate_fn or default_collate
         self.rank, self.world, self.num_workers = rank, num_replicas, num_workers
         self.drop_last, self.pin_memory, self.cycle = drop_last, pin_memory, cycle
@@ -340,19 +401,42 @@ class StreamingLoader:
 
     def _source(self, cycle: bool) -> Iterator[tuple[Any, dict]]:
         if self.split == "global":
-            stream = _GlobalStream(self.dataset, self.batch_size, self.collate_fn, self.drop_last, self.rank,
-                                   self.world, self.num_workers, dict(self._global), cycle)
+            stream = _GlobalStream(
+                self.dataset,
+                self.batch_size,
+                self.collate_fn,
+                self.drop_last,
+                self.rank,
+                self.world,
+                self.num_workers,
+                dict(self._global),
+                cycle,
+            )
         else:
-            stream = _ShardStream(self.dataset, self.batch_size, self.collate_fn, self.drop_last, self.rank,
-                                  self.world, self.num_workers, dict(self._states), cycle,
-                                  self._epoch if self._epochs_together else 0)
+            stream = _ShardStream(
+                self.dataset,
+                self.batch_size,
+                self.collate_fn,
+                self.drop_last,
+                self.rank,
+                self.world,
+                self.num_workers,
+                dict(self._states),
+                cycle,
+                self._epoch if self._epochs_together else 0,
+            )
         if self.num_workers == 0:
             source = iter(stream)
         else:
-            source = iter(torch.utils.data.DataLoader(
-                stream, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
-                pin_memory=self.pin_memory,
-            ))
+            source = iter(
+                torch.utils.data.DataLoader(
+                    stream,
+                    batch_size=None,
+                    num_workers=self.num_workers,
+                    collate_fn=_identity,
+                    pin_memory=self.pin_memory,
+                )
+            )
         return self._in_turn(source) if self.split == "shards" else source
 
     def __iter__(self) -> Iterator[Any]:
@@ -414,10 +498,19 @@ class StreamingLoader:
 
     def state_dict(self) -> dict:
         if self.split == "global":
-            return {"split": "global", "micro_batch": self.micro_batch, "batches": self._consumed,
-                    **self._global}
-        return {"num_shards": self.num_shards, "rank": self.rank, "batches": self._consumed,
-                "next": self._turn, "shards": {str(k): v for k, v in self._states.items()}}
+            return {
+                "split": "global",
+                "micro_batch": self.micro_batch,
+                "batches": self._consumed,
+                **self._global,
+            }
+        return {
+            "num_shards": self.num_shards,
+            "rank": self.rank,
+            "batches": self._consumed,
+            "next": self._turn,
+            "shards": {str(k): v for k, v in self._states.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """The position of a checkpoint's ``data_state_{rank}.json`` (rank 0's on a rank the run
@@ -429,9 +522,11 @@ class StreamingLoader:
     def _restore(self, state: dict) -> None:
         saved = state.get("split", "shards")
         if saved == "shards" and self.split == "global" and self.requested == "auto":
-            logger.warning('train.stream_split = "auto": the checkpoint\'s stream is split by shards, so this '
-                           "run continues it in shards (a resume on the same number of processes and "
-                           "workers only; a new run of this configuration reads its stream globally).")
+            logger.warning(
+                'train.stream_split = "auto": the checkpoint\'s stream is split by shards, so this '
+                "run continues it in shards (a resume on the same number of processes and "
+                "workers only; a new run of this configuration reads its stream globally)."
+            )
             self.split, self.choice = "shards", Split("shards", "the checkpoint's stream is split by shards")
         if saved != self.split:
             raise CheckpointError(self._other_split(saved))
@@ -439,8 +534,11 @@ class StreamingLoader:
             self._global = {k: state[k] for k in ("epoch", "position", "dataset")}
             self._consumed = int(state["batches"])
             if state.get("micro_batch") != self.micro_batch and self.rank == 0:
-                print(f"corelooper: continuing the stream after sample {state['position']} of its epoch "
-                      f"{state['epoch']} (no sample repeated or skipped)", flush=True)
+                print(
+                    f"corelooper: continuing the stream after sample {state['position']} of its epoch "
+                    f"{state['epoch']} (no sample repeated or skipped)",
+                    flush=True,
+                )
             return
         if state.get("num_shards") != self.num_shards:
             raise CheckpointError(
@@ -462,16 +560,23 @@ class StreamingLoader:
         """The checkpoint's stream is split otherwise than this run's: neither position continues
         the other."""
         if saved == "global":
-            fix = (f"To continue it, {self.choice.to_global}" if self.choice.to_global
-                   else 'Resume with train.stream_split = "global"')
-            return (f'The checkpoint\'s data position is for a stream read globally (train.stream_split = '
-                    f'"global"), this run splits it by shards ({self.choice.why}): neither position '
-                    f"continues the other. {fix}, or set train.ignore_data_skip = true to restart the "
-                    "stream from its beginning.")
-        return (f'The checkpoint\'s data position is for train.stream_split = "{saved}", this run has '
-                f'"{self.split}": the two split the stream differently, so neither position continues '
-                f'the other. Resume with train.stream_split = "{saved}" (or "auto"), or set '
-                "train.ignore_data_skip = true to restart the stream from its beginning.")
+            fix = (
+                f"To continue it, {self.choice.to_global}"
+                if self.choice.to_global
+                else 'Resume with train.stream_split = "global"'
+            )
+            return (
+                f"The checkpoint's data position is for a stream read globally (train.stream_split = "
+                f'"global"), this run splits it by shards ({self.choice.why}): neither position '
+                f"continues the other. {fix}, or set train.ignore_data_skip = true to restart the "
+                "stream from its beginning."
+            )
+        return (
+            f'The checkpoint\'s data position is for train.stream_split = "{saved}", this run has '
+            f'"{self.split}": the two split the stream differently, so neither position continues '
+            f'the other. Resume with train.stream_split = "{saved}" (or "auto"), or set '
+            "train.ignore_data_skip = true to restart the stream from its beginning."
+        )
 
 
 def _data_state_path(directory: Path, rank: int) -> Path:
@@ -486,5 +591,7 @@ def _warn_if_rereading(dataset, state: dict) -> None:
             "%s has no state_dict()/load_state_dict(): resuming re-reads the stream from the start of "
             "its epoch and skips up to its first %d items, already consumed. Implement "
             "them for an instant resume, or set train.ignore_data_skip = true to start from the "
-            "beginning instead.", type(dataset).__name__, skipped,
+            "beginning instead.",
+            type(dataset).__name__,
+            skipped,
         )

@@ -30,19 +30,32 @@ def Loop(*args, **kwargs):  # noqa: N802 - the Loop, with this plugin (autoload 
 
 
 def args(out: Path, **kw) -> TrainArgs:
-    return TrainArgs(output_dir=str(out), max_steps=16, save_steps=5, per_device_train_batch_size=2,
-                     dataloader_num_workers=2, logging_steps=4, disable_tqdm=True, learning_rate=1e-2,
-                     **kw)
+    return TrainArgs(
+        output_dir=str(out),
+        max_steps=16,
+        save_steps=5,
+        per_device_train_batch_size=2,
+        dataloader_num_workers=2,
+        logging_steps=4,
+        disable_tqdm=True,
+        learning_rate=1e-2,
+        **kw,
+    )
 
 
 def run(out: Path, make, **kw) -> dict:
     model = Recorder()
     Loop(model, args(out, overwrite_output_dir=True, **kw), train_dataset=make()).train()
     resumed = Recorder()
-    Loop(resumed, args(out, **kw), train_dataset=make()).train(resume_from_checkpoint=str(out / "checkpoint-5"))
-    return {"first": model.seen, "resumed": resumed.seen,
-            "params_first": [p.tolist() for p in model.parameters()],
-            "params_resumed": [p.tolist() for p in resumed.parameters()]}
+    Loop(resumed, args(out, **kw), train_dataset=make()).train(
+        resume_from_checkpoint=str(out / "checkpoint-5")
+    )
+    return {
+        "first": model.seen,
+        "resumed": resumed.seen,
+        "params_first": [p.tolist() for p in model.parameters()],
+        "params_resumed": [p.tolist() for p in resumed.parameters()],
+    }
 
 
 def main() -> None:
@@ -50,8 +63,10 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     result = {}
     for split, kw in (("auto", {}), ("shards", {"stream_split": "shards"})):
-        result[split] = {"stateful": run(out / split / "stateful", lambda: StatefulStream(64), **kw),
-                         "stateless": run(out / split / "stateless", lambda: Stream(64), **kw)}
+        result[split] = {
+            "stateful": run(out / split / "stateful", lambda: StatefulStream(64), **kw),
+            "stateless": run(out / split / "stateless", lambda: Stream(64), **kw),
+        }
     (out / f"result.rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -37,9 +37,20 @@ def two_by_two(tmp_path_factory):
     out = tmp_path_factory.mktemp("stream")
     env = {**os.environ, "TMPDIR": str(out), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(TESTS / "stream_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(TESTS / "stream_worker.py"),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, [json.loads((out / f"result.rank{r}.json").read_text()) for r in range(2)]
@@ -58,7 +69,7 @@ def test_each_sample_seen_exactly_once_across_2_processes_x_2_workers(two_by_two
 
 @pytest.mark.parametrize("kind", ["stateful", "stateless"])
 def test_the_default_reads_one_global_order_and_each_rank_takes_its_slice(two_by_two, kind):
-    """"auto" for a stream that does not split itself: read globally. Global micro-batches of
+    """ "auto" for a stream that does not split itself: read globally. Global micro-batches of
     2 x 2 samples, in stream order: rank 0 takes the first two of each, rank 1 the last two."""
     _, ranks = two_by_two
     assert ranks[0]["auto"][kind]["first"] == [[4 * m, 4 * m + 1] for m in range(16)]
@@ -67,12 +78,12 @@ def test_the_default_reads_one_global_order_and_each_rank_takes_its_slice(two_by
 
 @pytest.mark.parametrize("kind", ["stateful", "stateless"])
 def test_shards_mode_gives_each_process_x_worker_its_own_shard(two_by_two, kind):
-    """"shards": shard 2r + w keeps items i % 4 == 2r + w, and the batches of a rank's two
+    """ "shards": shard 2r + w keeps items i % 4 == 2r + w, and the batches of a rank's two
     workers alternate: rank 0 [0, 4], [1, 5], [8, 12], [9, 13], ..."""
     _, ranks = two_by_two
     for r in (0, 1):
         shard = [[i for i in range(64) if i % 4 == 2 * r + w] for w in (0, 1)]
-        expected = [shard[b % 2][2 * (b // 2): 2 * (b // 2) + 2] for b in range(16)]
+        expected = [shard[b % 2][2 * (b // 2) : 2 * (b // 2) + 2] for b in range(16)]
         assert ranks[r]["shards"][kind]["first"] == expected
 
 
@@ -95,19 +106,36 @@ def test_checkpoint_holds_each_shards_position(two_by_two):
     # rank 0 consumed 3 batches of shard 0 (items 0,4 | 8,12 | 16,20) and 2 of shard 1 (1,5 | 9,13)
     assert state["shards"]["0"] == {"epoch": 0, "position": 21, "dataset": {"pos": 21}}
     assert state["shards"]["1"] == {"epoch": 0, "position": 14, "dataset": {"pos": 14}}
-    assert json.loads((out / "shards" / "stateless" / "checkpoint-5" / "data_state_1.json").read_text())[
-        "shards"]["2"]["dataset"] is None
+    assert (
+        json.loads((out / "shards" / "stateless" / "checkpoint-5" / "data_state_1.json").read_text())[
+            "shards"
+        ]["2"]["dataset"]
+        is None
+    )
     # the default's: one global position, the same on both ranks (5 steps x 4 samples)
-    states = [json.loads((out / "auto" / "stateful" / "checkpoint-5" / f"data_state_{r}.json").read_text())
-              for r in (0, 1)]
+    states = [
+        json.loads((out / "auto" / "stateful" / "checkpoint-5" / f"data_state_{r}.json").read_text())
+        for r in (0, 1)
+    ]
     assert states[0] == states[1]
     assert {k: states[0][k] for k in ("split", "epoch", "position", "batches", "dataset")} == {
-        "split": "global", "epoch": 0, "position": 20, "batches": 5, "dataset": {"pos": 20}}
+        "split": "global",
+        "epoch": 0,
+        "position": 20,
+        "batches": 5,
+        "dataset": {"pos": 20},
+    }
 
 
 def args(tmp_path, **kw) -> TrainArgs:
-    base = dict(output_dir=str(tmp_path / "run"), max_steps=8, save_steps=3, per_device_train_batch_size=2,
-                logging_steps=4, disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        max_steps=8,
+        save_steps=3,
+        per_device_train_batch_size=2,
+        logging_steps=4,
+        disable_tqdm=True,
+    )
     return TrainArgs(**{**base, **kw})
 
 
@@ -118,7 +146,8 @@ def test_stateful_resume_reads_nothing_twice(tmp_path):
     Loop(model, args(tmp_path), train_dataset=stream).train(resume_from_checkpoint="latest")
     assert model.seen == []  # latest is checkpoint-8: nothing left to do
     Loop(model, args(tmp_path), train_dataset=stream).train(
-        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3")
+    )
     assert model.seen == [[6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
     assert stream.reads == 10  # items 6..15 only: the position came from the dataset's state
 
@@ -135,7 +164,8 @@ def test_stateless_resume_rereads_with_a_warning_and_ignore_data_skip_restarts(t
     model = Recorder()
     with caplog.at_level(logging.WARNING, logger="corelooper.checkpoints"):
         Loop(model, args(tmp_path, ignore_data_skip=True), train_dataset=Stream(64)).train(
-            resume_from_checkpoint=ckpt)
+            resume_from_checkpoint=ckpt
+        )
     assert model.seen[0] == [0, 1]
     assert "ignore_data_skip = true: the training stream starts again from its beginning" in caplog.text
 
@@ -149,27 +179,36 @@ def test_stream_restarts_each_epoch_until_max_steps(tmp_path):
 
     model = Recorder()
     ds = Epochs(10)
-    Loop(model, args(tmp_path, max_steps=5, per_device_train_batch_size=4, save_strategy="no"),
-         train_dataset=ds).train()
+    Loop(
+        model,
+        args(tmp_path, max_steps=5, per_device_train_batch_size=4, save_strategy="no"),
+        train_dataset=ds,
+    ).train()
     assert model.seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3], [4, 5, 6, 7]]
     assert ds.epochs == [0, 1]
 
 
 def test_other_geometry_on_resume_and_no_max_steps_are_clear_errors(tmp_path):
     shards = dict(stream_split="shards")
-    Loop(Recorder(), args(tmp_path, dataloader_num_workers=2, **shards), train_dataset=StatefulStream(64)).train()
+    Loop(
+        Recorder(), args(tmp_path, dataloader_num_workers=2, **shards), train_dataset=StatefulStream(64)
+    ).train()
     # a longer plan: a real resume (a finished one has nothing to read, so nothing to refuse)
-    with pytest.raises(CheckpointError, match="for 2 stream shards.*this run has 1.*ignore_data_skip.*"
-                                              'stream_split = "auto"'):
+    with pytest.raises(
+        CheckpointError, match='for 2 stream shards.*this run has 1.*ignore_data_skip.*stream_split = "auto"'
+    ):
         Loop(Recorder(), args(tmp_path, max_steps=12, **shards), train_dataset=StatefulStream(64)).train(
-            resume_from_checkpoint="latest")
+            resume_from_checkpoint="latest"
+        )
     # the same checkpoint with the default ("auto"): still in shards, so refused the same way
     with pytest.raises(CheckpointError, match="for 2 stream shards.*this run has 1"):
         Loop(Recorder(), args(tmp_path, max_steps=12), train_dataset=StatefulStream(64)).train(
-            resume_from_checkpoint="latest")
+            resume_from_checkpoint="latest"
+        )
     with pytest.raises(DataError, match="max_steps"):
-        Loop(Recorder(), args(tmp_path, max_steps=-1, output_dir=str(tmp_path / "b")),
-             train_dataset=Stream(8)).train()
+        Loop(
+            Recorder(), args(tmp_path, max_steps=-1, output_dir=str(tmp_path / "b")), train_dataset=Stream(8)
+        ).train()
 
 
 def test_evaluate_on_a_stream(tmp_path):
@@ -204,8 +243,11 @@ def test_a_dataset_that_shards_itself_reads_only_its_part(tmp_path):
     from streams import sample
 
     model = Recorder()
-    Loop(model, args(tmp_path, max_steps=4, dataloader_num_workers=2, save_strategy="no"),
-         train_dataset=OwnShards(16)).train()
+    Loop(
+        model,
+        args(tmp_path, max_steps=4, dataloader_num_workers=2, save_strategy="no"),
+        train_dataset=OwnShards(16),
+    ).train()
     assert model.seen == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
@@ -224,14 +266,20 @@ def hf_stream(n: int = 40, num_shards: int = 4):
 def _one_pass(make, world: int, workers: int, split: str = "shards") -> list[int]:
     from corelooper_streaming.loader import StreamingLoader
 
-    return [i for rank in range(world)
-            for batch in StreamingLoader(make(rank), 4, rank=rank, num_replicas=world, num_workers=workers,
-                                         cycle=False, split=split)
-            for i in batch["idx"].tolist()]
+    return [
+        i
+        for rank in range(world)
+        for batch in StreamingLoader(
+            make(rank), 4, rank=rank, num_replicas=world, num_workers=workers, cycle=False, split=split
+        )
+        for i in batch["idx"].tolist()
+    ]
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
-@pytest.mark.parametrize(("num_shards", "world", "workers"), [(4, 1, 2), (4, 2, 2), (3, 2, 2), (2, 1, 3), (4, 2, 0)])
+@pytest.mark.parametrize(
+    ("num_shards", "world", "workers"), [(4, 1, 2), (4, 2, 2), (3, 2, 2), (2, 1, 3), (4, 2, 0)]
+)
 def test_a_hugging_face_stream_with_dataloader_workers_reads_every_sample_once(num_shards, world, workers):
     """datasets.IterableDataset gives each DataLoader worker its own shards (worker w: shards
     w, w + K, ...; none to a worker past num_shards); corelooper splits only the processes on
@@ -250,8 +298,12 @@ def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
 
     seen = _one_pass(lambda rank: split_dataset_by_node(hf_stream(), rank=rank, world_size=2), 2, workers)
     assert len(seen) == 40 and sorted(seen) == list(range(40))
-    assert _one_pass(lambda rank: split_dataset_by_node(hf_stream(), rank=rank, world_size=2), 2, workers,
-                     split="auto") == seen  # "auto": shards, the dataset's own split
+    assert (
+        _one_pass(
+            lambda rank: split_dataset_by_node(hf_stream(), rank=rank, world_size=2), 2, workers, split="auto"
+        )
+        == seen
+    )  # "auto": shards, the dataset's own split
 
 
 def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(caplog):
@@ -273,8 +325,12 @@ def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
-@pytest.mark.parametrize(("num_shards", "workers"), [(4, 2), (2, 3)], ids=["4-shards-2-workers", "2-shards-3-workers"])
-def test_a_hugging_face_stream_with_workers_trains_one_epoch_and_resumes_exactly(tmp_path, num_shards, workers):
+@pytest.mark.parametrize(
+    ("num_shards", "workers"), [(4, 2), (2, 3)], ids=["4-shards-2-workers", "2-shards-3-workers"]
+)
+def test_a_hugging_face_stream_with_workers_trains_one_epoch_and_resumes_exactly(
+    tmp_path, num_shards, workers
+):
     """The default ("auto" -> shards here) for a datasets.IterableDataset with dataloader
     workers: 10 steps x 4 = one epoch of 40, each sample once; resumed from step 3 (the next
     batch is the second worker's) in a fresh Loop, from the dataset's own state in each worker:
@@ -287,7 +343,8 @@ def test_a_hugging_face_stream_with_workers_trains_one_epoch_and_resumes_exactly
     assert (state["num_shards"], state["batches"], state["next"]) == (workers, 3, 1)
     resumed = Recorder()
     Loop(resumed, args(tmp_path, **kw), train_dataset=hf_stream(40, num_shards)).train(
-        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3")
+    )
     assert resumed.seen == first.seen[3:]
     assert all(p.equal(q) for p, q in zip(first.parameters(), resumed.parameters(), strict=True))
 
@@ -315,8 +372,9 @@ def test_a_hugging_face_stream_on_2_processes_x_2_workers_continues_each_shard_e
     from corelooper_streaming.loader import StreamingLoader
 
     def loader(rank, cycle=True):
-        return StreamingLoader(hf_stream(40, num_shards), 4, rank=rank, num_replicas=2, num_workers=2,
-                               split="auto", cycle=cycle)
+        return StreamingLoader(
+            hf_stream(40, num_shards), 4, rank=rank, num_replicas=2, num_workers=2, split="auto", cycle=cycle
+        )
 
     passes = [sorted(i for b in loader(rank, cycle=False) for i in b["idx"].tolist()) for rank in (0, 1)]
     assert sorted(passes[0] + passes[1]) == list(range(40))  # one pass of both ranks: each sample once
@@ -353,6 +411,9 @@ def test_stream_split_is_the_plugins_setting(tmp_path):
     loop = Loop(Recorder(), args(tmp_path, stream_split="global"), train_dataset=StatefulStream(8))
     assert loop.config.section("streaming") == {"split": "global"}
     assert Loop(Recorder(), args(tmp_path), train_dataset=StatefulStream(8)).config.section("streaming") == {
-        "split": "auto"}
-    with pytest.raises(Exception, match=r'train.stream_split must be "auto", "shards" or "global", not \'rows\''):
+        "split": "auto"
+    }
+    with pytest.raises(
+        Exception, match=r'train.stream_split must be "auto", "shards" or "global", not \'rows\''
+    ):
         args(tmp_path, stream_split="rows")

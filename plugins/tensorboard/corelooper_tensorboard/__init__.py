@@ -28,7 +28,7 @@ def tag(key: str) -> str:
     """HF's ``rewrite_logs``: ``eval_loss`` -> ``eval/loss``, ``test_x`` -> ``test/x``, else ``train/``."""
     for prefix in ("eval", "test"):
         if key.startswith(prefix + "_"):
-            return f"{prefix}/{key[len(prefix) + 1:]}"
+            return f"{prefix}/{key[len(prefix) + 1 :]}"
     return f"train/{key}"
 
 
@@ -63,8 +63,10 @@ def corelooper_config_sections() -> dict[str, dict[str, Any]]:
 def corelooper_settings() -> dict[str, Any]:
     """A logger: loaded only when train.report_to wants it (HF's report_to); HF's 4.x
     ``logging_dir`` is ``[tensorboard] log_dir``."""
-    return {"report_to": [SECTION], "train": {"logging_dir": lambda value, train: (
-        {SECTION: {"log_dir": value}} if value else None)}}
+    return {
+        "report_to": [SECTION],
+        "train": {"logging_dir": lambda value, train: {SECTION: {"log_dir": value}} if value else None},
+    }
 
 
 def inactive_reason(config) -> str | None:
@@ -102,7 +104,8 @@ class TensorBoardLogger:
 
             cfg = loop.config.section(SECTION)
             self.writer = SummaryWriter(
-                log_dir=str(self.log_dir(loop)), purge_step=purge_step,
+                log_dir=str(self.log_dir(loop)),
+                purge_step=purge_step,
                 flush_secs=int(cfg.get("flush_secs", DEFAULTS["flush_secs"])),
             )
         return self.writer

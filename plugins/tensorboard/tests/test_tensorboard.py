@@ -47,8 +47,17 @@ def test_scalars_hparams_and_config_match_metrics_jsonl(run_loop, tmp_path):
     acc = read_events(out / "tensorboard")
     got = scalar_values(acc)
 
-    for name in ("train/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_second",
-                 "train/epoch", "eval/loss", "eval/accuracy", "train/train_runtime", "train/train_loss"):
+    for name in (
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/samples_per_second",
+        "train/epoch",
+        "eval/loss",
+        "eval/accuracy",
+        "train/train_runtime",
+        "train/train_loss",
+    ):
         assert name in got, sorted(got)
     assert sorted(got["train/loss"]) == [2, 4, 6, 8]  # logging_steps = 2, max_steps = 8
     assert sorted(got["eval/accuracy"]) == [4, 8]  # eval_steps = 4
@@ -69,7 +78,9 @@ def test_scalars_hparams_and_config_match_metrics_jsonl(run_loop, tmp_path):
 
 def test_log_dir_from_config_and_disabled_by_config(run_loop, tmp_path):
     tb_dir = tmp_path / "tb-here"
-    loop = run_loop([tb_plugin], sections={"tensorboard": {"log_dir": str(tb_dir)}}, output_dir=tmp_path / "a")
+    loop = run_loop(
+        [tb_plugin], sections={"tensorboard": {"log_dir": str(tb_dir)}}, output_dir=tmp_path / "a"
+    )
     assert not (Path(loop.args.output_dir) / "tensorboard").exists()
     assert sorted(scalar_values(read_events(tb_dir))["train/loss"]) == [2, 4, 6, 8]
 
@@ -134,4 +145,5 @@ def test_one_event_file_for_training_and_later_evaluations_closed_when_the_loop_
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
     records = [r for r in jsonl(Path(loop.args.output_dir)) if r["event"] == "eval"]
     assert [e.value for e in read_events(log_dir).Scalars("eval/accuracy")] == pytest.approx(
-        [r["eval_accuracy"] for r in records], rel=1e-6)
+        [r["eval_accuracy"] for r in records], rel=1e-6
+    )

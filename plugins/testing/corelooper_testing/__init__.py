@@ -85,10 +85,15 @@ class HookRecorder:
         if state is None and kwargs.get("loop") is not None:
             state = getattr(kwargs["loop"], "state", None)
         args = {k: _snapshot(v) for k, v in kwargs.items() if k not in _CONTEXT}
-        self.calls.append(HookCall(
-            name, args,
-            getattr(state, "global_step", None), getattr(state, "epoch", None), result,
-        ))
+        self.calls.append(
+            HookCall(
+                name,
+                args,
+                getattr(state, "global_step", None),
+                getattr(state, "epoch", None),
+                result,
+            )
+        )
 
 
 def _snapshot(value: Any) -> Any:
@@ -169,9 +174,7 @@ def tiny_task(n_train: int = 64, n_eval: int = 32, features: int = 8, classes: i
     train = TensorSamples(x[:n_train], y[:n_train])
     evaluation = TensorSamples(x[n_train:], y[n_train:])
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(features, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(features, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes))
     return _Named(model), train, evaluation, accuracy
 
 
@@ -253,10 +256,12 @@ def build_loop(
     from corelooper.loop import Loop
     from corelooper.plugins import AUTOLOAD_ENV
 
-    config = Config.from_dict({
-        "train": {**TINY_TRAIN_ARGS, "output_dir": str(output_dir), **train_overrides},
-        **(sections or {}),
-    })
+    config = Config.from_dict(
+        {
+            "train": {**TINY_TRAIN_ARGS, "output_dir": str(output_dir), **train_overrides},
+            **(sections or {}),
+        }
+    )
     model, train, evaluation, metrics = tiny_task()
     saved = os.environ.get(AUTOLOAD_ENV)
     if autoload:
@@ -265,8 +270,13 @@ def build_loop(
         os.environ[AUTOLOAD_ENV] = "1"
     try:
         return Loop(
-            model, config, train_dataset=train, eval_dataset=evaluation, compute_metrics=metrics,
-            plugins=list(plugins), blocked_plugins=list(blocked),
+            model,
+            config,
+            train_dataset=train,
+            eval_dataset=evaluation,
+            compute_metrics=metrics,
+            plugins=list(plugins),
+            blocked_plugins=list(blocked),
         )
     finally:
         if saved is None:
@@ -289,8 +299,14 @@ def train_args(tmp_path):
     def make(**overrides: Any):
         from corelooper.config import TrainArgs
 
-        base = dict(output_dir=str(tmp_path / "out"), save_strategy="no", logging_steps=1,
-                    max_grad_norm=0.0, disable_tqdm=True, learning_rate=1e-2)
+        base = dict(
+            output_dir=str(tmp_path / "out"),
+            save_strategy="no",
+            logging_steps=1,
+            max_grad_norm=0.0,
+            disable_tqdm=True,
+            learning_rate=1e-2,
+        )
         return TrainArgs(**{**base, **overrides})
 
     return make

@@ -25,10 +25,27 @@ def test_recorder_sees_every_event_in_order_and_what_providers_returned(run_loop
     names = [n for n in hook_recorder.names() if n.startswith("on_")]
     assert names[:3] == ["on_init_end", "on_train_begin", "on_epoch_begin"]
     assert names[-3:] == ["on_epoch_end", "on_log", "on_train_end"]  # the summary log comes last
-    counts = {n: hook_recorder.count(n) for n in ("on_step_begin", "on_step_end", "on_before_backward",
-                                                   "on_optimizer_step", "on_log", "on_evaluate", "on_save")}
-    assert counts == {"on_step_begin": 8, "on_step_end": 8, "on_before_backward": 8, "on_optimizer_step": 8,
-                      "on_log": 5 + 2, "on_evaluate": 2, "on_save": 2}  # each evaluation logs too (HF)
+    counts = {
+        n: hook_recorder.count(n)
+        for n in (
+            "on_step_begin",
+            "on_step_end",
+            "on_before_backward",
+            "on_optimizer_step",
+            "on_log",
+            "on_evaluate",
+            "on_save",
+        )
+    }
+    assert counts == {
+        "on_step_begin": 8,
+        "on_step_end": 8,
+        "on_before_backward": 8,
+        "on_optimizer_step": 8,
+        "on_log": 5 + 2,
+        "on_evaluate": 2,
+        "on_save": 2,
+    }  # each evaluation logs too (HF)
     assert [c.global_step for c in hook_recorder.calls_of("on_step_end")] == list(range(1, 9))
     # arguments are snapshots: each on_log call kept its own logs
     logs = [c["logs"] for c in hook_recorder.calls_of("on_log")]
@@ -57,7 +74,9 @@ def test_run_loop_loads_installed_plugins_only_when_asked(run_loop, tmp_path):
 def test_sigterm_at_preempts_with_a_real_signal_and_resume_finishes_the_run(run_loop, tmp_path):
     stopped = run_loop([SigtermAt(at_step=3)], output_dir=tmp_path / "run")
     assert stopped.state.preempted and stopped.state.global_step == 3
-    assert (tmp_path / "run" / "checkpoint-3").is_dir() and not (tmp_path / "run" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "checkpoint-3").is_dir() and not (
+        tmp_path / "run" / "model.safetensors"
+    ).exists()
     resumed = run_loop(output_dir=tmp_path / "run", resume="latest")
     assert resumed.state.global_step == 8 and (tmp_path / "run" / "model.safetensors").is_file()
 

@@ -34,14 +34,19 @@ DEFAULTS: dict[str, Any] = {
 }
 STEP = "train/global_step"
 # Figures of the whole run (HF's single-value scalars): to the summary, not to the charts.
-SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
-                "total_flos")
+SUMMARY_KEYS = (
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "train_loss",
+    "total_flos",
+)
 
 
 def tag(key: str) -> str:
     for prefix in ("eval", "test"):
         if key.startswith(prefix + "_"):
-            return f"{prefix}/{key[len(prefix) + 1:]}"
+            return f"{prefix}/{key[len(prefix) + 1 :]}"
     return f"train/{key}"
 
 
@@ -145,7 +150,7 @@ class WandbLogger:
 
             raise PluginError(
                 f"wandb.init failed: {type(e).__name__}: {e}. Log in (`wandb login` or WANDB_API_KEY), "
-                "or log offline (WANDB_MODE=offline or [wandb] mode = \"offline\"), or run without W&B "
+                'or log offline (WANDB_MODE=offline or [wandb] mode = "offline"), or run without W&B '
                 "(-p no:wandb, or remove the [wandb] section)."
             ) from e
         run.define_metric(STEP)
@@ -223,4 +228,3 @@ class WandbLogger:
             # finalizer gets here: the run is finished, which is what was asked.
             if type(e).__name__ != "AlreadyJoinedError":
                 raise
-

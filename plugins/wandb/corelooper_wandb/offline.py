@@ -31,9 +31,9 @@ def records(path: str | Path) -> Iterator[bytes]:
         if left < _HEADER:  # the rest of a block too short for a header is padding
             offset += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[offset:offset + _HEADER])
+        _crc, length, kind = struct.unpack("<IHB", data[offset : offset + _HEADER])
         offset += _HEADER
-        chunk = data[offset:offset + length]
+        chunk = data[offset : offset + length]
         offset += length
         if kind == _FULL:
             yield chunk

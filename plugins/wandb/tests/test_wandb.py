@@ -22,8 +22,12 @@ def wandb_env(tmp_path, monkeypatch):
 
     wandb.teardown()  # W&B keeps its settings (an earlier test's online mode) until torn down
     root = tmp_path / "wandb-home"
-    for var, sub in (("WANDB_DIR", "runs"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
-                     ("WANDB_DATA_DIR", "data")):
+    for var, sub in (
+        ("WANDB_DIR", "runs"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_CONFIG_DIR", "config"),
+        ("WANDB_DATA_DIR", "data"),
+    ):
         (root / sub).mkdir(parents=True)
         monkeypatch.setenv(var, str(root / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -61,8 +65,12 @@ def test_offline_run_holds_config_metrics_by_step_and_summary(run_loop, wandb_en
     assert run.config["train"]["learning_rate"] == 0.05 and run.config["wandb"]["project"] == "digits"
     assert run.config["model/num_parameters"] == 8 * 16 + 16 + 16 * 3 + 3
     records = jsonl(out)
-    for name, key in (("loss", "train/loss"), ("learning_rate", "train/learning_rate"),
-                      ("grad_norm", "train/grad_norm"), ("samples_per_second", "train/samples_per_second")):
+    for name, key in (
+        ("loss", "train/loss"),
+        ("learning_rate", "train/learning_rate"),
+        ("grad_norm", "train/grad_norm"),
+        ("samples_per_second", "train/samples_per_second"),
+    ):
         expected = {r["step"]: r[name] for r in records if r["event"] == "log" and name in r}
         assert rows_by_step(run.history, key) == pytest.approx(expected, rel=1e-9), key
     evals = {r["step"]: r["eval_accuracy"] for r in records if r["event"] == "eval"}
@@ -110,7 +118,9 @@ def test_exception_finishes_the_run_as_failed(run_loop, wandb_env, tmp_path):
     assert sorted(rows_by_step(run.history, "train/loss")) == [2]
 
 
-def test_inactive_unless_configured_and_honours_wandb_mode_disabled(run_loop, wandb_env, monkeypatch, tmp_path):
+def test_inactive_unless_configured_and_honours_wandb_mode_disabled(
+    run_loop, wandb_env, monkeypatch, tmp_path
+):
     from corelooper.config import Config
 
     monkeypatch.delenv("WANDB_MODE")
@@ -120,7 +130,10 @@ def test_inactive_unless_configured_and_honours_wandb_mode_disabled(run_loop, wa
     assert "disabled" in wb_plugin.inactive_reason(Config.from_dict({"wandb": {}}))
     run_loop([wb_plugin], sections={"wandb": {"project": "x"}}, output_dir=tmp_path / "b")
     monkeypatch.delenv("WANDB_MODE")
-    assert wb_plugin.inactive_reason(Config.from_dict({"wandb": {"enabled": False}})) == "[wandb] enabled = false"
+    assert (
+        wb_plugin.inactive_reason(Config.from_dict({"wandb": {"enabled": False}}))
+        == "[wandb] enabled = false"
+    )
     assert find_runs(wandb_env) == [] and not (tmp_path / "a" / "wandb").exists()
     # WANDB_PROJECT alone switches it on (as with HF's report_to), WANDB_MODE from the env is honoured
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
