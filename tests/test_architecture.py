@@ -15,12 +15,32 @@ from conftest import REPO
 
 CORE = REPO / "corelooper"
 MAX_FUNCTION_LINES = 60
-MAX_LOOP_LINES = 350
 MAX_TOP_MODULES = 25
-# Issue 25's bound: all of corelooper/ at most 7,500 lines (7,421 when it was met: streaming data,
-# the elastic resume, the pytest kit, run.json and FLOPs/MFU became packages of their own, CLI-only
-# code moved to cli/, dead code and duplicates went). A feature that needs more goes in a plugin.
-MAX_CORE_LINES = 7500
+# Issue 50's bound: the core's lines of *code* as `ruff format` writes them (CI checks the format),
+# not counting docstrings, comments and blank lines: documentation is never what gets cut, and no
+# statement packing meets it. 5,631 when the bound was set; a feature that needs more goes in a plugin.
+MAX_CORE_CODE_LINES = 5800
+MAX_LOOP_CODE_LINES = 330  # loop.py: 313 when set
+
+
+def code_lines(text: str) -> int:
+    """Lines of code in a module's source: not blank, not a comment, not inside a docstring."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(
+        1
+        for n, line in enumerate(text.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and n not in docstrings
+    )
 
 
 def modules() -> dict[str, Path]:
@@ -95,11 +115,11 @@ def test_no_import_cycles_in_the_core():
 
 def test_the_layout_shows_the_layers():
     """At most 25 modules directly under corelooper/, the rest in subpackages by layer; the whole
-    core within its line ratchet (the goal: 7,500); every module named in docs/design.md."""
+    core within its bound of formatted code lines (5,800); every module named in docs/design.md."""
     top = [p for p in CORE.glob("*.py")]
     assert len(top) <= MAX_TOP_MODULES, sorted(p.name for p in top)
-    lines = sum(len(p.read_text().splitlines()) for p in CORE.rglob("*.py"))
-    assert lines <= MAX_CORE_LINES, f"the core is {lines} lines"
+    lines = sum(code_lines(p.read_text()) for p in CORE.rglob("*.py"))
+    assert lines <= MAX_CORE_CODE_LINES, f"the core is {lines} lines of code"
     design = (REPO / "docs" / "design.md").read_text()
     missing = [
         str(p.relative_to(CORE))
@@ -243,4 +263,9 @@ def test_no_function_in_the_core_is_longer_than_60_lines():
 
 
 def test_the_loop_reads_in_one_sitting():
-    assert len((CORE / "loop.py").read_text().splitlines()) < MAX_LOOP_LINES
+    assert code_lines((CORE / "loop.py").read_text()) <= MAX_LOOP_CODE_LINES
+
+
+def test_code_lines_counts_neither_docstrings_nor_comments():
+    source = 'def f():\n    """Doc\n    string."""\n    # why\n\n    return 1  # inline\n'
+    assert code_lines(source) == 2  # the def and the return
