@@ -250,8 +250,6 @@ class Loop:
             self._log_evaluate_save()
             if control.should_training_stop:
                 break
-        if self.log_window.steps:
-            self._log_logging_window()
         self.guard.poll(self, wait=True)
         runtime = time.perf_counter() - started
         summary = run_summary(

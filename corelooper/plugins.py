@@ -312,7 +312,7 @@ def load_plugins(
     """Build the plugin manager for one run (or for ``corelooper plugins``). ``settle(config,
     plugins)``: the Loop makes the validated config final (a resume's batch geometry) before
     any plugin is configured."""
-    from .builtin import best_metric
+    from .builtin import best_metric, flow
     from .builtin import providers as builtin
     from .builtin.console import Console
     from .builtin.metrics_log import MetricsLog
@@ -324,6 +324,7 @@ def load_plugins(
     # Policies of the core, each a plugin of its own that `-p no:NAME` switches off; the
     # stateful ones are new objects for every run.
     policies = {
+        "flow": flow,
         "console": Console(),
         "jsonl": MetricsLog(),
         "preemption": PreemptionPlugin(),

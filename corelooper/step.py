@@ -44,7 +44,7 @@ def as_step_result(result, fetched: int) -> StepResult:
 def default_training_step(loop, micro_batches: list) -> StepResult:
     """One optimizer step over ``micro_batches``: the loss is the mean over the step's items,
     the same as one big batch."""
-    backend, optimizer, model = loop.backend, loop.optimizer, loop.model
+    backend, model = loop.backend, loop.model
     num_items = num_items_in_batch(loop, micro_batches)  # counted on the host: no device copy yet
     losses = []
     for i, host_batch in enumerate(micro_batches):
@@ -58,6 +58,15 @@ def default_training_step(loop, micro_batches: list) -> StepResult:
         if not last:
             loop.events.fire("on_substep_end")
         losses.append(loss.detach())
+    return finish_step(loop, micro_batches, losses)
+
+
+def finish_step(loop, micro_batches: list, losses: list) -> StepResult:
+    """The step after its micro-batches' backward: clip -> non-finite guard -> optimizer step ->
+    scheduler -> ``zero_grad``. ``losses``: each micro-batch's detached share of the step loss.
+    A ``training_step`` provider that runs its micro-batches its own way (a drop-in HF
+    ``Trainer.training_step`` per micro-batch) ends its step with this, as the builtin does."""
+    backend, optimizer, model = loop.backend, loop.optimizer, loop.model
     step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
     max_norm = loop.args.max_grad_norm  # the norm before clipping is logged (HF 5.x); 0: nothing scaled
     grad_norm = backend.clip_grad_norm(model, max_norm if max_norm > 0 else float("inf"))

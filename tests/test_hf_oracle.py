@@ -274,8 +274,8 @@ def documented_differences(
 ) -> list[tuple[str, int]]:
     """HF's sequence with corelooper's documented difference applied (docs/hooks.md): with
     logging_strategy "steps", the last, partial logging window is logged rather than dropped --
-    one on_log right after the last on_step_end when training reaches max_steps, or just before
-    the run summary's on_log when a plugin stopped it earlier."""
+    one on_log right after the last on_step_end when training reaches max_steps, or right after
+    on_epoch_end (before the epoch's evaluation) when a plugin stopped it earlier."""
     steps = kw.get("logging_steps", 500)
     steps = math.ceil(steps * max_steps) if steps < 1 else steps  # a ratio of the run
     last_logged = last_step % steps == 0 or (last_step == 1 and kw.get("logging_first_step"))
@@ -285,8 +285,7 @@ def documented_differences(
     if last_step == max_steps:
         out.insert(out.index(("on_step_end", max_steps)) + 1, ("on_log", max_steps))
     else:
-        summary = max(i for i, e in enumerate(out) if e[0] == "on_log")
-        out.insert(summary, ("on_log", last_step))
+        out.insert(out.index(("on_epoch_end", last_step)) + 1, ("on_log", last_step))
     return out
 
 

@@ -1,4 +1,5 @@
-"""The default providers and the HF flow logic, registered as an ordinary plugin ("builtin").
+"""The default providers, registered as an ordinary plugin ("builtin"); the flow logic (when to
+log, evaluate, save) is the builtin policy "flow" (``builtin/flow.py``).
 
 Every provider here is ``trylast``: any other plugin's implementation answers first.
 """
@@ -155,46 +156,6 @@ def compute_metrics(loop, predictions, label_ids):
     if loop.compute_metrics_fn is not None:
         return loop.compute_metrics_fn(predictions, label_ids)
     return None
-
-
-# -- flow: when to log, evaluate, save (HF's DefaultFlowCallback, transformers 5.24) ----------
-
-
-@hookimpl(tryfirst=True)
-def on_step_end(loop, state, control):
-    a = loop.args
-    step = state.global_step
-    if step == 1 and a.logging_first_step:
-        control.should_log = True
-    if a.logging_strategy == "steps" and step % state.logging_steps == 0:
-        control.should_log = True
-    evaluating = a.eval_strategy == "steps" and a.eval_delay <= step
-    if evaluating and step % state.eval_steps == 0:
-        control.should_evaluate = True
-    if a.save_strategy == "steps" and step % state.save_steps == 0:
-        control.should_save = True
-    if step >= state.max_steps:
-        control.should_training_stop = True
-        # HF 5.x: one more evaluation at the end when the last step is not an eval step
-        if evaluating and step % state.eval_steps != 0:
-            control.should_evaluate = True
-        if a.save_strategy == "steps":
-            control.should_save = True
-        # Not in HF (see docs/hooks.md, "Differences from the HF Trainer"): the last, partial
-        # logging window is logged rather than dropped, so every step's loss reaches the loggers.
-        if a.logging_strategy == "steps":
-            control.should_log = True
-
-
-@hookimpl(tryfirst=True)
-def on_epoch_end(loop, state, control):
-    a = loop.args
-    if a.logging_strategy == "epoch":
-        control.should_log = True
-    if a.eval_strategy == "epoch" and a.eval_delay <= state.epoch:
-        control.should_evaluate = True
-    if a.save_strategy == "epoch":
-        control.should_save = True
 
 
 @hookimpl
