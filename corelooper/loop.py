@@ -252,8 +252,15 @@ class Loop:
                 break
         self.guard.poll(self, wait=True)
         runtime = time.perf_counter() - started
+        history = s.log_history
+        if self.log_window.steps:  # a window the flow did not log (HF's drops the last): train_loss counts it
+            pending = self.log_window.logs(self.backend, None, 0.0, s.epoch)
+            history = [
+                *history,
+                {**pending, "skipped_steps": self.guard.skipped_total, "step": s.global_step},
+            ]
         summary = run_summary(
-            s.log_history, runtime, s.global_step - steps_before, s.total_samples_seen - samples_before
+            history, runtime, s.global_step - steps_before, s.total_samples_seen - samples_before
         )
         loop_checkpoints.finish(self)
         self.tokens_seen.flush(self.backend, self.state)

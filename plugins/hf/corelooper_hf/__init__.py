@@ -6,6 +6,9 @@
   mixture) and ``eval_split``: read with the ``datasets`` library, memory-mapped
   (``corelooper_hf.files``), answering the ``create_dataset`` provider.
 
+* ``from corelooper_hf import Trainer``: ``transformers.Trainer``'s constructor and public API on
+  corelooper (``corelooper_hf.trainer``), with HF's callbacks, ``report_to`` and subclass overrides.
+
 A config that names a ``module:callable`` factory instead is left to the builtin (this plugin
 returns None), so installing it changes nothing for such runs.
 
@@ -18,6 +21,15 @@ from __future__ import annotations
 from corelooper import hookimpl
 
 __version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    # Lazy: `corelooper --help` loads this plugin and must not import transformers or torch.
+    if name == "Trainer":
+        from .trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'corelooper_hf' has no attribute {name!r}")
 
 
 @hookimpl

@@ -1,0 +1,122 @@
+"""The drop-in ``Trainer``'s corelooper providers: each one calls the ``Trainer`` method HF calls there.
+
+So a subclass's override (``training_step``, ``compute_loss`` through it, ``create_optimizer``,
+``create_scheduler``, ``get_train_dataloader``, ``get_eval_dataloader``, ``evaluation_loop``,
+``prediction_step``) is what the run does, with HF's arguments, while the loop, checkpoints,
+the non-finite guard and corelooper's other plugins stay corelooper's.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+from corelooper import hookimpl
+from corelooper.step import finish_step
+
+
+def overrides(trainer, name: str) -> bool:
+    """Whether ``trainer``'s class overrides the drop-in's ``name`` (a subclass's own method)."""
+    from .trainer import Trainer
+
+    return getattr(type(trainer), name) is not getattr(Trainer, name)
+
+
+class DropInProviders:
+    """Per-``Trainer`` providers; they answer before the builtin ones (which answer last)."""
+
+    name = "hf_trainer"
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    @hookimpl
+    def training_step(self, loop, micro_batches):
+        """HF's inner loop for one optimizer step: ``Trainer.training_step`` per micro-batch
+        (gradients synchronised on the last), then corelooper's clip, guard, optimizer and
+        scheduler step (``corelooper.step.finish_step``), as HF's loop does after them."""
+        trainer = self.trainer
+        num_items = trainer.get_num_items_in_batch(micro_batches)
+        trainer.current_gradient_accumulation_steps = len(micro_batches)
+        losses = []
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with nullcontext() if last else loop.backend.no_sync(loop.model):
+                losses.append(trainer.training_step(loop.model, batch, num_items))
+            trainer.current_flos += float(trainer.floating_point_ops(batch))
+            if not last:
+                loop.events.fire("on_substep_end")
+        return finish_step(loop, micro_batches, losses)
+
+    @hookimpl
+    def create_optimizer(self, loop, model):
+        return self.trainer.create_optimizer(model)
+
+    @hookimpl
+    def create_scheduler(self, loop, optimizer, num_training_steps):
+        return self.trainer.create_scheduler(num_training_steps=num_training_steps, optimizer=optimizer)
+
+    @hookimpl
+    def train_dataloader(self, loop, dataset):
+        if not overrides(self.trainer, "get_train_dataloader"):
+            return None  # corelooper's loader: seeded as HF's, resumable
+        return ResumableLoader(self.trainer.get_train_dataloader())
+
+    @hookimpl
+    def eval_dataloader(self, loop, dataset):
+        if not overrides(self.trainer, "get_eval_dataloader"):
+            return None
+        return self.trainer.get_eval_dataloader(None if dataset is loop.eval_dataset else dataset)
+
+    @hookimpl
+    def evaluation_loop(self, loop, dataset, metric_key_prefix, keep_outputs):
+        """HF's ``evaluate`` / ``predict`` body: its dataloader, ``evaluation_loop`` and speed metrics.
+        ``keep_outputs`` is true for ``predict()``."""
+        trainer = self.trainer
+        started = time.time()
+        if keep_outputs:
+            loader, description, loss_only = trainer.get_test_dataloader(dataset), "Prediction", None
+        else:
+            loader = trainer.get_eval_dataloader(None if dataset is loop.eval_dataset else dataset)
+            description, loss_only = "Evaluation", True if trainer.compute_metrics is None else None
+        out = trainer.evaluation_loop(
+            loader,
+            description=description,
+            prediction_loss_only=loss_only,
+            ignore_keys=trainer.ignore_keys,
+            metric_key_prefix=metric_key_prefix,
+        )
+        metrics = dict(out.metrics)
+        metrics.update(trainer.speed_metrics(metric_key_prefix, started, out.num_samples))
+        return metrics, out.predictions, out.label_ids
+
+
+class ResumableLoader:
+    """A user's ``get_train_dataloader()`` (a torch ``DataLoader``) with what corelooper's loop
+    resumes through: ``set_epoch`` (passed to its sampler, as HF does) and ``skip(n)`` (the first
+    ``n`` batches of the next pass are consumed unseen, as HF's ``skip_first_batches``)."""
+
+    def __init__(self, loader) -> None:
+        self.loader, self._skip = loader, 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        for owner in (
+            self.loader,
+            getattr(self.loader, "sampler", None),
+            getattr(self.loader, "batch_sampler", None),
+        ):
+            if hasattr(owner, "set_epoch"):
+                owner.set_epoch(epoch)
+
+    def skip(self, n: int) -> None:
+        self._skip = n
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        for _ in range(self._skip):
+            next(batches, None)
+        self._skip = 0
+        yield from batches
