@@ -36,6 +36,7 @@ STATE_FIELDS = (
     "is_world_process_zero",
     "is_local_process_zero",
 )
+BEST_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")
 # corelooper's keys in a training log that HF's log has not (HF logs the run's throughput once, at the end).
 CORELOOPER_ONLY_LOG_KEYS = frozenset({"samples_per_second", "tokens_per_second", "skipped_steps"})
 
@@ -67,14 +68,19 @@ class CallbackBridge:
         self.log = log if log is not None else self.record_log
 
     # -- the mapping ------------------------------------------------------------------------------
-    def sync_state(self, loop_state) -> None:
-        """HF's ``TrainerState`` from the run's ``LoopState``."""
+    def sync_state(self, loop_state, keep: tuple[str, ...] = ()) -> None:
+        """HF's ``TrainerState`` from the run's ``LoopState`` (but the fields in ``keep``)."""
         for name in STATE_FIELDS:
-            setattr(self.state, name, getattr(loop_state, name))
+            if name not in keep:
+                setattr(self.state, name, getattr(loop_state, name))
 
     def call(self, event: str, loop, **kwargs: Any) -> None:
-        """``handler.<event>(args, state, control, **kwargs)`` with the run's state and flags."""
-        self.sync_state(loop.state)
+        """``handler.<event>(args, state, control, **kwargs)`` with the run's state and flags.
+
+        At ``on_evaluate`` the callbacks see the best metric as it was before this evaluation,
+        as in HF (its Trainer updates it after ``on_evaluate``; corelooper's ``best_metric``
+        policy before): ``EarlyStoppingCallback`` compares with the previous best."""
+        self.sync_state(loop.state, keep=BEST_FIELDS if event == "on_evaluate" else ())
         for flag in CONTROL_FLAGS:
             setattr(self.control, flag, getattr(loop.control, flag))
         self.attach(loop)

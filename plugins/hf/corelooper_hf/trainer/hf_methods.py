@@ -284,14 +284,18 @@ class HFMethods:
             self.optimizer.eval()
         self.callback_handler.eval_dataloader = dataloader
         losses, preds, labels, seen, batch_size = [], [], [], 0, None
+        if not isinstance(dataloader, torch.utils.data.DataLoader):
+            from .providers import draw_as_torch_dataloader
+
+            draw_as_torch_dataloader()  # as a torch DataLoader's pass draws: HF's random stream after it
         for inputs in dataloader:
             observed = find_batch_size(inputs)
             if observed is not None:
                 seen += observed
                 batch_size = observed if batch_size is None else batch_size
             loss, logits, label = self.prediction_step(model, inputs, loss_only, ignore_keys=ignore_keys)
-            if loss is not None:
-                losses.append(self.accelerator.gather(loss.repeat(batch_size)).cpu())
+            if loss is not None:  # each sample once: HF's gather_for_metrics drops a short batch's padding
+                losses.append(self.accelerator.gather(loss.repeat(observed or batch_size)).cpu())
             if logits is not None and self.preprocess_logits_for_metrics is not None:
                 logits = self.preprocess_logits_for_metrics(logits, label)
             if logits is not None:
@@ -303,6 +307,8 @@ class HFMethods:
         metrics = self._metrics(all_preds, all_labels)
         if losses:
             metrics[f"{metric_key_prefix}_loss"] = torch.cat(losses).double().mean().item()
+        if self.model_preparation_time is not None:
+            metrics[f"{metric_key_prefix}_model_preparation_time"] = self.model_preparation_time
         for key in list(metrics):
             if not key.startswith(f"{metric_key_prefix}_"):
                 metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)

@@ -58,8 +58,10 @@ class DropInProviders:
 
     @hookimpl
     def train_dataloader(self, loop, dataset):
-        if not overrides(self.trainer, "get_train_dataloader"):
-            return None  # corelooper's loader: seeded as HF's, resumable
+        if not overrides(self.trainer, "get_train_dataloader"):  # corelooper's: seeded as HF's, resumable
+            return DrawsAsTorchLoader(
+                loop.plugins.call_next("train_dataloader", self, loop=loop, dataset=dataset)[0]
+            )
         return ResumableLoader(self.trainer.get_train_dataloader())
 
     @hookimpl
@@ -120,3 +122,38 @@ class ResumableLoader:
             next(batches, None)
         self._skip = 0
         yield from batches
+
+
+def draw_as_torch_dataloader() -> None:
+    """The one draw from the global torch generator that starting a pass over a torch
+    ``DataLoader`` makes (its workers' base seed): the drop-in makes it too, so dropout and any
+    other random op after it draws what it draws under HF's Trainer."""
+    import torch
+
+    torch.empty((), dtype=torch.int64).random_()
+
+
+class DrawsAsTorchLoader:
+    """corelooper's loader, drawing from the global generator at each pass as a torch
+    ``DataLoader`` does (``draw_as_torch_dataloader``); everything else is the loader's own."""
+
+    def __init__(self, loader) -> None:
+        self.loader, self._resuming = loader, False
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def skip(self, n: int) -> None:
+        """A resume mid-epoch: HF restores the checkpoint's RNG after this pass's draw, so the
+        resumed pass draws nothing (the restored state is the one after it)."""
+        self._resuming = n > 0
+        self.loader.skip(n)
+
+    def __iter__(self):
+        if not self._resuming:
+            draw_as_torch_dataloader()  # at the first fetch, after on_epoch_begin, as HF's
+        self._resuming = False
+        yield from self.loader

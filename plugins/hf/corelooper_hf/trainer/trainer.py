@@ -11,6 +11,7 @@ HF's ``training_step`` / ``compute_loss`` / ``evaluation_loop`` compute (``hf_me
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ class Trainer(HFMethods):
         self.hp_name = self.hp_search_backend = None
         self.is_in_train = False
         self.current_flos, self._flos_parameters = 0.0, None
+        self.model_preparation_time = None
         self.callback_handler = CallbackHandler(
             _default_callbacks(self.args) + list(callbacks or []),
             self.model,
@@ -233,15 +235,23 @@ class Trainer(HFMethods):
         self.ignore_keys = ignore_keys
         prepared = self._loop.eval_dataset if eval_dataset is None else self._for_model(dataset)
         if prepared is not None:
+            self._prepare_for_evaluation()
+        metrics = Loop.evaluate(self._loop, prepared, metric_key_prefix)
+        return {**metrics, "epoch": self.state.epoch}  # as HF's: the dict its log() added epoch to
+
+    def _prepare_for_evaluation(self) -> None:
+        """The backend wraps the model before an evaluation without train(); HF reports the time."""
+        if self._loop.optimizer is None and self.model_preparation_time is None:
+            started = time.time()
             self._loop.prepare_for_evaluation()
-        return Loop.evaluate(self._loop, prepared, metric_key_prefix)
+            self.model_preparation_time = round(time.time() - started, 4)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         """Predictions and labels (numpy, dataset order) and metrics: HF's ``PredictionOutput``."""
         from transformers.trainer_utils import PredictionOutput
 
         self.ignore_keys = ignore_keys
-        self._loop.prepare_for_evaluation()
+        self._prepare_for_evaluation()
         predictions, label_ids, metrics = self._loop.predict(self._for_model(test_dataset), metric_key_prefix)
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 

@@ -1,0 +1,442 @@
+"""``corelooper_hf.Trainer`` against the real ``transformers.Trainer`` on the same inputs: the oracle.
+
+The same script runs under both classes (the same model, deep-copied; the same data, seed and
+``TrainingArguments``; dropout on; random order): the event sequence a ``TrainerCallback`` sees,
+``state.log_history`` (loss, grad_norm, learning_rate, epoch, eval entries, to 1e-4 relative,
+per step), ``global_step``, the eval loss and the final weights must be HF's. HF's own callback
+tests (transformers' tests/trainer/test_trainer_callback.py: event flow, add/pop/remove, stateful
+callbacks, stop flags) are re-expressed against both classes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from corelooper_hf import Trainer  # noqa: E402
+from transformers import (  # noqa: E402
+    EarlyStoppingCallback,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers import Trainer as HFTrainer  # noqa: E402
+from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, ProgressCallback  # noqa: E402
+
+from corelooper.errors import ConfigError  # noqa: E402
+
+VOCAB, SEQ = 48, 12
+EVENTS = (
+    "on_init_end",
+    "on_train_begin",
+    "on_epoch_begin",
+    "on_step_begin",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_epoch_end",
+    "on_log",
+    "on_evaluate",
+    "on_prediction_step",
+    "on_save",
+    "on_train_end",
+)
+
+
+def tiny_llama(seed: int = 0, dropout: float = 0.1):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def lm_rows(n: int, seed: int = 0, difficulty: bool = False) -> list[dict]:
+    """Right-padded sequences of varied length; padding has label -100."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(3, SEQ + 1, (1,), generator=g))
+        ids = torch.zeros(SEQ, dtype=torch.long)
+        ids[:length] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask = (torch.arange(SEQ) < length).long()
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        row = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if difficulty:
+            row["difficulty"] = torch.rand((), generator=g) * 2
+        rows.append(row)
+    return rows
+
+
+class Recorder(TrainerCallback):
+    """HF's test_event_flow recorder: every event with the step it fired at."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.events: list[tuple[str, int]] = []
+        self.stop_at = stop_at
+
+
+def _record(name):
+    def method(self, args, state, control, **kwargs):
+        self.events.append((name, state.global_step))
+        if name == "on_step_end" and self.stop_at == state.global_step:
+            control.should_training_stop = True
+
+    return method
+
+
+for _name in EVENTS:
+    setattr(Recorder, _name, _record(_name))
+
+
+def args_for(out, **kw) -> TrainingArguments:
+    base = dict(
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        num_train_epochs=2,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        logging_steps=2,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    return TrainingArguments(output_dir=str(out), **{**base, **kw})
+
+
+def run_both(tmp_path, trainer_kw=None, callbacks=(), subclass=None, model=None, **kw):
+    """The same script under transformers.Trainer and corelooper_hf.Trainer: both trainers,
+    their recorders and TrainOutputs."""
+    model = model if model is not None else tiny_llama(seed=1)
+    out = {}
+    for name, cls in (("hf", HFTrainer), ("cl", Trainer)):
+        cls = subclass(cls) if subclass is not None else cls
+        recorder = Recorder(kw.pop("stop_at", None) if name == "cl" else kw.get("stop_at"))
+        args_kw = {k: v for k, v in kw.items() if k != "stop_at"}
+        trainer = cls(
+            model=copy.deepcopy(model),
+            args=args_for(tmp_path / name, **args_kw),
+            callbacks=[recorder, *[copy.deepcopy(c) for c in callbacks]],
+            **(trainer_kw or {}),
+        )
+        result = trainer.train()
+        out[name] = (trainer, recorder, result)
+    return out
+
+
+def assert_same_history(hf_history: list[dict], cl_history: list[dict], rel: float = 1e-4) -> None:
+    hf_steps = [h for h in hf_history if "train_runtime" not in h]
+    cl_steps = [h for h in cl_history if "train_runtime" not in h]
+    assert [h["step"] for h in cl_steps] == [h["step"] for h in hf_steps]
+    for h, c in zip(hf_steps, cl_steps, strict=True):
+        keys = {k for k in h if k in ("loss", "grad_norm", "learning_rate", "epoch") or k.startswith("eval_")}
+        keys = {k for k in keys if not k.endswith(("_runtime", "_per_second", "_preparation_time"))}
+        assert keys <= set(c), (h, c)
+        for k in keys:
+            assert c[k] == pytest.approx(h[k], rel=rel, abs=1e-7), (k, h, c)
+
+
+def assert_same_weights(hf_model, cl_model, atol: float = 1e-5) -> None:
+    cl = dict(cl_model.named_parameters())
+    for name, p in hf_model.named_parameters():
+        torch.testing.assert_close(cl[name].detach(), p.detach(), atol=atol, rtol=1e-4, msg=name)
+
+
+# -- the numbers and the events ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(gradient_accumulation_steps=1, eval_strategy="steps", eval_steps=3),
+        dict(gradient_accumulation_steps=4, per_device_train_batch_size=2, eval_strategy="epoch"),
+        dict(gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2, logging_first_step=True),
+    ],
+    ids=["ga1-eval-steps", "ga4-eval-epoch", "ga2-logging-first-step"],
+)
+def test_same_events_log_history_and_weights_as_hf(tmp_path, kw):
+    train, evaluation = lm_rows(28, seed=3), lm_rows(10, seed=4)
+    runs = run_both(tmp_path, trainer_kw=dict(train_dataset=train, eval_dataset=evaluation), **kw)
+    (hf, hf_rec, hf_out), (cl, cl_rec, cl_out) = runs["hf"], runs["cl"]
+    assert cl_rec.events == hf_rec.events
+    assert cl.state.global_step == hf.state.global_step
+    assert_same_history(hf.state.log_history, cl.state.log_history)
+    assert cl_out.training_loss == pytest.approx(hf_out.training_loss, rel=1e-4)
+    assert set(cl_out.metrics) == set(hf_out.metrics)
+    assert_same_weights(hf.model, cl.model)
+    assert any("eval_loss" in h for h in cl.state.log_history)
+
+
+def test_a_callback_stopping_training_stops_both_at_the_same_step(tmp_path):
+    train, evaluation = lm_rows(24, seed=3), lm_rows(8, seed=4)
+    runs = run_both(
+        tmp_path,
+        trainer_kw=dict(train_dataset=train, eval_dataset=evaluation),
+        stop_at=3,
+        eval_strategy="epoch",
+    )
+    (hf, hf_rec, _), (cl, cl_rec, _) = runs["hf"], runs["cl"]
+    assert hf.state.global_step == cl.state.global_step == 3
+    assert cl_rec.events == hf_rec.events
+    assert_same_history(hf.state.log_history, cl.state.log_history)
+
+
+# -- a subclass: the typical job's per-sample weighted loss ------------------------------------------
+
+
+def weighted_loss(base):
+    class WeightedLossTrainer(base):
+        """Each sample's token losses weighted by its 'difficulty' column (HF docs' way to customise)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            difficulty = inputs.pop("difficulty")
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            logits = outputs.logits[:, :-1].float()
+            targets = labels[:, 1:]
+            per_token = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="none"
+            ).view(targets.shape)
+            weighted = (per_token * difficulty[:, None]).sum()
+            loss = weighted / (
+                num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
+            )
+            return (loss, outputs) if return_outputs else loss
+
+    return WeightedLossTrainer
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_a_weighted_loss_subclass_runs_unchanged_with_hfs_num_items_in_batch(tmp_path, ga):
+    seen = {"hf": [], "cl": []}
+
+    def recording(base):
+        cls = weighted_loss(base)
+
+        class Recording(cls):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                who = "cl" if isinstance(self, Trainer) else "hf"
+                seen[who].append(None if num_items_in_batch is None else int(num_items_in_batch))
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        return Recording
+
+    train = lm_rows(16, seed=5, difficulty=True)
+    runs = run_both(
+        tmp_path,
+        trainer_kw=dict(train_dataset=train),
+        subclass=recording,
+        remove_unused_columns=False,
+        gradient_accumulation_steps=ga,
+        per_device_train_batch_size=4 // ga,
+        logging_steps=1,
+    )
+    (hf, _, _), (cl, _, _) = runs["hf"], runs["cl"]
+    assert seen["cl"] == seen["hf"] and all(n is not None for n in seen["cl"])
+    assert_same_history(hf.state.log_history, cl.state.log_history)
+    assert_same_weights(hf.model, cl.model)
+
+
+# -- callbacks: HF's own tests, both classes --------------------------------------------------------
+
+
+class MyTestTrainerCallback(TrainerCallback):
+    pass
+
+
+@pytest.mark.parametrize("cls", [HFTrainer, Trainer], ids=["hf", "cl"])
+def test_add_pop_remove_callback_as_hfs_test(tmp_path, cls):
+    """transformers' test_add_remove_callback, run against both classes."""
+    args = args_for(tmp_path, disable_tqdm=False)
+    trainer = cls(model=tiny_llama(), args=args, train_dataset=lm_rows(4))
+    expected = [DefaultFlowCallback, ProgressCallback]
+    assert [type(cb) for cb in trainer.callback_handler.callbacks] == expected
+    trainer.add_callback(MyTestTrainerCallback)
+    expected.append(MyTestTrainerCallback)
+    assert [type(cb) for cb in trainer.callback_handler.callbacks] == expected
+    popped = trainer.pop_callback(MyTestTrainerCallback)
+    assert isinstance(popped, MyTestTrainerCallback)
+    expected.pop()
+    cb = DefaultFlowCallback()
+    trainer.add_callback(cb)
+    trainer.remove_callback(DefaultFlowCallback)
+    assert [type(c) for c in trainer.callback_handler.callbacks] == [ProgressCallback, DefaultFlowCallback]
+    trainer.remove_callback(cb)
+    assert [type(c) for c in trainer.callback_handler.callbacks] == [ProgressCallback]
+    quiet = cls(model=tiny_llama(), args=args_for(tmp_path / "q"), train_dataset=lm_rows(4))
+    assert [type(c) for c in quiet.callback_handler.callbacks] == [DefaultFlowCallback, PrinterCallback]
+
+
+def test_early_stopping_and_the_best_model_as_hf(tmp_path):
+    train, evaluation = lm_rows(32, seed=3), lm_rows(8, seed=4)
+    runs = run_both(
+        tmp_path,
+        trainer_kw=dict(train_dataset=train, eval_dataset=evaluation),
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=0.5)],
+        num_train_epochs=6,
+        learning_rate=3e-3,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+    )
+    (hf, hf_rec, _), (cl, cl_rec, _) = runs["hf"], runs["cl"]
+    assert cl.state.global_step == hf.state.global_step < hf.state.max_steps  # stopped early
+    assert cl_rec.events == hf_rec.events
+    assert cl.state.best_metric == pytest.approx(hf.state.best_metric, rel=1e-4)
+    assert cl.state.best_global_step == hf.state.best_global_step
+    assert (
+        cl.state.best_model_checkpoint.rsplit("/", 1)[-1] == hf.state.best_model_checkpoint.rsplit("/", 1)[-1]
+    )
+    assert_same_weights(hf.model, cl.model)  # the best model, loaded at the end in both
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_stateful_callbacks_are_saved_in_and_restored_from_corelooper_checkpoints(tmp_path, restore):
+    """EarlyStoppingCallback's patience counter survives a resume when HF's
+    restore_callback_states_from_checkpoint asks for it, and only then (HF's rule)."""
+    train, evaluation = lm_rows(24, seed=3), lm_rows(8, seed=4)
+    kw = dict(
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        metric_for_best_model="eval_loss",
+        restore_callback_states_from_checkpoint=restore,
+        num_train_epochs=1,  # 6 steps: evaluations at 2, 4, 6
+    )
+
+    def trainer(out, stopper, *extra):
+        return Trainer(
+            model=tiny_llama(),
+            args=args_for(out, **kw),
+            train_dataset=train,
+            eval_dataset=evaluation,
+            callbacks=[stopper, *extra],
+        )
+
+    def stopper():  # no evaluation improves by 10: the counter counts every one after the first
+        return EarlyStoppingCallback(early_stopping_patience=100, early_stopping_threshold=10.0)
+
+    whole = stopper()
+    trainer(tmp_path / "whole", whole).train()
+    assert whole.early_stopping_patience_counter == 2
+    first = stopper()
+    trainer(tmp_path / "cut", first, Recorder(stop_at=4)).train()
+    assert first.early_stopping_patience_counter == 1
+    again = stopper()
+    resumed = trainer(tmp_path / "cut", again)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    assert again.early_stopping_patience_counter == (2 if restore else 1)
+
+
+def test_resume_mid_epoch_gives_the_uninterrupted_run(tmp_path):
+    train, evaluation = lm_rows(28, seed=3), lm_rows(8, seed=4)
+    kw = dict(save_strategy="steps", save_steps=3, eval_strategy="steps", eval_steps=3, logging_steps=1)
+    whole = Trainer(
+        model=tiny_llama(seed=2),
+        args=args_for(tmp_path / "whole", **kw),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
+    whole.train()
+    cut = Trainer(
+        model=tiny_llama(seed=2),
+        args=args_for(tmp_path / "cut", **kw),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        callbacks=[Recorder(stop_at=5)],
+    )
+    cut.train()  # stops after step 5; checkpoint-3 is mid-epoch (7 steps per epoch)
+    resumed = Trainer(
+        model=tiny_llama(seed=9),
+        args=args_for(tmp_path / "cut", **kw),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
+    assert resumed.state.global_step == whole.state.global_step == 14
+    after = [h for h in whole.state.log_history if h["step"] > 3]
+    assert_same_history(after, [h for h in resumed.state.log_history if h["step"] > 3], rel=1e-6)
+    assert_same_weights(whole.model, resumed.model, atol=1e-7)
+
+
+# -- evaluation and prediction --------------------------------------------------------------------------
+
+
+def token_accuracy(eval_pred):
+    predictions, labels = eval_pred.predictions, eval_pred.label_ids
+    assert type(predictions).__module__ == "numpy" and type(labels).__module__ == "numpy"
+    hits = (predictions.argmax(-1)[:, :-1] == labels[:, 1:]) & (labels[:, 1:] != -100)
+    return {"token_accuracy": float(hits.sum() / (labels[:, 1:] != -100).sum())}
+
+
+def test_evaluate_and_predict_as_hf(tmp_path):
+    train, evaluation = lm_rows(16, seed=3), lm_rows(10, seed=4)  # 10 rows: a short last batch
+    model = tiny_llama(seed=1)
+    results = {}
+    for name, cls in (("hf", HFTrainer), ("cl", Trainer)):
+        trainer = cls(
+            model=copy.deepcopy(model),
+            args=args_for(tmp_path / name, max_steps=3),
+            train_dataset=train,
+            eval_dataset=evaluation,
+            compute_metrics=token_accuracy,
+        )
+        trainer.train()
+        metrics = trainer.evaluate()
+        prediction = trainer.predict(evaluation)
+        named = trainer.evaluate({"a": evaluation, "b": lm_rows(4, seed=8)})
+        results[name] = (metrics, prediction, named, trainer)
+    (hm, hp, hn, hf), (cm, cp, cn, cl) = results["hf"], results["cl"]
+    for key in ("eval_loss", "eval_token_accuracy", "epoch"):
+        assert cm[key] == pytest.approx(hm[key], rel=1e-5), key
+    assert set(cm) == set(hm)
+    assert set(cn) == set(hn) and cn["eval_b_loss"] == pytest.approx(hn["eval_b_loss"], rel=1e-5)
+    assert cp.predictions.shape == hp.predictions.shape and type(cp.predictions) is type(hp.predictions)
+    assert abs(cp.predictions - hp.predictions).max() < 1e-5
+    assert (cp.label_ids == hp.label_ids).all()
+    assert cp.metrics["test_loss"] == pytest.approx(hp.metrics["test_loss"], rel=1e-5)
+    assert_same_history(hf.state.log_history, cl.state.log_history)
+
+
+# -- what the drop-in cannot honour --------------------------------------------------------------------
+
+
+def test_an_override_the_drop_in_never_calls_is_refused_naming_the_corelooper_way(tmp_path):
+    class Custom(Trainer):
+        def _inner_training_loop(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    with pytest.raises(ConfigError) as err:
+        Custom(model=tiny_llama(), args=args_for(tmp_path), train_dataset=lm_rows(4))
+    message = str(err.value)
+    assert "Custom._inner_training_loop" in message and "training_step" in message and "silently" in message
+
+
+def test_training_arguments_corelooper_cannot_honour_are_refused_in_one_paragraph(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        Trainer(model=tiny_llama(), args=args_for(tmp_path, push_to_hub=True), train_dataset=lm_rows(4))
+    message = str(err.value)
+    assert "push_to_hub" in message and "hf upload" in message and "\n" not in message
