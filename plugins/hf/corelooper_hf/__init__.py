@@ -6,6 +6,11 @@
   mixture) and ``eval_split``: read with the ``datasets`` library, memory-mapped
   (``corelooper_hf.files``), answering the ``create_dataset`` provider.
 
+* ``train.report_to = ["mlflow"]`` (every Hugging Face integration but tensorboard and wandb,
+  which are corelooper plugins) and ``[hf] callbacks = ["mypkg.cb:MyCallback"]``: HF's
+  ``TrainerCallback``s in a ``corelooper run``, through a ``CallbackBridge``
+  (``corelooper_hf.reporting``, also the entry point ``hf_integrations`` that declares the names);
+
 * ``from corelooper_hf import Trainer``: ``transformers.Trainer``'s constructor and public API on
   corelooper (``corelooper_hf.trainer``), with HF's callbacks, ``report_to`` and subclass overrides.
 
@@ -33,10 +38,18 @@ def __getattr__(name: str):
 
 
 @hookimpl
-def corelooper_configure(config):
+def corelooper_config_sections():
+    # "module:Class" or { ref = "module:Class", args = { ... } }: HF TrainerCallbacks (reporting.py)
+    return {"hf": {"callbacks": []}}
+
+
+@hookimpl
+def corelooper_configure(config, plugins):
     from .files import check_paths
+    from .reporting import configure
 
     check_paths(config)
+    configure(config, plugins)
 
 
 @hookimpl

@@ -440,3 +440,33 @@ def test_training_arguments_corelooper_cannot_honour_are_refused_in_one_paragrap
         Trainer(model=tiny_llama(), args=args_for(tmp_path, push_to_hub=True), train_dataset=lm_rows(4))
     message = str(err.value)
     assert "push_to_hub" in message and "hf upload" in message and "\n" not in message
+
+
+# -- two processes -----------------------------------------------------------------------------------
+
+
+def torchrun(which: str, out, tmp_path) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("dropin_worker.py")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    proc = subprocess.run([*cmd, which, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r: json.loads((out / f"result.rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_two_processes_weighted_loss_subclass_as_hf(tmp_path):
+    """The weighted-loss subclass on 2 gloo processes, GA 2: HF's numbers, the same weights on
+    both ranks."""
+    hf = torchrun("hf", tmp_path / "hf", tmp_path)
+    cl = torchrun("cl", tmp_path / "cl", tmp_path)
+    assert cl[0]["step"] == hf[0]["step"] == 6
+    assert_same_history(hf[0]["log_history"], cl[0]["log_history"])
+    assert cl[0]["params"] == cl[1]["params"]  # the ranks agree
+    for name, value in hf[0]["params"].items():
+        assert cl[0]["params"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), name

@@ -211,8 +211,18 @@ class HFMethods:
         )[0]
 
     def get_eval_dataloader(self, eval_dataset=None):
+        """This process's evaluation batches: in dataset order on one process; on several, the
+        batches accelerate deals HF's Trainer (``eval_shards.EvenBatches``)."""
         loop = self._loop
         dataset = self._for_model(eval_dataset) if eval_dataset is not None else loop.eval_dataset
+        backend = loop.backend
+        if backend.num_processes > 1:
+            from .eval_shards import EvenBatches
+
+            size = self.args.per_device_eval_batch_size
+            return EvenBatches(
+                dataset, size, loop.data_collator, backend.process_index, backend.num_processes
+            )
         return loop.plugins.call_next("eval_dataloader", self._providers, loop=loop, dataset=dataset)[0]
 
     def get_test_dataloader(self, test_dataset):
@@ -288,20 +298,21 @@ class HFMethods:
             from .providers import draw_as_torch_dataloader
 
             draw_as_torch_dataloader()  # as a torch DataLoader's pass draws: HF's random stream after it
-        for inputs in dataloader:
+        kept = getattr(dataloader, "kept", lambda i: None)  # a round's real samples (EvenBatches)
+        for i, inputs in enumerate(dataloader):
             observed = find_batch_size(inputs)
             if observed is not None:
                 seen += observed
                 batch_size = observed if batch_size is None else batch_size
             loss, logits, label = self.prediction_step(model, inputs, loss_only, ignore_keys=ignore_keys)
             if loss is not None:  # each sample once: HF's gather_for_metrics drops a short batch's padding
-                losses.append(self.accelerator.gather(loss.repeat(observed or batch_size)).cpu())
+                losses.append(self._gather_batch(loss.repeat(observed or batch_size), kept(i)))
             if logits is not None and self.preprocess_logits_for_metrics is not None:
                 logits = self.preprocess_logits_for_metrics(logits, label)
             if logits is not None:
-                preds.append(_detached_cpu(logits))
+                preds.append(self._gather_batch(logits, kept(i)))
             if label is not None:
-                labels.append(_detached_cpu(label))
+                labels.append(self._gather_batch(label, kept(i)))
             self._loop.events.fire("on_prediction_step", batch=inputs, outputs=None)
         all_preds, all_labels = self._gathered(preds), self._gathered(labels)
         metrics = self._metrics(all_preds, all_labels)
@@ -326,18 +337,24 @@ class HFMethods:
             self.compute_metrics(EvalPrediction(predictions=preds, label_ids=labels))
         )
 
+    def _gather_batch(self, value, kept: int | None):
+        """One batch's tensor(s) from every process in rank order (dim 1 padded with -100 to the
+        longest, HF's ``pad_across_processes``), the round's real rows only, on the CPU."""
+        if self.accelerator.num_processes > 1:
+            value = _gather_padded(value, self.accelerator)
+        value = _detached_cpu(value)
+        return value if kept is None else _rows(value, kept)
+
     def _gathered(self, chunks: list):
-        """Batches of one process, padded with -100 and concatenated, gathered in rank order, as numpy."""
+        """The gathered batches, padded with -100 and concatenated, as numpy."""
         if not chunks:
             return None
         from transformers.trainer_pt_utils import nested_concat, nested_numpify
 
-        local = chunks[0]
+        out = chunks[0]
         for chunk in chunks[1:]:
-            local = nested_concat(local, chunk, padding_index=-100)
-        if self.accelerator.num_processes > 1:
-            local = _gather_padded(local, self.accelerator)
-        return nested_numpify(local)
+            out = nested_concat(out, chunk, padding_index=-100)
+        return nested_numpify(out)
 
     def speed_metrics(self, prefix: str, started: float, num_samples: int) -> dict[str, float]:
         from transformers.trainer_utils import speed_metrics
@@ -388,6 +405,12 @@ def _detached_cpu(value):
     if isinstance(value, (tuple, list)):
         return type(value)(_detached_cpu(v) for v in value)
     return value.detach().cpu() if torch.is_tensor(value) else value
+
+
+def _rows(value, n: int):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, n) for v in value)
+    return value[:n]
 
 
 def _gather_padded(value, accelerator):
