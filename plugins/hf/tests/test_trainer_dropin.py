@@ -470,3 +470,61 @@ def test_two_processes_weighted_loss_subclass_as_hf(tmp_path):
     assert cl[0]["params"] == cl[1]["params"]  # the ranks agree
     for name, value in hf[0]["params"].items():
         assert cl[0]["params"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+def test_a_checkpoint_hf_wrote_is_refused_in_one_paragraph_and_left_alone(tmp_path):
+    hf = HFTrainer(
+        model=tiny_llama(),
+        args=args_for(tmp_path, max_steps=2, save_steps=2, save_strategy="steps"),
+        train_dataset=lm_rows(8),
+    )
+    hf.train()
+    written = sorted(p.name for p in (tmp_path / "checkpoint-2").iterdir())
+    trainer = Trainer(model=tiny_llama(), args=args_for(tmp_path, max_steps=4), train_dataset=lm_rows(8))
+    with pytest.raises(ConfigError) as err:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    message = str(err.value)
+    assert "transformers.Trainer wrote" in message and "from_pretrained" in message and "\n" not in message
+    assert sorted(p.name for p in (tmp_path / "checkpoint-2").iterdir()) == written  # nothing touched
+
+
+def test_hyperparameter_search_names_the_corelooper_way(tmp_path):
+    trainer = Trainer(model=tiny_llama(), args=args_for(tmp_path), train_dataset=lm_rows(4))
+    with pytest.raises(NotImplementedError, match="corelooper hpo"):
+        trainer.hyperparameter_search(n_trials=2)
+
+
+def test_save_model_and_save_state_write_what_hf_reads_and_no_pickle(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    trainer = Trainer(
+        model=tiny_llama(), args=args_for(tmp_path / "run", max_steps=2), train_dataset=lm_rows(8)
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    trainer.save_state()
+    names = {p.name for p in (tmp_path / "final").iterdir()}
+    assert {"model.safetensors", "config.json", "training_args.json"} <= names
+    assert not any(n.endswith((".bin", ".pt", ".pth", ".pkl")) for n in names)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "final")
+    assert_same_weights(trainer.model, loaded, atol=0)
+    import json
+
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and state["log_history"] == trainer.state.log_history
+
+
+def test_a_rerun_into_the_same_output_dir_starts_over_with_a_warning(tmp_path):
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    Trainer(model=tiny_llama(), args=args_for(tmp_path, **kw), train_dataset=lm_rows(8)).train()
+    assert (tmp_path / "checkpoint-2").is_dir()
+    again = Trainer(
+        model=tiny_llama(), args=args_for(tmp_path, **{**kw, "save_steps": 5}), train_dataset=lm_rows(8)
+    )
+    with pytest.warns(
+        UserWarning, match="holds an earlier run .*checkpoint-1, checkpoint-2.*resume_from_checkpoint=True"
+    ):
+        again.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
+        "checkpoint-2"
+    ]  # the new run's save at the end

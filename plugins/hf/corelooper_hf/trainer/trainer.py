@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from corelooper import Loop
+from corelooper.errors import ConfigError
 
 from .bridge import CallbackBridge
 from .convert import refuse_unhonoured_overrides, train_args
@@ -184,9 +185,8 @@ class Trainer(HFMethods):
     ):
         """Train; returns HF's ``TrainOutput(global_step, training_loss, metrics)``.
 
-        ``resume_from_checkpoint``: ``True`` for the newest checkpoint in ``args.output_dir``, a
-        corelooper checkpoint folder, or a folder an HF ``Trainer`` wrote (``checkpoint-N`` with
-        ``trainer_state.json``: weights, optimizer, scheduler and RNG read with ``weights_only``)."""
+        ``resume_from_checkpoint``: ``True`` for the newest checkpoint in ``args.output_dir``, or a
+        corelooper checkpoint folder (one an HF ``Trainer`` wrote is refused, saying what to do)."""
         from transformers.trainer_utils import TrainOutput
 
         if kwargs:
@@ -194,9 +194,12 @@ class Trainer(HFMethods):
         self.ignore_keys_for_eval = ignore_keys_for_eval
         resume = _resume_target(resume_from_checkpoint, self.args.output_dir)
         if resume is not None and _is_hf_checkpoint(resume):
-            from .hf_checkpoint import corelooper_checkpoint_from_hf
-
-            resume = corelooper_checkpoint_from_hf(self, resume)
+            raise ConfigError(
+                f"resume_from_checkpoint={resume!r} is a checkpoint transformers.Trainer wrote "
+                "(trainer_state.json, no manifest.json): corelooper_hf.Trainer resumes its own checkpoints "
+                "only, for now. Finish that run with transformers.Trainer, or start this one from its weights: "
+                f"Trainer(model=AutoModelFor...from_pretrained({resume!r}), ...)."
+            )
         if resume is None:
             _warn_fresh_run_over(self.args.output_dir, self.is_world_process_zero())
         self.is_in_train = True
@@ -303,9 +306,11 @@ class Trainer(HFMethods):
         return self._loop
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20, **kwargs):
-        from .search import hyperparameter_search
-
-        return hyperparameter_search(self, hp_space, compute_objective, n_trials, **kwargs)
+        raise NotImplementedError(
+            "corelooper_hf.Trainer.hyperparameter_search is not supported yet: run a search over a config "
+            "with `corelooper hpo config.toml --trials N` (corelooper-optuna), or keep transformers.Trainer "
+            "for the search."
+        )
 
 
 def _warn_fresh_run_over(output_dir: str, speaks: bool) -> None:
