@@ -86,8 +86,13 @@ def fail(exc: BaseException, show_traceback: bool) -> None:
 
     A worker of ``--nproc`` hands its error to the launcher (which prints it once, naming the
     rank) instead of printing it; under another launcher a rank names itself."""
+    from corelooper.cli.signals import pending_stop
+
     from corelooper.errors import CorelooperError
 
+    stop = pending_stop()  # a library swallowed a stop signal's exception, then failed otherwise
+    if stop is not None:
+        _say_stopped(stop)
     code = exc.exit_code if isinstance(exc, CorelooperError) else 1
     if getattr(exc, "exit_code", None) in (130, 143):  # launcher: the ranks stopped on a signal
         raise typer.Exit(exc.exit_code)
@@ -153,7 +158,7 @@ def run(
     """
     from corelooper.cli.launch import watch_launcher
     from corelooper.cli.quiet import quiet_third_party
-    from corelooper.cli.signals import StartupStop, install_startup_handlers
+    from corelooper.cli.signals import StartupStop, install_startup_handlers, pending_stop
 
     install_startup_handlers()  # before any work: a signal at start-up exits 75/76, no traceback
     watch_launcher()  # a worker dies with its launcher (kill -9 leaves no orphans)
@@ -167,10 +172,10 @@ def run(
 
             return launch(nproc, child_argv(config, set_, p, resume_from_checkpoint, traceback_, verbose))
         preempted_exit = _train(cfg, blocked, resume_from_checkpoint, profile_plugins)
+        if pending_stop() is not None:  # a stop signal whose exception a library swallowed
+            raise pending_stop()
     except StartupStop as e:
-        if os.environ.get("RANK", "0") == "0":
-            typer.echo(f"corelooper: {e}. Exit {e.exit_code}.", err=True)
-        raise typer.Exit(e.exit_code) from None
+        _say_stopped(e)
     except KeyboardInterrupt:  # SIGINT in a thread without our handler: nothing was saved
         if os.environ.get("RANK", "0") == "0":  # Ctrl-C reaches every rank: one says it
             typer.echo("corelooper: interrupted, no checkpoint written by this stop", err=True)
@@ -180,6 +185,13 @@ def run(
     _exit_if_distributed(preempted_exit)  # a rank of several processes ends here
     if preempted_exit:
         raise typer.Exit(preempted_exit)
+
+
+def _say_stopped(stop) -> None:
+    """A stop signal outside training (``StartupStop``): one line (rank 0), exit 75 / 76."""
+    if os.environ.get("RANK", "0") == "0":
+        typer.echo(f"corelooper: {stop}. Exit {stop.exit_code}.", err=True)
+    raise typer.Exit(stop.exit_code) from None
 
 
 def _exit_if_distributed(code: int = 0) -> None:
@@ -204,6 +216,10 @@ class _TrainBegan:
     name = "cli"  # its plugin name (profiling.CLI_PLUGIN: not profiled)
 
     def on_train_begin(self) -> None:
+        from corelooper.cli.signals import pending_stop
+
+        if pending_stop() is not None:  # a stop signal at start-up whose exception a library swallowed
+            raise pending_stop()
         self.began = True
 
 

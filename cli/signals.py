@@ -8,7 +8,9 @@ library user's process keeps its own handlers.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 from corelooper.builtin.preemption import SIGNALS
@@ -31,6 +33,9 @@ class StartupStop(BaseException):  # noqa: N818 - like KeyboardInterrupt: not an
         )
 
 
+_STOPPED: list[int] = []  # the signal that stopped start-up: kept, as a library may swallow the exception
+
+
 def _startup_handler(signum: int, frame) -> None:
     # The first signal stops start-up; later ones (schedulers and launchers send several, ms
     # apart) are ignored, at the C level: a Python handler would raise a second StartupStop in the
@@ -41,7 +46,26 @@ def _startup_handler(signum: int, frame) -> None:
             signal.signal(sig, signal.SIG_IGN)
         except (ValueError, OSError):
             pass
+    _STOPPED.append(signum)
     raise StartupStop(signum)
+
+
+def pending_stop() -> StartupStop | None:
+    """The stop whose ``StartupStop`` never reached the command: a library swallowed it (a bare
+    ``except:`` around an import, which may then fail otherwise) -- None when there was none. The
+    command reports it instead of what followed, or raises it again where it checks."""
+    return StartupStop(_STOPPED[0]) if _STOPPED else None
+
+
+def _unraisable(info) -> None:
+    """A ``StartupStop`` raised inside a weakref callback or a ``__del__`` (Python prints such an
+    exception as "Exception ignored" and goes on): the command stops there, with its one line."""
+    if not isinstance(info.exc_value, StartupStop):
+        return sys.__unraisablehook__(info)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"corelooper: {info.exc_value}. Exit {info.exc_value.exit_code}.", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(info.exc_value.exit_code)  # nothing is being written at start-up; the lock dies with us
 
 
 def install_startup_handlers() -> None:
@@ -49,6 +73,7 @@ def install_startup_handlers() -> None:
     (and again after it restores them)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    sys.unraisablehook = _unraisable
     for sig in SIGNALS:
         try:
             signal.signal(sig, _startup_handler)

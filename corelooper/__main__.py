@@ -1,3 +1,3 @@
-from corelooper.cli.app import main
+from corelooper.cli.start import main
 
 main()
