@@ -130,3 +130,49 @@ def test_a_stop_signal_from_the_first_moment_ends_the_command_with_one_line(tmp_
             pytest.fail(
                 f"{signal.Signals(sig).name} {delay} s after start-up, {cmd[0]}:\n" + "\n".join(tries)
             )
+
+
+# -- scripts/setup, run again ---------------------------------------------------------------------
+
+
+def test_setup_run_again_returns_at_once_and_installs_again_after_a_pyproject_change(tmp_path):
+    """The README's first command runs scripts/setup each time: the second run checks a stamp and
+    stops in a second; a changed pyproject.toml (or a venv without its command) installs again.
+    The repository is a copy (its pyproject files) and the venv's python a stand-in that logs what
+    pip was asked: what is tested is the script's decision, not pip."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "setup").write_text((REPO / "scripts" / "setup").read_text())
+    (repo / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    for name in ("hf", "lm"):
+        (repo / "plugins" / name).mkdir(parents=True)
+        (repo / "plugins" / name / "pyproject.toml").write_text(
+            (REPO / "plugins" / name / "pyproject.toml").read_text()
+        )
+    venv, log = repo / ".venv", tmp_path / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    stand_in = f'#!/usr/bin/env bash\n[ "$1" = -m ] && echo "$*" >> {log}\nexit 0\n'
+    for name in ("python", "corelooper"):
+        (venv / "bin" / name).write_text(stand_in)
+        (venv / "bin" / name).chmod(0o755)
+
+    def setup() -> tuple[str, list[str]]:
+        before = log.read_text().splitlines() if log.exists() else []
+        r = subprocess.run(["bash", "scripts/setup"], cwd=repo, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, (log.read_text().splitlines() if log.exists() else [])[len(before) :]
+
+    out, pip = setup()
+    assert any("install -q -c" in line and "-e plugins/hf/" in line for line in pip), pip
+    start = time.monotonic()
+    out, pip = setup()
+    assert pip == [] and "is up to date" in out, out
+    assert time.monotonic() - start < 10
+    (repo / "plugins" / "lm" / "pyproject.toml").write_text(
+        (repo / "plugins" / "lm" / "pyproject.toml").read_text() + "\n# a new dependency\n"
+    )
+    out, pip = setup()
+    assert "is up to date" not in out and any("-e plugins/lm/" in line for line in pip), out
+    assert setup()[1] == []  # and settled again
+    (venv / "bin" / "corelooper").unlink()  # a venv broken since: installed again
+    assert setup()[1] != []
