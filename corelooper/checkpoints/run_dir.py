@@ -41,7 +41,9 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
         check_is_folder(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         _clear_debris(output_dir)
-        existing = list_checkpoints(output_dir)
+        # Only the folders corelooper wrote (a manifest): another tool's checkpoint-N (an HF
+        # Trainer's, being resumed from) is not this run's to delete.
+        existing = [p for p in list_checkpoints(output_dir) if (p / manifest.MANIFEST).is_file()]
         final_model = final_model_files(output_dir)
         if (existing or final_model) and not resuming:
             if not overwrite:  # a usage problem (exit 2), nothing wrong with the checkpoints

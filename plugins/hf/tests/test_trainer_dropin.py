@@ -377,8 +377,9 @@ def test_resume_mid_epoch_gives_the_uninterrupted_run(tmp_path):
     )
     resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
     assert resumed.state.global_step == whole.state.global_step == 14
-    after = [h for h in whole.state.log_history if h["step"] > 3]
-    assert_same_history(after, [h for h in resumed.state.log_history if h["step"] > 3], rel=1e-6)
+    assert_same_history(
+        whole.state.log_history, resumed.state.log_history, rel=1e-6
+    )  # HF's history came along
     assert_same_weights(whole.model, resumed.model, atol=1e-7)
 
 
@@ -472,20 +473,46 @@ def test_two_processes_weighted_loss_subclass_as_hf(tmp_path):
         assert cl[0]["params"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
 
 
-def test_a_checkpoint_hf_wrote_is_refused_in_one_paragraph_and_left_alone(tmp_path):
-    hf = HFTrainer(
-        model=tiny_llama(),
-        args=args_for(tmp_path, max_steps=2, save_steps=2, save_strategy="steps"),
-        train_dataset=lm_rows(8),
+@pytest.mark.parametrize("stop_at", [3, 7], ids=["mid-epoch", "epoch-end"])
+def test_a_run_moves_over_from_a_checkpoint_hf_wrote(tmp_path, stop_at):
+    """transformers.Trainer trains and saves checkpoint-N; the drop-in resumes from it and ends
+    where HF's uninterrupted run ends: the same later logs and final weights."""
+    train, evaluation = lm_rows(28, seed=3), lm_rows(8, seed=4)
+    kw = dict(save_strategy="steps", save_steps=stop_at, eval_strategy="steps", eval_steps=2, logging_steps=1)
+    model = tiny_llama(seed=2)
+    whole = HFTrainer(
+        model=copy.deepcopy(model),
+        args=args_for(tmp_path / "whole", **kw),
+        train_dataset=train,
+        eval_dataset=evaluation,
     )
-    hf.train()
-    written = sorted(p.name for p in (tmp_path / "checkpoint-2").iterdir())
-    trainer = Trainer(model=tiny_llama(), args=args_for(tmp_path, max_steps=4), train_dataset=lm_rows(8))
-    with pytest.raises(ConfigError) as err:
-        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    message = str(err.value)
-    assert "transformers.Trainer wrote" in message and "from_pretrained" in message and "\n" not in message
-    assert sorted(p.name for p in (tmp_path / "checkpoint-2").iterdir()) == written  # nothing touched
+    whole.train()
+    cut = HFTrainer(
+        model=copy.deepcopy(model),
+        args=args_for(tmp_path / "hf", **kw),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        callbacks=[Recorder(stop_at=stop_at)],
+    )
+    cut.train()
+    folder = tmp_path / "hf" / f"checkpoint-{stop_at}"
+    written = sorted(p.name for p in folder.iterdir())
+    assert "training_args.bin" in written and "optimizer.pt" in written
+    moved = Trainer(
+        model=tiny_llama(seed=9),
+        args=args_for(tmp_path / "hf", **kw),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
+    moved.train(resume_from_checkpoint=str(folder))
+    assert moved.state.global_step == whole.state.global_step == 14
+    later = [h for h in whole.state.log_history if h["step"] > stop_at]
+    assert_same_history(later, [h for h in moved.state.log_history if h["step"] > stop_at])
+    assert [h["step"] for h in moved.state.log_history][: len(cut.state.log_history) - 1] == [
+        h["step"] for h in cut.state.log_history[:-1]
+    ]  # HF's history up to the checkpoint came along
+    assert_same_weights(whole.model, moved.model)
+    assert sorted(p.name for p in folder.iterdir()) == written  # HF's checkpoint left as it was
 
 
 def test_hyperparameter_search_names_the_corelooper_way(tmp_path):

@@ -49,6 +49,16 @@ class DropInProviders:
         return finish_step(loop, micro_batches, losses)
 
     @hookimpl
+    def corelooper_configure(self, config, plugins):
+        plugins.register_for_checkpointing("hf_trainer_state", TrainerStateExtras(self.trainer))
+
+    @hookimpl(tryfirst=True)  # before the callbacks' on_train_begin: they see the resumed state
+    def on_train_begin(self, loop):
+        if self.trainer.hf_resume is not None:
+            self.trainer.hf_resume.restore(loop, self.trainer)
+            self.trainer.hf_resume = None
+
+    @hookimpl
     def create_optimizer(self, loop, model):
         return self.trainer.create_optimizer(model)
 
@@ -91,6 +101,22 @@ class DropInProviders:
         metrics = dict(out.metrics)
         metrics.update(trainer.speed_metrics(metric_key_prefix, started, out.num_samples))
         return metrics, out.predictions, out.label_ids
+
+
+class TrainerStateExtras:
+    """HF's ``TrainerState`` fields a corelooper checkpoint's loop state does not hold: HF's own
+    ``log_history`` (its entries as HF writes them) and ``total_flos``."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        state = self.trainer.state
+        return {"log_history": state.log_history, "total_flos": state.total_flos}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.trainer.state.log_history = list(saved.get("log_history", []))
+        self.trainer.state.total_flos = saved.get("total_flos", 0.0)
 
 
 class ResumableLoader:

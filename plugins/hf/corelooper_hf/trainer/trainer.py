@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from corelooper import Loop
-from corelooper.errors import ConfigError
 
+from . import hf_checkpoint
 from .bridge import CallbackBridge
 from .convert import refuse_unhonoured_overrides, train_args
 from .hf_methods import AcceleratorView, HFMethods
@@ -96,9 +96,10 @@ class Trainer(HFMethods):
         self.control = TrainerControl()
         self.state = TrainerState()
         self._bridge_logging = False
-        self._bridge = CallbackBridge(
+        self.bridge = CallbackBridge(
             self.args, self.callback_handler, self.state, self.control, self._bridge_log
         )
+        self.hf_resume = None  # a checkpoint transformers.Trainer wrote, until train() begins
         self._providers = DropInProviders(self)
         self._loop = self._build_loop()
         self.accelerator = AcceleratorView(self._loop)
@@ -145,7 +146,7 @@ class Trainer(HFMethods):
             train_dataset=self._for_model(self.train_dataset),
             eval_dataset=_map_datasets(self.eval_dataset, self._for_model),
             data_collator=self._collator_for_model(),
-            plugins=[self._bridge, self._providers],
+            plugins=[self.bridge, self._providers],
             # HF's DefaultFlowCallback and progress callback run in the handler instead
             blocked_plugins=["flow", "console"],
         )
@@ -185,22 +186,20 @@ class Trainer(HFMethods):
     ):
         """Train; returns HF's ``TrainOutput(global_step, training_loss, metrics)``.
 
-        ``resume_from_checkpoint``: ``True`` for the newest checkpoint in ``args.output_dir``, or a
-        corelooper checkpoint folder (one an HF ``Trainer`` wrote is refused, saying what to do)."""
+        ``resume_from_checkpoint``: ``True`` for the newest checkpoint in ``args.output_dir``, a
+        corelooper checkpoint folder, or a folder an HF ``Trainer`` wrote (``checkpoint-N`` with
+        ``trainer_state.json``: weights, optimizer, scheduler and RNG read with ``weights_only``;
+        ``training_args.bin``, a pickle, is never opened): the run moves over mid-training."""
         from transformers.trainer_utils import TrainOutput
 
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
         resume = _resume_target(resume_from_checkpoint, self.args.output_dir)
-        if resume is not None and _is_hf_checkpoint(resume):
-            raise ConfigError(
-                f"resume_from_checkpoint={resume!r} is a checkpoint transformers.Trainer wrote "
-                "(trainer_state.json, no manifest.json): corelooper_hf.Trainer resumes its own checkpoints "
-                "only, for now. Finish that run with transformers.Trainer, or start this one from its weights: "
-                f"Trainer(model=AutoModelFor...from_pretrained({resume!r}), ...)."
-            )
-        if resume is None:
+        if resume is not None and hf_checkpoint.is_hf_checkpoint(resume):
+            self._from_hf_checkpoint(resume)  # restored when train() begins (DropInProviders)
+            resume = None
+        elif resume is None:
             _warn_fresh_run_over(self.args.output_dir, self.is_world_process_zero())
         self.is_in_train = True
         try:
@@ -211,6 +210,15 @@ class Trainer(HFMethods):
         # as HF's: its printing callbacks pop total_flos from the summary they are given
         metrics = {k: v for k, v in summary.items() if k not in ("step", "total_flos")}
         return TrainOutput(self.state.global_step, metrics.get("train_loss", 0.0), metrics)
+
+    def _from_hf_checkpoint(self, folder: str) -> None:
+        """A checkpoint transformers.Trainer wrote: read whole before the run starts, its weights
+        loaded now (as HF loads them before preparing the model), the rest at on_train_begin."""
+        backend = self._loop.backend
+        saved = hf_checkpoint.read(folder, backend.process_index, backend.num_processes)
+        hf_checkpoint.load_weights(backend.unwrap_model(self._loop.model), saved.weights, saved.folder)
+        saved.weights = {}
+        self.hf_resume = saved
 
     def _bridge_log(self, logs: dict) -> None:
         """corelooper's ``on_log``, told to the (overridable) ``Trainer.log`` as HF calls it."""
@@ -375,8 +383,3 @@ def _resume_target(resume, output_dir: str):
     if resume is True:
         return "latest"
     return str(resume)
-
-
-def _is_hf_checkpoint(path: str) -> bool:
-    folder = Path(path)
-    return (folder / "trainer_state.json").is_file() and not (folder / "manifest.json").is_file()
