@@ -72,10 +72,19 @@ def build(args, section: dict, world_size: int, on_cuda: bool, base: Path | None
         "wall_clock_breakdown": False,
     }
     config = _merge(ours, {"zero_optimization": zero})
-    config = _merge(config, section.get("extra") or {})
+    if section.get("extra"):  # a table, e.g. HF's TrainingArguments(deepspeed={...}): as a file's keys
+        config = _apply_file(config, ours, section["extra"], "train.deepspeed / deepspeed.extra")
     if section.get("config"):
         config = _apply_file(config, ours, read_json(section["config"], base), section["config"])
     return config
+
+
+def _without_auto(data):
+    """HF's ``"auto"`` values below the top level (bucket sizes HF derives from the model's hidden
+    size, ...) left out: DeepSpeed's defaults apply. The top-level ones are filled from [train]."""
+    if isinstance(data, dict):
+        return {k: _without_auto(v) for k, v in data.items() if v != "auto"}
+    return data
 
 
 def _apply_file(config: dict, ours: dict, data: dict, ref: str) -> dict:
@@ -88,6 +97,8 @@ def _apply_file(config: dict, ours: dict, data: dict, ref: str) -> dict:
             )
     data = copy.deepcopy(data)
     for key, value in ours.items():
+        if isinstance(data.get(key), dict):
+            data[key] = {k: v for k, v in data[key].items() if v != "auto"} or "auto"
         given = data.get(key)
         if given is None or given == "auto":
             data.pop(key, None)
@@ -114,4 +125,4 @@ def _apply_file(config: dict, ours: dict, data: dict, ref: str) -> dict:
                 "batch), or set it in [train] (per_device_train_batch_size, "
                 "gradient_accumulation_steps, max_grad_norm)."
             )
-    return _merge(config, {k: v for k, v in data.items() if k not in ("bf16", "fp16")})
+    return _merge(config, _without_auto({k: v for k, v in data.items() if k not in ("bf16", "fp16")}))

@@ -89,6 +89,17 @@ def _hf_fsdp(value, train):
     return {"fsdp": out}
 
 
+_NO_XLA = ((False,), "XLA (TPU) FSDP is not supported: corelooper-fsdp runs torch's FSDP2.")
+# HF fsdp_config keys whose value is what corelooper-fsdp does anyway: (accepted values, why not others).
+_HF_ACCEPTED = {
+    "version": ((2,), "corelooper-fsdp is FSDP2 (torch's fully_shard): use version 2."),
+    "min_num_params": ((0,), "wrapping by size is not supported: name the layer classes in wrap."),
+    "xla": _NO_XLA,
+    "xla_fsdp_v2": _NO_XLA,
+    "xla_fsdp_grad_ckpt": _NO_XLA,
+}
+
+
 def _hf_fsdp_config(value, train):
     """HF's ``fsdp_config`` keys -> their ``[fsdp]`` names."""
     from corelooper.errors import ConfigError
@@ -101,6 +112,11 @@ def _hf_fsdp_config(value, train):
         )
     out = {}
     for key, v in value.items():
+        accepted = _HF_ACCEPTED.get(key.removeprefix("fsdp_"))
+        if accepted is not None:  # HF's defaults (TrainingArguments.to_dict() writes them), or FSDP2
+            if v not in accepted[0]:
+                raise ConfigError(f"train.fsdp_config.{key} = {v!r}: {accepted[1]}")
+            continue
         name = _FSDP_CONFIG.get(key.removeprefix("fsdp_"))
         if name is None:
             raise ConfigError(

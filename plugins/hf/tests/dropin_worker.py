@@ -13,8 +13,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_trainer_dropin import args_for, lm_rows, tiny_llama, weighted_loss  # noqa: E402
 
+# The typical job's sharded backends, as HF's TrainingArguments name them.
+SHARDING = {
+    "ddp": {},
+    "zero3": {
+        "deepspeed": {
+            "zero_optimization": {"stage": 3},
+            "gradient_clipping": 0.5,
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+        }
+    },
+    "fsdp2": {"fsdp": "full_shard", "fsdp_config": {"version": 2}},
+}
 
-def main(which: str, out: str) -> None:
+
+def main(which: str, out: str, sharding: str = "ddp") -> None:
     from corelooper_hf import Trainer
     from transformers import Trainer as HFTrainer
 
@@ -28,6 +42,7 @@ def main(which: str, out: str) -> None:
         eval_strategy="steps",
         eval_steps=2,
         max_steps=6,
+        **SHARDING[sharding],
     )
     trainer = weighted_loss(base)(
         model=tiny_llama(seed=1),
@@ -37,7 +52,10 @@ def main(which: str, out: str) -> None:
     )
     trainer.train()
     rank = int(os.environ.get("RANK", 0))
-    params = {n: p.detach().double().sum().item() for n, p in trainer.model.named_parameters()}
+    params = {  # FSDP2 holds DTensor shards: the whole tensor (a collective) on every rank
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().sum().item()
+        for n, p in trainer.model.named_parameters()
+    }
     Path(out, f"result.rank{rank}.json").write_text(
         json.dumps(
             {"log_history": trainer.state.log_history, "params": params, "step": trainer.state.global_step}
@@ -48,4 +66,4 @@ def main(which: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

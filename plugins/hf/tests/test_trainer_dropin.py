@@ -446,7 +446,7 @@ def test_training_arguments_corelooper_cannot_honour_are_refused_in_one_paragrap
 # -- two processes -----------------------------------------------------------------------------------
 
 
-def torchrun(which: str, out, tmp_path) -> dict:
+def torchrun(which: str, out, tmp_path, sharding: str = "ddp") -> dict:
     import json
     import os
     import subprocess
@@ -456,16 +456,27 @@ def torchrun(which: str, out, tmp_path) -> dict:
     worker = Path(__file__).with_name("dropin_worker.py")
     env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
-    proc = subprocess.run([*cmd, which, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*cmd, which, str(out), sharding], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r: json.loads((out / f"result.rank{r}.json").read_text()) for r in (0, 1)}
 
 
-def test_two_processes_weighted_loss_subclass_as_hf(tmp_path):
-    """The weighted-loss subclass on 2 gloo processes, GA 2: HF's numbers, the same weights on
-    both ranks."""
-    hf = torchrun("hf", tmp_path / "hf", tmp_path)
-    cl = torchrun("cl", tmp_path / "cl", tmp_path)
+@pytest.fixture(scope="module")
+def hf_two_processes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf2")
+    return torchrun("hf", tmp / "hf", tmp)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "zero3", "fsdp2"])
+def test_two_processes_weighted_loss_subclass_as_hf(tmp_path, hf_two_processes, sharding):
+    """The typical job as code: the weighted-loss subclass on 2 gloo processes, GA 2, under DDP,
+    DeepSpeed ZeRO-3 (HF's deepspeed= dict, "auto" values) and FSDP2 (HF's fsdp= and
+    fsdp_config=): HF's numbers (HF's Trainer on DDP: ZeRO-3 and FSDP2 compute the same step),
+    and the same weights on both ranks."""
+    hf = hf_two_processes
+    cl = torchrun("cl", tmp_path / "cl", tmp_path, sharding)
     assert cl[0]["step"] == hf[0]["step"] == 6
     assert_same_history(hf[0]["log_history"], cl[0]["log_history"])
     assert cl[0]["params"] == cl[1]["params"]  # the ranks agree
@@ -515,10 +526,38 @@ def test_a_run_moves_over_from_a_checkpoint_hf_wrote(tmp_path, stop_at):
     assert sorted(p.name for p in folder.iterdir()) == written  # HF's checkpoint left as it was
 
 
-def test_hyperparameter_search_names_the_corelooper_way(tmp_path):
-    trainer = Trainer(model=tiny_llama(), args=args_for(tmp_path), train_dataset=lm_rows(4))
-    with pytest.raises(NotImplementedError, match="corelooper hpo"):
-        trainer.hyperparameter_search(n_trials=2)
+def test_hyperparameter_search_as_hf(tmp_path):
+    """HF's hyperparameter_search with the same seeded Optuna sampler: the same trials, the same
+    objectives (eval loss) and the same best run."""
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    train, evaluation = lm_rows(16, seed=3), lm_rows(8, seed=4)
+
+    def hp_space(trial):
+        return {
+            "learning_rate": trial.suggest_float("learning_rate", 1e-4, 3e-2, log=True),
+            "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [2, 4]),
+        }
+
+    best = {}
+    for name, cls in (("hf", HFTrainer), ("cl", Trainer)):
+        trainer = cls(
+            model_init=lambda: tiny_llama(seed=1),
+            args=args_for(tmp_path / name, max_steps=3),
+            train_dataset=train,
+            eval_dataset=evaluation,
+        )
+        best[name] = trainer.hyperparameter_search(
+            hp_space=hp_space, n_trials=3, direction="minimize", sampler=optuna.samplers.TPESampler(seed=0)
+        )
+    assert best["cl"].run_id == best["hf"].run_id
+    assert best["cl"].hyperparameters == best["hf"].hyperparameters
+    assert best["cl"].objective == pytest.approx(best["hf"].objective, rel=1e-4)
+    assert sorted(p.name for p in (tmp_path / "cl").iterdir() if p.name.startswith("run-")) == [
+        "run-0",
+        "run-1",
+        "run-2",
+    ]
 
 
 def test_save_model_and_save_state_write_what_hf_reads_and_no_pickle(tmp_path):

@@ -58,6 +58,7 @@ HONOURED_OVERRIDES = frozenset(
         "_prepare_inputs",
         "floating_point_ops",
         "store_flos",
+        "call_model_init",
     }
 )
 

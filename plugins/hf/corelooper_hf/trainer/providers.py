@@ -54,6 +54,11 @@ class DropInProviders:
 
     @hookimpl(tryfirst=True)  # before the callbacks' on_train_begin: they see the resumed state
     def on_train_begin(self, loop):
+        if self.trainer.train_rng is not None:  # a fresh run draws on from where train() was called
+            from corelooper.seeding import set_rng_state
+
+            set_rng_state(self.trainer.train_rng)
+            self.trainer.train_rng = None
         if self.trainer.hf_resume is not None:
             self.trainer.hf_resume.restore(loop, self.trainer)
             self.trainer.hf_resume = None
@@ -69,9 +74,10 @@ class DropInProviders:
     @hookimpl
     def train_dataloader(self, loop, dataset):
         if not overrides(self.trainer, "get_train_dataloader"):  # corelooper's: seeded as HF's, resumable
-            return DrawsAsTorchLoader(
-                loop.plugins.call_next("train_dataloader", self, loop=loop, dataset=dataset)[0]
-            )
+            loader = loop.plugins.call_next("train_dataloader", self, loop=loop, dataset=dataset)[0]
+            if hasattr(loader, "seed"):
+                loader.seed = self.trainer.sampler_seed
+            return DrawsAsTorchLoader(loader)
         return ResumableLoader(self.trainer.get_train_dataloader())
 
     @hookimpl

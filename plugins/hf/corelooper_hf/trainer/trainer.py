@@ -16,7 +16,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from corelooper import Loop
+from corelooper.seeding import rng_state, set_seed
 
 from . import hf_checkpoint
 from .bridge import CallbackBridge
@@ -100,6 +103,7 @@ class Trainer(HFMethods):
             self.args, self.callback_handler, self.state, self.control, self._bridge_log
         )
         self.hf_resume = None  # a checkpoint transformers.Trainer wrote, until train() begins
+        self.train_rng, self.sampler_seed = None, self.args.seed
         self._providers = DropInProviders(self)
         self._loop = self._build_loop()
         self.accelerator = AcceleratorView(self._loop)
@@ -109,13 +113,15 @@ class Trainer(HFMethods):
             self.model.config.use_cache = self.args.use_cache
 
     # -- construction -------------------------------------------------------------------------------
-    @staticmethod
-    def _resolve_model(model, model_init):
+    def _resolve_model(self, model, model_init):
         if model is None and model_init is None:
             raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
         if model is not None and model_init is not None:
             raise ValueError("`Trainer` requires either a `model` or `model_init` argument, but not both.")
-        return model if model is not None else model_init()
+        if model is not None:
+            return model
+        set_seed(self.args.seed)  # as HF: seeded before model_init
+        return self.call_model_init()
 
     def _inspect_model(self, model) -> None:
         """HF's model introspection: loss kwargs, label names, the causal shift, label smoothing."""
@@ -196,11 +202,19 @@ class Trainer(HFMethods):
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
         resume = _resume_target(resume_from_checkpoint, self.args.output_dir)
+        self.train_rng = None
         if resume is not None and hf_checkpoint.is_hf_checkpoint(resume):
             self._from_hf_checkpoint(resume)  # restored when train() begins (DropInProviders)
             resume = None
         elif resume is None:
             _warn_fresh_run_over(self.args.output_dir, self.is_world_process_zero())
+            if self.model_init is not None:  # as HF: the model anew, seeded, at every train()
+                self._reinit_model(trial)
+            # HF does not seed again in train(): training draws on from here (on_train_begin)
+            self.train_rng = rng_state()
+        # HF's sampler seed without data_seed: torch's initial seed now (args.seed, unless model_init
+        # or other code seeded torch since), not args.seed
+        self.sampler_seed = self.args.data_seed if self.args.data_seed is not None else torch.initial_seed()
         self.is_in_train = True
         try:
             self._loop.train(resume_from_checkpoint=resume)
@@ -210,6 +224,21 @@ class Trainer(HFMethods):
         # as HF's: its printing callbacks pop total_flos from the summary they are given
         metrics = {k: v for k, v in summary.items() if k not in ("step", "total_flos")}
         return TrainOutput(self.state.global_step, metrics.get("train_loss", 0.0), metrics)
+
+    def call_model_init(self, trial=None):
+        """``model_init()``, or ``model_init(trial)`` when it takes the trial (HF's)."""
+        import inspect
+
+        takes_trial = len(inspect.signature(self.model_init).parameters) == 1
+        model = self.model_init(trial) if takes_trial else self.model_init()
+        if model is None:
+            raise RuntimeError("model_init should not return None.")
+        return model
+
+    def _reinit_model(self, trial) -> None:
+        set_seed(self.args.seed)
+        fresh = self.call_model_init(trial)
+        self._loop.backend.unwrap_model(self._loop.model).load_state_dict(fresh.state_dict())
 
     def _from_hf_checkpoint(self, folder: str) -> None:
         """A checkpoint transformers.Trainer wrote: read whole before the run starts, its weights
@@ -313,11 +342,22 @@ class Trainer(HFMethods):
         """The corelooper ``Loop`` that runs this Trainer (its plugins, backend and state)."""
         return self._loop
 
-    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20, **kwargs):
-        raise NotImplementedError(
-            "corelooper_hf.Trainer.hyperparameter_search is not supported yet: run a search over a config "
-            "with `corelooper hpo config.toml --trials N` (corelooper-optuna), or keep transformers.Trainer "
-            "for the search."
+    def hyperparameter_search(
+        self,
+        hp_space=None,
+        compute_objective=None,
+        n_trials: int = 20,
+        direction="minimize",
+        backend=None,
+        hp_name=None,
+        **kwargs,
+    ):
+        """HF's ``hyperparameter_search`` with Optuna (corelooper-optuna): a fresh Trainer per trial
+        from ``model_init``; returns HF's ``BestRun`` (``corelooper_hf.trainer.search``)."""
+        from .search import hyperparameter_search
+
+        return hyperparameter_search(
+            self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs
         )
 
 
