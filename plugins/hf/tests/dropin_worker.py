@@ -50,7 +50,7 @@ def main(which: str, out: str, sharding: str = "ddp") -> None:
         train_dataset=lm_rows(32, seed=5, difficulty=True),
         eval_dataset=lm_rows(10, seed=6, difficulty=True),
     )
-    trainer.train()
+    result = trainer.train()
     rank = int(os.environ.get("RANK", 0))
     params = {  # FSDP2 holds DTensor shards: the whole tensor (a collective) on every rank
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().sum().item()
@@ -58,7 +58,12 @@ def main(which: str, out: str, sharding: str = "ddp") -> None:
     }
     Path(out, f"result.rank{rank}.json").write_text(
         json.dumps(
-            {"log_history": trainer.state.log_history, "params": params, "step": trainer.state.global_step}
+            {
+                "log_history": trainer.state.log_history,
+                "params": params,
+                "step": trainer.state.global_step,
+                "train_output": [result.global_step, result.training_loss],
+            }
         )
     )
     if torch.distributed.is_initialized():

@@ -480,6 +480,9 @@ def test_two_processes_weighted_loss_subclass_as_hf(tmp_path, hf_two_processes, 
     assert cl[0]["step"] == hf[0]["step"] == 6
     assert_same_history(hf[0]["log_history"], cl[0]["log_history"])
     assert cl[0]["params"] == cl[1]["params"]  # the ranks agree
+    for rank in (0, 1):  # as HF: the history and the TrainOutput on every rank
+        assert_same_history(hf[rank]["log_history"], cl[rank]["log_history"])
+        assert cl[rank]["train_output"][:2] == pytest.approx(hf[rank]["train_output"][:2], rel=1e-4)
     for name, value in hf[0]["params"].items():
         assert cl[0]["params"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
 
