@@ -597,3 +597,40 @@ def test_a_rerun_into_the_same_output_dir_starts_over_with_a_warning(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
         "checkpoint-2"
     ]  # the new run's save at the end
+
+
+def test_report_to_mlflow_from_the_drop_in_reads_back_what_metrics_jsonl_holds(tmp_path, monkeypatch):
+    """HF's MLflowCallback runs through the bridge, as HF runs it: the metrics read back from a
+    real MLflow store equal corelooper's metrics.jsonl, step by step."""
+    pytest.importorskip("mlflow")
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    store = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=args_for(
+            tmp_path / "run",
+            max_steps=6,
+            logging_steps=2,
+            eval_strategy="steps",
+            eval_steps=3,
+            report_to="mlflow",
+        ),
+        train_dataset=lm_rows(24),
+        eval_dataset=lm_rows(8, seed=2),
+    )
+    trainer.train()
+    client = MlflowClient(store)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "eval_loss", "learning_rate"):
+        expected = [(h["step"], h[key]) for h in logged if key in h]
+        got = [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, key)]
+        assert len(got) == len(expected) >= 2, key
+        for (gs, gv), (es, ev) in zip(got, expected, strict=True):
+            assert gs == es and gv == pytest.approx(ev, rel=1e-6), key
