@@ -23,6 +23,8 @@ model is loaded: a wrong path fails in seconds, naming the key and where it look
 
 from __future__ import annotations
 
+from pathlib import Path  # typer reads the command's annotations in this module's namespace
+
 from corelooper import hookimpl
 
 __version__ = "0.2.0"
@@ -70,3 +72,29 @@ def create_dataset(config, split):
     if is_data_ref(ref, base) or (split == "eval" and config.data.eval_split):
         return load_split(config, split)
     return None
+
+
+@hookimpl
+def corelooper_add_commands(app):
+    """``corelooper hf-export-config ARGS.json``: a TrainingArguments JSON as a corelooper config."""
+    import typer
+
+    @app.command("hf-export-config")
+    def hf_export_config(
+        source: Path = typer.Argument(
+            ..., help="training_args.json (written by save_model) or args.to_json_string()"
+        ),
+        output: Path = typer.Option(Path("config.toml"), "--output", "-o", help="The config to write."),
+    ) -> None:
+        """Write a corelooper config for an HF Trainer's TrainingArguments (the ones that differ
+        from HF's defaults, under [train]) with a [model]/[data] skeleton to fill in."""
+        from corelooper.errors import CorelooperError
+
+        from .trainer.export import export_from_json
+
+        try:
+            written = export_from_json(source, output)
+        except CorelooperError as e:
+            typer.echo(f"corelooper: error: {e}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"wrote {written}: fill in [model] and [data], then `corelooper run {written}`")

@@ -634,3 +634,70 @@ def test_report_to_mlflow_from_the_drop_in_reads_back_what_metrics_jsonl_holds(t
         assert len(got) == len(expected) >= 2, key
         for (gs, gv), (es, ev) in zip(got, expected, strict=True):
             assert gs == es and gv == pytest.approx(ev, rel=1e-6), key
+
+
+def test_export_config_writes_the_arguments_as_a_config_corelooper_runs_with_the_same_train(tmp_path):
+    """The step from a script to a config: Trainer.export_config and `corelooper hf-export-config`
+    (the real CLI, on save_model's training_args.json) write the same [train]; with [model]/[data]
+    filled in, the config validates to the TrainArgs the drop-in ran with."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tomllib
+    from corelooper_hf.trainer.convert import train_args
+
+    from corelooper.config import Config
+
+    args = args_for(
+        tmp_path / "run",
+        max_steps=2,
+        learning_rate=3e-4,
+        lr_scheduler_type="cosine",
+        gradient_accumulation_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        report_to="none",
+    )
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=lm_rows(8), eval_dataset=lm_rows(4))
+    written = trainer.export_config(tmp_path / "config.toml")
+    train = tomllib.loads(written.read_text())["train"]
+    assert train["learning_rate"] == 3e-4 and train["lr_scheduler_type"] == "cosine"
+    assert "adam_beta1" not in train  # HF's defaults are left out
+    assert "# [model]" in written.read_text()
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    cli = Path(sys.executable).with_name("corelooper")
+    out = tmp_path / "from_cli.toml"
+    proc = subprocess.run(
+        [str(cli), "hf-export-config", str(tmp_path / "final" / "training_args.json"), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "corelooper run" in proc.stdout
+    assert tomllib.loads(out.read_text())["train"] == train
+    filled = (
+        out.read_text()
+        .replace("# [model]\n# factory", "[model]\nfactory")
+        .replace("# [data]\n# train", "[data]\ntrain")
+    )
+    out.write_text(filled)
+    config = Config.load(out)
+    expected = train_args(args)
+    for key in (
+        "learning_rate",
+        "lr_scheduler_type",
+        "gradient_accumulation_steps",
+        "eval_steps",
+        "max_steps",
+    ):
+        assert getattr(config.train, key) == getattr(expected, key), key
+    bad = subprocess.run(
+        [str(cli), "hf-export-config", str(tmp_path / "missing.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "missing.json" in bad.stderr and "Traceback" not in bad.stderr

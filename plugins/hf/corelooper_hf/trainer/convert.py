@@ -59,6 +59,7 @@ HONOURED_OVERRIDES = frozenset(
         "floating_point_ops",
         "store_flos",
         "call_model_init",
+        "export_config",
     }
 )
 

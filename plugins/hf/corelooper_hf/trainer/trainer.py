@@ -340,6 +340,13 @@ class Trainer(HFMethods):
     def is_local_process_zero(self) -> bool:
         return self._loop.state.is_local_process_zero if hasattr(self, "_loop") else True
 
+    def export_config(self, path: str | Path) -> Path:
+        """Write a corelooper config with this Trainer's arguments (``[train]``, HF names; the
+        ones that differ from HF's defaults) and a ``[model]``/``[data]`` skeleton to fill in."""
+        from .export import export_config
+
+        return export_config(self.args, path)
+
     @property
     def loop(self) -> Loop:
         """The corelooper ``Loop`` that runs this Trainer (its plugins, backend and state)."""
