@@ -701,3 +701,52 @@ def test_export_config_writes_the_arguments_as_a_config_corelooper_runs_with_the
         timeout=120,
     )
     assert bad.returncode == 2 and "missing.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+class KwargsRecorder(TrainerCallback):
+    """What HF's CallbackHandler passes each event: the kwargs given (not None) and their types;
+    at step 2 it asks for a save and an evaluation through control, as HF's test_stateful_control."""
+
+    def __init__(self):
+        self.seen: dict[str, set] = {}
+
+
+def _kwargs_event(name):
+    def method(self, args, state, control, **kwargs):
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        typed = {(k, type(v).__name__) for k, v in given.items() if k in ("model", "logs", "metrics")}
+        self.seen.setdefault(name, set()).update({*given, *typed})
+        if name == "on_step_end" and state.global_step == 2:
+            control.should_save = True
+            control.should_evaluate = True
+
+    return method
+
+
+for _name in EVENTS:
+    setattr(KwargsRecorder, _name, _kwargs_event(_name))
+
+
+def test_callbacks_get_hfs_kwargs_and_their_control_flags_are_obeyed(tmp_path):
+    train, evaluation = lm_rows(16, seed=3), lm_rows(8, seed=4)
+    seen, folders = {}, {}
+    for name, cls in (("hf", HFTrainer), ("cl", Trainer)):
+        recorder = KwargsRecorder()
+        trainer = cls(
+            model=tiny_llama(),
+            args=args_for(tmp_path / name, max_steps=4, save_strategy="no", eval_strategy="no"),
+            train_dataset=train,
+            eval_dataset=evaluation,
+            callbacks=[recorder],
+        )
+        trainer.train()
+        seen[name] = recorder.seen
+        folders[name] = sorted(p.name for p in (tmp_path / name).glob("checkpoint-*"))
+        assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [2]
+    assert set(seen["cl"]) == set(seen["hf"])
+    for event, hf_kwargs in seen["hf"].items():
+        names = {k for k in hf_kwargs if isinstance(k, str)}
+        typed = {k for k in hf_kwargs if isinstance(k, tuple) and k[0] in ("model", "logs", "metrics")}
+        assert names <= seen["cl"][event], event  # every kwarg HF gives, given
+        assert typed <= seen["cl"][event], event  # the same model class, logs and metrics dicts
+    assert folders["cl"] == folders["hf"] == ["checkpoint-2"]  # the callback's should_save obeyed
