@@ -750,3 +750,152 @@ def test_callbacks_get_hfs_kwargs_and_their_control_flags_are_obeyed(tmp_path):
         assert names <= seen["cl"][event], event  # every kwarg HF gives, given
         assert typed <= seen["cl"][event], event  # the same model class, logs and metrics dicts
     assert folders["cl"] == folders["hf"] == ["checkpoint-2"]  # the callback's should_save obeyed
+
+
+# -- every override and constructor function, called as HF calls it ----------------------------------
+
+
+def recording_subclass(base, calls: list):
+    """A subclass overriding each method HF documents for customising, recording each call (and
+    the arguments HF passes) before doing what HF does."""
+
+    class Recording(base):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            calls.append(("training_step", sorted(inputs), int(num_items_in_batch)))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            calls.append(("prediction_step", sorted(inputs), prediction_loss_only))
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+        def get_train_dataloader(self):
+            calls.append(("get_train_dataloader",))
+            return super().get_train_dataloader()
+
+        def get_eval_dataloader(self, eval_dataset=None):
+            calls.append(("get_eval_dataloader",))
+            return super().get_eval_dataloader(eval_dataset)
+
+        def create_optimizer(self, model=None):
+            calls.append(("create_optimizer",))
+            return super().create_optimizer(model) if base is Trainer else super().create_optimizer()
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            calls.append(("create_scheduler", num_training_steps))
+            return super().create_scheduler(num_training_steps, optimizer)
+
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            calls.append(("evaluate", metric_key_prefix))
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+        def log(self, logs, start_time=None):
+            calls.append(("log", sorted(k for k in logs if k in ("loss", "eval_loss", "train_loss"))))
+            logs["custom"] = 1.0  # what a log override typically adds: it reaches the history
+            super().log(logs, start_time)
+
+    return Recording
+
+
+def test_every_documented_override_runs_with_hfs_arguments(tmp_path):
+    train, evaluation = lm_rows(16, seed=3), lm_rows(8, seed=4)
+    model = tiny_llama(seed=1)
+    calls, trainers = {"hf": [], "cl": []}, {}
+    for name, cls in (("hf", HFTrainer), ("cl", Trainer)):
+        trainer = recording_subclass(cls, calls[name])(
+            model=copy.deepcopy(model),
+            args=args_for(
+                tmp_path / name,
+                max_steps=4,
+                gradient_accumulation_steps=2,
+                eval_strategy="steps",
+                eval_steps=2,
+            ),
+            train_dataset=train,
+            eval_dataset=evaluation,
+        )
+        trainer.train()
+        trainers[name] = trainer
+    kinds = {n: [c[0] for c in calls[n]] for n in calls}
+    for kind in ("training_step", "prediction_step", "create_scheduler", "evaluate", "log"):
+        assert [c for c in calls["cl"] if c[0] == kind] == [c for c in calls["hf"] if c[0] == kind], kind
+    for kind in ("get_train_dataloader", "create_optimizer", "get_eval_dataloader"):
+        assert kind in kinds["cl"] and kind in kinds["hf"], kind
+    assert all("custom" in h for h in trainers["cl"].state.log_history)
+    assert_same_history(trainers["hf"].state.log_history, trainers["cl"].state.log_history)
+    assert_same_weights(trainers["hf"].model, trainers["cl"].model)
+
+
+class MeanLossModel(torch.nn.Module):
+    """Not an HF model: forward takes no loss kwargs and returns the batch's mean loss, so HF divides
+    each micro-batch's loss by the accumulation steps (and counts label positions unshifted)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.head(self.embed(input_ids))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100
+            )
+        return out
+
+
+def test_the_constructor_functions_and_a_non_hf_model_as_hf(tmp_path):
+    """compute_loss_func, optimizers=(optimizer, scheduler), optimizer_cls_and_kwargs and
+    preprocess_logits_for_metrics, each with the same inputs to both classes."""
+    train, evaluation = lm_rows(15, seed=3), lm_rows(8, seed=4)  # 15 rows: a short last micro-batch
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"][:, :-1].float()
+        total = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        return total / num_items_in_batch
+
+    def argmax(logits, labels):
+        return logits.argmax(-1)
+
+    def metrics(eval_pred):
+        return {"mean_prediction": float(eval_pred.predictions.mean())}
+
+    cases = {
+        "non_hf_model": lambda m: dict(),
+        "compute_loss_func": lambda m: dict(compute_loss_func=loss_func),
+        "optimizer_cls_and_kwargs": lambda m: dict(optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05})),
+        "optimizers": lambda m: dict(
+            optimizers=(
+                opt := torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)),
+            )
+        ),
+        "preprocess_logits": lambda m: dict(compute_metrics=metrics, preprocess_logits_for_metrics=argmax),
+    }
+    for case, extra in cases.items():
+        out = {}
+        for name, cls in (("hf", HFTrainer), ("cl", Trainer)):
+            model = MeanLossModel()
+            trainer = cls(
+                model=model,
+                args=args_for(
+                    tmp_path / case / name,
+                    num_train_epochs=1,
+                    gradient_accumulation_steps=2,
+                    logging_steps=1,
+                    eval_strategy="steps",
+                    eval_steps=1,
+                ),
+                train_dataset=train,
+                eval_dataset=evaluation,
+                **extra(model),
+            )
+            trainer.train()
+            out[name] = trainer
+        assert_same_history(out["hf"].state.log_history, out["cl"].state.log_history)
+        assert_same_weights(out["hf"].model, out["cl"].model)
+        if case == "preprocess_logits":
+            assert any("eval_mean_prediction" in h for h in out["cl"].state.log_history)

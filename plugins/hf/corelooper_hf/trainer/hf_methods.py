@@ -204,11 +204,17 @@ class HFMethods:
 
     # -- data ---------------------------------------------------------------------------------------
     def get_train_dataloader(self):
-        """This process's training batches (corelooper's seeded, resumable loader, as HF orders them)."""
+        """This process's training batches: corelooper's seeded, resumable loader, in HF's order
+        (seeded as HF's sampler) and drawing from torch's generator as a DataLoader does."""
+        from .providers import DrawsAsTorchLoader
+
         loop = self._loop
-        return loop.plugins.call_next(
+        loader = loop.plugins.call_next(
             "train_dataloader", self._providers, loop=loop, dataset=loop.train_dataset
         )[0]
+        if hasattr(loader, "seed"):
+            loader.seed = self.sampler_seed
+        return DrawsAsTorchLoader(loader)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """This process's evaluation batches: in dataset order on one process; on several, the

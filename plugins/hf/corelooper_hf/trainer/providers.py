@@ -73,12 +73,10 @@ class DropInProviders:
 
     @hookimpl
     def train_dataloader(self, loop, dataset):
-        if not overrides(self.trainer, "get_train_dataloader"):  # corelooper's: seeded as HF's, resumable
-            loader = loop.plugins.call_next("train_dataloader", self, loop=loop, dataset=dataset)[0]
-            if hasattr(loader, "seed"):
-                loader.seed = self.trainer.sampler_seed
-            return DrawsAsTorchLoader(loader)
-        return ResumableLoader(self.trainer.get_train_dataloader())
+        """``Trainer.get_train_dataloader()``: corelooper's loader unless a subclass returns its own
+        (a torch ``DataLoader``: resumed by skipping batches, as HF's ``skip_first_batches``)."""
+        loader = self.trainer.get_train_dataloader()
+        return loader if hasattr(loader, "skip") else ResumableLoader(loader)
 
     @hookimpl
     def eval_dataloader(self, loop, dataset):
