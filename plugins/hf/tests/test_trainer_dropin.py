@@ -899,3 +899,27 @@ def test_the_constructor_functions_and_a_non_hf_model_as_hf(tmp_path):
         assert_same_weights(out["hf"].model, out["cl"].model)
         if case == "preprocess_logits":
             assert any("eval_mean_prediction" in h for h in out["cl"].state.log_history)
+
+
+def test_trainer_log_called_by_user_code_reaches_the_history_and_corelooper_loggers(tmp_path):
+    """A compute_loss override that logs its own value every step (a common HF pattern): the same
+    log_history entries as HF, and the values in corelooper's metrics.jsonl too."""
+    import json
+
+    def logging_loss(base):
+        class LoggingLoss(base):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                if model.training:
+                    self.log({"my_tokens": float(inputs["attention_mask"].sum())})
+                return result
+
+        return LoggingLoss
+
+    runs = run_both(tmp_path, trainer_kw=dict(train_dataset=lm_rows(12)), subclass=logging_loss, max_steps=3)
+    (hf, hf_rec, _), (cl, cl_rec, _) = runs["hf"], runs["cl"]
+    mine = [[(h["step"], h["my_tokens"]) for h in t.state.log_history if "my_tokens" in h] for t in (hf, cl)]
+    assert mine[1] == mine[0] and len(mine[0]) == 3
+    assert cl_rec.events == hf_rec.events
+    logged = [json.loads(line) for line in (tmp_path / "cl" / "metrics.jsonl").read_text().splitlines()]
+    assert [(h["step"], h["my_tokens"]) for h in logged if "my_tokens" in h] == mine[1]
