@@ -23,7 +23,7 @@ from typing import Any, Literal, Union
 
 import tomli_w
 
-from .errors import ConfigError
+from .errors import ConfigError, import_failure
 from .hf.args import OTHER_TOOLS, Translation, hf_hint, hf_names, translate
 from .metric import greater_is_better
 
@@ -359,10 +359,12 @@ class Config:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"Config file {str(path)!r} does not exist (or is not a file).")
-        try:
-            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        try:  # a byte-order mark (Windows editors write one) is skipped, as editors and TOML tools do
+            data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"Config file {str(path)!r} is not valid TOML: {e}.") from None
+            utf16 = isinstance(e, UnicodeDecodeError) and e.object[:2] in (b"\xff\xfe", b"\xfe\xff")
+            why = "it is UTF-16 (as PowerShell's `>` writes); save it as UTF-8" if utf16 else e
+            raise ConfigError(f"Config file {str(path)!r} is not valid TOML: {why}.") from None
         except OSError as e:
             why = f"{e.strerror} (errno {e.errno})"
             raise ConfigError(f"Config file {str(path)!r} cannot be read: {why}.") from None
@@ -702,7 +704,7 @@ def _package_root(folder: Path) -> Path:
     return folder
 
 
-def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleType:
+def import_module(ref: str, key: str, base: Path | None = None, failed=ConfigError) -> types.ModuleType:
     # The current folder, the config's folder, and the root of the package the config lives in
     # (so `examples.digits.model:build` resolves wherever the command is run from).
     for root in [str(Path.cwd())] + ([str(base), str(_package_root(base))] if base else []):
@@ -721,13 +723,16 @@ def import_module(ref: str, key: str, base: Path | None = None) -> types.ModuleT
         return importlib.import_module(ref)
     except ConfigError:
         raise
-    except ModuleNotFoundError as e:
-        raise ConfigError(
-            f"{key}: cannot import {ref!r} ({e}). Check the spelling, and that the module is "
-            "installed or lies under the current folder."
-        ) from None
-    except Exception as e:  # the module itself raised while importing
-        raise ConfigError(f"{key}: importing {ref!r} failed: {type(e).__name__}: {e}") from e
+    except Exception as e:
+        if isinstance(e, ModuleNotFoundError) and f"{ref}.".startswith(f"{e.name}."):  # not there
+            raise ConfigError(
+                f"{key}: cannot import {ref!r} ({e}). Check the spelling, and that the module is "
+                "installed or lies under the current folder."
+            ) from None
+        # the module is there and failed (a syntax error, what it imports, what it runs): where
+        raise failed(
+            f"{key}: importing {ref!r} failed: {import_failure(e)}. Fix it, or remove it from {key}."
+        ) from e
 
 
 def _plain(v: Any) -> Any:

@@ -67,6 +67,18 @@ def peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOST)
 
 
+def import_failure(exc: BaseException) -> str:
+    """Why and where an import failed: ``SyntaxError: expected ':' (/x/plugin.py, line 2)``, the
+    place being the innermost frame outside the import system."""
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    frames = [(f.f_code.co_filename, n) for f, n in traceback.walk_tb(exc.__traceback__)]
+    where = [f"{name}, line {n}" for name, n in frames if not name.startswith("<")][-1:]
+    return f"{type(exc).__name__}: {exc}{''.join(f' ({w})' for w in where)}"
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:300]
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from .data.columns import call_model, model_inputs
+from .data.columns import call_model, model_inputs, raise_for_batch
 from .data.loader import count_loss_items
 from .errors import DataError
 
@@ -144,7 +144,11 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
             "implement the compute_loss hook in a plugin."
         )
     logits = logits_of(outputs)
-    total = summed_loss(logits, labels, loop.loss_type, smoothing)
+    try:
+        total = summed_loss(logits, labels, loop.loss_type, smoothing)
+    except Exception as e:  # labels that do not fit the logits: the column named (exit 4)
+        raise_for_batch(loop, model, {"labels": labels}, e, logits.shape[-1] if logits.dim() else None)
+        raise
     if num_items_in_batch is None:
         counted = labels[..., 1:] if loop.loss_type == "causal_lm" else labels  # after the shift
         num_items_in_batch = (counted != -100).sum() if loop.loss_type != "mse" else labels.numel()

@@ -25,7 +25,7 @@ import pluggy
 from . import __version__, hookspecs
 from .config import Config, PluginsConfig, import_module
 from .dispatch import CHECKS, refuse_wrappers, wrong_result
-from .errors import ConfigError, CorelooperError, PluginError
+from .errors import ConfigError, CorelooperError, PluginError, import_failure
 from .hf.args import settings_of
 
 ENTRY_POINT_GROUP = "corelooper"
@@ -345,7 +345,7 @@ def load_plugins(
     _register_installed(plugins, cfg, blocked, autoload, config)
     base = config.source.parent if config is not None and config.source else None
     for ref in cfg.local:
-        plugins.register(import_module(ref, "plugins.local", base), ref, "local")
+        plugins.register(import_module(ref, "plugins.local", base, PluginError), ref, "local")
     for obj in objects:
         plugins.register(obj, _object_name(obj), "object")
 
@@ -472,7 +472,7 @@ def _load_entry_point(ep, dist: str | None, version: str | None):
     except Exception as e:
         raise PluginError(
             f"Plugin {ep.name!r} (package {dist or '?'} {version or ''}, entry point {ep.value!r}) "
-            f"failed to import: {type(e).__name__}: {e}. Fix or uninstall the package, or skip it with "
+            f"failed to import: {import_failure(e)}. Fix or uninstall the package, or skip it with "
             f"`-p no:{ep.name}` or [plugins] disable = [{ep.name!r}]."
         ) from e
     if isinstance(obj, type):

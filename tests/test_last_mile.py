@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
-from test_bad_input import write_config
+from test_bad_input import assert_clean_error, write_config
 
 TOYS = REPO / "tests" / "toys.py"
 SCRIPT = Path(sys.executable).parent / "corelooper"  # the console script pip wrote
@@ -130,6 +130,202 @@ def test_a_stop_signal_from_the_first_moment_ends_the_command_with_one_line(tmp_
             pytest.fail(
                 f"{signal.Signals(sig).name} {delay} s after start-up, {cmd[0]}:\n" + "\n".join(tries)
             )
+
+
+# -- bad data: the column, what is wrong with it, and what to do (exit 4) ---------------------------
+
+_DATA = """
+import torch
+from torch import nn
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, row):
+        self.row = row
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return self.row(i)
+
+
+def string_labels(**_):
+    return Rows(lambda i: {"x": torch.randn(4), "labels": "pos" if i % 2 else "neg"})
+
+
+def list_column(**_):
+    return Rows(lambda i: {"x": [0.5, 1.0, 1.5, 2.0], "labels": i % 2})
+
+
+def token_lists(**_):
+    return Rows(lambda i: {"input_ids": [1, 2, 3, 4 + i % 3], "labels": [1, 2, 3, 4 + i % 3]})
+
+
+def float_labels(**_):
+    return Rows(lambda i: {"x": torch.randn(4), "labels": float(i % 2)})
+
+
+def five_classes(**_):
+    return Rows(lambda i: {"x": torch.randn(4), "labels": i % 5})
+
+
+def pixel_values(**_):
+    return Rows(lambda i: {"pixel_values": torch.randn(4), "labels": i % 2})
+
+
+def ids_five_classes(**_):
+    return Rows(lambda i: {"input_ids": torch.tensor([1, 2, 3, 4]), "labels": i % 5})
+
+
+def ids_float_labels(**_):
+    return Rows(lambda i: {"input_ids": torch.tensor([1, 2, 3, 4]), "labels": float(i % 2)})
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def net(**_):
+    return Net()
+
+
+def tiny_llama(**_):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+
+
+def tiny_classifier(**_):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=2, pad_token_id=0))
+"""
+
+
+def _data_run(tmp_path: Path, model: str, data: str):
+    module = tmp_path / "userdata.py"
+    module.write_text(_DATA)
+    config = write_config(
+        tmp_path,
+        model=f'factory = "{module}:{model}"',
+        data=f'train = "{module}:{data}"',
+        train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\nsave_strategy = "no"\n'
+        "per_device_train_batch_size = 4\ndisable_tqdm = true",
+    )
+    return cli("run", str(config)), f"data.train = '{module}:{data}'"
+
+
+@pytest.mark.parametrize(
+    ("model", "data", "needles"),
+    [
+        # (a) strings or lists without a collator: was exit 6, "'list' object has no attribute
+        # 'is_floating_point'. The error came from the model or its loss"
+        (
+            "net",
+            "string_labels",
+            ["Column 'labels'", "holds strings (e.g. ", "Map the class names to integer ids"],
+        ),
+        (
+            "net",
+            "list_column",
+            ["Column 'x'", "is a list in each sample", "makes 4 tensors of it", "collator"],
+        ),
+        ("tiny_llama", "token_lists", ["Column 'input_ids'", "is a list in each sample", "[lm]"]),
+        # (c) columns forward() does not take: was "The batch's columns: []"
+        (
+            "net",
+            "pixel_values",
+            ["Net.forward cannot be called", "The batch's columns: ['pixel_values', 'labels']"],
+        ),
+        # (d) labels of the wrong type or range: was exit 6, blamed on the model
+        ("net", "float_labels", ["Column 'labels'", "holds torch.float64 values", "2 class scores", "int"]),
+        ("net", "five_classes", ["Column 'labels'", "class ids from 0 to ", "the model has 2 classes (0-1"]),
+        ("tiny_classifier", "ids_five_classes", ["Column 'labels'", "the model has 2 classes", "IndexError"]),
+        ("tiny_classifier", "ids_float_labels", ["Column 'labels'", "holds torch.float64", "2 class scores"]),
+    ],
+)
+def test_data_the_model_cannot_take_names_the_column_and_exits_4(tmp_path, model, data, needles):
+    r, where = _data_run(tmp_path, model, data)
+    message = assert_clean_error(r, where, *needles, code=4)
+    assert "came from the model" not in message
+
+
+# -- a plugin that fails to import: exit 3, the plugin, the file and the line ------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "needles"),
+    [
+        ("import os\ndef on_step_end(state:\n    pass\n", ["SyntaxError: '(' was never closed", "line 2"]),
+        ("import os\nraise RuntimeError('needs libfoo 2')\n", ["RuntimeError: needs libfoo 2", "line 2"]),
+        ("import no_such_dependency\n", ["No module named 'no_such_dependency'", "line 1"]),
+    ],
+)
+def test_a_local_plugin_that_fails_to_import_exits_3_naming_file_and_line(tmp_path, source, needles):
+    plugin = tmp_path / "my_plugin.py"
+    plugin.write_text(source)
+    config = write_config(tmp_path, plugins='local = ["my_plugin.py"]')
+    assert_clean_error(
+        cli("run", str(config)), "plugins.local", "'my_plugin.py'", str(plugin), *needles, code=3
+    )
+
+
+def test_a_local_plugin_that_is_not_there_is_a_config_error(tmp_path):
+    config = write_config(tmp_path, plugins='local = ["no_such_plugin_module"]')
+    assert_clean_error(
+        cli("run", str(config)), "plugins.local", "cannot import 'no_such_plugin_module'", code=2
+    )
+
+
+def test_an_installed_plugin_with_a_syntax_error_exits_3_naming_file_and_line(tmp_path):
+    site = tmp_path / "site"
+    info = site / "broken_ep-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-ep\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[corelooper]\nbroken = broken_ep_module\n")
+    (site / "broken_ep_module.py").write_text("x = 1\ndef on_step_end(state)\n    pass\n")
+    env = {
+        "PYTHONPATH": str(site),
+        "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "",
+        "CORELOOPER_PLUGIN_ALLOWLIST": "broken",
+    }
+    config = write_config(tmp_path, plugins='enable = ["broken"]')
+    assert_clean_error(
+        cli("run", str(config), env=env),
+        "Plugin 'broken' (package broken-ep 1.0",
+        "failed to import: SyntaxError: expected ':'",
+        f"({site / 'broken_ep_module.py'}, line 2)",
+        "-p no:broken",
+        code=3,
+    )
+
+
+# -- a config file with a byte-order mark ---------------------------------------------------------
+
+
+def test_a_config_with_a_utf8_bom_is_read_and_utf16_is_named(tmp_path):
+    """Windows editors write a UTF-8 BOM: read as if it were not there (as editors and other TOML
+    tools do; Python's tomllib alone says "Invalid statement (at line 1, column 1)"). UTF-16
+    (PowerShell's ``>``) is named, with the fix."""
+    config = write_config(tmp_path, train="learning_rat = 1e-3")
+    text = config.read_text()
+    config.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert_clean_error(cli("run", str(config)), "train.learning_rat", "Did you mean 'learning_rate'?", code=2)
+    config = write_config(tmp_path)
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+    r = cli("run", str(config))
+    assert r.returncode == 0, r.stderr
+    config.write_bytes(config.read_text(encoding="utf-8-sig").encode("utf-16"))
+    assert_clean_error(cli("run", str(config)), "is not valid TOML: it is UTF-16", "save it as UTF-8", code=2)
 
 
 # -- scripts/setup, run again ---------------------------------------------------------------------

@@ -50,6 +50,7 @@ _LABEL_NAMES = ("labels", "label", "label_ids")
 # HF's FlashAttentionKwargs: taken through ``**kwargs`` by transformers models (packed varlen batches).
 _FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _column_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> keys -> columns
+_last_columns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> the last batch's keys
 
 
 def accepted_columns(signature, keys: Iterable[str]) -> tuple[str, ...] | None:
@@ -68,7 +69,7 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
     if not getattr(loop.args, "remove_unused_columns", True):
         return batch
     plans = _column_plans.setdefault(loop, {})
-    keys = tuple(batch)
+    keys = _last_columns[loop] = tuple(batch)
     plan = plans.get(keys, 0)
     if plan == 0:
         model = innermost_model(loop.backend.unwrap_model(loop.model))
@@ -96,15 +97,12 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
 
 
 def call_model(loop, model, args: tuple, kwargs: Mapping):
-    """``model(*args, **kwargs)``; a ``TypeError`` caused by the batch (text not turned into
-    tensors, columns that are not ``forward``'s arguments) becomes one paragraph (exit 4)."""
+    """``model(*args, **kwargs)``; an error caused by the batch becomes one paragraph (exit 4)."""
     try:
         return model(*args, **kwargs)
-    except TypeError as e:
-        hint = batch_mismatch(loop, model, kwargs, e)
-        if hint is None:
-            raise
-        raise DataError(hint) from e
+    except Exception as e:
+        raise_for_batch(loop, model, kwargs, e)
+        raise
 
 
 def _text(value) -> str | None:
@@ -115,30 +113,73 @@ def _text(value) -> str | None:
     return None
 
 
-def batch_mismatch(loop, model, kwargs: Mapping, error: TypeError) -> str | None:
-    data = loop.config.data
-    where = (
-        (f"data.train = {data.train!r}" if data.train else "train_dataset")
-        if loop.is_training
-        else (f"data.eval = {data.eval!r}" if data.eval else "eval_dataset")
-    )
-    texts = {k: _text(v) for k, v in kwargs.items() if _text(v) is not None}
-    if texts:
-        key, first = next(iter(texts.items()))
+def _labels_problem(labels, classes: int | None) -> str | None:
+    """What makes ``labels`` wrong for a model of ``classes`` outputs (None: nothing found)."""
+    if not torch.is_tensor(labels) or not classes or classes < 2:
+        return None
+    if labels.is_floating_point():
+        if labels.dim() > 1 and labels.shape[-1] == classes:  # multi-hot labels: a column per class
+            return None
         return (
-            f"Column {key!r} of the dataset ({where}) holds strings (e.g. {first[:40]!r}), and the model "
-            f"cannot take them ({type(error).__name__}: {error}). Tokenize the column in the dataset or "
-            "the collator (data.collator), or remove it from the samples."
+            f"holds {labels.dtype} values while the model gives {classes} class scores: class labels are "
+            "integer ids (cast the column to int or torch.long; a regression needs a model with one output)"
         )
-    if "required" in str(error) and "argument" in str(error):
-        inner = innermost_model(loop.backend.unwrap_model(model))
-        arguments = list(inspect.signature(inner.forward).parameters)
-        # the columns before model_inputs dropped those forward does not take
-        plans = _column_plans.get(loop, {})
-        columns = next((list(keys) for keys, plan in plans.items() if plan == tuple(kwargs)), list(kwargs))
+    ids = labels[labels != -100]
+    if ids.numel() and (ids.min() < 0 or ids.max() >= classes):
         return (
-            f"{type(inner).__name__}.forward cannot be called with the batch ({error}). The batch's "
-            f"columns: {columns}; forward's arguments: {arguments}. Name the columns of the "
-            f"dataset ({where}) or of the collator as forward's arguments."
+            f"holds class ids from {int(ids.min())} to {int(ids.max())} in this batch while the model has "
+            f"{classes} classes (0-{classes - 1}; -100 marks no label): fix the labels or the model's outputs"
         )
     return None
+
+
+def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int | None = None) -> None:
+    """Raise a ``DataError`` naming the column when ``error`` (of the model or the loss) comes
+    from the batch: text not turned into tensors, a list per sample, labels of the wrong type or
+    range (``classes``: the model's outputs), columns that are not ``forward``'s arguments."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return
+    data, failed = (
+        loop.config.data,
+        f"{type(error).__name__}: {(str(error).strip() + chr(10)).splitlines()[0]}",
+    )
+    where = f"data.train = {data.train!r}" if data.train else "train_dataset"
+    if not loop.is_training:
+        where = f"data.eval = {data.eval!r}" if data.eval else "eval_dataset"
+    inner = innermost_model(loop.backend.unwrap_model(model))
+    if classes is None and "Classification" in type(inner).__name__:  # an HF classifier computing its loss
+        classes = getattr(getattr(inner, "config", None), "num_labels", None)
+    texts = {k: _text(v) for k, v in kwargs.items() if _text(v) is not None}
+    lists = [k for k, v in kwargs.items() if isinstance(v, (list, tuple)) and k not in texts]
+    wrong = _labels_problem(kwargs.get("labels"), classes)
+    if texts:
+        key, first = next(iter(texts.items()))
+        fix = (
+            "Map the class names to integer ids in the dataset"
+            if key == "labels"
+            else "Tokenize it in the dataset or a collator (data.collator; an [sft] section does for chat, "
+            "prompt-completion and text files), or remove it from the samples"
+        )
+        hint = f"holds strings (e.g. {first[:40]!r}), which the model cannot take ({failed}). {fix}."
+    elif lists:
+        key, made = (
+            lists[0],
+            f"torch's default collation (no data.collator) makes {len(kwargs[lists[0]])} tensors",
+        )
+        made = "the collator makes a list" if loop.data_collator is not None else made
+        hint = (
+            f"is a list in each sample, and {made} of it: the model cannot take that ({failed}). Make each "
+            "value a tensor of one shape, or give a collator that pads and stacks them (data.collator; [lm] does)."
+        )
+    elif wrong is not None:
+        key, hint = "labels", f"{wrong} ({failed})."
+    elif isinstance(error, TypeError) and "required" in str(error) and "argument" in str(error):
+        columns = list(_last_columns.get(loop, ())) or list(kwargs)
+        raise DataError(
+            f"{type(inner).__name__}.forward cannot be called with the batch ({error}). The batch's columns: "
+            f"{columns}; forward's arguments: {list(inspect.signature(inner.forward).parameters)}. Name the "
+            f"columns of the dataset ({where}) or of the collator as forward's arguments."
+        ) from error
+    else:
+        return
+    raise DataError(f"Column {key!r} of the dataset ({where}) {hint}") from error

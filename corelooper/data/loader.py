@@ -165,9 +165,11 @@ def resolve_loss_type(batch) -> str:
     """``auto`` rule: causal-LM when labels have the shape of input_ids, MSE for float labels."""
     if isinstance(batch, dict):
         labels, ids = batch.get("labels"), batch.get("input_ids")
-        if labels is not None and labels.is_floating_point():
+        if not torch.is_tensor(labels):  # none, or not collated into a tensor (the loss names it)
+            return "cross_entropy"
+        if labels.is_floating_point():
             return "mse"
-        if ids is not None and labels is not None and labels.shape == ids.shape and ids.dim() == 2:
+        if torch.is_tensor(ids) and labels.shape == ids.shape and ids.dim() == 2:
             return "causal_lm"
     elif isinstance(batch, (list, tuple)) and torch.is_tensor(batch[-1]) and batch[-1].is_floating_point():
         return "mse"
