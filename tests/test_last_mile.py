@@ -372,3 +372,68 @@ def test_setup_run_again_returns_at_once_and_installs_again_after_a_pyproject_ch
     assert setup()[1] == []  # and settled again
     (venv / "bin" / "corelooper").unlink()  # a venv broken since: installed again
     assert setup()[1] != []
+
+
+# -- HF's TrainingArguments without every plugin installed ------------------------------------------
+
+_NO_PLUGINS_INSTALLED = """
+import json, sys
+from corelooper import TrainArgs
+from corelooper.config import ConfigError
+import importlib.metadata
+assert not list(importlib.metadata.entry_points(group="corelooper")), "plugins are visible"
+hf = json.loads(sys.argv[1])
+TrainArgs(**hf)  # every key, each at HF's default: accepted
+for key, value in json.loads(sys.argv[2]).items():
+    try:
+        TrainArgs(**{**hf, key: value})
+    except ConfigError as e:
+        print(str(e))
+    else:
+        print(f"{key}: accepted")
+"""
+
+
+def test_hf_training_arguments_as_a_dict_without_the_plugins_installed(tmp_path):
+    """``TrainArgs(**TrainingArguments().to_dict())`` works where no plugin is installed (a
+    Python that sees corelooper and tomli-w only: no site-packages, no entry points); a key a
+    plugin answers to, set away from HF's default, names the distribution to install."""
+    import json
+
+    import tomli_w
+    from transformers import TrainingArguments
+
+    hf = TrainingArguments(output_dir=str(tmp_path / "hf")).to_dict()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "corelooper").symlink_to(REPO / "corelooper")
+    (site / "tomli_w").symlink_to(Path(tomli_w.__file__).parent)
+    changed = {
+        "use_liger_kernel": True,
+        "deepspeed": "ds.json",
+        "neftune_noise_alpha": 5.0,
+        "fsdp": "full_shard",
+    }
+    r = subprocess.run(
+        [sys.executable, "-S", "-c", _NO_PLUGINS_INSTALLED, json.dumps(hf), json.dumps(changed)],
+        env={"PYTHONPATH": str(site), "PATH": os.environ.get("PATH", "")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines == [
+        "train.use_liger_kernel = True is answered by the plugin corelooper-liger, which is not installed: "
+        "`pip install corelooper-liger`, or remove train.use_liger_kernel.",
+        "train.deepspeed = 'ds.json' is answered by the plugin corelooper-deepspeed, which is not installed: "
+        "`pip install corelooper-deepspeed`, or remove train.deepspeed.",
+        "train.neftune_noise_alpha = 5.0 is answered by the plugin corelooper-neftune, which is not installed: "
+        "`pip install corelooper-neftune`, or remove train.neftune_noise_alpha.",
+        "train.fsdp = 'full_shard' is answered by the plugin corelooper-fsdp, which is not installed: "
+        "`pip install corelooper-fsdp`, or remove train.fsdp.",
+    ], r.stdout
+    # where the plugins are installed, the same dict is theirs to translate (and accepted)
+    from corelooper import TrainArgs
+
+    TrainArgs(**hf)

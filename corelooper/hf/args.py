@@ -109,6 +109,19 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
     "log_on_each_node": (_accept, "nothing: only global rank 0 logs"),
     **FOUR_X,
 }
+# HF names a first-party plugin answers to (its corelooper_settings), with HF's defaults: without the
+# plugin installed, a default is accepted (TrainingArguments().to_dict() holds every name) and another
+# value names the distribution to install. Static: no plugin is imported to learn this.
+PLUGIN_FIELDS: dict[str, tuple] = {
+    "auto_find_batch_size": ("corelooper-auto-batch-size", False),
+    "deepspeed": ("corelooper-deepspeed", None),
+    "fsdp": ("corelooper-fsdp", None, "", []),
+    "fsdp_config": ("corelooper-fsdp", None, {}),
+    "use_liger_kernel": ("corelooper-liger", False),
+    "liger_kernel_config": ("corelooper-liger", None),
+    "neftune_noise_alpha": ("corelooper-neftune", None),
+    "logging_dir": ("corelooper-tensorboard", None),
+}
 # Names from other tools: refused with the HF name (a user of them must learn it).
 OTHER_TOOLS = {
     "lr": "learning_rate",
@@ -301,7 +314,14 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
                 tr.notes.append(note)
                 warnings.warn(note, HFNameNote, stacklevel=4)
         elif not _plugin_field(key, value, raw, tr):
-            tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
+            dist, *defaults = PLUGIN_FIELDS.get(key, (None,))
+            if dist is None:
+                tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
+            elif not any(_same(value, ok) for ok in defaults):
+                raise ConfigError(
+                    f"train.{key} = {value!r} is answered by the plugin {dist}, which is not installed: "
+                    f"`pip install {dist}`, or remove train.{key}."
+                )
     return tr
 
 
@@ -364,7 +384,7 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
 
 def hf_names() -> list[str]:
     """Every HF name this module and the installed plugins know (candidates for "did you mean")."""
-    return [*MAPPED, *OTHER_TOOLS, *UNSUPPORTED, *declared_train_fields()]
+    return [*MAPPED, *OTHER_TOOLS, *UNSUPPORTED, *PLUGIN_FIELDS, *declared_train_fields()]
 
 
 def hf_hint(key: str) -> str | None:
