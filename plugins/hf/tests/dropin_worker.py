@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_trainer_dropin import args_for, lm_rows, tiny_llama, weighted_loss  # noqa: E402
+from test_trainer_dropin import Recorder, args_for, lm_rows, tiny_llama, weighted_loss  # noqa: E402
 
 # The typical job's sharded backends, as HF's TrainingArguments name them.
 SHARDING = {
@@ -44,7 +44,9 @@ def main(which: str, out: str, sharding: str = "ddp") -> None:
         max_steps=6,
         **SHARDING[sharding],
     )
+    recorder = Recorder()
     trainer = weighted_loss(base)(
+        callbacks=[recorder],
         model=tiny_llama(seed=1),
         args=args,
         train_dataset=lm_rows(32, seed=5, difficulty=True),
@@ -63,6 +65,7 @@ def main(which: str, out: str, sharding: str = "ddp") -> None:
                 "params": params,
                 "step": trainer.state.global_step,
                 "train_output": [result.global_step, result.training_loss],
+                "events": recorder.events,
             }
         )
     )

@@ -480,7 +480,8 @@ def test_two_processes_weighted_loss_subclass_as_hf(tmp_path, hf_two_processes, 
     assert cl[0]["step"] == hf[0]["step"] == 6
     assert_same_history(hf[0]["log_history"], cl[0]["log_history"])
     assert cl[0]["params"] == cl[1]["params"]  # the ranks agree
-    for rank in (0, 1):  # as HF: the history and the TrainOutput on every rank
+    for rank in (0, 1):  # as HF: the events (on_log too), the history and the TrainOutput on every rank
+        assert cl[rank]["events"] == hf[rank]["events"], rank
         assert_same_history(hf[rank]["log_history"], cl[rank]["log_history"])
         assert cl[rank]["train_output"][:2] == pytest.approx(hf[rank]["train_output"][:2], rel=1e-4)
     for name, value in hf[0]["params"].items():

@@ -66,6 +66,7 @@ class CallbackBridge:
         self.state = state if state is not None else TrainerState()
         self.control = control if control is not None else TrainerControl()
         self.log = log if log is not None else self.record_log
+        self.told = 0  # entries of the run's log_history the callbacks were told of (other ranks)
 
     # -- the mapping ------------------------------------------------------------------------------
     def sync_state(self, loop_state, keep: tuple[str, ...] = ()) -> None:
@@ -80,6 +81,9 @@ class CallbackBridge:
         At ``on_evaluate`` the callbacks see the best metric as it was before this evaluation,
         as in HF (its Trainer updates it after ``on_evaluate``; corelooper's ``best_metric``
         policy before): ``EarlyStoppingCallback`` compares with the previous best."""
+        if event == "on_train_begin":  # a resumed history was told in the run that wrote it
+            self.told = len(loop.state.log_history)
+        self.tell_other_ranks_logs(loop)
         self.sync_state(loop.state, keep=BEST_FIELDS if event == "on_evaluate" else ())
         for flag in CONTROL_FLAGS:
             setattr(self.control, flag, getattr(loop.control, flag))
@@ -133,6 +137,11 @@ class CallbackBridge:
         self.call("on_epoch_end", loop)
 
     def on_log(self, loop, logs) -> None:
+        self.told = len(loop.state.log_history)
+        self.tell_log(loop, logs)
+
+    def tell_log(self, loop, logs: dict) -> None:
+        """One log of the run, HF's way: ``log(entry)`` with ``epoch`` (and tokens) as HF adds them."""
         self.sync_state(loop.state)
         for flag in CONTROL_FLAGS:
             setattr(self.control, flag, getattr(loop.control, flag))
@@ -144,6 +153,19 @@ class CallbackBridge:
         self.log(entry)
         for flag in CONTROL_FLAGS:
             setattr(loop.control, flag, getattr(self.control, flag))
+
+    def tell_other_ranks_logs(self, loop) -> None:
+        """corelooper fires ``on_log`` on the main process only; HF tells every rank's callbacks.
+        On the other ranks the logs the run recorded since the last event are told now, at the
+        next event: where HF's order has them (after ``on_step_end``, before ``on_evaluate``,
+        ``on_save``, the next ``on_step_begin`` or ``on_train_end``)."""
+        history = loop.state.log_history
+        if loop.state.is_world_process_zero:
+            return
+        while self.told < len(history):
+            entry = history[self.told]
+            self.told += 1
+            self.tell_log(loop, {k: v for k, v in entry.items() if k != "step"})
 
     def on_evaluate(self, loop, metrics) -> None:
         self.call("on_evaluate", loop, metrics=metrics)

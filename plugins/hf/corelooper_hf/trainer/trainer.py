@@ -220,8 +220,6 @@ class Trainer(HFMethods):
             self._loop.train(resume_from_checkpoint=resume)
         finally:
             self.is_in_train = False
-        if not self.is_world_process_zero():  # on_log told rank 0 only: HF keeps the history everywhere
-            self.state.log_history = [_as_hf_entry(h) for h in self._loop.state.log_history]
         self.state.global_step, self.state.epoch = self._loop.state.global_step, self._loop.state.epoch
         summary = next((h for h in reversed(self.state.log_history) if "train_runtime" in h), {})
         # as HF's: its printing callbacks pop total_flos from the summary they are given
@@ -385,13 +383,6 @@ def _warn_fresh_run_over(output_dir: str, speaks: bool) -> None:
             "Pass resume_from_checkpoint=True to continue that run instead.",
             stacklevel=3,
         )
-
-
-def _as_hf_entry(entry: dict) -> dict:
-    """A corelooper log_history entry as HF's Trainer.log records it (other ranks' copy)."""
-    from .bridge import hf_logs
-
-    return {**hf_logs(entry), "epoch": entry.get("epoch"), "step": entry["step"]}
 
 
 def _with_total_flos(summary: dict, total_flos: float) -> dict:
