@@ -328,6 +328,87 @@ def test_a_config_with_a_utf8_bom_is_read_and_utf16_is_named(tmp_path):
     assert_clean_error(cli("run", str(config)), "is not valid TOML: it is UTF-16", "save it as UTF-8", code=2)
 
 
+# -- a model name that is neither a folder nor in the local cache: seconds, offline ---------------
+
+_LM_DATA = f"""
+import sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from toys import lm_samples
+
+
+def train_set(**_):
+    return lm_samples(16)
+"""
+
+
+def _hub_config(tmp_path: Path, name: str) -> Path:
+    (tmp_path / "lm_data.py").write_text(_LM_DATA)
+    config = tmp_path / f"{name.replace('/', '_')}.toml"
+    config.write_text(
+        f'[model]\nname_or_path = "{name}"\n[data]\ntrain = "lm_data.py:train_set"\n'
+        f'[train]\noutput_dir = "{tmp_path / "out"}"\nmax_steps = 1\nsave_strategy = "no"\ndisable_tqdm = true\n'
+    )
+    return config
+
+
+def _no_hub(tmp_path: Path) -> dict:
+    """An empty HF cache, and a hub that does not answer (a closed local port: the same on a
+    machine with a network), as on a cluster node without one."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the socket is: connections are refused
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    return {**env, "HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "", "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
+
+
+@pytest.mark.parametrize("name", ["models/tiny-llama", "tiny-lama"])
+def test_a_model_name_not_here_fails_offline_at_once(tmp_path, name):
+    """Was: 22 lines of hub retries over ~49 s, then a paragraph whose sentences ran together. Now
+    one paragraph, no retry, and no longer than a path that is surely local ("./...", refused before
+    the hub is asked): what the two runs share is start-up (torch and the plugins importing)."""
+    env = _no_hub(tmp_path)
+    start = time.monotonic()
+    local = run_cli("run", str(_hub_config(tmp_path, "./no/such/folder")), env=env, cwd=tmp_path, timeout=600)
+    baseline = time.monotonic() - start
+    assert_clean_error(local, "'./no/such/folder': the folder does not exist", code=2)
+    start = time.monotonic()
+    r = run_cli("run", str(_hub_config(tmp_path, name)), env=env, cwd=tmp_path, timeout=600)
+    took = time.monotonic() - start
+    message = assert_clean_error(
+        r,
+        f"model.name_or_path = {name!r}: the folder does not exist (looked in {tmp_path}).",
+        "This machine is offline (the hub does not answer), so hub names cannot be downloaded",
+        f"the local Hugging Face cache ({tmp_path / 'hf' / 'hub'}) holds no model of that name",
+        "hf download NAME --local-dir DIR",
+        code=2,
+    )
+    assert ".." not in message and ". this" not in message.lower().replace("this machine", "")
+    assert "Retrying" not in r.stderr and "thrown while requesting" not in r.stderr
+    assert took < baseline + 30, (took, baseline)  # the retries alone took 49 s
+
+
+def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
+    """A hub name whose files are in the local HF cache (the layout ``hf download`` writes:
+    models--ORG--NAME/snapshots/REV with refs/main) trains, with the hub out of reach."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from toys import tiny_llama
+
+    env = _no_hub(tmp_path)
+    repo = tmp_path / "hf" / "hub" / "models--corelooper-test--tiny-llama"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    tiny_llama().save_pretrained(repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    r = run_cli(
+        "run", str(_hub_config(tmp_path, "corelooper-test/tiny-llama")), env=env, cwd=tmp_path, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert "Retrying" not in r.stderr
+
+
 # -- scripts/setup, run again ---------------------------------------------------------------------
 
 

@@ -9,6 +9,8 @@ unless set: remote code runs arbitrary Python). ``load_tokenizer`` reads the tok
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +72,14 @@ def load_pretrained(config: Config):
     """``from_pretrained`` of ``[model] name_or_path``; every failure names the key and the path."""
     m = config.model
     where = resolve_path(m.name_or_path, config)
-    cls = auto_class(m.task)
     kwargs = {**pretrained_kwargs(m), **m.args}
     if Path(where).exists():
         kwargs.setdefault("local_files_only", True)
-    elif _looks_like_path(where):  # not a hub name: transformers would only say it cannot connect
+    elif _looks_like_path(where) or (offline() and not in_hub_cache(where)):  # said before transformers loads
         raise ConfigError(missing_folder(m.name_or_path, config))
+    elif offline():  # a hub name in the local cache: read from there
+        kwargs["local_files_only"] = True
+    cls = auto_class(m.task)
     try:
         return cls.from_pretrained(where, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
@@ -94,24 +98,85 @@ def _looks_like_path(ref: str) -> bool:
     return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref or ref.endswith("/")
 
 
+# offline as the user set it (``offline()`` sets HF_HUB_OFFLINE itself where the hub does not answer)
+_OFFLINE_SETTING = any(
+    os.environ.get(k, "") not in ("", "0") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+)
+
+
+def offline() -> bool:
+    """Whether hub names cannot be downloaded: HF_HUB_OFFLINE, or the hub does not answer. Then
+    every hub call of this process (and of those it starts) reads the local cache only, at once:
+    the hub client would otherwise retry each file for about a minute ("Retrying in 8s", 22 lines)
+    before it says the same, even with ``local_files_only`` (transformers' adapter lookup)."""
+    if _OFFLINE_SETTING:
+        return True
+    if hub_reachable():
+        return False
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return True
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the hub answers a TCP connection within 5 s (asked once per process): a machine
+    without a network fails in milliseconds; a proxy is trusted to reach it."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    address = (url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443))
+    answered: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(address, timeout=5).close()
+            answered.append(True)
+        except OSError:
+            answered.append(False)
+
+    thread = threading.Thread(target=connect, daemon=True)  # a name lookup has no timeout of its own
+    thread.start()
+    thread.join(5)
+    return answered == [True]
+
+
+def in_hub_cache(name: str) -> bool:
+    """Whether the local Hugging Face cache holds the hub model ``name`` (its config.json)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not a valid hub name
+        return False
+
+
 def missing_folder(ref: str, config: Config, error: Exception | None = None) -> str:
     """Say that the folder does not exist, where it was looked for, and what a hub name needs."""
-    import os
-
     places = list(dict.fromkeys(str(p) for p in (Path.cwd(), _base(config)) if p is not None))
-    offline = any(os.environ.get(k, "") not in ("", "0") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
     text = f"model.name_or_path = {ref!r}: the folder does not exist (looked in {' and '.join(places)})."
-    if not _looks_like_path(ref):
-        why = (
-            "offline (HF_HUB_OFFLINE is set), so"
-            if offline
-            else (f"as a Hugging Face hub name it failed ({type(error).__name__}), and offline")
+    if _looks_like_path(ref):
+        return text
+    if error is not None and not offline():
+        first = (str(error).strip().splitlines() or [""])[0]
+        return (
+            f"{text} As a Hugging Face hub name it failed too ({type(error).__name__}: {first}). Check the "
+            "name (and HF_TOKEN for a gated or private model)."
         )
-        text += (
-            f" {why} hub names cannot be downloaded: download the model once "
-            "(`hf download NAME --local-dir DIR`) and set model.name_or_path to DIR."
-        )
-    return text
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    why = "offline (HF_HUB_OFFLINE is set)" if _OFFLINE_SETTING else "offline (the hub does not answer)"
+    return (
+        f"{text} This machine is {why}, so hub names cannot be downloaded, and the local Hugging Face "
+        f"cache ({HF_HUB_CACHE}) holds no model of that name. Check the name, or download the model where "
+        "there is a network (`hf download NAME --local-dir DIR`) and set model.name_or_path to DIR."
+    )
 
 
 def tokenizer_path(config: Config) -> str | None:
@@ -132,7 +197,7 @@ def load_tokenizer(config: Config):
         return AutoTokenizer.from_pretrained(
             where,
             trust_remote_code=config.model.trust_remote_code,
-            local_files_only=Path(where).exists(),
+            local_files_only=Path(where).exists() or offline(),
         )
     except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
         raise ConfigError(
