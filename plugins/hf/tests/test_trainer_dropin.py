@@ -27,6 +27,9 @@ from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, 
 
 from corelooper.errors import ConfigError  # noqa: E402
 
+# Every test here trains under both classes (about 5 s or more on 2 cores): the slow lane.
+pytestmark = pytest.mark.slow
+
 VOCAB, SEQ = 48, 12
 EVENTS = (
     "on_init_end",
@@ -473,6 +476,7 @@ def hf_two_processes(tmp_path_factory):
     return torchrun("hf", tmp / "hf", tmp)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sharding", ["ddp", "zero3", "fsdp2"])
 def test_two_processes_weighted_loss_subclass_as_hf(tmp_path, hf_two_processes, sharding):
     """The typical job as code: the weighted-loss subclass on 2 gloo processes, GA 2, under DDP,
