@@ -229,10 +229,14 @@ def _train(cfg, blocked: list[str], resume: str | None, profile_plugins: bool) -
 
     if resume:  # in the config: the Loop settles an elastic resume's geometry before plugins see it
         cfg = cfg.replace("train", resume_from_checkpoint=resume)
-    began = _TrainBegan()
-    loop = Loop(config=cfg, blocked_plugins=blocked, plugins=[began])
+    from corelooper.cli.progress import EvalProgress
+    from corelooper.cli.providers import RunBanner
+
+    began, banner = _TrainBegan(), RunBanner()
+    loop = Loop(config=cfg, blocked_plugins=blocked, plugins=[began, EvalProgress(), banner])
     with loop:  # corelooper_unconfigure: loggers close their runs after the last evaluation
         preempted_exit = _train_and_evaluate(loop, began, profile_plugins)
+        banner.stop()  # (on_train_begin stops it: here where training never began)
     loop.backend.end()
     return preempted_exit
 
@@ -279,6 +283,8 @@ def plugins(
 ) -> None:
     """List plugins: version, hooks, config keys, and which provider wins each provider hook."""
     try:
+        from corelooper.cli.providers import describe
+
         from corelooper.config import Config
         from corelooper.hookspecs import PROVIDERS
         from corelooper.plugins import load_plugins
@@ -307,11 +313,9 @@ def plugins(
                 typer.echo(f"    config [{section}]{where}: {shown}")
         for name, why in pl.skipped.items():
             typer.echo(f"  {name} [installed, inactive: {why}]")
-        typer.echo("providers (first answer wins):")
+        typer.echo("providers (in the order they answer: the first answer wins):")
         for hook in PROVIDERS:
-            order = pl.provider_order(hook)
-            rest = f"  (then {', '.join(order[1:])})" if len(order) > 1 else ""
-            typer.echo(f"  {hook}: {order[0] if order else '-'}{rest}")
+            typer.echo(f"  {describe(pl, hook)}")
     except Exception as e:
         fail(e, traceback_)
 
@@ -470,7 +474,8 @@ def verify(
 def plot(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run folders (output_dir) holding metrics.jsonl.")],
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="The PNG to write (default: RUN_DIR/metrics.png).")
+        Path | None,
+        typer.Option("--output", "-o", help="The PNG to write (default: metrics.png in the current folder)."),
     ] = None,
     traceback_: TracebackOpt = False,
 ) -> None:

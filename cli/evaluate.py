@@ -57,12 +57,23 @@ def run_checkpoint(config, checkpoint: str, blocked, split: str, prefix: str, ke
     """The checkpoint's model over ``data.<split>``: ``(loop, metrics, predictions, label_ids)``.
 
     No logging event fires: the run's loggers are not fed (see the module docstring)."""
+    from corelooper.cli.progress import EvalProgress
+
     loop, _ = _loop_from_checkpoint(config, checkpoint, list(blocked))
     with loop:  # corelooper_unconfigure once the outputs are out
         dataset = _dataset(loop, split)
-        metrics, preds, labels = loop.plugins.call_provider(
-            "evaluation_loop", loop=loop, dataset=dataset, metric_key_prefix=prefix, keep_outputs=keep_outputs
-        )[0]
+        progress = EvalProgress(dataset)  # a bar on a terminal: no event ends this evaluation, so stop() does
+        loop.plugins.register(progress, progress.name)
+        try:
+            metrics, preds, labels = loop.plugins.call_provider(
+                "evaluation_loop",
+                loop=loop,
+                dataset=dataset,
+                metric_key_prefix=prefix,
+                keep_outputs=keep_outputs,
+            )[0]
+        finally:
+            progress.stop()
     return loop, metrics, preds, labels
 
 

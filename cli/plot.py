@@ -113,7 +113,7 @@ def plot_runs(run_dirs: list[Path], output: Path | None = None) -> Path:
     else:
         fig.suptitle(next(iter(runs)))
         fig.tight_layout()
-    out = Path(output) if output else Path(run_dirs[0]) / "metrics.png"
+    out = Path(output) if output else Path("metrics.png")  # the current folder: no run folder is written into
     if out.suffix.lower() != ".png":
         raise ConfigError(f"--output {str(out)!r}: the plot is a PNG; give a file ending in .png.")
     out.parent.mkdir(parents=True, exist_ok=True)

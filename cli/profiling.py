@@ -22,7 +22,7 @@ class PluginProfiler:
         self.total = 0.0
         self.first: dict[tuple[str, str], float] = {}  # a hook's first call pays one-time imports
         for name, plugin in plugins.pm.list_name_plugin():
-            if name == CLI_PLUGIN:  # the CLI's own bookkeeping, not a plugin of the run
+            if name.split(".")[0] == CLI_PLUGIN:  # the CLI's own objects (cli, cli.banner...), not the run's
                 continue
             for hook, impl in plugins._impls(plugin):
                 if impl.hookwrapper or impl.wrapper:

@@ -9,6 +9,7 @@ plugins listing, plot's output, HF's TrainingArguments without every plugin inst
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -407,6 +408,141 @@ def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "out" / "model.safetensors").exists()
     assert "Retrying" not in r.stderr
+
+
+# -- first-hour frictions ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("save", ["steps", "no"])
+def test_a_second_run_into_a_run_folder_says_so_with_its_parentheses_closed(tmp_path, save):
+    out = tmp_path / "out"
+    config = write_config(
+        tmp_path, train=f'output_dir = "{out}"\nmax_steps = 2\nsave_strategy = "{save}"\nsave_steps = 1'
+    )
+    assert cli("run", str(config)).returncode == 0
+    message = assert_clean_error(
+        cli("run", str(config)), f"output_dir {str(out)!r} already holds a run (", code=2
+    )
+    assert message.count("(") == message.count(")"), message
+    what = (
+        "(2 checkpoints, latest checkpoint-2). Resume it with --resume-from-checkpoint latest, choose another"
+        if save == "steps"
+        else "(a finished model, model.safetensors, and no checkpoint to resume). Choose another"
+    )
+    assert what in message, message
+
+
+_LOSS_PLUGIN = """
+import torch.nn.functional as F
+
+
+def compute_loss(model, batch, return_outputs):
+    logits = model(batch["x"])
+    loss = F.cross_entropy(logits, batch["labels"])
+    return (loss, logits) if return_outputs else loss
+"""
+
+
+def test_a_users_compute_loss_is_listed_first_and_named_in_the_run_banner(tmp_path):
+    """With corelooper-lm's per-run objects (an [lm] section), pluggy asks two of them before a
+    user's compute_loss: one passes the user's loss on (counting its tokens), one answers only where
+    no plugin does. ``corelooper plugins`` listed the user's third, as if it never ran; now in the
+    order they answer, and the run's start says which plugin answers (the model's factory is the
+    builtin's: not listed, though corelooper-hf is asked first)."""
+    (tmp_path / "my_loss.py").write_text(_LOSS_PLUGIN)
+    config = write_config(
+        tmp_path,
+        train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\nsave_strategy = "no"\ndisable_tqdm = true',
+        body='[lm]\ntoken_accuracy = true\n[plugins]\nlocal = ["my_loss.py"]\n',
+    )
+    everything = {"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
+    r = cli("plugins", "--config", str(config), env=everything)
+    assert r.returncode == 0, r.stderr
+    assert "providers (in the order they answer: the first answer wins):" in r.stdout
+    listed = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("compute_loss:")]
+    assert listed == ["compute_loss: my_loss.py  (then lm.run, builtin; wrapped by lm.train_token_accuracy)"]
+    r = cli("run", str(config), env=everything)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("corelooper: training 2 steps"), r.stdout
+    assert (
+        lines[1]
+        == "corelooper: providers from plugins: compute_loss my_loss.py (wrapped by lm.train_token_accuracy)"
+    )
+    r = cli(
+        "run", str(config), "--set", "train.overwrite_output_dir=true", "-p", "no:lm"
+    )  # no plugin but the user's
+    assert r.returncode == 0, r.stderr
+    assert "corelooper: providers from plugins: compute_loss my_loss.py" in r.stdout.splitlines()
+
+
+def _on_a_terminal(*args: str, cwd: Path) -> tuple[int, str]:
+    """The real CLI with a pseudo-terminal as its stdout and stderr: ``(exit code, what it wrote)``
+    without the terminal's control sequences."""
+    import pty
+
+    primary, secondary = pty.openpty()
+    env = {**os.environ, **NO_PLUGINS, "TERM": "xterm-256color", "COLUMNS": "100", "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corelooper", *args],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        cwd=cwd,
+        env=env,
+    )
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # EIO: the command closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    code = proc.wait(timeout=600)
+    os.close(primary)
+    return code, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+
+
+def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path):
+    """``corelooper eval`` / ``predict`` on a terminal show a bar of the evaluation's batches (32
+    samples, 8 a batch: 4), as training shows its steps; not in a pipe (every other test)."""
+    config = write_config(
+        tmp_path,
+        data=f'train = "{TOYS}:blobs_train"\neval = "{TOYS}:blobs_eval"',
+        train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\nsave_strategy = "steps"\nsave_steps = 2',
+    )
+    assert cli("run", str(config)).returncode == 0
+    for command in (["eval", str(config)], ["predict", str(config), "--output", str(tmp_path / "p.jsonl")]):
+        code, shown = _on_a_terminal(*command, "--checkpoint", "latest", cwd=tmp_path)
+        assert code == 0, shown
+        assert re.search(r"eval .*━.* 4/4", shown), shown  # the label, the bar, batches done / all
+        piped = cli(*command, "--checkpoint", "latest")
+        assert piped.returncode == 0 and "4/4" not in piped.stdout + piped.stderr
+
+
+def test_plot_of_two_runs_writes_into_the_current_folder_or_output(tmp_path):
+    """``corelooper plot A B`` wrote into A's folder; now into the current folder (or --output)."""
+    runs = []
+    for name, lr in (("a", 0.1), ("b", 0.05)):
+        run = tmp_path / "runs" / name
+        run.mkdir(parents=True)
+        lines = [
+            f'{{"step": {s}, "loss": {2.0 / s}, "learning_rate": {lr}, "grad_norm": 1.0}}' for s in (1, 2, 3)
+        ]
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        runs.append(str(run))
+    work = tmp_path / "work"
+    work.mkdir()
+    r = run_cli("plot", *runs, cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "plot written to metrics.png"
+    assert (work / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any((Path(run) / "metrics.png").exists() for run in runs)
+    r = run_cli("plot", *runs, "--output", str(tmp_path / "figs" / "ab.png"), cwd=work)
+    assert r.returncode == 0 and (tmp_path / "figs" / "ab.png").is_file(), r.stderr
 
 
 # -- scripts/setup, run again ---------------------------------------------------------------------

@@ -58,13 +58,15 @@ def test_plot_series_are_the_logged_numbers(two_runs):
     assert s["learning_rate"][1] == pytest.approx([0.05 * (8 - (k - 1)) / 8 for k in (2, 4, 6, 8)])
 
 
-def test_plot_default_output_and_errors(two_runs, tmp_path):
+def test_plot_default_output_and_errors(two_runs, tmp_path, monkeypatch):
     from corelooper.cli.plot import plot_runs
 
     from corelooper.errors import ConfigError, DataError
 
-    assert plot_runs([two_runs[1]]) == two_runs[1] / "metrics.png"
-    assert png_panels(two_runs[1] / "metrics.png")[1][0] == "loss"
+    monkeypatch.chdir(tmp_path)  # the default is the current folder, never a run's folder
+    assert plot_runs([two_runs[1]]).resolve() == tmp_path / "metrics.png"
+    assert png_panels(tmp_path / "metrics.png")[1][0] == "loss"
+    assert not (two_runs[1] / "metrics.png").exists()
     with pytest.raises(DataError, match="has no metrics.jsonl"):
         plot_runs([tmp_path / "nope"])
     with pytest.raises(ConfigError, match="ending in .png"):

@@ -47,14 +47,14 @@ def prepare_output_dir(output_dir: Path, config, *, resuming: bool, overwrite: b
         final_model = final_model_files(output_dir)
         if (existing or final_model) and not resuming:
             if not overwrite:  # a usage problem (exit 2), nothing wrong with the checkpoints
-                what = (
-                    f"{len(existing)} checkpoints, latest {existing[-1].name}. Resume it with "
-                    "--resume-from-checkpoint latest, "
+                what = (  # the parenthesis opened below closes here
+                    f"{len(existing)} checkpoints, latest {existing[-1].name}). Resume it with "
+                    "--resume-from-checkpoint latest, choose"
                     if existing
-                    else f"a finished model, {final_model[0].name}, and no checkpoint to resume: "
+                    else f"a finished model, {final_model[0].name}, and no checkpoint to resume). Choose"
                 )
                 raise ConfigError(
-                    f"output_dir {str(output_dir)!r} already holds a run ({what}choose another "
+                    f"output_dir {str(output_dir)!r} already holds a run ({what} another "
                     "train.output_dir, or set train.overwrite_output_dir = true to start over (that "
                     "deletes it)."
                 )

@@ -109,6 +109,8 @@ class AutoBatchSize:
             loop.optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
             free_memory(loop.backend)
 
+    training_step.corelooper_role = "wraps"  # the next provider's step, retried: `corelooper plugins`
+
     def evaluation_loop(self, loop, dataset, metric_key_prefix: str, keep_outputs: bool):
         from corelooper.evaluation import run_evaluation
 

@@ -138,6 +138,8 @@ class EvalTokenAccuracy:
 
         return TokenAccuracy(name="token_accuracy", entropy=self.entropy, accuracy=self.accuracy)
 
+    eval_metric.corelooper_role = "gives_way"  # the run's own metric first (cli/providers.py)
+
 
 class LMLoss:
     """The training loss of an HF causal LM: chunked, and/or over the trained positions only.
@@ -182,6 +184,8 @@ class LMLoss:
                 loop, model, batch, num_items_in_batch, smoothing, trained_only=trained, accuracy=counter
             )
         return self._trained_loss(model, batch, num_items_in_batch, smoothing, counter)
+
+    compute_loss.corelooper_role = "gives_way"  # never another plugin's loss (cli/providers.py)
 
     def _counted_own_loss(self, loop, model, batch, num_items_in_batch):
         """The next provider's loss (the builtin: the model's own), asked for the outputs too, so

@@ -129,6 +129,8 @@ class TrainTokenAccuracy:
             return None
         return self.next_loss(self, loop, model, batch, num_items_in_batch)
 
+    compute_loss.corelooper_role = "wraps"  # another plugin's loss, passed on: `corelooper plugins` lists it
+
     def next_loss(self, after, loop, model, batch, num_items_in_batch):
         """The loss of the ``compute_loss`` provider after plugin object ``after``, asked for its
         outputs too, once their logits are counted."""
