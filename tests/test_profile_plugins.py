@@ -42,7 +42,7 @@ def test_profile_plugins_reports_each_plugin_hook_with_call_counts(tmp_path):
             )
     # one compute_loss per micro-batch, plus the final evaluation's 2 batches (359 samples / 256)
     assert rows[("builtin", "compute_loss")][0] == steps + 2
-    assert rows[("builtin", "on_step_end")][0] == steps
+    assert rows[("flow", "on_step_end")][0] == steps  # the builtin policy "flow" (HF's flow logic)
     assert rows[("console", "on_step_end")][0] == steps
     # logs at steps 3 and 6, the final partial window, the end-of-run summary, and the final
     # evaluation's metrics (evaluations log through on_log, as in HF)
