@@ -34,6 +34,7 @@ class StartupStop(BaseException):  # noqa: N818 - like KeyboardInterrupt: not an
 
 
 _STOPPED: list[int] = []  # the signal that stopped start-up: kept, as a library may swallow the exception
+_previous_hook = [sys.unraisablehook]  # the unraisable hook before ours (a test runner's), for the rest
 
 
 def _startup_handler(signum: int, frame) -> None:
@@ -61,7 +62,7 @@ def _unraisable(info) -> None:
     """A ``StartupStop`` raised inside a weakref callback or a ``__del__`` (Python prints such an
     exception as "Exception ignored" and goes on): the command stops there, with its one line."""
     if not isinstance(info.exc_value, StartupStop):
-        return sys.__unraisablehook__(info)
+        return _previous_hook[0](info)
     if os.environ.get("RANK", "0") == "0":
         print(f"corelooper: {info.exc_value}. Exit {info.exc_value.exit_code}.", file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -73,7 +74,8 @@ def install_startup_handlers() -> None:
     (and again after it restores them)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    sys.unraisablehook = _unraisable
+    if sys.unraisablehook is not _unraisable:
+        _previous_hook[0], sys.unraisablehook = sys.unraisablehook, _unraisable
     for sig in SIGNALS:
         try:
             signal.signal(sig, _startup_handler)

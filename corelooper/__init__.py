@@ -14,6 +14,29 @@ __all__ = [
     "__version__",
 ]
 
+# Which installed plugins count (read by the registry and by the `[train]` names plugins declare).
+PLUGIN_ALLOWLIST_ENV = "CORELOOPER_PLUGIN_ALLOWLIST"
+
+
+def installed_entry_points(group: str = "corelooper") -> list:
+    """The installed plugins: the entry points of ``group``, by name. When
+    ``CORELOOPER_PLUGIN_ALLOWLIST`` is set (entry-point or distribution names, comma-separated),
+    only those it names: any other is as if it were not installed, never imported, in this process
+    and in the ones it starts (``corelooper run --nproc``, a test suite's CLI runs)."""
+    import importlib.metadata
+    import os
+
+    def norm(name: str) -> str:  # as pip compares distribution names: case, "-", "_" and "." alike
+        return name.strip().lower().replace("_", "-").replace(".", "-")
+
+    allowed = {norm(n) for n in os.environ.get(PLUGIN_ALLOWLIST_ENV, "").split(",") if n.strip()}
+    eps = importlib.metadata.entry_points(group=group)
+    if allowed:
+        eps = [
+            e for e in eps if norm(e.name) in allowed or (e.dist is not None and norm(e.dist.name) in allowed)
+        ]
+    return sorted(eps, key=lambda ep: ep.name)
+
 
 def __getattr__(name: str):
     # Lazy: `corelooper --help` and `import corelooper` must not import torch.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib.metadata
 import inspect
 import os
 import traceback
@@ -22,7 +21,7 @@ from typing import Any
 
 import pluggy
 
-from . import __version__, hookspecs
+from . import __version__, hookspecs, installed_entry_points
 from .config import Config, PluginsConfig, import_module
 from .dispatch import CHECKS, refuse_wrappers, wrong_result
 from .errors import ConfigError, CorelooperError, PluginError, import_failure
@@ -42,10 +41,6 @@ class PluginInfo:
     version: str | None = None
     hooks: list[str] = field(default_factory=list)
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-def installed_entry_points() -> list[importlib.metadata.EntryPoint]:
-    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
 
 
 HOOK_ORDER = (*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS)

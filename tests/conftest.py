@@ -75,9 +75,11 @@ def _thirdparty_site(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def thirdparty_plugin(_thirdparty_site, monkeypatch) -> Path:
+def thirdparty_plugin(_thirdparty_site, monkeypatch, allow_plugins) -> Path:
     """Make the third-party test plugin installed for one test: found through its entry points
-    in this process (sys.path) and in the CLI subprocesses the test starts (PYTHONPATH)."""
+    in this process (sys.path) and in the CLI subprocesses the test starts (PYTHONPATH), and
+    allowed as the first-party ones are (the root conftest.py: no other installed plugin counts)."""
+    allow_plugins("corelooper-thirdparty-example")
     monkeypatch.syspath_prepend(str(_thirdparty_site))
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(_thirdparty_site), os.environ.get("PYTHONPATH")]))

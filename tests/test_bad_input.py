@@ -124,7 +124,7 @@ def test_local_plugin_that_fails_to_import(cli, tmp_path):
     assert_clean_error(cli("run", str(path)), "plugins.local", "broken_plugin.py", "no_such_dependency")
 
 
-def test_installed_plugin_that_fails_to_import(cli, tmp_path):
+def test_installed_plugin_that_fails_to_import(cli, tmp_path, allow_plugins):
     """A real distribution on sys.path (a .dist-info with an entry point) whose module raises."""
     site = tmp_path / "site"
     info = site / "broken_ep-1.0.dist-info"
@@ -133,6 +133,7 @@ def test_installed_plugin_that_fails_to_import(cli, tmp_path):
     (info / "entry_points.txt").write_text("[corelooper]\nbroken = broken_ep_module\n")
     (site / "broken_ep_module.py").write_text("raise RuntimeError('needs libfoo 2')\n")
     env = {"PYTHONPATH": str(site), "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
+    allow_plugins("broken-ep")  # installed by this test (the root conftest.py allows no other)
     path = write_config(tmp_path, plugins='enable = ["broken"]')  # load only this one
     r = cli("run", str(path), env=env)
     assert_clean_error(

@@ -1,6 +1,6 @@
-"""The layers stay apart: the core (``corelooper/``, ``cli/``) imports no plugin package, plugins
-add their CLI commands through ``corelooper_add_commands``, and ``corelooper --help`` — which
-loads every installed plugin — imports none of the heavy libraries."""
+"""The layers stay apart: the core (``corelooper/``, ``cli/``) and its tests (``tests/``) import no
+plugin package, plugins add their CLI commands through ``corelooper_add_commands``, and
+``corelooper --help`` — which loads every installed plugin — imports none of the heavy libraries."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from corelooper import installed_entry_points
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = {
@@ -54,6 +56,35 @@ def test_core_and_cli_import_no_plugin_package():
     assert bad == []
 
 
+def _dynamic_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every ``importlib.import_module("...")``, ``__import__("...")`` and
+    ``pytest.importorskip("...")`` with the module written out."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("import_module", "__import__", "importorskip") and isinstance(
+                node.args[0].value, str
+            ):
+                found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def test_core_tests_import_no_plugin_package():
+    """tests/ is the core's suite: it passes with the core alone. A test of a plugin, or of several
+    plugins together, is in a plugin's tests/ folder (tests/third_party_plugin is the plugin
+    package the tests install, not a test)."""
+    files = [f for f in (REPO / "tests").rglob("*.py") if "third_party_plugin" not in f.parts]
+    assert len(files) > 50
+    bad = [
+        f"{f.relative_to(REPO)}:{line} imports {mod}"
+        for f in files
+        for line, mod in [*_imports(f), *_dynamic_imports(f)]
+        if mod.split(".")[0].startswith("corelooper_")
+    ]
+    assert bad == []
+
+
 def test_the_ast_check_sees_function_level_imports(tmp_path):
     # the check above must not pass just because it looks only at the top of a module
     probe = tmp_path / "probe.py"
@@ -61,6 +92,10 @@ def test_the_ast_check_sees_function_level_imports(tmp_path):
         "def f():\n    from corelooper_optuna.search import run_study\n    import corelooper_peft\n"
     )
     assert [m for _, m in _imports(probe)] == ["corelooper_optuna.search", "corelooper_peft"]
+    probe.write_text(
+        "import importlib\nimportlib.import_module('corelooper_lm.packing')\n__import__('corelooper_sft')\n"
+    )
+    assert [m for _, m in _dynamic_imports(probe)] == ["corelooper_lm.packing", "corelooper_sft"]
 
 
 def test_help_with_every_plugin_loaded_imports_no_heavy_library():
@@ -75,7 +110,7 @@ def test_help_with_every_plugin_loaded_imports_no_heavy_library():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     report = json.loads(r.stderr.strip().splitlines()[-1])
     assert report["exit"] == 0
-    eps = importlib.metadata.entry_points(group="corelooper")
+    eps = installed_entry_points()  # the plugins corelooper sees (the suite's: the first-party ones)
     loaded = {m.split(".")[0] for m in report["modules"]}
     installed = {ep.value.split(":")[0].split(".")[0] for ep in eps}
     assert {"corelooper_optuna", "corelooper_deepspeed", "corelooper_peft", "corelooper_wandb"} <= installed

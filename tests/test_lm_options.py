@@ -1,10 +1,10 @@
-"""train.gradient_checkpointing / torch_compile / tf32, and the model-FLOPs estimate behind MFU."""
+"""train.gradient_checkpointing / torch_compile / tf32 (the model-FLOPs estimate behind MFU, in
+corelooper-lm: plugins/lm/tests/test_throughput.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from corelooper_lm.throughput import ThroughputMeter, flops_per_token, non_embedding_parameters
 
 from corelooper import Loop
 from corelooper.errors import ConfigError
@@ -184,23 +184,3 @@ def test_a_compiled_llama_compiles_as_often_as_in_a_hand_written_loop(tmp_path):
         graphs[who] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert graphs["corelooper"] == graphs["hand-written"] == 1
-
-
-def test_flops_per_token_follows_the_formula():
-    pytest.importorskip("transformers")
-    model = _tiny_llama()
-    d, i, L, V, kv = 32, 64, 2, 64, 2 * (32 // 4)
-    per_layer = d * d + 2 * d * kv + d * d + 3 * d * i + 2 * d  # q, k, v, o, mlp, two norms
-    n = L * per_layer + d + V * d  # + final norm + (tied) output head, a matmul
-    assert non_embedding_parameters(model) == n
-    assert flops_per_token(model, 128) == 6 * n + 12 * L * d * 128
-    meter = ThroughputMeter(model, peak_flops=1e9, world_size=2)
-    # 1000 tokens of 10 samples in 2 s: 500 tokens/s, 5 samples/s (mean length 100)
-    logs = meter.logs(tokens_per_second=500.0, samples_per_second=5.0, tokens_seen=5000)
-    per = 6 * n + 12 * L * d * 100
-    assert logs["model_flops_per_token"] == per
-    assert logs["mfu"] == pytest.approx(per * 1000 / 2.0 / 2e9, rel=1e-5)
-    assert "mfu" not in ThroughputMeter(model, None, 1).logs(500.0, 5.0, 5000)
-    # A plain module: 6N, embeddings excluded.
-    emb = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 8))
-    assert flops_per_token(emb, 50) == 6 * (8 * 8 + 8)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -112,12 +114,10 @@ def test_without_weight_decay_one_group_makes_the_same_update_as_hfs_two(make_lo
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_lr_multiplier_scales_the_update_through_training(run_loop, tmp_path):
+def test_lr_multiplier_scales_the_update_through_training(make_loop):
     """Plain SGD, constant LR: after training, the first layer moved exactly as a run whose
     multiplier is 1 would have moved it with a 0.25x LR on that layer only -- check one step."""
-    from corelooper_testing import tiny_task
-
-    loop = run_loop(
+    loop = make_loop(
         optim="sgd",
         learning_rate=0.2,
         max_steps=1,
@@ -126,7 +126,9 @@ def test_lr_multiplier_scales_the_update_through_training(run_loop, tmp_path):
         lr_multipliers={r"net\.0\.weight": 0.25},
         max_grad_norm=0.0,
     )
-    model0, train, _, _ = tiny_task()
+    model0, train = copy.deepcopy(loop.model), loop.train_dataset  # what the run starts from
+    with loop:
+        loop.train()
     batch = next(iter(loop.hook.train_dataloader(loop=loop, dataset=train)))
     loss = torch.nn.functional.cross_entropy(model0(batch["x"]), batch["labels"])
     loss.backward()

@@ -3,23 +3,46 @@
 from __future__ import annotations
 
 import pytest
-from corelooper_testing import build_loop
+from toys import accuracy, blobs_eval, blobs_train, mlp
+
+from corelooper import Loop
+from corelooper.plugins import AUTOLOAD_ENV
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
+    """Two real runs of 8 steps (logs every 2, evaluations at 4 and 8), learning rates 0.05 and 0.01,
+    with no installed plugin loaded (nothing else writes into metrics.jsonl)."""
     base = tmp_path_factory.mktemp("runs")
     dirs = []
     for lr in (0.05, 0.01):
         out = base / f"lr{lr}"
-        loop = build_loop(
-            output_dir=out,
-            learning_rate=lr,
-            save_strategy="no",
-            max_grad_norm=1.0,
-            lr_scheduler_type="linear",
-        )
-        loop.train()
+        train = {
+            "output_dir": str(out),
+            "max_steps": 8,
+            "per_device_train_batch_size": 8,
+            "per_device_eval_batch_size": 32,
+            "learning_rate": lr,
+            "lr_scheduler_type": "linear",
+            "logging_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 4,
+            "save_strategy": "no",
+            "max_grad_norm": 1.0,
+            "disable_tqdm": True,
+            "seed": 0,
+        }
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(AUTOLOAD_ENV, "1")
+            loop = Loop(
+                mlp(),
+                {"train": train},
+                train_dataset=blobs_train(),
+                eval_dataset=blobs_eval(),
+                compute_metrics=accuracy,
+            )
+        with loop:
+            loop.train()
         dirs.append(out)
     return dirs
 
@@ -38,7 +61,7 @@ def test_plot_two_runs_has_one_panel_per_quantity(two_runs, cli, tmp_path):
     proc = cli("plot", *map(str, two_runs), "--output", str(out))
     assert proc.returncode == 0, proc.stderr
     size, panels = png_panels(out)
-    # the tiny task logs loss, learning_rate, grad_norm; evaluates eval_loss and eval_accuracy
+    # the runs log loss, learning_rate, grad_norm; evaluate eval_loss and eval_accuracy
     assert panels == ["loss", "learning_rate", "grad_norm", "eval_loss", "eval_accuracy"]
     # 5 panels in a 3 x 2 grid at 110 dpi
     assert size == (round(4.6 * 3 * 110), round(3.3 * 2 * 110))

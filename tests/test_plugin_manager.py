@@ -239,6 +239,6 @@ def test_report_to_chooses_the_logging_plugins_as_hf(monkeypatch):
     pl = load_plugins(Config.from_dict({"train": {}}))  # corelooper's default: "all"
     assert {"wandb", "tensorboard"} <= set(pl.info)
     with pytest.raises(
-        ConfigError, match=r"train.report_to names \['mlflow'\].*pip install corelooper-mlflow"
+        ConfigError, match=r"train.report_to names \['my_tracker'\].*pip install corelooper-my_tracker"
     ):
-        load_plugins(Config.from_dict({"train": {"report_to": ["mlflow"]}}))
+        load_plugins(Config.from_dict({"train": {"report_to": ["my_tracker"]}}))

@@ -11,7 +11,6 @@ import types
 
 import pytest
 from conftest import REPO
-from corelooper_testing import build_loop
 
 from corelooper import hookspecs
 from corelooper.errors import ConfigError
@@ -52,13 +51,13 @@ def write_tutorial(dest) -> None:
         (dest / rel).write_text(text)
 
 
-def test_tutorial_is_three_short_files_and_rejects_a_misspelt_key(tmp_path):
+def test_tutorial_is_three_short_files_and_rejects_a_misspelt_key(make_loop, tmp_path):
     files = tutorial_files()
     assert sorted(files) == ["corelooper_lossguard/__init__.py", "pyproject.toml", "tests/test_lossguard.py"]
     assert sum(len(b.strip().splitlines()) for b in files.values()) <= 30  # "about twenty lines"
     module = as_module("corelooper_lossguard", files["corelooper_lossguard/__init__.py"])
     with pytest.raises(ConfigError, match="Did you mean 'max_loss'"):
-        build_loop([module], output_dir=tmp_path / "x", sections={"lossguard": {"max_los": 1.0}})
+        make_loop([module], output_dir=tmp_path / "x", sections={"lossguard": {"max_los": 1.0}})
 
 
 def test_provider_example_replaces_the_default_optimizer(run_loop, hook_recorder, tmp_path):

@@ -157,8 +157,9 @@ def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int
         fix = (
             "Map the class names to integer ids in the dataset"
             if key == "labels"
-            else "Tokenize it in the dataset or a collator (data.collator; an [sft] section does for chat, "
-            "prompt-completion and text files), or remove it from the samples"
+            else "Tokenize it in the dataset or a collator (data.collator, or a plugin that tokenizes chat, "
+            "prompt-completion and text files: `corelooper plugins` lists those installed), or remove it "
+            "from the samples"
         )
         hint = f"holds strings (e.g. {first[:40]!r}), which the model cannot take ({failed}). {fix}."
     elif lists:
@@ -169,7 +170,7 @@ def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int
         made = "the collator makes a list" if loop.data_collator is not None else made
         hint = (
             f"is a list in each sample, and {made} of it: the model cannot take that ({failed}). Make each "
-            "value a tensor of one shape, or give a collator that pads and stacks them (data.collator; [lm] does)."
+            "value a tensor of one shape, or give a collator that pads and stacks them (data.collator)."
         )
     elif wrong is not None:
         key, hint = "labels", f"{wrong} ({failed})."

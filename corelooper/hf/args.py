@@ -109,18 +109,19 @@ MAPPED: dict[str, tuple[Mapper, str]] = {
     "log_on_each_node": (_accept, "nothing: only global rank 0 logs"),
     **FOUR_X,
 }
-# HF names a first-party plugin answers to (its corelooper_settings), with HF's defaults: without the
-# plugin installed, a default is accepted (TrainingArguments().to_dict() holds every name) and another
-# value names the distribution to install. Static: no plugin is imported to learn this.
-PLUGIN_FIELDS: dict[str, tuple] = {
-    "auto_find_batch_size": ("corelooper-auto-batch-size", False),
-    "deepspeed": ("corelooper-deepspeed", None),
-    "fsdp": ("corelooper-fsdp", None, "", []),
-    "fsdp_config": ("corelooper-fsdp", None, {}),
-    "use_liger_kernel": ("corelooper-liger", False),
-    "liger_kernel_config": ("corelooper-liger", None),
-    "neftune_noise_alpha": ("corelooper-neftune", None),
-    "logging_dir": ("corelooper-tensorboard", None),
+# HF options a plugin answers to (its corelooper_settings declares the name), with HF's defaults:
+# where no installed plugin declares one, its default is accepted (TrainingArguments().to_dict()
+# holds every name) and another value asks for the plugin; docs/trainer-options.md names the package
+# of each (the core never names a plugin). Static: no plugin is imported to learn this.
+PLUGIN_OPTIONS: dict[str, tuple] = {
+    "auto_find_batch_size": (False,),
+    "deepspeed": (None,),
+    "fsdp": (None, "", []),
+    "fsdp_config": (None, {}),
+    "use_liger_kernel": (False,),
+    "liger_kernel_config": (None,),
+    "neftune_noise_alpha": (None,),
+    "logging_dir": (None,),
 }
 # Names from other tools: refused with the HF name (a user of them must learn it).
 OTHER_TOOLS = {
@@ -314,13 +315,14 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
                 tr.notes.append(note)
                 warnings.warn(note, HFNameNote, stacklevel=4)
         elif not _plugin_field(key, value, raw, tr):
-            dist, *defaults = PLUGIN_FIELDS.get(key, (None,))
-            if dist is None:
+            if key not in PLUGIN_OPTIONS:
                 tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
-            elif not any(_same(value, ok) for ok in defaults):
+            elif not any(_same(value, ok) for ok in PLUGIN_OPTIONS[key]):
                 raise ConfigError(
-                    f"train.{key} = {value!r} is answered by the plugin {dist}, which is not installed: "
-                    f"`pip install {dist}`, or remove train.{key}."
+                    f"train.{key} = {value!r} is a Hugging Face option that a corelooper plugin answers "
+                    "to, and no installed plugin does: install the package that docs/trainer-options.md "
+                    f"names for it (HF options plugins answer to), or remove train.{key} (HF's "
+                    f"default, {PLUGIN_OPTIONS[key][0]!r}, needs no plugin)."
                 )
     return tr
 
@@ -364,14 +366,13 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
     """The ``[train]`` keys installed plugins answer to: key -> [(plugin, translate), ...], by
     plugin name. Read from the entry points (cached while they stay the same)."""
     global _DECLARED
-    from importlib.metadata import entry_points
+    from .. import installed_entry_points
 
-    from ..hookspecs import PROJECT
-
-    eps = tuple(sorted((ep.name, ep.value) for ep in entry_points(group=PROJECT)))
+    installed = installed_entry_points()
+    eps = tuple(sorted((ep.name, ep.value) for ep in installed))
     if _DECLARED[0] != eps:
         found: dict[str, list[tuple[str, Callable]]] = {}
-        for ep in sorted(entry_points(group=PROJECT), key=lambda e: e.name):
+        for ep in installed:
             try:
                 train = settings_of(ep.load()).get("train", {})
             except Exception:  # load_plugins imports it again, strictly, and names the error
@@ -384,7 +385,7 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
 
 def hf_names() -> list[str]:
     """Every HF name this module and the installed plugins know (candidates for "did you mean")."""
-    return [*MAPPED, *OTHER_TOOLS, *UNSUPPORTED, *PLUGIN_FIELDS, *declared_train_fields()]
+    return [*MAPPED, *OTHER_TOOLS, *UNSUPPORTED, *PLUGIN_OPTIONS, *declared_train_fields()]
 
 
 def hf_hint(key: str) -> str | None:

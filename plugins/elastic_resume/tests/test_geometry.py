@@ -1,6 +1,6 @@
 """The elastic plugin's arithmetic: the geometry that keeps a checkpoint's global batch on another
-number of processes (corelooper_elastic_resume.geometry). End-to-end resumes: tests/test_elastic.py and
-tests/test_elastic_streaming.py (real torchrun processes, with corelooper-streaming)."""
+number of processes (corelooper_elastic_resume.geometry). End-to-end resumes: test_elastic_resume_runs.py
+and test_elastic_streaming.py here (real torchrun processes, with corelooper-streaming)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A streaming run for tests/test_elastic_streaming.py, started by real launchers from a config.
+"""A streaming run for test_elastic_streaming.py (next to it), started by real launchers from a config.
 
 ``shuffled_stream``: a real ``IterableDataset`` of ``n`` samples (``streams.sample``: each carries
 its index ``idx``) in a seeded order that changes every epoch (``set_epoch``), with the torchdata
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset
 
-sys.path.insert(0, str(Path(__file__).parent))  # loaded by path from a config
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # streams.py; loaded by path
 from streams import Recorder, sample  # noqa: E402
 
 

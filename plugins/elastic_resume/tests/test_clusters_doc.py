@@ -12,7 +12,7 @@ from corelooper_elastic_resume.geometry import Geometry, plan
 
 from corelooper.errors import ConfigError
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "clusters.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "clusters.md"
 
 
 def table() -> tuple[list[int], list[tuple[int, int, int, list[str]]]]:

@@ -1,22 +1,27 @@
-"""The three first-party plugin packages, installed together, on the digits example through the
-real CLI: each writes what it should, in a 2-process run from the main process only, and every rank
-stops together; disabling one (by config or by -p no:) leaves the others working."""
+"""Three first-party plugin packages installed together (corelooper-wandb, -tensorboard and
+-early-stopping), on the digits example through the real CLI: each writes what it should, in a
+2-process run from the main process only, and every rank stops together; disabling one (by config
+or by -p no:) leaves the others working."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+
+REPO = Path(__file__).resolve().parents[3]
 
 PLUGINS = {
     "tensorboard": "corelooper-tensorboard",
     "wandb": "corelooper-wandb",
     "early_stopping": "corelooper-early-stopping",
 }
-CONFIG = "examples/digits/config.toml"
+CONFIG = "examples/digits/config.toml"  # from REPO
 # 3 epochs of 6 steps (batch 256), evaluated after each; no accuracy can beat another by more than
 # 1.0, so early stopping (patience 1) ends training after the 2nd evaluation, at step 12.
 SETTINGS = [
@@ -28,6 +33,18 @@ SETTINGS = [
     "wandb.project=digits-it",
     'wandb.tags=["integration"]',
 ]
+
+
+def run_cli(*args: str, env: dict, timeout: float):
+    """The real ``corelooper`` CLI in a subprocess, from the repository's root."""
+    return subprocess.run(
+        [sys.executable, "-m", "corelooper", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONHASHSEED": "0", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,7 +135,7 @@ def check_early_stopped(records: list[dict], at_step: int) -> None:
 
 
 def test_disabling_one_by_config_or_by_p_no_leaves_the_others_working(tmp_path, env, monkeypatch):
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the config's local plugin: examples.digits
+    monkeypatch.chdir(REPO)  # the config's local plugin: examples.digits
     # [plugins] disable = ["wandb"]: no W&B run; TensorBoard and early stopping unaffected
     out = tmp_path / "no-wandb"
     records = digits(out, env, settings=[*SETTINGS, 'plugins.disable=["wandb"]'], in_process=True)

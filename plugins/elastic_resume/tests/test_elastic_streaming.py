@@ -20,7 +20,6 @@ import corelooper_elastic_resume
 import corelooper_streaming
 import pytest
 import torch
-from cluster_task import ELASTIC, REPO, claim_two_processes, env, max_diff
 from corelooper_streaming.loader import StreamingLoader
 from safetensors.torch import load_file
 
@@ -28,12 +27,13 @@ from corelooper.config import TrainArgs
 from corelooper.errors import CheckpointError, ConfigError
 from corelooper.loop import Loop as _Loop
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[2] / "tests")]  # the task here; streams, cluster_task
+from cluster_task import ELASTIC, REPO, claim_two_processes, env, max_diff  # noqa: E402
 from elastic_stream_task import RECORD_PLUGIN, ShuffledStream, epoch_order  # noqa: E402
 from streams import Recorder, StatefulStream, Stream  # noqa: E402
 
-TASK = TESTS / "elastic_stream_task.py"
+TASK = HERE / "elastic_stream_task.py"
 
 
 def Loop(*args, **kwargs):  # noqa: N802 - the Loop with both plugins (autoload is off here)
