@@ -120,7 +120,7 @@ def settle(config, plugins, directory, world_size: int, dataset, announce: bool)
         )
         data = dataset()
         if not _is_iterable(data):  # a stream's length is unknown (docs/clusters.md says what differs)
-            _warn_if_epoch_end_differs(len(data), saved)
+            _warn_if_epoch_end_differs(len(data), saved, new, config.train, _read_state(directory) or {})
     if (new.per_device, new.accumulation) == (
         config.train.per_device_train_batch_size,
         config.train.gradient_accumulation_steps,
@@ -160,18 +160,61 @@ def _read_state(directory) -> dict[str, Any] | None:
         return None
 
 
-def _warn_if_epoch_end_differs(n: int, saved: Geometry) -> None:
-    """Full global batches are the same samples on any world size; a last, short one of an
-    epoch is padded (or dropped, ``dataloader_drop_last``) per micro-batch across ranks."""
-    if n % saved.global_batch:
-        import warnings
+def steps_per_epoch(n: int, geometry: Geometry, drop_last: bool) -> int:
+    """Optimizer steps in an epoch of ``n`` samples, as the loader and ``plan_steps`` count them:
+    micro-batches of ``per_device x world_size`` samples (a short last one padded, or dropped
+    with ``drop_last``), ``accumulation`` of them per step."""
+    import math
 
+    per_micro = geometry.per_device * geometry.world_size
+    micro = n // per_micro if drop_last else math.ceil(n / per_micro)
+    return math.ceil(micro / geometry.accumulation)
+
+
+def _warn_if_epoch_end_differs(n: int, saved: Geometry, new: Geometry, args, state: dict[str, Any]) -> None:
+    """Full global batches are the same samples on any world size; a last, short one of an
+    epoch is padded (or dropped, ``dataloader_drop_last``) per micro-batch across ranks. With
+    ``drop_last`` the steps of an epoch, and so the plan, can change: the warning names it."""
+    if not n % saved.global_batch:
+        return
+    import math
+    import warnings
+
+    drop = bool(getattr(args, "dataloader_drop_last", False))
+    before, after = steps_per_epoch(n, saved, drop), steps_per_epoch(n, new, drop)
+    why = (
+        f"the training set ({n} samples) is not a whole number of global batches of {saved.global_batch}, "
+        f"and an epoch has {_micro(n, saved, drop)} on {saved.world_size} processes, "
+        f"{_micro(n, new, drop)} on {new.world_size}"
+    )
+    if before == after:
         warnings.warn(
-            f"The training set ({n} samples) is not a whole number of global batches of "
-            f"{saved.global_batch}: every full step continues exactly, but the last, short step of "
-            "each epoch is padded or dropped per micro-batch, which differs on another world size.",
+            f"Resuming on {new.world_size} processes (saved on {saved.world_size}): {why}. The plan is "
+            f"unchanged ({after} steps per epoch) and every full step continues exactly, but the last, "
+            "short step of each epoch is padded or dropped per micro-batch, which differs on another "
+            "world size.",
             stacklevel=3,
         )
+        return
+    total_before = int(state.get("max_steps") or 0)
+    epochs = getattr(args, "num_train_epochs", 1)
+    total_after = args.max_steps if args.max_steps > 0 else math.ceil(epochs * after)
+    total = f"{total_before} -> {total_after} steps, " if total_before and total_before != total_after else ""
+    warnings.warn(
+        f"Resuming on {new.world_size} processes changes the plan: {total}{before} -> {after} steps per "
+        f"epoch. The global batch is kept ({saved.global_batch} samples per step), but {why}: with "
+        "train.dataloader_drop_last the short micro-batches are dropped, so an epoch holds another number "
+        f"of steps. Every full step continues exactly; to keep the plan, resume on {saved.world_size} "
+        f"processes{f' or set train.max_steps = {total_before}' if total else ''}.",
+        stacklevel=3,
+    )
+
+
+def _micro(n: int, geometry: Geometry, drop: bool) -> str:
+    per_micro = geometry.per_device * geometry.world_size
+    whole, rest = divmod(n, per_micro)
+    short = "" if not rest else (" (the short one dropped)" if drop else f" (the last one of {rest}, padded)")
+    return f"{whole + (0 if drop or not rest else 1)} micro-batches of {per_micro} samples{short}"
 
 
 def adapt(loop, state: dict[str, Any], where: str = "the checkpoint") -> dict[str, Any]:
