@@ -199,7 +199,10 @@ def oom_report(doc, loop, state, exception) -> None:
 
     phase = doc.clock.phase if doc.clock is not None else "training"
     phase = {"other": "logging, evaluation or checkpointing", "data": "data loading"}.get(phase, phase)
-    text = oom.report(phase, state.global_step, doc.breakdown, loop.args, doc.world, layers(loop), exception)
+    vocab = oom.output_rows(loop.backend.unwrap_model(loop.model))
+    text = oom.report(
+        phase, state.global_step, doc.breakdown, loop.args, doc.world, layers(loop), exception, vocab
+    )
     snapshot = oom.dump_cuda_snapshot(doc.out, doc.rank) if doc.device.type == "cuda" else None
     if snapshot:
         text += f" Allocator snapshot: {snapshot} (drag it into https://pytorch.org/memory_viz)."

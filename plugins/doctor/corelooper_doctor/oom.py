@@ -8,10 +8,36 @@ from typing import Any
 
 from .units import fmt
 
+# What chunking keeps of a micro-batch's logits: one chunk (corelooper_lm.chunked_ce.CHUNK_BYTES)
+CHUNK_BYTES = 256 * 2**20
 
-def _options(b: dict[str, Any], args, world: int, layers: int) -> list[tuple[float, str]]:
+
+def _head_option(b: dict[str, Any], vocab: int | None) -> list[tuple[float, str]]:
+    """A language model's float32 logits and their gradient are ``2 x tokens x vocab x 4`` bytes of
+    the micro-batch's activations (5 GB at 8 x 1024 tokens of a 151,936-token vocabulary): the
+    chunked loss keeps one chunk of them (benchmarks/large_vocab measures it)."""
+    act, per_token = b.get("activations") or 0, b.get("activations_per_token")
+    if not (vocab and act and per_token):
+        return []
+    logits = 2 * (act / per_token) * vocab * 4
+    saved = min(act, logits) - CHUNK_BYTES
+    if saved <= 0:
+        return []
+    return [
+        (
+            saved,
+            '[lm] loss = "chunked" (the LM head\'s logits a chunk of rows at a time, never all '
+            f'{vocab:,} columns for every token; [sft] runs also keep [lm] head = "auto": the trained '
+            "positions only)",
+        )
+    ]
+
+
+def _options(
+    b: dict[str, Any], args, world: int, layers: int, vocab: int | None = None
+) -> list[tuple[float, str]]:
     """(bytes saved, advice) for each applicable setting."""
-    act, out = b.get("activations") or 0, []
+    act, out = b.get("activations") or 0, _head_option(b, vocab)
     mb, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     if mb > 1 and act:
         new_mb = max(1, mb // 4)
@@ -60,8 +86,16 @@ def _options(b: dict[str, Any], args, world: int, layers: int) -> list[tuple[flo
 
 
 def report(
-    phase: str, step: int, b: dict[str, Any] | None, args, world: int, layers: int, exc: BaseException
+    phase: str,
+    step: int,
+    b: dict[str, Any] | None,
+    args,
+    world: int,
+    layers: int,
+    exc: BaseException,
+    vocab: int | None = None,
 ) -> str:
+    """The paragraph; ``vocab``: the output layer's rows of a language model (None otherwise)."""
     what = f"doctor: out of memory at step {step + 1} during {phase}"
     what += f" (per_device_train_batch_size {args.per_device_train_batch_size}, "
     what += f"gradient_accumulation_steps {args.gradient_accumulation_steps}): {str(exc).splitlines()[0][:200].rstrip('.')}."
@@ -78,13 +112,22 @@ def report(
         f"~{fmt(b.get('activations'))} per micro-batch of {b.get('micro_batch')}, of "
         f"{fmt(b.get('capacity'))}.",
     ]
-    ranked = sorted(_options(b, args, world, layers), key=lambda o: o[0], reverse=True)[:3]
+    ranked = sorted(_options(b, args, world, layers, vocab), key=lambda o: o[0], reverse=True)[:3]
     parts.append(
         "What would make it fit, most memory saved first: "
         + "; ".join(f"({i}) {text} — saves ~{fmt(saved)}" for i, (saved, text) in enumerate(ranked, 1))
         + "."
     )
     return " ".join(parts)
+
+
+def output_rows(model) -> int | None:
+    """The vocabulary of a language model (its output layer's rows; an HF model's
+    ``get_output_embeddings``), None for another model."""
+    get = getattr(model, "get_output_embeddings", None)
+    layer = get() if callable(get) else None
+    weight = getattr(layer, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
 
 
 def dump_cuda_snapshot(output_dir: str, rank: int) -> str | None:

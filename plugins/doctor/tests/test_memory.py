@@ -124,3 +124,35 @@ def test_a_breakdown_with_room_to_spare_is_not_said_unless_verbose(tmp_path, cap
     loop, b = _breakdown(tmp_path, 8)
     assert b["largest_micro_batch"] >= 16 * 8
     assert "doctor: memory per process" not in capfd.readouterr().err
+
+
+def test_an_oom_of_a_large_vocabulary_ranks_the_chunked_loss_first():
+    """A language model whose float32 logits fill the activations (8 x 1024 tokens of Qwen2.5's
+    151,936-token vocabulary: 2 x 8192 x 151936 x 4 B = 9.3 GiB of logits and their gradient, of
+    12 GiB) is told to chunk its loss first; without a vocabulary the advice is as before."""
+    from types import SimpleNamespace
+
+    from corelooper_doctor import oom
+
+    gib = 2**30
+    b = dict(
+        parameters=gib,
+        gradients=gib,
+        optimizer_states=2 * gib,
+        activations=12 * gib,
+        activations_per_token=12 * gib / 8192,
+        micro_batch=8,
+        capacity=16 * gib,
+    )
+    args = SimpleNamespace(
+        per_device_train_batch_size=8, gradient_accumulation_steps=1, gradient_checkpointing=False
+    )
+    error = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    text = oom.report("forward", 0, b, args, 1, 2, error, vocab=151_936)
+    assert '(1) [lm] loss = "chunked" (the LM head\'s logits a chunk of rows at a time' in text
+    saved = 2 * 8192 * 151_936 * 4 - oom.CHUNK_BYTES
+    assert f"saves ~{oom.fmt(saved)}" in text
+    assert "[lm] loss" not in oom.report("forward", 0, b, args, 1, 2, error)
+    lm = torch.nn.Linear(4, 151_936, bias=False)
+    model = SimpleNamespace(get_output_embeddings=lambda: lm)
+    assert oom.output_rows(model) == 151_936 and oom.output_rows(torch.nn.Linear(2, 2)) is None
