@@ -11,6 +11,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from corelooper.cli.api import (
+    PluginOpt,
+    SetOpt,
+    TracebackOpt,
+    exit_if_distributed,
+    fail,
+    load_config,
+    say_stopped,
+    split_plugin_options,
+)
 
 app = typer.Typer(
     name="corelooper",
@@ -21,28 +31,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-# exit codes of errors in the user's input (config, data, checkpoint or I/O): the message names the
-# key, file, line or errno; a traceback of corelooper's own code would not help, so none is offered
-INPUT_ERRORS = (2, 4, 5)
-
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--set",
-        "-s",
-        metavar="KEY=VALUE",
-        help="Override a config value: --set train.learning_rate=3e-4 (repeatable).",
-    ),
-]
-PluginOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "-p",
-        metavar="NAME",
-        help="-p no:NAME disables an installed plugin; -p pkg.module registers a local one.",
-    ),
-]
-TracebackOpt = Annotated[bool, typer.Option("--traceback", help="Show the full traceback of an error.")]
 VerboseOpt = Annotated[
     bool,
     typer.Option(
@@ -68,60 +56,6 @@ def _main(
     ] = False,
 ) -> None:
     """corelooper: the Hugging Face Trainer, rebuilt the way pytest is built."""
-
-
-def split_plugin_options(options: list[str] | None) -> tuple[list[str], list[str]]:
-    """``-p no:NAME`` -> blocked names; ``-p module`` -> local plugin modules."""
-    blocked, local = [], []
-    for opt in options or []:
-        if opt.startswith("no:"):
-            blocked.append(opt[3:])
-        else:
-            local.append(opt)
-    return blocked, local
-
-
-def fail(exc: BaseException, show_traceback: bool) -> None:
-    """Print a one-paragraph error (or the traceback when asked) and exit non-zero.
-
-    A worker of ``--nproc`` hands its error to the launcher (which prints it once, naming the
-    rank) instead of printing it; under another launcher a rank names itself."""
-    from corelooper.cli.signals import pending_stop
-
-    from corelooper.errors import CorelooperError
-
-    stop = pending_stop()  # a library swallowed a stop signal's exception, then failed otherwise
-    if stop is not None:
-        _say_stopped(stop)
-    code = exc.exit_code if isinstance(exc, CorelooperError) else 1
-    if getattr(exc, "exit_code", None) in (130, 143):  # launcher: the ranks stopped on a signal
-        raise typer.Exit(exc.exit_code)
-    if show_traceback or os.environ.get("CORELOOPER_TRACEBACK"):
-        import traceback
-
-        traceback.print_exception(exc)
-    recorded = False
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a rank under torchrun: name it to the launcher
-        from corelooper.cli.launch import record_child_error, under_launcher
-
-        recorded = record_child_error(exc, code) and under_launcher()
-    if not recorded:
-        prefix = "error" if isinstance(exc, CorelooperError) else f"unexpected error ({type(exc).__name__})"
-        world = os.environ.get("WORLD_SIZE", "1")
-        rank = f" (rank {os.environ.get('RANK', '0')} of {world})" if world != "1" else ""
-        typer.echo(f"corelooper: {prefix}{rank}: {exc}", err=True)
-        if not show_traceback and code not in INPUT_ERRORS:
-            typer.echo("(run with --traceback for the full traceback)", err=True)
-    _exit_if_distributed(code)
-    raise typer.Exit(code)
-
-
-def load_config(config: Path, overrides: list[str] | None, local_plugins: list[str]):
-    from corelooper.config import Config
-
-    cfg = Config.load(config, overrides or [])
-    cfg = cfg.replace("plugins", local=[*cfg.plugins.local, *local_plugins])
-    return cfg
 
 
 @app.command()
@@ -175,38 +109,16 @@ def run(
         if pending_stop() is not None:  # a stop signal whose exception a library swallowed
             raise pending_stop()
     except StartupStop as e:
-        _say_stopped(e)
+        say_stopped(e)
     except KeyboardInterrupt:  # SIGINT in a thread without our handler: nothing was saved
         if os.environ.get("RANK", "0") == "0":  # Ctrl-C reaches every rank: one says it
             typer.echo("corelooper: interrupted, no checkpoint written by this stop", err=True)
         raise typer.Exit(76) from None
     except Exception as e:
         fail(e, traceback_)
-    _exit_if_distributed(preempted_exit)  # a rank of several processes ends here
+    exit_if_distributed(preempted_exit)  # a rank of several processes ends here
     if preempted_exit:
         raise typer.Exit(preempted_exit)
-
-
-def _say_stopped(stop) -> None:
-    """A stop signal outside training (``StartupStop``): one line (rank 0), exit 75 / 76."""
-    if os.environ.get("RANK", "0") == "0":
-        typer.echo(f"corelooper: {stop}. Exit {stop.exit_code}.", err=True)
-    raise typer.Exit(stop.exit_code) from None
-
-
-def _exit_if_distributed(code: int = 0) -> None:
-    """A rank of a multi-process command that is done (finished, or its error reported): run the
-    exit handlers, then skip the interpreter's teardown. Threads left by the process group (a
-    failed rank cannot take it down: the others may be inside a collective) or by rank 0's
-    rendezvous store can abort a teardown ("terminate called without an active exception"), and
-    the launcher would then report a signal instead of this exit code."""
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        import atexit
-
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 class _TrainBegan:
@@ -426,7 +338,7 @@ def _on_checkpoint(config: Path, set_, p, traceback_: bool, verbose: bool, actio
         loop.backend.end()  # the process group down before the interpreter exits
     except Exception as e:
         fail(e, traceback_)
-    _exit_if_distributed()
+    exit_if_distributed()
 
 
 @app.command()

@@ -16,12 +16,13 @@ more.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
 import time
+
+from corelooper.cli.api import exit_code_of, failure_message, quiet_launcher_logs, root_failure
 
 from corelooper.errors import CorelooperError
 
@@ -45,9 +46,6 @@ LAUNCHER_PID = "CORELOOPER_LAUNCHER_PID"
 #: How long torchrun lets the ranks finish their step and save after a stop signal, before SIGKILL.
 SHUTDOWN_TIMEOUT = 600
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
-#: The key of a rank's torchelastic error file that holds the code it exits with: a rank can still
-#: die of SIGABRT after writing it ("terminate called without an active exception" at exit).
-REPORTED_CODE = "corelooper_exit_code"
 
 
 def child_argv(
@@ -123,44 +121,6 @@ def launch_error(error, nproc: int) -> CorelooperError:
     return failed
 
 
-def reported_code(failure) -> int | None:
-    """The code a rank meant to exit with, as its error file records it (``record_child_error``)."""
-    data = getattr(failure, "error_file_data", None)
-    code = data.get(REPORTED_CODE) if isinstance(data, dict) else None
-    return code if isinstance(code, int) else None
-
-
-def exit_code_of(failure) -> int:
-    """The rank's exit code; for a rank that reported its error and then died of a signal while
-    shutting down (a C++ thread's abort at exit), the code it reported."""
-    reported = reported_code(failure)
-    return reported if failure.exitcode < 0 and reported is not None else failure.exitcode
-
-
-def quiet_launcher_logs() -> None:
-    """No torchrun log line on the console ("Received 15 death signal", "Sending process ...
-    closing signal", "failed (exitcode: -9)"): corelooper says what happened in one paragraph.
-
-    Called once torch's launcher modules are imported. Their loggers are named after each
-    module, and a parent logger's filter does not see a child's records: every existing logger
-    under the launcher's names gets the filter, and so do the handlers that print them (torch's
-    own on ``torch``, the root's)."""
-    import logging
-
-    from corelooper.cli.quiet import LAUNCHER_LOGGERS
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not record.name.startswith(LAUNCHER_LOGGERS)
-
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(LAUNCHER_LOGGERS):
-            logging.getLogger(name).addFilter(keep)
-    for logger in (logging.getLogger(), logging.getLogger("torch")):
-        for handler in logger.handlers:
-            handler.addFilter(keep)
-    logging.lastResort.addFilter(keep)
-
-
 def stop_code(error) -> int:
     """130 / 143 when the ranks stopped on a signal (after saving); 0 for a real failure.
 
@@ -174,28 +134,6 @@ def stop_code(error) -> int:
     return 128 + signal.SIGINT if 128 + signal.SIGINT in stopped else 128 + signal.SIGTERM
 
 
-def _message(failure) -> str:
-    return failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
-
-
-def root_failure(error):
-    """``(rank, failure)`` that caused the others. torchrun's first failure is the earliest by
-    timestamp (whole seconds): a rank whose collective failed because another rank raised
-    (``PeerLostError``) can be first within the same second, so a rank that raised its own error
-    comes before the others (collective failures, deaths by signal); the earliest among equals."""
-
-    def key(item):
-        message = _message(item[1])
-        raised = (
-            exit_code_of(item[1]) > 0
-            and not message.startswith("To enable traceback")
-            and "PeerLostError" not in message
-        )
-        return not raised, item[1].timestamp
-
-    return min(error.failures.items(), key=key)
-
-
 def describe_failure(error, nproc: int) -> str:
     rank, failure = root_failure(error)
     code = exit_code_of(failure)
@@ -205,7 +143,7 @@ def describe_failure(error, nproc: int) -> str:
         how = f"failed with code {code} (then died of {failure.signal_name()} while shutting down)"
     else:
         how = f"exited with code {code}"
-    message = _message(failure)
+    message = failure_message(failure)
     if message.startswith("To enable traceback"):
         message = "see its output above"
     others = [r for r in error.failures if r != rank]
@@ -214,28 +152,6 @@ def describe_failure(error, nproc: int) -> str:
         f"rank {rank} of {nproc} (local rank {failure.local_rank}, pid {failure.pid}) {how}{also}: "
         f"{message.rstrip('.')}. The other ranks were stopped."
     )
-
-
-def record_child_error(exc: BaseException, exit_code: int) -> bool:
-    """Write ``exc`` and the code this rank exits with to its torchelastic error file, so the
-    launcher can name it. Returns whether it was written."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return False
-    try:
-        with open(path, "w") as f:
-            json.dump(
-                {
-                    "message": f"{type(exc).__name__}: {exc}",
-                    "timestamp": int(time.time()),
-                    REPORTED_CODE: exit_code,
-                },
-                f,
-            )
-    except OSError:  # reporting must never hide the error itself
-        print(f"corelooper: could not write {path}", file=sys.stderr)
-        return False
-    return True
 
 
 _launcher_pid: int | None = None

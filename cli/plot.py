@@ -8,36 +8,16 @@ the Agg backend is used, so no display is needed. The panel titles are stored in
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from corelooper.cli.api import read_metrics
 
 from corelooper.errors import ConfigError, DataError
 
 TRAIN_KEYS = ("loss", "learning_rate", "grad_norm")
 # Evaluation numbers that describe speed, not the model.
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "tokens_per_second")
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl" if Path(run_dir).is_dir() else Path(run_dir)
-    if not path.is_file():
-        raise DataError(
-            f"{str(run_dir)!r} has no metrics.jsonl: pass the output_dir of a run (the jsonl plugin "
-            "writes output_dir/metrics.jsonl while training), or the metrics.jsonl file itself."
-        )
-    records = []
-    lines = path.read_text().splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if n == len(lines):
-                continue  # a run still writing: its last line may be cut
-            raise DataError(f"{str(path)!r} line {n} is not JSON: {line[:80]!r}") from None
-    return records
 
 
 def series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:

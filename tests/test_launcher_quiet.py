@@ -104,7 +104,8 @@ def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after
     under a loaded machine). Real torch ProcessFailure objects, read from real error files."""
     import json
 
-    from corelooper.cli.launch import describe_failure, root_failure
+    from corelooper.cli.api import root_failure
+    from corelooper.cli.launch import describe_failure
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     def failure(rank, exitcode, message=None, timestamp=1_000):
@@ -139,7 +140,8 @@ def test_the_code_a_rank_reported_outlives_its_abort_at_exit(tmp_path, monkeypat
     """Both ranks died of SIGABRT: rank 0 after its collective failed, rank 1 after it wrote its
     own error (record_child_error, the real error file). The launcher names rank 1 and exits
     with the code rank 1 reported; a rank killed before reporting anything still gives 7."""
-    from corelooper.cli.launch import launch_error, record_child_error
+    from corelooper.cli.api import record_child_error
+    from corelooper.cli.launch import launch_error
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from corelooper.errors import PluginError

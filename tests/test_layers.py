@@ -151,3 +151,74 @@ def test_the_test_only_plugin_is_not_in_the_environment(thirdparty_plugin):
     assert (
         "third_party_plugin" not in (REPO / "scripts" / "setup").read_text().split("NOT installed here")[-1]
     )
+
+
+def _core_imports(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, module, name) of every import of corelooper in a file, at any depth; ``name`` is
+    None for ``import corelooper.x`` and a module written out in ``import_module("...")``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, node.module, a.name) for a in node.names]
+    found += [(line, mod, None) for line, mod in _dynamic_imports(path)]
+    return [(n, m, a) for n, m, a in found if m == "corelooper" or m.startswith("corelooper.")]
+
+
+def private_imports(path: Path) -> list[str]:
+    """The imports in ``path`` that are not corelooper's public API (docs/plugins.md): a name or
+    module with a leading ``_``, or anything of ``corelooper.cli`` but ``corelooper.cli.api``'s
+    ``__all__``."""
+    from corelooper.cli import api
+
+    bad = []
+    for line, module, name in _core_imports(path):
+        parts = [*module.split("."), *([name] if name else [])]
+        if parts[1:2] == ["cli"]:
+            public = parts[2:3] == ["api"] and (len(parts) == 3 or parts[3] in api.__all__)
+        else:
+            public = not any(p.startswith("_") for p in parts)
+        if not public:
+            bad.append(
+                f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path.name}:{line} "
+                f"imports {module}{f'.{name}' if name else ''}"
+            )
+    return bad
+
+
+def test_plugins_import_only_the_public_api():
+    """Plugins use the hooks, the public Loop API, the public names of the core modules and, of the
+    command line, only ``corelooper.cli.api`` (docs/plugins.md, "The public API")."""
+    files = [f for f in (REPO / "plugins").glob("*/corelooper_*/**/*.py")]
+    assert len(files) > 40
+    assert [bad for f in files for bad in private_imports(f)] == []
+
+
+def test_the_public_cli_api_is_documented():
+    from corelooper.cli import api
+
+    section = (REPO / "docs" / "plugins.md").read_text().split("## The public API", 1)[1].split("\n## ")[0]
+    assert [name for name in api.__all__ if f"`{name}" not in section] == []
+    assert all(callable(getattr(api, name)) or name.endswith("Opt") for name in api.__all__)
+
+
+def test_the_public_api_check_sees_a_private_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from corelooper.cli.api import fail, read_metrics\n"
+        "from corelooper.errors import ConfigError\n"
+        "def command():\n"
+        "    from corelooper.cli.app import fail\n"
+        "    from corelooper.cli.api import say_stopped\n"
+        "    import corelooper.cli.launch\n"
+        "    from corelooper.loop import _private\n"
+        "    from corelooper import cli\n"
+    )
+    assert private_imports(probe) == [
+        "probe.py:4 imports corelooper.cli.app.fail",
+        "probe.py:5 imports corelooper.cli.api.say_stopped",
+        "probe.py:6 imports corelooper.cli.launch",
+        "probe.py:7 imports corelooper.loop._private",
+        "probe.py:8 imports corelooper.cli",
+    ]

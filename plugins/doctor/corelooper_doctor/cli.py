@@ -25,7 +25,7 @@ def add_commands(app) -> None:
         traceback_: Annotated[bool, typer.Option("--traceback")] = False,
     ) -> None:
         """Post-mortem of a run: non-finite steps and the module blamed, spikes, memory, time split, hangs, advice."""
-        from corelooper.cli.app import fail
+        from corelooper.cli.api import fail
 
         try:
             _doctor(run_dir, plot, replay)

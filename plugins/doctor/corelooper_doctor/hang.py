@@ -193,7 +193,7 @@ class Watchdog:
 
     def _record(self, message: str) -> None:
         try:
-            from corelooper.cli.launch import record_child_error
+            from corelooper.cli.api import record_child_error
 
             from corelooper.errors import TrainingError
 

@@ -31,7 +31,7 @@ def _unprefixed(record: dict) -> dict:
 
 
 def collect(run_dir: Path) -> dict:
-    from corelooper.cli.plot import read_metrics
+    from corelooper.cli.api import read_metrics
 
     records = read_metrics(run_dir)
     logs = [_unprefixed(r) for r in records if r.get("event") == "log" and "loss" in r]

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 # At module level: typer resolves the (postponed) annotations in this module's globals.
-from corelooper.cli.app import PluginOpt, SetOpt, TracebackOpt, fail, load_config, split_plugin_options
+from corelooper.cli.api import PluginOpt, SetOpt, TracebackOpt, fail, load_config, split_plugin_options
 
 
 def add_hpo_command(app: typer.Typer) -> None:

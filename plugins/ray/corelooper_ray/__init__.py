@@ -57,7 +57,7 @@ def corelooper_add_commands(app) -> None:
         traceback_: Annotated[bool, typer.Option("--traceback", help="Show the full traceback.")] = False,
     ) -> None:
         """Train CONFIG under Ray Train (TorchTrainer); [ray] sets workers and failure handling."""
-        from corelooper.cli.app import fail, load_config, split_plugin_options
+        from corelooper.cli.api import fail, load_config, split_plugin_options
 
         try:
             blocked, local = split_plugin_options(p)

@@ -120,7 +120,7 @@ def add_commands(app) -> None:
     ) -> None:
         """What differs between two runs (config, versions, plugins, data, git, host, devices), and
         the first logged step where their losses part."""
-        from corelooper.cli.app import fail
+        from corelooper.cli.api import fail
 
         try:
             for line in diff_runs(run_a, run_b):

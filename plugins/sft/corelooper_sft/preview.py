@@ -33,7 +33,7 @@ def register(app) -> None:
         traceback_: Annotated[bool, typer.Option("--traceback", help="Show the full traceback.")] = False,
     ) -> None:
         """Show the first N samples of CONFIG's data as tokenized, masked and packed by [sft]."""
-        from corelooper.cli.app import fail
+        from corelooper.cli.api import fail
 
         try:
             run_preview(config, n, as_json, set_ or [], split)
