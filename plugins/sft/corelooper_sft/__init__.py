@@ -40,6 +40,8 @@ DEFAULTS = {
     "pad_to_multiple_of": None,
     "eval_packing": None,
     "segment_attention": None,  # "auto": segment-wise sdpa on the CPU, the block mask on a GPU (setup.segments_for)
+    "append_eos": False,  # the EOS appended, trained, to every sample not ending with it (eos.py)
+    "weight_column": None,  # a numeric column: its value multiplies the sample's token losses (weighting.py)
 }
 
 
@@ -50,7 +52,13 @@ def corelooper_config_sections():
 
 @hookimpl
 def corelooper_configure(config, plugins):
-    plugins.section_or_inactive(config, SECTION)  # `corelooper plugins --config` says why
+    if plugins.section_or_inactive(config, SECTION) is None:  # `corelooper plugins --config` says why
+        return
+    from .weighting import NAME, SampleWeightedLoss, check_column
+
+    column = check_column(config.section(SECTION).get("weight_column"))
+    if column is not None:
+        plugins.register(SampleWeightedLoss(column), NAME)
 
 
 @hookimpl

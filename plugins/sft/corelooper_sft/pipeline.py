@@ -10,7 +10,7 @@ from typing import Any
 
 from corelooper.errors import DataError
 
-from . import formats
+from . import eos, formats
 from .tokenize import IGNORE, RowTokenizer
 
 logger = logging.getLogger("corelooper.sft")
@@ -116,6 +116,8 @@ class BatchTokenizer:
 
     def __call__(self, batch: Mapping[str, list], indices: list[int]):
         out = _as_table(self._tokenized(batch, indices))  # every batch: one schema
+        if self.rows.append_eos is not None:
+            out = eos.append(out, self.rows.append_eos)
         return out if self.limit is None else self.limit(out)
 
     def _tokenized(self, batch: Mapping[str, list], indices: list[int]):
@@ -411,6 +413,7 @@ def prepare(
     sentence = stats.sentence(int(cfg["max_length"] or 0), cfg["overlong"])
     if sentence:
         logger.warning(sentence)
+    eos.check(ds, tokenizer, cfg, where)  # samples that train no end-of-turn token: one warning
     rows = TokenizedRows(ds, stats)
     return PackedRows(rows, int(cfg["max_length"]), cfg["packing_strategy"], plan) if packing else rows
 

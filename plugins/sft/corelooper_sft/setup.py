@@ -37,6 +37,8 @@ def check(cfg: dict[str, Any]) -> None:
         raise ConfigError(
             "Set sft.packing or sft.padding_free, not both (packed rows are already padding-free)."
         )
+    if not isinstance(cfg["append_eos"], bool):
+        raise ConfigError(f"sft.append_eos must be true or false, got {cfg['append_eos']!r}.")
     if cfg["completion_only_loss"] not in (None, True, False):
         raise ConfigError(
             f"sft.completion_only_loss must be true, false or unset, got {cfg['completion_only_loss']!r}."
@@ -162,6 +164,11 @@ def prepare_data(loop, model, data: dict[str, Any], cfg: dict[str, Any]) -> dict
             )
     if backend.is_main_process:
         backend.wait_for_everyone()
+    if cfg["weight_column"] and "train_dataset" in out:
+        from .weighting import check_weights
+
+        rows = out["train_dataset"]
+        check_weights(getattr(rows, "rows", rows).ds, cfg["weight_column"], f"data.train ({names['train']})")
     collator = data["data_collator"]
     if (
         (cfg["packing"] or cfg["padding_free"])

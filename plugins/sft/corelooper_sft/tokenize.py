@@ -44,6 +44,8 @@ class RowTokenizer:
         self.where = where
         self.template = chat_template or getattr(tokenizer, "chat_template", None)
         self.markers = bool(self.template and _GENERATION.search(self.template))
+        # [sft] append_eos: BatchTokenizer appends it to each sample's ids and labels (eos.append)
+        self.append_eos = tokenizer.eos_token_id if cfg.get("append_eos") else None
 
     def __call__(self, row: dict, index: int) -> dict:
         where = f"{self.where}, sample {index}"

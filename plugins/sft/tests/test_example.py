@@ -85,8 +85,7 @@ def assert_complete_export(merged: Path, base: Path, env: dict) -> None:
     assert tok.apply_chat_template(chat, tokenize=False) == want.apply_chat_template(chat, tokenize=False)
     assert (merged / "generation_config.json").is_file() and GenerationConfig.from_pretrained(merged)
     cfg = tomllib.loads((EXAMPLE / "config.toml").read_text())
-    for section in ("peft", "plugins"):  # the export is a plain model: no adapter, no weighting
-        cfg.pop(section)
+    cfg.pop("peft")  # the export is a plain model: no adapter
     cfg["model"] = {"name_or_path": str(merged)}
     cfg["data"] = {
         "train": str(EXAMPLE / "data" / "chat.jsonl"),
