@@ -28,6 +28,11 @@ evaluation ``eval_token_accuracy`` (``metrics.TokenAccuracy``) unless the run ha
 every training log ``token_accuracy`` (``accuracy.TrainTokenAccuracy``: the logging window's trained
 tokens, counted from the logits of the loss that runs). ``[lm] entropy = true`` adds ``entropy`` (and
 ``eval_entropy``): the mean entropy of the predicted distribution over the same tokens, as TRL logs.
+
+``corelooper lm predict CONFIG`` (``predict_cli``): a checkpoint's model on the evaluation set, one
+JSON line per sample (loss, predicted and target token ids; with ``--generate``, the prompt and
+the text ``model.generate`` continues it with), where ``corelooper predict`` keeps the model's raw
+outputs (an LM's logits over its vocabulary).
 """
 
 from __future__ import annotations
@@ -104,6 +109,13 @@ def corelooper_configure(config, plugins):
         )
         return
     plugins.register(LMLoss(chunked=loss == "chunked", head=head, accuracy=counter), f"{SECTION}.run")
+
+
+@hookimpl
+def corelooper_add_commands(app):
+    from .predict_cli import register
+
+    register(app)  # corelooper lm predict: one record per sample, --generate
 
 
 def others_provide_loss(loop) -> bool:

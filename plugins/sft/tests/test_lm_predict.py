@@ -1,0 +1,106 @@
+"""``corelooper lm predict`` (corelooper-lm) on an [sft] run's evaluation set, through the real CLI:
+one record per sample, its loss the model's own loss on that sample, and with ``--generate`` the
+text HF's ``model.generate`` gives for the chat template's prompt."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sft_fixtures import CHATS, _datasets_cache, model_dir  # noqa: F401 (fixtures)
+
+from corelooper.config import dumps_toml
+
+BIN = Path(sys.executable).parent
+
+
+def write_config(tmp_path, model_dir) -> tuple[Path, list[dict]]:
+    rows = [json.loads(json.dumps(c)) for c in CHATS] * 2
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    cfg = {
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"train": str(data), "eval": str(data)},
+        "train": {"output_dir": str(tmp_path / "run"), "per_device_eval_batch_size": 4, "use_cpu": True},
+        "sft": {"assistant_only_loss": True, "max_length": 0, "padding_free": False},
+    }
+    path = tmp_path / "config.toml"
+    path.write_text(dumps_toml(cfg))
+    return path, rows
+
+
+def lm_predict(config: Path, *args: str, env_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_DATASETS_CACHE": str(env_dir / "cache")}
+    return subprocess.run(
+        [str(BIN / "corelooper"), "lm", "predict", str(config), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_one_record_per_sample_with_its_loss_and_the_generated_text(tmp_path, model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, rows = write_config(tmp_path, model_dir)
+    out = tmp_path / "preds.jsonl"
+    args = ["--checkpoint", str(model_dir), "-o", str(out), "--generate", "--max-new-tokens", "6"]
+    ran = lm_predict(config, *args, env_dir=tmp_path)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    assert f"6 samples written to {out}, one record each" in ran.stdout
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["index"] for r in records] == list(range(6))
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for row, rec in zip(rows, records, strict=True):
+        messages = row["messages"]
+        # the prompt: the conversation up to the first assistant turn, as the chat template renders it
+        first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = tok.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=False)
+        assert rec["prompt"] == prompt
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            want = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )[0, ids.shape[1] :]
+        assert rec["generated_ids"] == want.tolist()
+        assert rec["generated"] == tok.decode(want, skip_special_tokens=True)
+        # the loss: the model's own mean over the sample's trained tokens (assistant turns only)
+        full = tok.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        input_ids = torch.tensor([full["input_ids"]])
+        labels = torch.where(torch.tensor([full["assistant_masks"]]) == 1, input_ids, -100)
+        with torch.no_grad():
+            own = model(input_ids=input_ids, labels=labels)
+        assert rec["loss"] == pytest.approx(own.loss.item(), rel=1e-4)
+        assert rec["tokens"] == int((labels[0, 1:] != -100).sum())
+        assert rec["label_ids"] == labels[0, 1:][labels[0, 1:] != -100].tolist()
+        predicted = own.logits[0, :-1].argmax(-1)[labels[0, 1:] != -100]
+        assert rec["predicted_ids"] == predicted.tolist()
+        assert rec["target"] == tok.decode(rec["label_ids"])
+
+
+def test_bad_options_are_one_paragraph(tmp_path, model_dir):
+    config, _ = write_config(tmp_path, model_dir)
+    ran = lm_predict(
+        config, "--checkpoint", str(model_dir), "-o", str(tmp_path / "p.safetensors"), env_dir=tmp_path
+    )
+    assert (
+        ran.returncode == 2
+        and "corelooper lm predict writes JSON Lines, a file ending in .jsonl" in ran.stderr
+    )
+    assert "Traceback" not in ran.stderr
