@@ -13,7 +13,7 @@ from typing import Any
 
 from .config import Config, resolve_interval
 from .data.loader import batch_rows, count_input_tokens
-from .errors import ConfigError, CorelooperError, DataError, PluginError, explain_failure
+from .errors import ConfigError, CorelooperError, DataError, explain_failure
 
 
 def world_size_now() -> int:
@@ -51,7 +51,7 @@ class Resume:
         if self.directory is None:  # "auto" with no checkpoint yet
             return config
         world = world_size_now()
-        try:
+        with blamed(plugins, " while the Loop was built"):
             settled, _ = plugins.call_provider(
                 "resume_config",
                 config=config,
@@ -61,11 +61,6 @@ class Resume:
                 dataset=lambda: self.dataset(config),
                 announce=int(os.environ.get("RANK", "0")) == 0,
             )
-        except Exception as exc:  # before the Loop exists: name the plugin whose code raised
-            named = explain_failure(exc, plugins, 0, config.train.output_dir)
-            if isinstance(named, PluginError):
-                raise named from exc
-            raise
         if settled is None or settled is config:
             return config
         self.world_size = world
@@ -193,12 +188,10 @@ def count_step(loop, epoch: int, micro_batches: list, step_loss, batches_per_epo
 def failure(loop, exc: BaseException, action: str = "Training") -> BaseException:
     """``on_exception`` of each plugin on its own (one that raises is named, the others still
     run), then the error naming its plugin and hook (or the model)."""
-    from .plugins import call_impl
-
     kwargs = {"loop": loop, "state": loop.state, "control": loop.control, "exception": exc}
     for impl in reversed(loop.plugins.hook.on_exception.get_hookimpls()):  # pluggy's call order
         try:
-            call_impl(impl, kwargs)
+            loop.plugins.call("on_exception", [impl], kwargs)
         except Exception as e:
             logging.getLogger("corelooper").warning(
                 "Plugin %r raised in hook 'on_exception' (%s: %s); the error it was reporting follows.",
@@ -214,6 +207,37 @@ def failure(loop, exc: BaseException, action: str = "Training") -> BaseException
         action,
         user_code={"compute_metrics": loop.compute_metrics_fn},
     )
+
+
+def create_backend(loop):
+    """The ``create_backend`` answer; a second plugin's answer (each asked once, the builtin's
+    default aside) is refused: a run has one backend, and backend plugins need not know each other."""
+    plugins = loop.plugins
+    backend, first = plugins.call_provider("create_backend", loop=loop)
+    for impl in plugins.after("create_backend", first.plugin):
+        if impl.plugin_name != "builtin" and plugins.call("create_backend", [impl], {"loop": loop}, True):
+            names = (first.plugin_name, impl.plugin_name)
+            sections = [f"[{s}]" for n in names for s in plugins.sections_of(n) if s in loop.config.sections]
+            raise ConfigError(
+                f"Two plugins answer create_backend for this config: {names[0]!r} and {names[1]!r}; a "
+                f"run has one backend. Choose one: disable the other (`-p no:{names[1]}` or "
+                f"`-p no:{names[0]}`, or [plugins] disable), or remove the config section that asks "
+                f"for it ({' or '.join(sections) or 'see `corelooper plugins`'})."
+            )
+    return backend
+
+
+@contextmanager
+def blamed(plugins, when: str):
+    """Outside ``train()``/``evaluate()`` (building the Loop, settling a resume): an exception
+    from a plugin's code names the plugin and the hook (``Plugins.blame``)."""
+    try:
+        yield
+    except Exception as exc:
+        found = None if isinstance(exc, CorelooperError) else plugins.blame(exc)
+        if found is None:
+            raise
+        raise plugins.raised(*found, exc, when) from exc
 
 
 @contextmanager

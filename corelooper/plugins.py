@@ -47,17 +47,14 @@ HOOK_ORDER = (*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDE
 KNOWN_HOOKS = frozenset(HOOK_ORDER)
 
 
-def call_impl(impl, kwargs: dict[str, Any]) -> Any:
-    """Call one hook implementation as pluggy's executor does: its arguments picked by name."""
-    try:
-        args = [kwargs[name] for name in impl.argnames]
-    except KeyError as e:
-        raise pluggy.HookCallError(f"hook call must provide argument {e.args[0]!r}") from None
-    return impl.function(*args)
+# Hooks whose implementations corelooper calls each on its own (one that raises must not stop
+# the others, or each is given the previous one's result): a wrapper there has nothing to wrap.
+EACH_ON_ITS_OWN = frozenset({"on_exception", *hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS})
 
 
 class HookManager(pluggy.PluginManager):
-    """As in pytest: a function named like a hook is an implementation, marked or not."""
+    """As in pytest: a function named like a hook is an implementation, marked or not, when the
+    plugin defines it (a function a plugin module imports is none)."""
 
     monitors = 0  # hook-call monitors installed: while there is one, every call goes through pluggy
 
@@ -73,8 +70,10 @@ class HookManager(pluggy.PluginManager):
 
     def parse_hookimpl_opts(self, plugin, name):
         opts = super().parse_hookimpl_opts(plugin, name)
-        if opts is None and name in KNOWN_HOOKS and inspect.isroutine(getattr(plugin, name, None)):
-            opts = {}
+        function = getattr(plugin, name, None)
+        if opts is None and name in KNOWN_HOOKS and inspect.isroutine(function):
+            module = isinstance(plugin, types.ModuleType)
+            opts = None if module and getattr(function, "__module__", None) != plugin.__name__ else {}
         return opts
 
 
@@ -122,6 +121,7 @@ class Plugins:
         try:
             self._check_names(plugin, name)
             refuse_wrappers(name, self._impls(plugin))
+            _refuse_lone_wrappers(name, self._impls(plugin))
         except PluginError:
             self.pm.unregister(plugin)
             raise
@@ -136,7 +136,9 @@ class Plugins:
         """Configure a plugin registered after the run was configured; refuse one whose config
         sections come too late (the config was validated and its defaults merged without them)."""
         impls = dict(self._impls(plugin))
-        if "corelooper_config_sections" in impls and call_impl(impls["corelooper_config_sections"], {}):
+        if "corelooper_config_sections" in impls and self.call_blamed(
+            "corelooper_config_sections", impls["corelooper_config_sections"], {}
+        ):
             self.unregister(name)
             raise PluginError(
                 f"Plugin {name!r} declares config sections (corelooper_config_sections) but was "
@@ -186,7 +188,7 @@ class Plugins:
         errors = []
         for impl in reversed(self.hook.corelooper_unconfigure.get_hookimpls()):
             try:  # every plugin gets to close its things, even after another one failed
-                call_impl(impl, {"config": self.config, "plugins": self})
+                self.call("corelooper_unconfigure", [impl], {"config": self.config, "plugins": self})
             except Exception as e:
                 errors.append(f"{impl.plugin_name!r}: {type(e).__name__}: {e}")
         if errors:
@@ -236,19 +238,48 @@ class Plugins:
     def call_next(self, hook_name: str, after: Any, /, **kwargs) -> tuple[Any, Any]:
         """As ``call_provider``, asking only the providers after plugin object ``after`` (a
         provider that wraps the next one: auto batch size retries the next ``training_step``)."""
+        return self._dispatch(hook_name, self.after(hook_name, after), kwargs)
+
+    def after(self, hook_name: str, plugin: Any) -> list:
+        """The providers of ``hook_name`` asked after plugin object ``plugin``."""
         impls = self._providers(hook_name)
-        mine = next((n for n, impl in enumerate(impls) if impl.plugin is after), None)
+        mine = next((n for n, impl in enumerate(impls) if impl.plugin is plugin), None)
         if mine is None:
-            raise PluginError(f"call_next({hook_name!r}, {after!r}): that object provides no {hook_name!r}.")
-        return self._dispatch(hook_name, impls[mine + 1 :], kwargs)
+            raise PluginError(f"call_next({hook_name!r}, {plugin!r}): that object provides no {hook_name!r}.")
+        return impls[mine + 1 :]
+
+    def sections_of(self, name: str) -> list[str]:
+        """The config sections plugin ``name`` declares (``corelooper_config_sections``)."""
+        info = self.info.get(name)
+        return list(info.sections) if info is not None else []
+
+    def call(self, hook_name: str, impls: list, kwargs: dict[str, Any], firstresult: bool = False) -> Any:
+        """The one way corelooper calls hook implementations (providers one by one, transforms in
+        their order, configure, unconfigure and on_exception each on its own; ``Events`` for the
+        rest): pluggy's executor (``_multicall``) through the manager, so hook-call monitors (a
+        recorder, a timer) see every call and a missing argument is pluggy's ``HookCallError``."""
+        return self.pm._hookexec(hook_name, impls, kwargs, firstresult)
+
+    def call_blamed(self, hook_name: str, impl, kwargs: dict[str, Any]) -> Any:
+        """``call`` of one implementation outside a run's loop (declarations, configure,
+        transforms): an exception is a ``PluginError`` naming the plugin and the hook."""
+        try:
+            return self.call(hook_name, [impl], kwargs, True)
+        except CorelooperError:  # said already (a config error; a missing data file: DataError, exit 4)
+            raise
+        except Exception as e:
+            raise self.raised(impl.plugin_name, hook_name, e) from e
+
+    def raised(self, name: str, hook: str, e: BaseException, when: str = "") -> PluginError:
+        """The error of plugin ``name``'s ``hook`` that raised ``e`` (a per-run object "NAME.run"
+        is disabled through its plugin NAME)."""
+        info = self.info.get(name)
+        return _raised(name, hook, e, when, name.rsplit(".", 1)[0] if info and info.kind == "run" else name)
 
     def _dispatch(self, hook_name: str, impls: list, kwargs: dict) -> tuple[Any, Any]:
         check = CHECKS.get(hook_name)
         for impl in impls:
-            if self.pm.monitors:  # through pluggy's executor, so the monitor (a recorder, a timer) sees it
-                result = self.pm._hookexec(hook_name, [impl], kwargs, True)
-            else:  # what pluggy's executor does for one implementation, without its bookkeeping
-                result = call_impl(impl, kwargs)
+            result = self.call(hook_name, [impl], kwargs, True)
             if result is not None:
                 if check is not None and not check(result, kwargs):
                     raise wrong_result(self, hook_name, impl, result)
@@ -271,10 +302,7 @@ class Plugins:
         out: dict[str, dict[str, Any]] = {}
         for impl in self.hook.corelooper_config_sections.get_hookimpls():
             name = impl.plugin_name
-            try:
-                sections = impl.function() or {}
-            except Exception as e:
-                raise _raised(name, "corelooper_config_sections", e) from e
+            sections = self.call_blamed("corelooper_config_sections", impl, {}) or {}
             if name in self.info:
                 self.info[name].sections = sections
             for section, defaults in sections.items():
@@ -412,8 +440,11 @@ def _register_installed(
         check_report_to(config, [*reporters, *plugins.skipped])
 
 
-def _raised(name: str, hook: str, e: Exception, advice: str = "") -> PluginError:
-    return PluginError(f"Plugin {name!r} raised in hook {hook!r}: {type(e).__name__}: {e}.{advice}")
+def _raised(name: str, hook: str, e: BaseException, when: str = "", base: str | None = None) -> PluginError:
+    return PluginError(
+        f"Plugin {name!r} raised in hook {hook!r}{when}: {type(e).__name__}: {e}. Fix the plugin, "
+        f"or disable it with `-p no:{base or name}`."
+    )
 
 
 def _settings(obj: Any, name: str) -> dict[str, Any]:
@@ -494,14 +525,22 @@ def configure(plugins: Plugins, config: Config) -> None:
 def _configure_one(plugins: Plugins, impl, config: Config) -> None:
     configuring, plugins._configuring = plugins._configuring, True
     try:
-        call_impl(impl, {"config": config, "plugins": plugins})
-    except CorelooperError:  # said already (a config error; a missing data file: DataError, exit 4)
-        raise
-    except Exception as e:
-        advice = f" Fix the plugin, or disable it with `-p no:{impl.plugin_name}`."
-        raise _raised(impl.plugin_name, "corelooper_configure", e, advice) from e
+        plugins.call_blamed("corelooper_configure", impl, {"config": config, "plugins": plugins})
     finally:
         plugins._configuring = configuring
+
+
+def _refuse_lone_wrappers(name: str, impls) -> None:
+    """A wrapper on a hook whose implementations are called each on its own would never wrap
+    anything: refused at registration, as wrappers on providers are."""
+    for hook, impl in impls:
+        if hook in EACH_ON_ITS_OWN and (impl.hookwrapper or impl.wrapper):
+            raise PluginError(
+                f"Plugin {name!r} declares a hook wrapper on {hook!r}; corelooper calls each "
+                f"implementation of {hook!r} on its own (one that raises does not stop the others; a "
+                "transform gets the previous one's result), so there is nothing to wrap. Implement it "
+                "as a plain implementation (hook wrappers work on the other events)."
+            )
 
 
 def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CorelooperError, PluginError
+from .errors import PluginError
 
 MODEL_PATCH = 100  # change the model's own modules in place or swap them (kernels, attention)
 MODEL_WRAP = 200  # wrap the model (PEFT adapters): after every patch of the base model
@@ -38,28 +38,10 @@ def order(number: int) -> Callable:
 
 
 def ordered_impls(plugins, hook_name: str) -> list:
-    """The implementations of ``hook_name`` in their declared order (then by plugin name)."""
+    """The implementations of ``hook_name`` in their declared order (then by plugin name); a
+    wrapper is refused when it registers (there is nothing to wrap)."""
     impls = getattr(plugins.hook, hook_name).get_hookimpls()
-    for impl in impls:
-        if impl.hookwrapper or impl.wrapper:
-            raise PluginError(
-                f"Plugin {impl.plugin_name!r} implements {hook_name} as a hook wrapper: transforms "
-                "are called one after the other with the previous result, there is nothing to wrap. "
-                "Implement it as a plain transform with an order (corelooper.transforms.order)."
-            )
     return sorted(impls, key=lambda i: (getattr(i.function, "order", DEFAULT_ORDER), i.plugin_name))
-
-
-def _call(impl, hook_name: str, kwargs: dict[str, Any]) -> Any:
-    try:
-        return impl.function(*(kwargs[name] for name in impl.argnames))
-    except CorelooperError:
-        raise
-    except Exception as e:
-        raise PluginError(
-            f"Plugin {impl.plugin_name!r} failed in {hook_name}: {type(e).__name__}: {e}. Fix or "
-            f"update the plugin, or disable it (-p no:{impl.plugin_name.split('.')[0]})."
-        ) from e
 
 
 def transform_model(plugins, loop, model):
@@ -67,7 +49,9 @@ def transform_model(plugins, loop, model):
     import torch
 
     for impl in ordered_impls(plugins, "transform_model"):
-        result = _call(impl, "transform_model", {"loop": loop, "config": loop.config, "model": model})
+        result = plugins.call_blamed(
+            "transform_model", impl, {"loop": loop, "config": loop.config, "model": model}
+        )
         if result is None:
             continue
         if not isinstance(result, torch.nn.Module):
@@ -83,7 +67,9 @@ def transform_data(plugins, loop, model, data: dict[str, Any]) -> dict[str, Any]
     """``data`` (``DATA_PARTS``) after every ``transform_data`` implementation, in order."""
     data = dict(data)
     for impl in ordered_impls(plugins, "transform_data"):
-        result = _call(impl, "transform_data", {"loop": loop, "config": loop.config, "model": model, **data})
+        result = plugins.call_blamed(
+            "transform_data", impl, {"loop": loop, "config": loop.config, "model": model, **data}
+        )
         if result is None:
             continue
         unknown = sorted(set(result) - set(DATA_PARTS)) if isinstance(result, dict) else None

@@ -108,12 +108,25 @@ def gloo_thread_states() -> list[str]:
         return ["?"]
 
 
+def to_device(batch, device: torch.device):
+    """``batch`` (tensors, nested in dicts, lists, tuples) on ``device``, without blocking; on the
+    CPU as it is. The one copy every backend uses (``Backend.to_device``)."""
+    if device.type == "cpu":
+        return batch
+    from accelerate.utils import send_to_device
+
+    return send_to_device(batch, device, non_blocking=True)
+
+
 class TorchDistributedCollectives:
     """Ranks and collectives straight over ``torch.distributed``: for the FSDP and DeepSpeed plugins'
     backends, and accelerate's (whose process group it is; its own reduce is the same all_reduce)."""
 
     num_processes: int
     device: torch.device
+
+    def to_device(self, batch):
+        return to_device(batch, self.device)
 
     def _set_rank_attributes(self, on_cuda: bool) -> None:
         """Rank facts from the joined process group; one CUDA device per local rank."""
@@ -238,7 +251,6 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
         ):
             setattr(self, fact, getattr(acc, fact))
         self.mixed_precision = mixed_precision
-        self._on_cpu = self.device.type == "cpu"
         if self.num_processes > 1 and str(acc.distributed_type) == "DistributedType.NO":
             raise RuntimeError("world size > 1 but accelerate did not initialise distributed mode")
 
@@ -257,13 +269,6 @@ class AccelerateBackend(WholeModel, TorchDistributedCollectives):
 
     def prepare_model(self, model):
         return self.accelerator.prepare_model(model, evaluation_mode=True)
-
-    def to_device(self, batch):
-        if self._on_cpu:
-            return batch
-        from accelerate.utils import send_to_device
-
-        return send_to_device(batch, self.device, non_blocking=True)
 
     def no_sync(self, model):
         if self.num_processes == 1:

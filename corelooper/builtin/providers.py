@@ -11,8 +11,7 @@ import weakref
 # What every train() uses is imported with the module, not inside the timed loop.
 from ..data.loader import BatchLoader, sample_lengths
 from ..errors import DataError
-from ..hf.optimizers import create_optimizer as _create_optimizer
-from ..hf.schedules import create_scheduler as _create_scheduler
+from ..hf import optimizers, schedules
 from ..hookspecs import hookimpl
 from ..losses import default_loss
 from ..step import default_training_step
@@ -57,12 +56,12 @@ def create_backend(loop):
 
 @hookimpl(trylast=True)
 def create_optimizer(loop, model):
-    return _create_optimizer(loop, model)
+    return optimizers.create_optimizer(loop, model)
 
 
 @hookimpl(trylast=True)
 def create_scheduler(loop, optimizer, num_training_steps):
-    return _create_scheduler(loop.args, optimizer, num_training_steps)
+    return schedules.create_scheduler(loop.args, optimizer, num_training_steps)
 
 
 # -- data -----------------------------------------------------------------------------------

@@ -88,11 +88,6 @@ class DeepSpeedBackend(TorchDistributedCollectives):
 
     @classmethod
     def from_loop(cls, loop) -> DeepSpeedBackend:
-        if "fsdp" in loop.config.sections:
-            raise ConfigError(
-                "The config has both [fsdp] and [deepspeed] sections: they are two ways to shard "
-                "the same model. Keep one."
-            )
         if getattr(loop.args, "torch_compile", False):
             raise ConfigError(
                 "train.torch_compile = true with [deepspeed]: DeepSpeed wraps the module itself; "
@@ -120,13 +115,6 @@ class DeepSpeedBackend(TorchDistributedCollectives):
         """evaluate()/predict() before train(): the plain module on its device. (A DeepSpeed
         engine cannot be initialised twice on one module, and train() needs the real one.)"""
         return self.unwrap_model(model).to(self.device)
-
-    def to_device(self, batch):
-        if self.device.type == "cpu":
-            return batch
-        from accelerate.utils import send_to_device
-
-        return send_to_device(batch, self.device, non_blocking=True)
 
     def no_sync(self, model):
         return contextlib.nullcontext()  # unmanaged accumulation: backward never reduces early

@@ -77,11 +77,6 @@ class FSDPBackend(TorchDistributedCollectives):
 
     @classmethod
     def from_loop(cls, loop) -> FSDPBackend:
-        if "deepspeed" in loop.config.sections:
-            raise ConfigError(
-                "The config has both [fsdp] and [deepspeed] sections: they are two ways to shard "
-                "the same model. Keep one."
-            )
         if getattr(loop.args, "torch_compile", False):
             raise ConfigError(
                 "train.torch_compile = true with [fsdp]: compile the blocks inside your model "
@@ -152,13 +147,6 @@ class FSDPBackend(TorchDistributedCollectives):
 
     def prepare_model(self, model):
         return self._shard(model) if self.model is None else model
-
-    def to_device(self, batch):
-        if self.device.type == "cpu":
-            return batch
-        from accelerate.utils import send_to_device
-
-        return send_to_device(batch, self.device, non_blocking=True)
 
     @contextlib.contextmanager
     def no_sync(self, model):

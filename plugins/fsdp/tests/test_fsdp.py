@@ -158,12 +158,17 @@ def test_fsdp_is_inert_without_its_section(tmp_path):
     assert ref["backend"] in ("LocalBackend", "AccelerateBackend")  # the builtin
 
 
-def test_fsdp_and_deepspeed_together_are_refused(tmp_path):
+def test_fsdp_and_deepspeed_together_are_refused_by_the_core(tmp_path):
+    """Neither plugin knows the other: the core refuses a second create_backend answer, naming
+    both plugins and how to choose."""
     from corelooper.errors import ConfigError
 
     sections = {"fsdp": {}, "deepspeed": {}}
-    with pytest.raises(ConfigError, match=r"\[fsdp\] and \[deepspeed\]"):
+    with pytest.raises(ConfigError) as e:
         dw.run_one({"sections": sections, "train": {"max_steps": 1, "output_dir": str(tmp_path)}})
+    message = str(e.value)
+    assert "Two plugins answer create_backend for this config: 'deepspeed' and 'fsdp'" in message
+    assert "`-p no:fsdp` or `-p no:deepspeed`" in message and "([deepspeed] or [fsdp])" in message
 
 
 class Payload:
