@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import transforms
+from . import assemble, transforms
 from .assemble import Resume, batch_error, count_step, failure, plan_steps, reported, resume_directory
 from .build import build_collator, build_dataset, build_model
 from .checkpoints import checkpoint
@@ -99,45 +99,46 @@ class Loop:
         )
         self._config = self._plugins.config  # validated, with the plugins' section defaults; final
         self._args, self._hook, self._resume_dir = self._config.train, self._plugins.hook, resume.directory
-        set_seed(self._args.seed)  # before the model is built: same init every run
-        self._model = model if model is not None else build_model(self._plugins, self._config)
-        data = {
-            "train_dataset": resume.dataset(self._config),
-            "eval_dataset": eval_dataset
-            if eval_dataset is not None
-            else build_dataset(self._plugins, self._config, "eval"),
-            "data_collator": data_collator or build_collator(self._config),
-        }
-        self._train_dataset, self._eval_dataset, self._data_collator = data.values()
-        self._compute_metrics_fn = compute_metrics
-        self._state, self._control = LoopState(), Control()
-        self._events = Events(self._plugins, loop=self, state=self._state, control=self._control)
-        self._optimizer = self._scheduler = self._train_loader = self._backend = self._last_step = None
-        self._loss_type, self._is_training, self._num_micro_batches = self._args.loss_type, False, 0
-        # _learning_rate: the rate the last applied optimizer step used (a skipped step applies none)
-        self._learning_rate, self._forward_signature, self._eval_prepared = None, None, False
-        # As TRL wraps a PEFT model before the Trainer creates its Accelerator.
-        self._model = transforms.transform_model(self._plugins, self, self._model)
-        # As HF's Trainer creates its Accelerator: the distributed facts are known from here on.
-        self._backend = self._provide("create_backend")
-        resume.check_world_size(self._backend)
-        s, b = self._state, self._backend
-        s.world_size, s.is_world_process_zero, s.is_local_process_zero = (
-            b.num_processes,
-            b.is_main_process,
-            b.is_local_main_process,
-        )
-        data = transforms.transform_data(self._plugins, self, self._model, data)  # before any loader
-        self._train_dataset, self._eval_dataset, self._data_collator = (
-            data[k] for k in transforms.DATA_PARTS
-        )
-        self._log_window = LogWindow(self._backend.device)
-        self._tokens_seen = TokensSeen("no", None, "input_ids")  # set up by train()
-        on_cpu = self._backend.device.type == "cpu"
-        self._guard = NonFiniteGuard(
-            self._args.on_nonfinite, self._args.max_skipped_steps, deferred=not on_cpu, on_cpu=on_cpu
-        )
-        self._events.fire("on_init_end")
+        with assemble.blamed(self._plugins, " while the Loop was built"):  # create_backend, on_init_end, ...
+            set_seed(self._args.seed)  # before the model is built: same init every run
+            self._model = model if model is not None else build_model(self._plugins, self._config)
+            data = {
+                "train_dataset": resume.dataset(self._config),
+                "eval_dataset": eval_dataset
+                if eval_dataset is not None
+                else build_dataset(self._plugins, self._config, "eval"),
+                "data_collator": data_collator or build_collator(self._config),
+            }
+            self._train_dataset, self._eval_dataset, self._data_collator = data.values()
+            self._compute_metrics_fn = compute_metrics
+            self._state, self._control = LoopState(), Control()
+            self._events = Events(self._plugins, loop=self, state=self._state, control=self._control)
+            self._optimizer = self._scheduler = self._train_loader = self._backend = self._last_step = None
+            self._loss_type, self._is_training, self._num_micro_batches = self._args.loss_type, False, 0
+            # _learning_rate: the rate the last applied optimizer step used (a skipped step applies none)
+            self._learning_rate, self._forward_signature, self._eval_prepared = None, None, False
+            # As TRL wraps a PEFT model before the Trainer creates its Accelerator.
+            self._model = transforms.transform_model(self._plugins, self, self._model)
+            # As HF's Trainer creates its Accelerator: the distributed facts are known from here on.
+            self._backend = assemble.create_backend(self)
+            resume.check_world_size(self._backend)
+            s, b = self._state, self._backend
+            s.world_size, s.is_world_process_zero, s.is_local_process_zero = (
+                b.num_processes,
+                b.is_main_process,
+                b.is_local_main_process,
+            )
+            data = transforms.transform_data(self._plugins, self, self._model, data)  # before any loader
+            self._train_dataset, self._eval_dataset, self._data_collator = (
+                data[k] for k in transforms.DATA_PARTS
+            )
+            self._log_window = LogWindow(self._backend.device)
+            self._tokens_seen = TokensSeen("no", None, "input_ids")  # set up by train()
+            on_cpu = self._backend.device.type == "cpu"
+            self._guard = NonFiniteGuard(
+                self._args.on_nonfinite, self._args.max_skipped_steps, deferred=not on_cpu, on_cpu=on_cpu
+            )
+            self._events.fire("on_init_end")
 
     # -- set-up ----------------------------------------------------------------------------------
     def _setup_train(self):

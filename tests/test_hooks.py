@@ -190,8 +190,9 @@ def test_subset_arguments_and_unmarked_functions(train_args):
 
     seen_logs = logs
     plugin = types.SimpleNamespace(name="plain", on_step_end=on_step_end, on_log=on_log)
-    module = types.ModuleType("plain_module")
-    module.on_train_end = lambda control: steps.append("end")  # a module plugin, unmarked too
+    module = types.ModuleType("plain_module")  # a module plugin, unmarked too, defined in the module
+    module.steps = steps
+    exec("def on_train_end(control):\n    steps.append('end')", vars(module))
     loop = Loop(
         toys.mlp(),
         train_args(max_steps=2, per_device_train_batch_size=8),
