@@ -1,6 +1,7 @@
 """corelooper-slurm: ``corelooper slurm CONFIG --nodes N --gpus-per-node G`` writes and submits an
 sbatch script that runs the config with one torchrun per node (c10d rendezvous on the first
 node), and requeues itself on Slurm's warning signal after every rank has saved a checkpoint.
+``srun corelooper run CONFIG`` in an allocation forms one run of the step's tasks (environment.py).
 
 This module imports neither torch nor corelooper's loop: ``corelooper --help`` loads it.
 """
@@ -22,6 +23,12 @@ __version__ = "0.2.0"
 
 
 def corelooper_add_commands(app) -> None:
+    # The CLI's start, before any command runs: `srun corelooper run ...` in an allocation makes
+    # one distributed run of the step's tasks (environment.py), as torchrun's variables would.
+    from .environment import adopt_srun_environment
+
+    adopt_srun_environment()
+
     @app.command()
     def slurm(
         config: Annotated[Path, typer.Argument(metavar="CONFIG", help="The TOML config file.")],

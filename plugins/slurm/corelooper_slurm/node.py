@@ -18,9 +18,13 @@
     warning signal, a finished run and a failed rank each end in one line per node with every
     rank's exit status — instead of torchrun's ``SignalException`` traceback and srun's "exited
     with code 1" — and in ``STATE_DIR/node-$SLURM_NODEID`` (``finished``, ``stopped`` or
-    ``failed``) for the batch shell. ``STATE_DIR/ready-$SLURM_NODEID`` says the process holds
-    the warning signal (the batch shell passes it on only then). Exits 0 when every rank
-    finished or stopped on the warning signal (so srun reports no error), 1 otherwise.
+    ``failed CODE``: CODE is corelooper's exit code for the rank that failed, 2-6 for a reported
+    error, else 7) for the batch shell, which ends the job with it. ``interrupted`` is a stop signal
+    that came before the ranks could save (start-up: they exit 75 / 76). Every line a rank
+    prints reaches the job log as ``[NODE rank R]: ...`` (torchrun ``--tee 3`` with a line
+    prefix). ``STATE_DIR/ready-$SLURM_NODEID`` says the process holds the warning signal (the batch
+    shell passes it on only then). Exits 0 when every rank finished or stopped on a signal (so
+    srun reports no error), else CODE.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import time
 from pathlib import Path
 
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+#: What a rank exits with when a stop signal comes before training (``corelooper.cli.signals``).
+STARTUP_STOPS = {75, 76}
 
 
 def latest_step(output_dir: Path) -> int:
@@ -55,8 +61,9 @@ def free_port(first: int, tries: int = 100) -> int:
 
 
 def _stop_signals() -> set[int]:
-    """The signals the ranks save and stop on (the script's CORELOOPER_STOP_SIGNALS)."""
-    out = set()
+    """The signals the ranks save and stop on: SIGTERM and SIGINT (always: ``scancel``, a
+    preemption) and the script's CORELOOPER_STOP_SIGNALS (the warning signal)."""
+    out = {int(signal.SIGTERM), int(signal.SIGINT)}
     for name in os.environ.get("CORELOOPER_STOP_SIGNALS", "").split(","):
         sig = getattr(signal, name.strip().upper(), None) if name.strip() else None
         if isinstance(sig, signal.Signals):
@@ -72,6 +79,8 @@ def describe(code: int | None) -> str:
         return f"{code} (killed by {_name(-code)})"
     if code > 128 and code - 128 in _stop_signals():
         return f"{code} (stopped on {_name(code - 128)}, saved)"
+    if code in STARTUP_STOPS:
+        return f"{code} (stopped at start-up, nothing saved)"
     return str(code)
 
 
@@ -83,14 +92,30 @@ def _name(signum: int) -> str:
 
 
 def verdict(codes: dict[int, int | None]) -> str:
-    """``finished`` (every rank 0), ``stopped`` (every rank saved and stopped on the warning
-    signal, or finished) or ``failed``."""
+    """``finished`` (every rank 0), ``stopped`` (every rank saved and stopped on a stop signal,
+    or finished), ``interrupted`` (a stop signal before the ranks could save: start-up, 75 / 76,
+    or one that killed a rank before its handler was in place) or ``failed``."""
     stops = {128 + s for s in _stop_signals()}
     if codes and all(c == 0 for c in codes.values()):
         return "finished"
     if codes and all(c == 0 or c in stops for c in codes.values()):
         return "stopped"
+    unsaved = stops | STARTUP_STOPS | {-s for s in _stop_signals()} | {0}
+    if codes and all(c in unsaved for c in codes.values()):
+        return "interrupted"
     return "failed"
+
+
+def failure_code(error=None) -> int:
+    """corelooper's exit code for a node that failed: the code of the rank that caused it (2-6, a
+    reported error: config, plugin, data, checkpoint, training), else 7 (a rank died otherwise,
+    or the rendezvous failed) -- what ``corelooper run --nproc`` exits with."""
+    if error is None:
+        return 7
+    from corelooper.cli.api import exit_code_of, root_failure
+
+    code = exit_code_of(root_failure(error)[1])
+    return code if 2 <= code <= 6 else 7
 
 
 def _record_shutdown_codes(codes: dict[int, int | None]) -> None:
@@ -147,27 +172,39 @@ def _write(path: Path, text: str) -> None:
         print(f"corelooper-slurm: cannot write {path}: {e.strerror}", file=sys.stderr)
 
 
-def _run_torchrun(argv: list[str]) -> tuple[str, dict[int, int | None], str]:
-    """Run torchrun in this process; returns (verdict, {rank: exit status}, what happened)."""
+def _run_torchrun(argv: list[str]) -> tuple[str, dict[int, int | None], str, int]:
+    """Run torchrun in this process; returns (verdict, {rank: exit status}, what happened, the
+    node's exit code)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args, run
 
+    if not os.environ.get("CORELOOPER_VERBOSE"):  # as `corelooper run --nproc`: the node's line says it
+        from corelooper.cli.api import quiet_launcher_logs
+
+        quiet_launcher_logs()
     codes: dict[int, int | None] = {}
     _record_shutdown_codes(codes)
     try:
         run(parse_args(argv))
-        return "finished", codes, "every rank finished"
+        return "finished", codes, "every rank finished", 0
     except SignalException as e:
         got = f"torchrun got {_name(int(e.sigval))}"
-        return (verdict(codes) if codes else "failed"), codes, got
+        state = verdict(codes) if codes else "interrupted"
+        return state, codes, got, failure_code() if state == "failed" else 0
     except ChildFailedError as e:
         for rank, failure in e.failures.items():
             codes[rank] = failure.exitcode
-        return verdict(codes), codes, "a rank exited"
+        state = verdict(codes)
+        if state != "failed":
+            return state, codes, "a rank exited", 0
+        code = failure_code(e)
+        from corelooper.cli.api import root_failure
+
+        return state, codes, f"rank {root_failure(e)[0]} failed (exit {code})", code
     except RendezvousError as e:
-        return "failed", codes, rendezvous_failure(_endpoint(argv), e)
+        return "failed", codes, rendezvous_failure(_endpoint(argv), e), 7
 
 
 def _endpoint(argv: list[str]) -> str:
@@ -198,6 +235,17 @@ def _rendezvous_host(args: list[str]) -> list[str]:
     return ["--rdzv_conf", f"is_host={int(head == here)}", *args]
 
 
+def _labelled(args: list[str], log_dir: Path) -> list[str]:
+    """Every line a rank prints goes to the job log as ``[NODE rank R]: ...``: torchrun copies the
+    ranks' output (``--tee 3``: stdout and stderr, through files in ``log_dir``, which the batch
+    shell removes with the rest of STATE_DIR) with a prefix naming this node and the rank. The
+    ranks write unbuffered, so the lines keep their order within a rank."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = f"[{node} rank ${{rank}}]: "
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    return ["--tee", "3", "--log-dir", str(log_dir), *args]
+
+
 def node_line(state: str, codes: dict[int, int | None], what: str) -> str:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     cpus = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE") or "?"
@@ -216,10 +264,12 @@ def main(argv: list[str]) -> int:
         node = os.environ.get("SLURM_NODEID") or socket.gethostname()
         _hold_early_signals()
         _write(Path(argv[1]) / f"ready-{node}", "")  # the batch shell may now pass the signal on
-        state, codes, what = _run_torchrun(_rendezvous_host(argv[3:]))
+        state, codes, what, code = _run_torchrun(
+            _labelled(_rendezvous_host(argv[3:]), Path(argv[1]) / f"logs-{node}")
+        )
         print(node_line(state, codes, what), file=sys.stderr, flush=True)
-        _write(Path(argv[1]) / f"node-{node}", state + "\n")
-        return 0 if state in ("finished", "stopped") else 1
+        _write(Path(argv[1]) / f"node-{node}", f"{state} {code}\n" if code else f"{state}\n")
+        return code
     print(
         "usage: python -m corelooper_slurm.node latest OUTPUT_DIR | port FIRST | torchrun STATE_DIR -- ARGS...",
         file=sys.stderr,

@@ -13,8 +13,11 @@ How a preemption or time limit plays out (``--signal=B:USR1@<grace>`` + ``--requ
    ranks' exit status;
 4. the shell requeues the job (``scontrol requeue``) only when this restart wrote a checkpoint
    newer than the one it resumed from, every node stopped cleanly and the job was requeued fewer
-   than ``--max-requeues`` times; otherwise it exits 1 saying why. Requeued, the same command
-   resumes (``--resume-from-checkpoint auto``: the newest checkpoint, else a fresh start).
+   than ``--max-requeues`` times; otherwise it says why and exits with corelooper's code (the
+   README's table): 128 + the signal (138) at ``--max-requeues`` (saved, resumable), 75 when
+   nothing was saved, the failed rank's 2-7. Requeued, the same command resumes
+   (``--resume-from-checkpoint auto``: the newest checkpoint, else a fresh start). SIGTERM
+   (``scancel``) saves the same way and ends the job with 143.
 
 With ``--min-nodes`` below ``--nodes`` a lost node (or its task) does not end the job
 (``--no-kill``, ``srun --kill-on-bad-exit=0 --no-kill``): torchrun's agents on the others
@@ -201,6 +204,7 @@ def render(spec: JobSpec) -> str:
             if spec.cpus_per_task
             else '--cpus-per-task="$SLURM_CPUS_ON_NODE" ',
             max_requeues=spec.max_requeues,
+            resumable=128 + int(getattr(signal, f"SIG{sig}")),
             min_nodes=spec.min if spec.elastic else '"$SLURM_NNODES"',
             elastic=_ELASTIC if spec.elastic else "",
             srun_kill="--kill-on-bad-exit=0 --no-kill" if spec.elastic else "--kill-on-bad-exit=1",
@@ -255,12 +259,17 @@ resumed=$("$python" -m corelooper_slurm.node latest "$output_dir")
 if [ "$resumed" -gt 0 ]; then from="resumed from checkpoint-$resumed"; else from="starting fresh (no checkpoint yet)"; fi
 say "job $SLURM_JOB_ID (restart $restarts) on $SLURM_JOB_NODELIST: $from; rendezvous $head_node:$port"
 rm -rf "$state_dir"
-signalled=0
+signalled=""
 on_signal() {{
-  signalled=1
+  signalled={sig}
   say "SIG{sig}: every rank finishes its step and saves a checkpoint"
 }}
+on_cancel() {{  # scancel, a preemption without the warning: Slurm signals every node's task itself
+  signalled=TERM
+  say "SIGTERM (scancel or a preemption): every rank finishes its step and saves a checkpoint"
+}}
 trap on_signal {sig}
+trap on_cancel TERM
 srun {srun_kill} {srun_cpus}\\
     "$python" -m corelooper_slurm.node torchrun "$state_dir" -- \\
     {torchrun} \\
@@ -270,6 +279,7 @@ while true; do
   wait "$srun_pid"
   status=$?
   kill -0 "$srun_pid" 2>/dev/null || break  # wait returned for the trap: the step still runs
+  [ "$signalled" = {sig} ] || continue  # SIGTERM reaches the nodes from Slurm (and srun) already
   # pass it on once every node's task (with --min-nodes: that many) holds it (a task still
   # starting Python would die of it);
   # srun forwards it to each node's torchrun
@@ -279,31 +289,37 @@ while true; do
   kill -{sig} "$srun_pid" 2>/dev/null
 done
 newest=$("$python" -m corelooper_slurm.node latest "$output_dir")
-states=$(cat "$state_dir"/node-* 2>/dev/null | sort -u | tr '\\n' ' ')
+states=$(cut -d' ' -f1 "$state_dir"/node-* 2>/dev/null | sort -u | tr '\n' ' ')
+failed=$(grep -h '^failed ' "$state_dir"/node-* 2>/dev/null | head -n 1 | cut -d' ' -f2)
 nodes=$(ls "$state_dir" 2>/dev/null | grep -c '^node-')
 for id in "${{!node_names[@]}}"; do
   [ -e "$state_dir/node-$id" ] || say "node ${{node_names[$id]}}: lost; its task ended without a status (killed, or the node failed)"
 done
 rm -rf "$state_dir"
+# The job's exit code is corelooper's (README, exit codes): sacct and scontrol show it.
 if [ "$states" = "finished " ] && [ "$nodes" -ge "$min_nodes" ]; then
   say "finished on $nodes of $SLURM_NNODES nodes (newest checkpoint-$newest)"
   exit 0
 fi
-if [ "$signalled" = 0 ]; then
-  say "not requeueing: the run ended without the warning signal (node states: ${{states:-none}}; srun exit $status)"
-  exit "$(( status == 0 ? 1 : status ))"
+if [ -n "$failed" ] || [ "$nodes" -lt "$min_nodes" ]; then
+  say "not requeueing: a node failed or was lost (node states: ${{states:-none }}from $nodes of $SLURM_NNODES nodes, at least $min_nodes needed; srun exit $status); exit ${{failed:-7}}"
+  exit "${{failed:-7}}"
+fi
+if [ "$newest" -le "$resumed" ] && [ "$signalled" = TERM ]; then
+  say "cancelled before this restart saved a step (newest checkpoint-$resumed); exit 75"
+  exit 75
 fi
 if [ "$newest" -le "$resumed" ]; then
-  say "not requeueing: this restart wrote no checkpoint newer than checkpoint-$resumed (the signal came before a step was saved)"
-  exit 1
+  say "not requeueing: this restart wrote no checkpoint newer than checkpoint-$resumed (the signal came before a step was saved); exit 75"
+  exit 75
 fi
-if [ "$nodes" -lt "$min_nodes" ] || [[ "$states" == *failed* ]]; then
-  say "not requeueing: a node did not save and stop cleanly (node states: ${{states:-none}}, from $nodes of $SLURM_NNODES nodes; at least $min_nodes needed)"
-  exit 1
+if [ "$signalled" != {sig} ]; then
+  say "cancelled: checkpoint-$newest saved; resume with the same command (a new job resumes it); exit 143"
+  exit 143
 fi
 if [ "$restarts" -ge {max_requeues} ]; then
-  say "not requeueing: --max-requeues {max_requeues} reached (restart $restarts); resume with the same command: checkpoint-$newest"
-  exit 1
+  say "not requeueing: --max-requeues {max_requeues} reached (restart $restarts); checkpoint-$newest saved: resume with the same command; exit {resumable}"
+  exit {resumable}
 fi
 say "requeueing job $SLURM_JOB_ID: checkpoint-$newest is newer than checkpoint-$resumed (requeue $(( restarts + 1 )) of at most {max_requeues})"
 scontrol requeue "$SLURM_JOB_ID"

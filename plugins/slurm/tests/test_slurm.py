@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,6 +70,8 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.mark.cluster
+@pytest.mark.distributed
 def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(slurm, tmp_path):
     (tmp_path / "slow.py").write_text(SLOW)
     config = write_config(tmp_path / "job.toml", tmp_path / "job")
@@ -137,6 +140,14 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     assert "corelooper-slurm: finished on 1 of 1 nodes (newest checkpoint-" in second
     for noise in ("SignalException", "Traceback", "srun: error"):  # one line per node instead
         assert noise not in log, log[-3000:]
+    assert f"[localhost rank 0]: corelooper: stopped at step {stopped_at}" in first, first[-3000:]
+    assert_every_line_is_labelled(log)
+    # Slurm's own line where the script's `scontrol requeue` ended the allocation (docs/clusters.md)
+    assert re.search(
+        rf"^slurmstepd(-localhost)?: error: \*\*\* JOB {job_id} ON localhost CANCELLED AT \S+ DUE TO JOB REQUEUE \*\*\*$",
+        first,
+        re.M,
+    ), first[-3000:]
     saved = json.loads((tmp_path / "job" / ".corelooper-slurm-save.json").read_text())
     assert (tmp_path / "job" / saved["checkpoint"]).is_dir() and 0 < saved["save_seconds"] < 60, saved
 
@@ -151,6 +162,15 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     assert not torch.equal(
         final["net.0.weight"], load_file(str(checkpoints[0] / "model.safetensors"))["net.0.weight"]
     )
+
+
+def assert_every_line_is_labelled(log: str) -> None:
+    """Every line of the job log names where it comes from: the batch script's and each node's
+    ``corelooper-slurm:`` lines, a rank's ``[NODE rank R]: ...``, or Slurm's own ``slurmstepd`` line
+    when the job is requeued or cancelled (docs/clusters.md)."""
+    label = re.compile(r"^(corelooper-slurm: |\[\S+ rank \d+\]: |slurmstepd(-\S+)?: error: \*\*\* JOB )")
+    bare = [line for line in log.splitlines() if line.strip() and not label.match(line)]
+    assert not bare, bare
 
 
 def _submit(slurm, tmp_path: Path, *extra: str) -> tuple[str, Path]:
@@ -182,6 +202,8 @@ def _ended(slurm, job_id: str, log: Path) -> tuple[dict[str, str], str]:
     return slurm.job(job_id), log.read_text()
 
 
+@pytest.mark.cluster
+@pytest.mark.distributed
 def test_a_signal_during_start_up_ends_the_job_instead_of_requeueing_it(slurm, tmp_path):
     """The issue's loop: a warning signal that lands before a step is saved requeued a job that
     then made no progress, again and again. Now: no newer checkpoint, no requeue, the reason."""
@@ -192,15 +214,18 @@ def test_a_signal_during_start_up_ends_the_job_instead_of_requeueing_it(slurm, t
     )
     assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
     job, log = _ended(slurm, job_id, log_path)
-    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "1:0"), (job, log)
+    # 75: stopped by a signal before anything was saved (README's exit codes), as sacct shows it
+    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "75:0"), (job, log)
     assert (
         "not requeueing: this restart wrote no checkpoint newer than checkpoint-0 (the signal came "
-        "before a step was saved)" in log
+        "before a step was saved); exit 75" in log
     ), log
-    assert "corelooper-slurm: node localhost" in log and ": failed; " in log, log
+    assert "corelooper-slurm: node localhost" in log and ": interrupted; torchrun got SIGUSR1" in log, log
     assert not list((tmp_path / "job").glob("checkpoint-*"))
 
 
+@pytest.mark.cluster
+@pytest.mark.distributed
 def test_a_job_requeued_max_requeues_times_ends_with_the_reason(slurm, tmp_path):
     (tmp_path / "slow.py").write_text(SLOW)
     job_id, log_path = _submit(slurm, tmp_path, "--max-requeues", "0", "-p", str(tmp_path / "slow.py"))
@@ -212,14 +237,48 @@ def test_a_job_requeued_max_requeues_times_ends_with_the_reason(slurm, tmp_path)
     )
     assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
     job, log = _ended(slurm, job_id, log_path)
-    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "1:0"), (job, log)
+    # 138 = 128 + SIGUSR1: stopped on the warning signal after saving, resumable (README's exit codes)
+    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "138:0"), (job, log)
     step = int(next((tmp_path / "job").glob("checkpoint-*")).name.split("-")[1])
     assert 2 <= step < STEPS
     assert (
-        f"not requeueing: --max-requeues 0 reached (restart 0); resume with the same command: "
-        f"checkpoint-{step}"
+        f"not requeueing: --max-requeues 0 reached (restart 0); checkpoint-{step} saved: resume with "
+        "the same command; exit 138"
     ) in log, log
     assert ": stopped; torchrun got SIGUSR1; rank 0: 138 (stopped on SIGUSR1, saved)" in log, log
+
+
+@pytest.mark.cluster
+@pytest.mark.distributed
+def test_scancel_saves_a_checkpoint_and_says_cancelled(slurm, tmp_path):
+    """issue 48: a plain `scancel` (SIGTERM to the batch shell and to every node's task) was logged
+    as "failed". Every rank finishes its step and saves; each node says it stopped on SIGTERM; the
+    script says "cancelled: checkpoint-N saved" and exits 143 (README's exit codes)."""
+    (tmp_path / "slow.py").write_text(SLOW)
+    job_id, log_path = _submit(slurm, tmp_path, "-p", str(tmp_path / "slow.py"))
+    metrics = tmp_path / "job" / "metrics.jsonl"
+    slurm.wait_for(
+        "the job did not train 2 steps",
+        lambda: metrics.exists() and metrics.read_text().count('"loss"') >= 2,
+        120,
+    )
+    assert slurm.run("scancel", job_id).returncode == 0
+    slurm.wait_for("the job did not end", lambda: slurm.job(job_id).get("JobState") == "CANCELLED", 120)
+    slurm.wait_for("the log did not end", lambda: "corelooper-slurm: cancelled" in log_path.read_text(), 60)
+    slurm.wait_for("no exit code", lambda: slurm.job(job_id).get("ExitCode") != "0:0", 60)
+    job, log = slurm.job(job_id), log_path.read_text()
+    step = int(next((tmp_path / "job").glob("checkpoint-*")).name.split("-")[1])
+    assert 2 <= step < STEPS and (job["Restarts"], job["ExitCode"]) == ("0", "143:0"), (job, log)
+    assert "SIGTERM (scancel or a preemption): every rank finishes its step and saves a checkpoint" in log
+    assert (
+        ": stopped; torchrun got SIGTERM; rank 0: 143 (stopped on SIGTERM, saved), "
+        "rank 1: 143 (stopped on SIGTERM, saved)"
+    ) in log, log
+    assert (
+        f"corelooper-slurm: cancelled: checkpoint-{step} saved; resume with the same command (a new job "
+        "resumes it); exit 143"
+    ) in log, log
+    assert "failed" not in log and "Traceback" not in log, log
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -488,11 +547,11 @@ def test_a_held_rendezvous_port_is_one_line_not_a_traceback(tmp_path):
             text=True,
             timeout=120,
         )
-    assert out.returncode == 1, out.stderr
+    assert out.returncode == 7, out.stderr  # a rank never ran: corelooper's "died otherwise"
     assert (
         f"corelooper-slurm: node n1 (2 CPUs): failed; the rendezvous port {port} on localhost is held by "
         "another program (EADDRINUSE): give `corelooper slurm --port` a free one, or leave it out to have "
         "one picked; no rank exit status"
     ) in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "the ranks never start" not in out.stderr, out.stderr
-    assert (tmp_path / "state" / "node-0").read_text() == "failed\n"
+    assert (tmp_path / "state" / "node-0").read_text() == "failed 7\n"

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import slurm_cluster  # noqa: E402
-from test_slurm import SLOW, STEPS, _losses, base_env, corelooper  # noqa: E402
+from test_slurm import REPO, SLOW, STEPS, _losses, assert_every_line_is_labelled, base_env, corelooper  # noqa: E402
 from test_slurm import write_config as write_slurm_config  # noqa: E402
 
 sys.path.insert(0, str(HERE.parents[2] / "tests"))  # the 2 -> 1 reference of tests/test_node_lost.py
@@ -29,6 +29,7 @@ from cluster_task import max_diff, write_config  # noqa: E402
 from test_node_lost import RESUMED  # noqa: E402
 
 LOST_STEPS = 24
+pytestmark = [pytest.mark.cluster, pytest.mark.distributed]  # a two-node Slurm; every job forms a group
 
 # The jobs reach their first node (in Slurm's sorted node list) by its name, the rendezvous
 # endpoint: this machine's hostname. The second node's name is only Slurm's (slurmd is reached at
@@ -104,7 +105,56 @@ def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
         assert f"corelooper-slurm: node {node} (" in log and "): finished; every rank finished" in log, log
     assert log.count("): finished; every rank finished") == 2, log
     assert "x 2 processes" in log, log  # one job of world size 2, not two runs of 1
+    assert f"[{HEAD} rank 0]: " in log, log  # rank 0 speaks, labelled with its node
+    assert_every_line_is_labelled(log)
 
+    ref = corelooper(
+        "run",
+        str(write_slurm_config(tmp_path / "ref.toml", tmp_path / "ref")),
+        "--nproc",
+        "2",
+        "-p",
+        "no:tensorboard",
+        env=base_env(tmp_path),
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    final, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("job", "ref"))
+    assert max((final[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    got, expected = (_losses(tmp_path / d / "metrics.jsonl") for d in ("job", "ref"))
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert max(abs(got[s] - expected[s]) for s in expected) <= 1e-5
+
+
+SRUN_JOB = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --output={output}
+{python} -c "import os; from corelooper_slurm.environment import srun_environment as e; print('batch:', e(os.environ))"
+srun --kill-on-bad-exit=1 {python} -m corelooper run {config} -p no:tensorboard
+"""
+
+
+def test_srun_corelooper_run_in_an_allocation_is_one_run_of_its_tasks(slurm2, tmp_path):
+    """issue 48: `srun corelooper run` started one 1-process run per task, and the run lock refused
+    the second. Now each task is a rank (SLURM_PROCID of SLURM_STEP_NUM_TASKS, the first node of
+    the step's node list hosting the store): one run of world size 2 whose weights and losses equal
+    `corelooper run --nproc 2`'s."""
+    config = write_slurm_config(tmp_path / "job.toml", tmp_path / "job")
+    script = tmp_path / "srun.sbatch"
+    script.write_text(SRUN_JOB.format(output=tmp_path / "srun-%j.out", python=sys.executable, config=config))
+    submitted = slurm2.run("sbatch", "--parsable", f"--chdir={REPO}", str(script))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    slurm2.wait_for(
+        "the job did not end", lambda: slurm2.job(job_id).get("JobState") in ("COMPLETED", "FAILED"), 240
+    )
+    job, log = slurm2.job(job_id), (tmp_path / f"srun-{job_id}.out").read_text()
+    assert (job["JobState"], job["ExitCode"], job["NodeList"]) == ("COMPLETED", "0:0", f"{HEAD},{SECOND}"), (
+        job,
+        log,
+    )
+    assert "x 2 processes" in log and "already holds a run" not in log, log
+    assert "batch: {}" in log, log  # the batch script itself (2 tasks allocated) is no rank
     ref = corelooper(
         "run",
         str(write_slurm_config(tmp_path / "ref.toml", tmp_path / "ref")),
