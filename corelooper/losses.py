@@ -13,7 +13,7 @@
 * With ``label_smoothing_factor`` (and for models that return logits only) the loss is computed
   here from the logits: the summed item losses (cross-entropy, causal-LM with the one-token
   shift, or MSE for float labels) divided by ``num_items_in_batch``, or by this batch's own
-  item count when the step does not need it.
+  item count when the step does not need it; with smoothing, as HF's ``LabelSmoother`` computes it.
 * A ``compute_loss`` plugin that does not take ``num_items_in_batch`` returns a mean: the step
   divides it by the number of micro-batches (corelooper/step.py).
 
@@ -80,25 +80,30 @@ def predictions_of(outputs):
     return kept[0] if len(kept) == 1 else tuple(kept)
 
 
-def summed_loss(
-    logits: torch.Tensor, labels: torch.Tensor, loss_type: str, label_smoothing: float = 0.0
-) -> torch.Tensor:
-    """Sum (not mean) of the item losses, so the caller can normalise over a whole step.
-
-    ``label_smoothing`` (HF's ``label_smoothing_factor``): each item's loss is
-    ``(1 - eps) * nll + eps * mean over classes of -log p``, as HF's ``LabelSmoother``.
-    """
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """Sum (not mean) of the item losses, so the caller can normalise over a whole step."""
     if loss_type == "mse":
         return F.mse_loss(logits.float().view_as(labels), labels.float(), reduction="sum")
     if loss_type == "causal_lm":
         logits, labels = logits[..., :-1, :], labels[..., 1:]
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        labels.reshape(-1).long(),
-        ignore_index=-100,
-        reduction="sum",
-        label_smoothing=label_smoothing,
-    )
+    logits, labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).long()
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+def smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool, epsilon: float, num_items):
+    """HF's ``LabelSmoother`` (label_smoothing_factor), term for term: ``(1 - eps) * nll + eps *
+    mean over classes of -log p``, each of the two sums divided by ``num_items`` apart. The same
+    value as ``F.cross_entropy(label_smoothing=eps)`` summed and divided, but that fused kernel
+    rounds differently: after a few steps the weights were 2e-6 to 1e-5 from HF's; these
+    operations in HF's order give its weights bit for bit (tests/test_hf_differences.py).
+    The logits are upcast to float32 first (HF takes log_softmax in the model's dtype)."""
+    if causal:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    log_probs, labels = -F.log_softmax(logits.float(), dim=-1), labels.long().unsqueeze(-1)
+    padding = labels.eq(-100)
+    nll = log_probs.gather(dim=-1, index=labels.clamp(min=0)).masked_fill_(padding, 0.0).sum()
+    smoothed = log_probs.sum(dim=-1, keepdim=True, dtype=torch.float32).masked_fill_(padding, 0.0).sum()
+    return (1 - epsilon) * (nll / num_items) + epsilon * (smoothed / (num_items * log_probs.shape[-1]))
 
 
 def reads_num_items(loop, batch, whole_step: bool) -> bool:
@@ -144,13 +149,16 @@ def default_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
             "implement the compute_loss hook in a plugin."
         )
     logits = logits_of(outputs)
-    try:
-        total = summed_loss(logits, labels, loop.loss_type, smoothing)
-    except Exception as e:  # labels that do not fit the logits: the column named (exit 4)
-        raise_for_batch(loop, model, {"labels": labels}, e, logits.shape[-1] if logits.dim() else None)
-        raise
     if num_items_in_batch is None:
         counted = labels[..., 1:] if loop.loss_type == "causal_lm" else labels  # after the shift
         num_items_in_batch = (counted != -100).sum() if loop.loss_type != "mse" else labels.numel()
-    loss = total / num_items_in_batch
+    try:
+        loss = (
+            smoothed_loss(logits, labels, loop.loss_type == "causal_lm", smoothing, num_items_in_batch)
+            if smoothing
+            else summed_loss(logits, labels, loop.loss_type) / num_items_in_batch
+        )
+    except Exception as e:  # labels that do not fit the logits: the column named (exit 4)
+        raise_for_batch(loop, model, {"labels": labels}, e, logits.shape[-1] if logits.dim() else None)
+        raise
     return (loss, outputs) if return_outputs else loss
