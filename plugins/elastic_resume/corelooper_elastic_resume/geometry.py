@@ -120,7 +120,7 @@ def settle(config, plugins, directory, world_size: int, dataset, announce: bool)
         )
         data = dataset()
         if not _is_iterable(data):  # a stream's length is unknown (docs/clusters.md says what differs)
-            _warn_if_epoch_end_differs(len(data), saved, new, config.train, _read_state(directory) or {})
+            _warn_if_epoch_end_differs(len(data), saved, new, config.train)
     if (new.per_device, new.accumulation) == (
         config.train.per_device_train_batch_size,
         config.train.gradient_accumulation_steps,
@@ -171,7 +171,7 @@ def steps_per_epoch(n: int, geometry: Geometry, drop_last: bool) -> int:
     return math.ceil(micro / geometry.accumulation)
 
 
-def _warn_if_epoch_end_differs(n: int, saved: Geometry, new: Geometry, args, state: dict[str, Any]) -> None:
+def _warn_if_epoch_end_differs(n: int, saved: Geometry, new: Geometry, args) -> None:
     """Full global batches are the same samples on any world size; a last, short one of an
     epoch is padded (or dropped, ``dataloader_drop_last``) per micro-batch across ranks. With
     ``drop_last`` the steps of an epoch, and so the plan, can change: the warning names it."""
@@ -196,10 +196,13 @@ def _warn_if_epoch_end_differs(n: int, saved: Geometry, new: Geometry, args, sta
             stacklevel=3,
         )
         return
-    total_before = int(state.get("max_steps") or 0)
     epochs = getattr(args, "num_train_epochs", 1)
-    total_after = args.max_steps if args.max_steps > 0 else math.ceil(epochs * after)
-    total = f"{total_before} -> {total_after} steps, " if total_before and total_before != total_after else ""
+    total_before, total_after = (
+        (args.max_steps, args.max_steps)
+        if args.max_steps > 0
+        else (math.ceil(epochs * s) for s in (before, after))
+    )
+    total = f"{total_before} -> {total_after} steps, " if total_before != total_after else ""
     warnings.warn(
         f"Resuming on {new.world_size} processes changes the plan: {total}{before} -> {after} steps per "
         f"epoch. The global batch is kept ({saved.global_batch} samples per step), but {why}: with "

@@ -191,3 +191,27 @@ def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(
     )
     loop.train()
     assert loop.config is config and loop.state.global_step == 8
+
+
+def test_a_resume_that_changes_the_plan_says_so_with_the_steps_and_why(run_loop, make_loop, tmp_path):
+    """64 samples, 7 per device, train.dataloader_drop_last: saved on "2 processes" an epoch is 4
+    micro-batches of 14 (4 steps), resumed on 1 it is 9 of 7 in steps of 2 (5 steps): two epochs
+    go from 8 to 10 steps, and the warning says so when the Loop settles its config."""
+    args = {"per_device_train_batch_size": 7, "dataloader_drop_last": True, "max_steps": -1}
+    run_loop(num_train_epochs=2, **args)
+    claim_two_processes(tmp_path / "run" / "checkpoint-4")
+    elastic = [corelooper_elastic_resume]
+    with pytest.warns(UserWarning) as said:
+        loop = make_loop(
+            elastic, num_train_epochs=2, resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"), **args
+        )
+    (message,) = [str(w.message) for w in said if "changes the plan" in str(w.message)]
+    assert message.startswith(
+        "Resuming on 1 processes changes the plan: 8 -> 10 steps, 4 -> 5 steps per epoch. "
+        "The global batch is kept (14 samples per step), but the training set (64 samples) is not a "
+        "whole number of global batches of 14, and an epoch has 4 micro-batches of 14 samples (the "
+        "short one dropped) on 2 processes, 9 micro-batches of 7 samples (the short one dropped) on 1"
+    )
+    assert message.endswith("resume on 2 processes or set train.max_steps = 8.")
+    loop.train()
+    assert loop.state.max_steps == 10 and loop.state.steps_per_epoch == 5

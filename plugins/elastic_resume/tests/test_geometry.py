@@ -45,7 +45,7 @@ def test_a_short_last_step_of_the_epoch_is_named():
 
     args = SimpleNamespace(dataloader_drop_last=False, max_steps=0, num_train_epochs=2)
     with pytest.warns(UserWarning) as got:
-        _warn_if_epoch_end_differs(60, Geometry(2, 4, 1), Geometry(1, 4, 2), args, {"max_steps": 16})
+        _warn_if_epoch_end_differs(60, Geometry(2, 4, 1), Geometry(1, 4, 2), args)
     (message,) = [str(w.message) for w in got]
     assert "Resuming on 1 processes (saved on 2)" in message
     assert "(60 samples) is not a whole number of global batches of 8" in message
@@ -56,7 +56,7 @@ def test_a_short_last_step_of_the_epoch_is_named():
     assert "The plan is unchanged (8 steps per epoch)" in message and "last, short step" in message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_if_epoch_end_differs(64, Geometry(2, 4, 1), Geometry(1, 4, 2), args, {"max_steps": 16})
+        _warn_if_epoch_end_differs(64, Geometry(2, 4, 1), Geometry(1, 4, 2), args)
 
 
 def test_a_change_of_plan_names_the_steps_before_and_after_and_why():
@@ -69,7 +69,7 @@ def test_a_change_of_plan_names_the_steps_before_and_after_and_why():
     assert (steps_per_epoch(100, saved, True), steps_per_epoch(100, new, True)) == (8, 9)
     args = SimpleNamespace(dataloader_drop_last=True, max_steps=0, num_train_epochs=7)
     with pytest.warns(UserWarning) as got:
-        _warn_if_epoch_end_differs(100, saved, new, args, {"max_steps": 56})
+        _warn_if_epoch_end_differs(100, saved, new, args)
     (message,) = [str(w.message) for w in got]
     assert message.startswith(
         "Resuming on 2 processes changes the plan: 56 -> 63 steps, 8 -> 9 steps per epoch."
