@@ -84,8 +84,8 @@ def test_sft_best_is_the_best_documented_row_and_goals_are_judged_on_intervals(c
         "trl_grouped": [140, 150, 145, 150, 140],
         "trl_padding_free": [120, 125, 118, 121, 119],
         "trl_padding_free_seg": [200, 210, 190, 205, 195],
-        "hf_flattening": [190, 200, 195, 205, 185],
-        "raw_padding_free": [280, 280, 275, 285, 290],
+        "hf_flattening": [240, 240, 235, 245, 230],
+        "raw_padding_free": [290, 290, 285, 295, 300],
     }
     runs = {
         m: [
@@ -109,11 +109,13 @@ def test_sft_best_is_the_best_documented_row_and_goals_are_judged_on_intervals(c
     out = capsys.readouterr().out
     trl = goals["corelooper_leak_free_over_trl_best"]
     assert trl["theirs"] == "trl_grouped"  # not the *_seg row: that is corelooper's kernel, not TRL's setting
-    assert trl["verdict"] == "met" and trl["ci95"][0] >= 2.0
+    assert trl["verdict"] == "met" and trl["ci95"][0] >= 1.5 and trl["window"] == "steady state"
     assert goals["over_trl_best_incl_same_kernel"]["theirs"] == "trl_padding_free_seg"
-    assert goals["corelooper_leak_free_over_hf_best"]["verdict"] == "inconclusive"  # 1.46-1.63: across 1.5
-    assert goals["corelooper_leak_free_over_hand_written"]["verdict"] == "NOT met"  # 1.02-1.11: all under 1.2
-    assert "goal corelooper_leak_free_over_hf_best: " in out and "(goal >= 1.5: inconclusive)" in out
+    assert goals["corelooper_leak_free_over_hf_best"]["verdict"] == "inconclusive"  # 1.23-1.29: across 1.25
+    assert goals["corelooper_leak_free_over_hand_written"]["verdict"] == "NOT met"  # 0.98-1.07: all under 1.1
+    assert "whole_call_over_hf_best" in goals  # the whole call's ratio, printed beside the goal line
+    assert "goal corelooper_leak_free_over_hf_best: " in out
+    assert "in the steady state" in out and "(regression floor >= 1.25: inconclusive)" in out
 
 
 def test_the_per_step_ratio_compares_the_same_steps_and_shrugs_off_a_slow_phase(capsys):
@@ -514,3 +516,112 @@ def test_a_speed_ratio_splits_into_work_and_flop_rate():
         flop_rate_ratio=0.933,
         at_hand_written_flop_rate=1.375,
     )
+
+
+def large_vocab():
+    """benchmarks/large_vocab's run.py and analysis.py (their folder and benchmarks/sft on the path)."""
+    for folder in ("sft", "large_vocab"):
+        if str(BENCH / folder) not in sys.path:
+            sys.path.insert(0, str(BENCH / folder))
+    import analysis
+    import run
+
+    return run, analysis
+
+
+def test_large_vocab_goals_are_judged_against_the_work_the_flop_counts_allow(capsys):
+    """corelooper's steady speed over a peer's, as a share of the peer's FLOPs over its own: met
+    only when the interval of that share clears 0.95; memory, floor, eval-loss and headroom goals
+    from their figures. No timings: the speeds are made up."""
+    run, analysis = large_vocab()
+    speeds = {
+        "hf_flattening": [100, 102, 98, 101, 99],
+        "trl_padding_free": [80, 82, 79, 81, 80],
+        "raw_padding_free": [100, 101, 99, 100, 100],
+        "cl_padding_free": [160, 163, 157, 161, 159],
+    }
+    gflop = {"hf_flattening": 163, "trl_padding_free": 215, "raw_padding_free": 163, "cl_padding_free": 100}
+    runs = {
+        m: [
+            dict(
+                method=m,
+                seed=r,
+                trained_tok_per_s=v * 0.9,
+                trained_tok_per_s_steady=v,
+                eval_loss=5.0 * (1 + (2e-4 if m == "cl_padding_free" else 0)),
+                padding_share=0.0,
+                positions_computed=100,
+                trained_tokens=60,
+                optimizer_steps=4,
+                same_trained_tokens=True,
+                peak_rss_self_mib=2000,
+                peak_rss_mib=2100,
+            )
+            for r, v in enumerate(vs)
+        ]
+        for m, vs in speeds.items()
+    }
+    counts = {m: {"flops": {"total": g * 1e9, "attention": 1e9, "uncounted": []}} for m, g in gflop.items()}
+    mem = {"hf_flattening": {"activation_mib": 14000}, "cl_padding_free": {"activation_mib": 8400}}
+    rows = analysis.table(runs, counts, mem)
+    assert {r["method"]: r.get("best_of") for r in rows}["trl_padding_free"] == "trl"
+    room = {
+        "hf_flattening": dict(tokens=3584, at_limit=False),
+        "trl_padding_free": dict(tokens=8192, at_limit=False),
+        "cl_padding_free": dict(tokens=5888, at_limit=False),
+    }
+    goals = analysis.judge(rows, runs, {"flops": 98e9}, room)
+    out = capsys.readouterr().out
+    hf = goals["work_limit_over_hf_flattening"]
+    assert hf["flop_ratio_allows"] == 1.63 and hf["verdict"] == "met"  # 1.60 / 1.63 = 0.98
+    assert goals["work_limit_over_trl_padding_free"]["verdict"] == "NOT met"  # 2.0 / 2.15 = 0.93
+    assert goals["floor"]["excess"] == 0.0204 and goals["floor"]["verdict"] == "met"
+    assert goals["activation_memory"]["ratio"] == 1.67 and goals["activation_memory"]["verdict"] == "NOT met"
+    assert goals["eval_loss"]["verdict"] == "met"  # 2e-4 relative
+    assert goals["headroom_over_hf_flattening"]["ratio"] == 1.64
+    assert goals["headroom_over_hf_flattening"]["verdict"] == "NOT met"
+    assert "goal work_limit_over_hf_flattening: steady 1.6x (whole call 1.6x) of the 1.63x" in out
+    assert "(goal >= 5.0: NOT met)" in out
+
+
+def test_the_large_vocab_floor_is_the_every_position_count_less_the_untrained_heads():
+    """run.exact_floor's arithmetic on a hand-made sample: 10 tokens, a 4-token prompt. Untrained
+    heads: positions 0, 1, 2 (they predict prompt tokens) and 9 (the last predicts nothing)."""
+    run, _ = large_vocab()
+    C = run.C
+    m = C.QWEN2_LARGE_VOCAB
+    sample = C.Sample(list(range(2, 12)), 4)
+    per_position = 6 * (m["hidden_size"] * m["vocab_size"] + 2 * 256 * 256 + 3 * 256 * m["intermediate_size"])
+    attention = 12 * 64 * 4 * (1 + 2 + 3 + 10)
+    every = run.every_position_flops([sample])
+    assert run.exact_floor([sample], every) == every - 4 * per_position - attention
+    layer = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 688
+    assert every == 6 * (2 * layer + 256 * 151_936) * 10 + 2 * 12 * 64 * 4 * 55
+
+
+@pytest.mark.slow
+def test_the_large_vocab_benchmark_runs_its_rows_and_writes_every_field(tmp_path):
+    """benchmarks/large_vocab/run.py at tiny sizes (plumbing, no figures): the rows run in fresh
+    processes, the JSON has what issue 49 asks for, the hand-written loop's FLOP count is the
+    arithmetic exactly (torch's counter on this model), the goal lines print."""
+    pytest.importorskip("trl")
+    out = tmp_path / "lv.json"
+    methods = "hf_flattening,raw_padding_free,cl_padding_free"
+    argv = [sys.executable, str(BENCH / "large_vocab" / "run.py"), "--reps", "1", "--samples", "4"]
+    argv += ["--batch", "2", "--eval-samples", "1", "--memory-batch", "2", "--memory-len", "64"]
+    argv += ["--methods", methods, "--passes", "throughput,work,memory", "--out", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"rows", "cpu", "load", "goals", "floor"} <= set(result) and result["cpu"]["flags"]
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == set(methods.split(","))
+    fields = {"trained_tok_per_s", "steady_tok_per_s", "gflop", "peak_rss_mib", "activation_mib", "eval_loss"}
+    for row in rows.values():
+        assert fields <= set(row) and all(row[f] is not None for f in fields), row
+        assert row["same_trained_tokens"] and row["activation_mib"] >= 0
+    floor = result["floor"]
+    assert floor["hand_written_count"] == floor["every_position_formula"]
+    assert floor["flops"] < rows["cl_padding_free"]["gflop"] * 1e9 < floor["hand_written_count"]
+    for goal in ("work_limit_over_hf_flattening", "floor", "activation_memory", "eval_loss"):
+        assert f"goal {goal}: " in proc.stdout, proc.stdout[-3000:]

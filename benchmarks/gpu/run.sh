@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# corelooper on one GPU (H200): bf16 full fine-tuning and LoRA vs a hand-written bf16 loop
-# (tokens/s, MFU), fp16 + GradScaler, torch_compile, leak-free packing with flash-attention
-# varlen vs sdpa, Liger kernels (corelooper-liger) vs none, auto batch size on a real CUDA OOM,
-# the doctor's memory report and host-device syncs per step, single-GPU FSDP2 and ZeRO-2, peak
-# memory of each. No model or data download. Under 8 minutes in all.
+# corelooper on one GPU (H100/H200): bf16 full fine-tuning and LoRA vs a hand-written bf16 loop
+# (tokens/s, MFU), fp16 + GradScaler, leak-free packing with flash-attention varlen vs sdpa, Liger
+# kernels (corelooper-liger) vs none, auto batch size on a real CUDA OOM, the doctor's memory
+# report and host-device syncs per step, single-GPU FSDP2 and ZeRO-2, Qwen2.5-0.5B's shape (vocab
+# 151,936) under the HF Trainer, TRL and corelooper (full and LoRA), peak memory of each. No model
+# or data download. Under 8 minutes in all (torch_compile's pair is opt-in: STEPS=...).
 #
 #   bash benchmarks/gpu/run.sh                 # on the GPU machine, from the repository root
 #   bash benchmarks/gpu/run.sh --cpu-smoke     # tiny sizes on a CPU (uses .venv; without one, or

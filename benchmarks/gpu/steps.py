@@ -640,6 +640,82 @@ def sft_summary(runs: dict[str, list[dict]], extra: list[str], reps: int) -> dic
     return out
 
 
+# -- Qwen2.5-0.5B's shape (issue 49): the large vocabulary on the GPU ------------------------------
+
+QWEN_ROWS = ["cl_padded", "hf_padded", "trl_padded"]  # fixed-length samples: padded = no padding
+QWEN_ARGS = {
+    "full": ["--model", "qwen2.5-0.5b", "--sample-len", "1024", "--batch", "8", "--samples", "96"],
+    "smoke": ["--model", "qwen2", "--sample-len", "64", "--batch", "2", "--samples", "6"],
+}
+QWEN_SECONDS = {"full": 150, "smoke": 600}
+
+
+def qwen_flops_per_token(size: str, lora: bool) -> float:
+    """Model FLOPs per position of the Qwen2.5-0.5B shape (common.QWEN25_05B): 6 per weight of the
+    layers and the head (4 with LoRA: no weight gradients for the frozen base; the adapters' own
+    are left out), plus causal attention, 6 L d T."""
+    import common as sft  # benchmarks/sft/common.py
+
+    m = sft.QWEN25_05B if size == "full" else sft.QWEN2_LARGE_VOCAB
+    h, heads, kv = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"]
+    dim = h // heads
+    layer = 2 * h * heads * dim + 2 * h * kv * dim + 3 * h * m["intermediate_size"]
+    seq = int(QWEN_ARGS[size][QWEN_ARGS[size].index("--sample-len") + 1])
+    weights = m["num_hidden_layers"] * layer + h * m["vocab_size"]
+    return (4 if lora else 6) * weights + 6 * m["num_hidden_layers"] * h * seq
+
+
+def qwen05b_peers(size: str) -> dict:
+    """Qwen2.5-0.5B's shape from a config (vocab 151,936, hidden 896, 24 layers, GQA 14/2, tied
+    embeddings) on fixed-length chat samples of 1,024 tokens, 8 per step, 12 steps, bf16 autocast:
+    the HF Trainer, TRL's SFTTrainer and corelooper (its [sft] default head over the trained
+    positions), full fine-tuning and LoRA, each row a ``benchmarks/sft/run_one.py`` process.
+    Steady-state tokens/s (every position, CUDA events), MFU, the device's peak memory."""
+    import importlib.util
+
+    import run_bench  # benchmarks/sft/run_bench.py
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and size == "full":
+        return {"skipped": "the Qwen2.5-0.5B rows need CUDA; on a CPU run benchmarks/large_vocab/run.py"}
+    for module, why in (("trl", "TRL's rows"), ("peft", "the LoRA rows")):
+        if importlib.util.find_spec(module) is None:
+            return {"skipped": f"{module} is not installed (benchmarks/gpu/wheelhouse.sh carries it): {why}"}
+    deadline, out = time.perf_counter() + QWEN_SECONDS[size], {}
+    for lora in (False, True):
+        for m in QWEN_ROWS:
+            extra = [*QWEN_ARGS[size], "--eval-samples", "4", "--device", "cuda" if cuda else "cpu"]
+            rec = run_bench.run(
+                m, 0, extra + (["--lora"] if lora else []), timeout=max(30.0, deadline - time.perf_counter())
+            )
+            out[f"{m}_{'lora' if lora else 'full'}"] = qwen_row(rec, size, lora)
+            write_partial(out)
+    for kind in ("full", "lora"):
+        cl, hf, trl = (out.get(f"{m}_{kind}", {}).get("tokens_per_s") for m in QWEN_ROWS)
+        out[f"cl_over_hf_{kind}"] = round(cl / hf, 3) if cl and hf else None
+        out[f"cl_over_trl_{kind}"] = round(cl / trl, 3) if cl and trl else None
+    out["tokens_per_s"] = out.get("cl_padded_full", {}).get("tokens_per_s")
+    return out
+
+
+def qwen_row(rec: dict, size: str, lora: bool) -> dict:
+    """tokens/s over every position in the steady state (the median step), MFU, peak memory."""
+    if "median_step_s" not in rec or not rec.get("median_step_s"):
+        return {"failed": (rec.get("failed") or rec.get("skipped") or "")[-600:]}
+    positions = rec["positions_computed"] / rec["optimizer_steps"]
+    tps = positions / rec["median_step_s"]
+    fpt = qwen_flops_per_token(size, lora)
+    return dict(
+        tokens_per_s=round(tps, 1),
+        mfu=round(tps * fpt / PEAK_FLOPS["bf16"], 4),
+        flops_per_token=fpt,
+        peak_mem_gib=rec.get("peak_mem_gib") or round(rec.get("peak_rss_self_mib", 0) / 1024, 2),
+        eval_loss=rec.get("eval_loss"),
+        trained_tok_per_s_steady=rec.get("trained_tok_per_s_steady"),
+    )
+
+
 def write_partial(result: dict) -> None:
     """What a long step has so far, where bench.py reads it if the step times out."""
     path = os.environ.get(PARTIAL_ENV)
@@ -729,4 +805,5 @@ STEPS = {
     "doctor_memory_report": doctor_memory,
     "eval_cl_vs_hf": eval_compare,
     "sft_chat_peers_bf16": sft_chat_peers,
+    "qwen05b_peers_bf16": qwen05b_peers,
 }

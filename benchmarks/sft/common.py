@@ -43,6 +43,36 @@ MODEL = dict(
     bos_token_id=None,
     tie_word_embeddings=False,
 )
+# The large-vocabulary model (benchmarks/large_vocab): Qwen2's architecture with Qwen2.5's
+# vocabulary, small body (hidden 256, 2 layers, GQA 4 heads / 2 KV heads), untied head. The data's
+# ids stay < VOCAB: what grows is the head's work and its logits, the cost this model measures.
+QWEN2_LARGE_VOCAB = dict(
+    vocab_size=151_936,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    pad_token_id=PAD,
+    eos_token_id=EOS,
+    bos_token_id=None,
+    tie_word_embeddings=False,
+)
+
+
+# Qwen2.5-0.5B's shape, from a config (no download): the GPU plan's large-vocabulary row
+# (benchmarks/gpu, step qwen05b_peers_bf16). Its embeddings are tied, as the released model's.
+QWEN25_05B = dict(
+    QWEN2_LARGE_VOCAB,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+ARCHS = {"qwen2": QWEN2_LARGE_VOCAB, "qwen2.5-0.5b": QWEN25_05B}
 
 
 @dataclass
@@ -74,20 +104,22 @@ def _length(rng: random.Random) -> int:
     return max(MIN_LEN, min(MAX_LEN, int(math.exp(rng.gauss(math.log(64), 0.9)))))
 
 
-def make_samples(n: int, split: str = "train", seed: int = DATA_SEED) -> list[Sample]:
-    """``split`` "train" / "eval": different samples from the same topics and tables."""
+def make_samples(n: int, split: str = "train", seed: int = DATA_SEED, length: int = 0) -> list[Sample]:
+    """``split`` "train" / "eval": different samples from the same topics and tables. ``length``:
+    every sample that many tokens (a fixed micro-batch of ``batch x length`` positions, for memory
+    measurements; the prompt share is drawn as usual), else the long-tailed lengths."""
     table = _table(random.Random(seed))
     rng = random.Random(f"{seed}-{split}")
     out = []
     for _ in range(n):
-        length, topic = _length(rng), rng.randrange(TOPICS)
+        n_tokens, topic = length or _length(rng), rng.randrange(TOPICS)
         tok = rng.choice(sorted(table[topic]))
         ids = [FIRST_TOPIC_TOKEN + topic, tok]
-        while len(ids) < length - 1:
+        while len(ids) < n_tokens - 1:
             tok = rng.choice(table[topic][tok])
             ids.append(tok)
         ids.append(EOS)
-        prompt = max(2, int(length * rng.uniform(0.2, 0.6)))
+        prompt = max(2, int(n_tokens * rng.uniform(0.2, 0.6)))
         out.append(Sample(ids, prompt))
     return out
 
@@ -104,13 +136,19 @@ def stats(samples: list[Sample]) -> dict:
     )
 
 
-def make_model(seed: int, **overrides):
+def make_model(seed: int, arch: str = "llama", **overrides):
+    """``arch`` "llama": the tiny Llama (``MODEL``); "qwen2": the large-vocabulary Qwen2
+    (``QWEN2_LARGE_VOCAB``); "qwen2.5-0.5b": Qwen2.5-0.5B's shape. ``overrides``: config fields."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**MODEL, **overrides}, attn_implementation="sdpa", use_cache=False)
-    return LlamaForCausalLM(cfg)
+    if arch == "llama":
+        config, cls, base = LlamaConfig, LlamaForCausalLM, MODEL
+    else:
+        config, cls, base = Qwen2Config, Qwen2ForCausalLM, ARCHS[arch]
+    cfg = config(**{**base, **overrides}, attn_implementation="sdpa", use_cache=False)
+    return cls(cfg)
 
 
 def make_tokenizer():
@@ -142,11 +180,13 @@ def pad_batch(samples: list[Sample]):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def eval_loss(model, samples: list[Sample], batch_size: int = 16) -> float:
+def eval_loss(model, samples: list[Sample], batch_size: int = 0) -> float:
     """Token-mean cross-entropy over the completions of ``samples``, padded batches (no packing:
-    the same measurement for every contender), model in eval mode, no grad."""
+    the same measurement for every contender), model in eval mode, no grad. ``batch_size`` 0: 16
+    samples at the tiny Llama's vocabulary, fewer for a larger one (the same logits' size)."""
     import torch
 
+    batch_size = batch_size or max(1, 16 * VOCAB // model.config.vocab_size)
     model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device

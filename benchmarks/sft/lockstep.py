@@ -301,11 +301,14 @@ def drive(a) -> None:
             f"cl_padding_free over {g['theirs']} ({name}): {g['paired_median']} [95% {g['ci95']}] "
             f"(goal >= {g['goal']}: {g['verdict']})"
         )
+    from run_bench import cpu_info
+
     out = dict(
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         reps=a.reps,
         samples=a.samples,
         threads=a.threads,
+        cpu=cpu_info(),
         loadavg_start=[round(x, 2) for x in load0],
         loadavg_end=[round(x, 2) for x in os.getloadavg()],
         **result,

@@ -327,7 +327,8 @@ def _loop(model, dataset, h, collator, **train):
     # [lm] head "trained" and the training token_accuracy: what an [sft] run does by default
     # (corelooper_lm.trained_head, corelooper_lm.accuracy; TRL's rows count mean_token_accuracy too)
     accuracy = getattr(h, "cl_token_accuracy", True)
-    config = Config(train=args, sections={"lm": {"head": train_head(h), "token_accuracy": accuracy}})
+    lm = {"head": train_head(h), "token_accuracy": accuracy, "loss": getattr(h, "cl_loss", "default")}
+    config = Config(train=args, sections={"lm": lm})
     loop = Loop(model, config, train_dataset=dataset, data_collator=collator)
     loop.train()
     shutil.rmtree(out, ignore_errors=True)
@@ -470,6 +471,14 @@ def cl_padding_free_all_no_accuracy(model, train, h):
     return cl_padding_free_all(model, train, h)
 
 
+def cl_padding_free_chunked(model, train, h):
+    """cl_padding_free with ``[lm] loss = "chunked"`` (the head's logits a chunk of rows at a time,
+    never all of them: corelooper_lm.chunked_ce): what a large-vocabulary run that runs out of
+    memory is told to set (benchmarks/large_vocab)."""
+    h = SimpleNamespace(**{**vars(h), "cl_loss": "chunked"})
+    return cl_padding_free(model, train, h)
+
+
 def cl_padding_free(model, train, h):
     if packing_layout(h) == "collators":
         raise Unavailable(
@@ -503,6 +512,7 @@ METHODS = {
     "cl_packed": cl_packed,
     "cl_padding_free": cl_padding_free,
     "cl_padding_free_all": cl_padding_free_all,
+    "cl_padding_free_chunked": cl_padding_free_chunked,
     "cl_padding_free_all_no_accuracy": cl_padding_free_all_no_accuracy,
 }
 # Rows that give a peer corelooper's attention kernel: not one of its documented settings, so

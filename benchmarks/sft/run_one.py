@@ -2,12 +2,13 @@
 
 usage: python run_one.py METHOD [--samples 512] [--eval-samples 128] [--seed 0] [--batch 8]
                          [--rows N] [--lr 3e-3] [--hidden 256] [--layers 2] [--heads 4] [--threads N]
-                         [--device cpu|cuda]
+                         [--device cpu|cuda] [--model llama|qwen2] [--sample-len N] [--memory]
                          [--cl-packing auto|collators|packing] [--cl-attention segments|mask]
                          [--cl-head trained|all] [--profile OUT.prof] [--count-flops]
 METHOD: hf_padded hf_grouped hf_flattening hf_flattening_seg trl_padded trl_grouped
         trl_padding_free trl_padding_free_seg trl_packing_bfd raw_padding_free cl_padded cl_grouped
-        cl_packed cl_padding_free cl_padding_free_all cl_padding_free_all_no_accuracy (methods.py)
+        cl_packed cl_padding_free cl_padding_free_all cl_padding_free_all_no_accuracy
+        cl_padding_free_chunked (methods.py)
 
 Times the framework call (trainer construction + train, i.e. including its own data
 preparation) up to its last optimizer step (and the whole call, with the end-of-run save; and the
@@ -54,6 +55,30 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=C.MODEL["num_hidden_layers"])
     ap.add_argument("--heads", type=int, default=C.MODEL["num_attention_heads"])
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--model",
+        default="llama",
+        choices=["llama", "qwen2", "qwen2.5-0.5b"],
+        help="llama: the tiny Llama (common.MODEL, --hidden/--layers/--heads apply); qwen2: the "
+        "large-vocabulary Qwen2 (common.QWEN2_LARGE_VOCAB, vocab 151,936: benchmarks/large_vocab); "
+        "qwen2.5-0.5b: Qwen2.5-0.5B's shape (common.QWEN25_05B: benchmarks/gpu)",
+    )
+    ap.add_argument(
+        "--lora",
+        action="store_true",
+        help="every row trains a LoRA of the model (peft: r 16, alpha 32, q/k/v/o projections)",
+    )
+    ap.add_argument(
+        "--sample-len",
+        type=int,
+        default=0,
+        help="every sample this many tokens (a fixed micro-batch of --batch x N positions); 0: long-tailed",
+    )
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="record the resident memory after every optimizer step and the peak (activation_mib)",
+    )
     ap.add_argument(
         "--device",
         default="cpu",
@@ -110,6 +135,36 @@ class TorchProfile:
             json.dump({"wall_s": self.wall, "events": profile_events(self.prof)}, f)
 
 
+def _status_kib(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc/self/status, in KiB (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(ln.split()[1]) for ln in f if ln.startswith(field + ":")), 0)
+    except OSError:
+        return 0
+
+
+class MemoryProbe:
+    """Activation memory as the OS sees it: the peak resident set (``VmHWM``) minus the least
+    resident set seen right after an optimizer step, when the model, its gradients and the
+    optimizer state all exist and the step's activations are freed (``--memory``)."""
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.after_step: list[int] = []
+        register_optimizer_step_post_hook(lambda *_: self.after_step.append(_status_kib("VmRSS")))
+
+    def summary(self) -> dict:
+        peak = _status_kib("VmHWM")
+        base = min(self.after_step) if self.after_step else None
+        return dict(
+            peak_rss_self_mib=round(peak / 1024, 1),
+            static_rss_mib=round(base / 1024, 1) if base else None,
+            activation_mib=round((peak - base) / 1024, 1) if base else None,
+        )
+
+
 class StepClock:
     """The time of every optimizer step. On a GPU a CUDA event per step, read after the run: the
     time its work ended on the device, with no host-device sync inside the run (a host clock
@@ -158,7 +213,7 @@ def setup(a):
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    train = C.make_samples(a.samples, "train")
+    train = C.make_samples(a.samples, "train", length=a.sample_len)
     evals = C.make_samples(a.eval_samples, "eval")
     st = C.stats(train)
     rows = a.rows or max(1, round(a.batch * st["mean_len"] / a.max_len))
@@ -175,6 +230,8 @@ def setup(a):
         cl_attention=a.cl_attention,
         cl_head=a.cl_head,
     )
+    if a.model != "llama":  # the issue fixes these shapes: no size flags
+        return train, evals, st, h, lora(C.make_model(a.seed, a.model), a.lora)
     model = C.make_model(
         a.seed,
         hidden_size=a.hidden,
@@ -183,7 +240,39 @@ def setup(a):
         num_attention_heads=a.heads,
         num_key_value_heads=a.heads,
     )
-    return train, evals, st, h, model
+    return train, evals, st, h, lora(model, a.lora)
+
+
+def lora(model, on: bool):
+    """The model as a peft LoRA (the same adapters for every row), or as it is."""
+    if not on:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets)
+    return get_peft_model(model, config)
+
+
+class DevicePeak:
+    """The device's peak allocated memory over the framework call, kept by the benchmark itself:
+    torch's peak counter is reset by whoever calls ``reset_peak_memory_stats`` (corelooper-doctor
+    does at every log), so it is disabled during the call."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        self.reset, torch.cuda.reset_peak_memory_stats = (
+            torch.cuda.reset_peak_memory_stats,
+            lambda *a, **k: None,
+        )
+
+    def gib(self) -> float:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats = self.reset
+        return round(torch.cuda.max_memory_allocated() / 2**30, 2)
 
 
 def main() -> None:
@@ -194,6 +283,7 @@ def main() -> None:
     cuda = a.device == "cuda"
     probe = C.Probe(model)
     clock = StepClock(cuda)
+    memory = MemoryProbe() if a.memory else None
     M.import_framework(a.method)  # each framework's modules are imported before the timed call, for all alike
     rec = dict(
         method=a.method,
@@ -219,6 +309,7 @@ def main() -> None:
 
         prof = FlopCount()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    device_peak = DevicePeak() if cuda else None
     t = clock.started()
     try:
         if prof:
@@ -235,6 +326,10 @@ def main() -> None:
                 prof.dump_stats(a.profile or a.torch_profile)
     steps = clock.times(t)
     wall = time.perf_counter() - t
+    if device_peak:
+        rec.update(peak_mem_gib=device_peak.gib())
+    # the training's own peak, before the eval loss below allocates its logits
+    rec.update(memory.summary() if memory else dict(peak_rss_self_mib=round(_status_kib("VmHWM") / 1024, 1)))
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     faults, system_s = ru1.ru_minflt - ru0.ru_minflt, round(ru1.ru_stime - ru0.ru_stime, 3)
     last_step = [steps[-1]]

@@ -124,8 +124,8 @@ class FlopCount:
         )
 
 
-def count(method: str, samples: int, seed: int) -> dict:
-    """``run_one.py METHOD --count-flops``'s record."""
+def count(method: str, samples: int, seed: int, extra: tuple[str, ...] = ()) -> dict:
+    """``run_one.py METHOD --count-flops``'s record (``extra``: more run_one.py flags)."""
     cmd = [
         sys.executable,
         str(HERE / "run_one.py"),
@@ -135,6 +135,7 @@ def count(method: str, samples: int, seed: int) -> dict:
         "--seed",
         str(seed),
         "--count-flops",
+        *extra,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{") and '"method"' in ln]
@@ -211,9 +212,12 @@ def main() -> None:
             f"{m:<22}{f['total'] / 1e9:>9.1f}{f['matmul'] / 1e9:>9.1f}{f['attention'] / 1e9:>11.1f}"
             f"{f['total'] / r['trained_tokens'] / 1e6:>21.2f}"
         )
+    from run_bench import cpu_info
+
     out = dict(
         samples=a.samples,
         seed=a.seed,
+        cpu=cpu_info(),
         rows={
             m: dict(
                 flops=r["flops"],
