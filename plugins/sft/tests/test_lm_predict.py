@@ -104,3 +104,24 @@ def test_bad_options_are_one_paragraph(tmp_path, model_dir):
         and "corelooper lm predict writes JSON Lines, a file ending in .jsonl" in ran.stderr
     )
     assert "Traceback" not in ran.stderr
+
+
+def test_a_packed_evaluation_set_gives_the_same_records_sample_by_sample(tmp_path, model_dir):
+    """Packed rows hold several samples: the records are still one per sample, the same as padded."""
+    from corelooper_lm.predict import records
+
+    from corelooper import Loop
+    from corelooper.config import Config
+
+    config, rows = write_config(tmp_path, model_dir)
+    got = {}
+    for name, sft in (("padded", {}), ("packed", {"packing": True, "max_length": 256})):
+        cfg = Config.load(config, [f"train.output_dir={json.dumps(str(tmp_path / name))}"])
+        cfg = Config.from_dict({**cfg.to_dict(), "sft": {**cfg.section("sft"), **sft}})
+        with Loop(config=cfg) as loop:
+            assert isinstance(loop.eval_dataset[0], list) == (name == "packed")
+            got[name] = list(records(loop.model, loop.eval_dataset, 3, 1))
+    assert len(got["packed"]) == len(rows) == 6
+    for a, b in zip(got["padded"], got["packed"], strict=True):
+        assert a["predicted_ids"] == b["predicted_ids"] and a["label_ids"] == b["label_ids"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
