@@ -183,6 +183,14 @@ def ids_float_labels(**_):
     return Rows(lambda i: {"input_ids": torch.tensor([1, 2, 3, 4]), "labels": float(i % 2)})
 
 
+def token_ids_beyond_vocab(**_):
+    return Rows(lambda i: {"input_ids": torch.tensor([1, 2, 3, 40]), "labels": torch.tensor([1, 2, 3, 4])})
+
+
+def labels_beyond_vocab(**_):
+    return Rows(lambda i: {"input_ids": torch.tensor([1, 2, 3, 4]), "labels": torch.tensor([1, 2, 3, 40])})
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -240,7 +248,11 @@ def _data_run(tmp_path: Path, model: str, data: str):
             "list_column",
             ["Column 'x'", "is a list in each sample", "makes 4 tensors of it", "collator"],
         ),
-        ("tiny_llama", "token_lists", ["Column 'input_ids'", "is a list in each sample", "[lm]"]),
+        (
+            "tiny_llama",
+            "token_lists",
+            ["Column 'input_ids'", "is a list in each sample", "`corelooper plugins` lists those installed"],
+        ),
         # (c) columns forward() does not take: was "The batch's columns: []"
         (
             "net",
@@ -252,6 +264,18 @@ def _data_run(tmp_path: Path, model: str, data: str):
         ("net", "five_classes", ["Column 'labels'", "class ids from 0 to ", "the model has 2 classes (0-1"]),
         ("tiny_classifier", "ids_five_classes", ["Column 'labels'", "the model has 2 classes", "IndexError"]),
         ("tiny_classifier", "ids_float_labels", ["Column 'labels'", "holds torch.float64", "2 class scores"]),
+        # an HF causal LM computing its own loss: was exit 6, "IndexError: Target 40 is out of bounds.
+        # The error came from the model or its loss"
+        (
+            "tiny_llama",
+            "labels_beyond_vocab",
+            ["Column 'labels'", "from 1 to 40", "the model has 32 classes"],
+        ),
+        (
+            "tiny_llama",
+            "token_ids_beyond_vocab",
+            ["Column 'input_ids'", "from 1 to 40", "embedding has 32 rows", "resize_token_embeddings"],
+        ),
     ],
 )
 def test_data_the_model_cannot_take_names_the_column_and_exits_4(tmp_path, model, data, needles):

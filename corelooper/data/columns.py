@@ -133,6 +133,31 @@ def _labels_problem(labels, classes: int | None) -> str | None:
     return None
 
 
+def _sizes(inner, classes: int | None) -> tuple[int | None, int | None]:
+    """(classes of the labels, token ids of the input embedding) where an HF model tells them:
+    a classifier's ``num_labels``, else its output layer's width (a causal LM's vocabulary)."""
+    if classes is None and "Classification" in type(inner).__name__:
+        classes = getattr(getattr(inner, "config", None), "num_labels", None)
+    try:  # HF's get_*_embeddings: None, or NotImplementedError, where a model has none
+        head, embed = inner.get_output_embeddings(), inner.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = embed = None
+    return classes or getattr(head, "out_features", None), getattr(embed, "num_embeddings", None)
+
+
+def _ids_problem(ids, vocab: int | None) -> str | None:
+    if not (torch.is_tensor(ids) and not ids.is_floating_point() and vocab and ids.numel()):
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    return (
+        None
+        if 0 <= low and high < vocab
+        else f"holds token ids from {low} to {high} in this batch while the model's embedding has {vocab} "
+        f"rows (0-{vocab - 1}): tokenize with the model's own tokenizer, or grow the embedding "
+        "(model.resize_token_embeddings)"
+    )
+
+
 def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int | None = None) -> None:
     """Raise a ``DataError`` naming the column when ``error`` (of the model or the loss) comes
     from the batch: text not turned into tensors, a list per sample, labels of the wrong type or
@@ -147,11 +172,11 @@ def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int
     if not loop.is_training:
         where = f"data.eval = {data.eval!r}" if data.eval else "eval_dataset"
     inner = innermost_model(loop.backend.unwrap_model(model))
-    if classes is None and "Classification" in type(inner).__name__:  # an HF classifier computing its loss
-        classes = getattr(getattr(inner, "config", None), "num_labels", None)
+    classes, vocab = _sizes(inner, classes)
     texts = {k: _text(v) for k, v in kwargs.items() if _text(v) is not None}
     lists = [k for k, v in kwargs.items() if isinstance(v, (list, tuple)) and k not in texts]
     wrong = _labels_problem(kwargs.get("labels"), classes)
+    wrong = ("labels", wrong) if wrong else ("input_ids", _ids_problem(kwargs.get("input_ids"), vocab))
     if texts:
         key, first = next(iter(texts.items()))
         fix = (
@@ -170,10 +195,11 @@ def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int
         made = "the collator makes a list" if loop.data_collator is not None else made
         hint = (
             f"is a list in each sample, and {made} of it: the model cannot take that ({failed}). Make each "
-            "value a tensor of one shape, or give a collator that pads and stacks them (data.collator)."
+            "value a tensor of one shape, or give a collator that pads and stacks them (data.collator, or a "
+            "plugin's: `corelooper plugins` lists those installed)."
         )
-    elif wrong is not None:
-        key, hint = "labels", f"{wrong} ({failed})."
+    elif wrong[1]:
+        key, hint = wrong[0], f"{wrong[1]} ({failed})."
     elif isinstance(error, TypeError) and "required" in str(error) and "argument" in str(error):
         columns = list(_last_columns.get(loop, ())) or list(kwargs)
         raise DataError(
