@@ -156,3 +156,28 @@ def test_num_items_in_batch_reaches_a_forward_that_names_it(tmp_path):
         model.seen = []
         make(model, tmp_path / name, data, optim="adamw_torch", **RUN).train()
         assert model.seen == ([None] if name == "hf" else [count]), name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_smoothed_loss_is_hfs_label_smoother_on_float32_logits(causal):
+    """Bit for bit HF's ``LabelSmoother`` on float32 logits, with a step's count or the batch's
+    own; bf16 logits are taken to float32 first, where HF takes the log-softmax in bf16."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from corelooper.losses import smoothed_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 50, generator=g) * 4
+    labels = torch.randint(0, 50, (3, 7), generator=g)
+    labels[0, 4:] = -100
+    hf = LabelSmoother(epsilon=0.1)
+    shifted = labels[:, 1:] if causal else labels
+    own = (shifted != -100).sum()
+    for count in (None, own + 11):
+        ours = smoothed_loss(logits, labels, causal, 0.1, own if count is None else count)
+        theirs = hf({"logits": logits}, labels, shift_labels=causal, num_items_in_batch=count)
+        assert torch.equal(ours, theirs)
+    half = logits.bfloat16()
+    ours = smoothed_loss(half, labels, causal, 0.1, own)
+    assert torch.equal(ours, hf({"logits": half.float()}, labels, shift_labels=causal))
+    assert not torch.equal(ours, hf({"logits": half}, labels, shift_labels=causal).float())
