@@ -164,11 +164,27 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     )
 
 
-def assert_every_line_is_labelled(log: str) -> None:
+#: srun's own lines when a node's task exits non-zero: it names the node, then ends the step
+SRUN_FAILURE = (
+    r"srun: error: \S+: tasks? [\d,-]+: Exited with exit code \d+$",
+    r"srun: launch/slurm: _step_signal: ",
+)
+
+
+def assert_every_line_is_labelled(log: str, also: tuple[str, ...] = ()) -> None:
     """Every line of the job log names where it comes from: the batch script's and each node's
     ``corelooper-slurm:`` lines, a rank's ``[NODE rank R]: ...``, or Slurm's own ``slurmstepd`` line
-    when the job is requeued or cancelled (docs/clusters.md)."""
-    label = re.compile(r"^(corelooper-slurm: |\[\S+ rank \d+\]: |slurmstepd(-\S+)?: error: \*\*\* JOB )")
+    when the job is requeued or cancelled (docs/clusters.md); ``also``: more of Slurm's."""
+    label = re.compile(
+        "|".join(
+            [
+                r"^corelooper-slurm: ",
+                r"^\[\S+ rank \d+\]: ",
+                r"^slurmstepd(-\S+)?: error: \*\*\* JOB ",
+                *(f"^{a}" for a in also),
+            ]
+        )
+    )
     bare = [line for line in log.splitlines() if line.strip() and not label.match(line)]
     assert not bare, bare
 
@@ -246,6 +262,27 @@ def test_a_job_requeued_max_requeues_times_ends_with_the_reason(slurm, tmp_path)
         "the same command; exit 138"
     ) in log, log
     assert ": stopped; torchrun got SIGUSR1; rank 0: 138 (stopped on SIGUSR1, saved)" in log, log
+
+
+@pytest.mark.cluster
+@pytest.mark.distributed
+def test_a_failed_run_ends_the_job_with_corelooper_s_exit_code(slurm, tmp_path):
+    """issue 48: Slurm saw exit code 1 for every failure. A plugin that fails to import is
+    corelooper's 3 on each rank; the node reports it, and the job ends with 3 (sacct shows it)."""
+    (tmp_path / "broken.py").write_text("raise RuntimeError('broken plugin')\n")
+    job_id, log_path = _submit(slurm, tmp_path, "-p", str(tmp_path / "broken.py"))
+    job, log = _ended(slurm, job_id, log_path)
+    assert (job["JobState"], job["Restarts"], job["ExitCode"]) == ("FAILED", "0", "3:0"), (job, log)
+    # the rank that failed first is named; torchrun may stop the other before it fails too
+    assert re.search(
+        r"^corelooper-slurm: node localhost \(\d+ CPUs\): failed; rank [01] failed \(exit 3\); rank 0: ",
+        log,
+        re.M,
+    ), log
+    assert "not requeueing: a node failed or was lost (node states: failed from 1 of 1 nodes" in log, log
+    assert log.rstrip().endswith("; exit 3"), log
+    assert "[localhost rank 0]: corelooper: error" in log and "broken plugin" in log, log
+    assert_every_line_is_labelled(log, also=SRUN_FAILURE)
 
 
 @pytest.mark.cluster
