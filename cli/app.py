@@ -238,6 +238,7 @@ def hooks() -> None:
     import inspect
 
     from corelooper import hookspecs
+    from corelooper.dispatch import returns
 
     names = [*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDERS, *hookspecs.EVENTS]
     for name in names:
@@ -256,8 +257,8 @@ def hooks() -> None:
         )
         sig = str(inspect.signature(fn)).split(" ->")[0].replace("'", "")  # postponed annotations
         typer.echo(f"{name}{sig}  [{kind}]")
-        if getattr(fn, "corelooper_returns", None):  # what the dispatcher checks every answer against
-            typer.echo(f"    returns: {fn.corelooper_returns}")
+        if name in hookspecs.PROVIDERS:  # its return annotation's type: what every answer is checked against
+            typer.echo(f"    returns: {returns(name).__doc__}, or None (the next provider answers)")
         typer.echo("    " + inspect.getdoc(fn).replace("\n", "\n    ") + "\n")
 
 

@@ -1,15 +1,17 @@
 """What a provider may return, checked on every answer, and the refusal of hook wrappers on them.
 
 ``Plugins.call_provider`` is the one way the loop, the builtin and plugins call a provider; it
-checks each answer with ``CHECKS[hook]`` (what ``hookspecs`` declares in words with
-``@returns``). The checks run per micro-batch for ``compute_loss``/``training_step``: they read
-types and shapes only (no device sync). No torch import here: ``corelooper --help`` loads this.
+checks each answer with ``CHECKS[hook]``, derived from the provider's return annotation in
+``hookspecs`` (``-> Module | None``): ``Returns`` has, for each return type, its check and what
+it is in words (messages, docs/hooks.md, ``corelooper hooks``). The checks run per
+micro-batch for ``compute_loss``/``training_step``: they read types and shapes only (no device
+sync). No torch import here: ``corelooper --help`` loads this.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import hookspecs
@@ -36,37 +38,77 @@ def _backend_missing(value) -> list[str]:
     return [n for n in ("device", "num_processes", "is_main_process", *methods) if not hasattr(value, n)]
 
 
-def _module(value) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.nn.Module)
+class Returns:
+    """The return types of providers, each named as a hookspec's return annotation names it
+    (``-> Module | None``; ``None`` is every provider's "let the next one answer"). Each checks an
+    answer given the call's keyword arguments (types and shapes only: no device sync); its
+    docstring says the type in words (messages, docs/hooks.md, ``corelooper hooks``)."""
+
+    def Module(r, kw) -> bool:
+        """a torch.nn.Module"""
+        return "torch" in sys.modules and isinstance(r, sys.modules["torch"].nn.Module)
+
+    def Dataset(r, kw) -> bool:
+        """a dataset (map-style: __len__ and __getitem__; or an IterableDataset)"""
+        torch = sys.modules.get("torch")
+        iterable = torch is not None and isinstance(r, torch.utils.data.IterableDataset)
+        return iterable or (hasattr(r, "__len__") and hasattr(r, "__getitem__"))
+
+    def Backend(r, kw) -> bool:
+        """an object with the Backend protocol's methods (corelooper.backends.base.Backend)"""
+        return not _backend_missing(r)
+
+    def Optimizer(r, kw) -> bool:
+        """a torch.optim.Optimizer (or an object with step(), zero_grad() and param_groups)"""
+        return _has(r, "step", "zero_grad") and hasattr(r, "param_groups")
+
+    def Scheduler(r, kw) -> bool:
+        """a learning-rate scheduler (an object with step() and get_last_lr())"""
+        return _has(r, "step", "get_last_lr")
+
+    def Batches(r, kw) -> bool:
+        """an iterable of batches"""
+        return isinstance(r, Iterable)
+
+    def Loss(r, kw) -> bool:
+        """a scalar torch.Tensor (or (loss, outputs) when return_outputs is true)"""
+        return _loss(r) or bool(kw.get("return_outputs") and type(r) is tuple and len(r) == 2 and _loss(r[0]))
+
+    def Step(r, kw) -> bool:
+        """(loss, grad_norm) with loss a torch.Tensor, or a result with a tensor .loss"""
+        return (type(r) is tuple and len(r) == 2 and _tensor(r[0])) or _tensor(getattr(r, "loss", None))
+
+    def Evaluation(r, kw) -> bool:
+        """a tuple (metrics, predictions, label_ids) with metrics a dict"""
+        return type(r) is tuple and len(r) == 3 and isinstance(r[0], Mapping)
+
+    def Metrics(r, kw) -> bool:
+        """a dict of metrics"""
+        return isinstance(r, Mapping)
+
+    def EvalMetric(r, kw) -> bool:
+        """an object with update(predictions, label_ids) and compute() -> dict"""
+        return _has(r, "update", "compute")
+
+    def Config(r, kw) -> bool:
+        """a corelooper.config.Config (config itself, or a copy with another batch geometry)"""
+        return type(r) is type(kw["config"])
+
+    def Position(r, kw) -> bool:
+        """a dict (the checkpoint's loop state, its position in this run's micro-batches)"""
+        return isinstance(r, Mapping) and "micro_batches_in_epoch" in r
 
 
-def _dataset(value) -> bool:
-    torch = sys.modules.get("torch")
-    iterable = torch is not None and isinstance(value, torch.utils.data.IterableDataset)
-    return iterable or (hasattr(value, "__len__") and hasattr(value, "__getitem__"))
+RETURNS: dict[str, Callable[[Any, dict], bool]] = {n: f for n, f in vars(Returns).items() if n[0] != "_"}
 
 
-CHECKS: dict[str, Any] = {  # hook -> check(result, kwargs of the call) -> bool
-    "create_model": lambda r, kw: _module(r),
-    "create_dataset": lambda r, kw: _dataset(r),
-    "compute_loss": lambda r, kw: (
-        _loss(r) or bool(kw.get("return_outputs") and type(r) is tuple and len(r) == 2 and _loss(r[0]))
-    ),
-    "training_step": lambda r, kw: (
-        (type(r) is tuple and len(r) == 2 and _tensor(r[0])) or _tensor(getattr(r, "loss", None))
-    ),
-    "create_optimizer": lambda r, kw: _has(r, "step", "zero_grad") and hasattr(r, "param_groups"),
-    "create_scheduler": lambda r, kw: _has(r, "step", "get_last_lr"),
-    "train_dataloader": lambda r, kw: isinstance(r, Iterable),
-    "eval_dataloader": lambda r, kw: isinstance(r, Iterable),
-    "evaluation_loop": lambda r, kw: type(r) is tuple and len(r) == 3 and isinstance(r[0], Mapping),
-    "compute_metrics": lambda r, kw: isinstance(r, Mapping),
-    "eval_metric": lambda r, kw: _has(r, "update", "compute"),
-    "create_backend": lambda r, kw: not _backend_missing(r),
-    "resume_config": lambda r, kw: type(r) is type(kw["config"]),
-    "resume_position": lambda r, kw: isinstance(r, Mapping) and "micro_batches_in_epoch" in r,
-}
+def returns(hook: str) -> Callable[[Any, dict], bool]:
+    """The check of provider ``hook``'s answers, by its hookspec's return annotation (a string:
+    postponed annotations); its ``__doc__`` says the type in words."""
+    return RETURNS[getattr(hookspecs, hook).__annotations__["return"].removesuffix(" | None")]
+
+
+CHECKS = {hook: returns(hook) for hook in hookspecs.PROVIDERS}  # hook -> check(result, call kwargs)
 
 
 def describe(value) -> str:
@@ -84,7 +126,7 @@ def wrong_result(plugins, hook: str, impl, result) -> PluginError:
     name = plugins.pm.get_name(impl.plugin) or repr(impl.plugin)
     info = plugins.info.get(name)
     base = name.rsplit(".", 1)[0] if info is not None and info.kind == "run" else name
-    expected = getattr(getattr(hookspecs, hook, None), "corelooper_returns", "another type")
+    expected = returns(hook).__doc__ if hook in CHECKS else "another type"
     if hook == "create_backend":
         expected += f" (missing: {', '.join(_backend_missing(result))})"
     fix = "Fix the plugin" + (

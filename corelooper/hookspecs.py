@@ -9,8 +9,9 @@ Two kinds of hooks:
   a plugin changes the run through ``control`` (e.g. ``control.should_training_stop = True``).
 * **Providers** (``firstresult=True``) compute something. The builtin plugin implements each one
   with ``trylast=True``, so any other plugin's implementation wins; return ``None`` to let the
-  next one answer. Each declares what it returns (``@returns``, shown by ``corelooper hooks``):
-  every answer is checked, and a wrong type is a ``PluginError`` naming the plugin and the hook.
+  next one answer. Each declares what it returns once, as its return annotation (shown by
+  ``corelooper hooks``); ``corelooper.dispatch`` checks every answer against that type, and a wrong
+  type is a ``PluginError`` naming the plugin and the hook.
   Hook wrappers on providers are refused at registration (the loop must know which
   implementation answered); a provider that wraps the next one calls
   ``plugins.call_next(hook, self, **kwargs)``. Hook wrappers on events work.
@@ -36,8 +37,9 @@ Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
     on_init_end                      (once, when the Loop is constructed)
     [on_load_checkpoint]             (when resuming: after everything was restored)
     on_train_begin
-      [on_prediction_step... on_log on_evaluate]  (eval_on_start)
+      [on_evaluate_begin on_prediction_step... on_log on_evaluate]  (eval_on_start)
       on_epoch_begin
+        on_batch_fetched             (each of the step's GA micro-batches, as fetched)
         on_step_begin                (the step's GA micro-batches were fetched; then the
                                       training_step provider runs:)
           on_before_backward, on_after_backward      (each micro-batch)
@@ -46,9 +48,9 @@ Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
         on_pre_optimizer_step        (after gradient clipping)
         on_optimizer_step            (after optimizer.step(), before zero_grad)
         on_step_end                  (state.global_step already incremented)
-        [on_log] [on_prediction_step... on_log on_evaluate] [on_save]   (as control asks)
+        [on_log] [on_evaluate_begin ... on_evaluate] [on_save]   (as control asks)
       on_epoch_end
-      [on_log] [on_prediction_step... on_log on_evaluate] [on_save]   (epoch strategies)
+      [on_log] [on_evaluate_begin ... on_evaluate] [on_save]   (epoch strategies)
     [on_log]                         (the last logging window, if not logged yet)
     on_log                           (the run summary: train_runtime, train_loss, ...)
     on_train_end
@@ -57,23 +59,43 @@ Order of events in ``Loop.train()`` (GA = gradient_accumulation_steps)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:  # the types of the arguments and answers; dispatch.Returns checks an answer by its type
+    from collections.abc import Callable, Iterable
+    from pathlib import Path
+
+    import typer
+    from torch import Tensor
+    from torch.nn import Module
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LRScheduler as Scheduler
+    from torch.utils.data import Dataset
+
+    from .backends.base import Backend
+    from .config import Config
+    from .loop import Loop
+    from .plugins import Plugins
+    from .state import Control, LoopState
+    from .step import StepResult
+
+    Batch = dict[str, Any]  # one (micro-)batch as a loader yields it
+    Batches = Iterable[Batch]
+    Collate = Callable[[list], Batch]  # a data collator: examples -> a batch
+    Data = Dataset | None  # a dataset, or None where the run has none
+    DatasetFn = Callable[[], Dataset]  # builds the dataset when first called
+    Loss = Tensor | tuple[Tensor, Any]  # a scalar; (loss, outputs) when return_outputs is true
+    Step = StepResult | tuple[Tensor, Tensor | None]  # or an older provider's (loss, grad_norm)
+    Evaluation = tuple[dict[str, float], Any, Any]  # (metrics, predictions, label_ids)
+    Metrics = dict[str, float]
+    EvalMetric = Any  # update(predictions, label_ids), compute() -> Metrics; see eval_metric
+    Position = dict[str, Any]  # a checkpoint's loop state (its loop_state.json)
 
 PROJECT = "corelooper"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
-
-
-def returns(expected: str):
-    """Declare, in words, what a provider returns; ``corelooper.dispatch.CHECKS`` checks it."""
-
-    def mark(spec):
-        spec.corelooper_returns = expected
-        return spec
-
-    return mark
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,7 +138,7 @@ def corelooper_settings() -> dict[str, Any] | None:
 
 
 @hookspec(historic=True)
-def corelooper_configure(config, plugins) -> None:
+def corelooper_configure(config: Config, plugins: Plugins) -> None:
     """Set up this plugin for one run: register per-run objects, state and inactivity.
 
     Called once for every ``Loop`` (and by ``corelooper plugins --config``) after the config is
@@ -142,7 +164,7 @@ def corelooper_configure(config, plugins) -> None:
 
 
 @hookspec
-def corelooper_unconfigure(config, plugins) -> None:
+def corelooper_unconfigure(config: Config, plugins: Plugins) -> None:
     """The run's Loop ends: close what ``corelooper_configure`` opened (writers, tracker runs).
 
     pytest's ``pytest_unconfigure``. Called once per ``Loop``, by ``Loop.close()`` (also at the end
@@ -153,7 +175,7 @@ def corelooper_unconfigure(config, plugins) -> None:
 
 
 @hookspec
-def corelooper_add_commands(app) -> None:
+def corelooper_add_commands(app: typer.Typer) -> None:
     """Add subcommands to the ``corelooper`` command line (datasette's ``register_commands``).
 
     Called once when the CLI starts, with the typer ``app``: decorate functions with
@@ -168,7 +190,7 @@ def corelooper_add_commands(app) -> None:
 
 
 @hookspec
-def transform_model(loop, config, model):
+def transform_model(loop: Loop, config: Config, model: Module) -> Module | None:
     """Return the model this run trains instead of ``model`` (or ``None``: unchanged).
 
     Called once, in ``Loop.__init__``, after the model is built and before the backend is
@@ -184,7 +206,9 @@ def transform_model(loop, config, model):
 
 
 @hookspec
-def transform_data(loop, config, model, train_dataset, eval_dataset, data_collator):
+def transform_data(
+    loop: Loop, config: Config, model: Module, train_dataset: Data, eval_dataset: Data, data_collator: Collate
+) -> dict[str, Any] | None:
     """Return a dict with the parts of the run's data this plugin replaces (or ``None``).
 
     Keys: ``"train_dataset"``, ``"eval_dataset"``, ``"data_collator"`` (any subset; a value of
@@ -204,8 +228,7 @@ def transform_data(loop, config, model, train_dataset, eval_dataset, data_collat
 
 
 @hookspec(firstresult=True)
-@returns("a torch.nn.Module, or None")
-def create_model(config):
+def create_model(config: Config) -> Module | None:
     """Return the ``torch.nn.Module`` that ``[model]`` describes, or None when this plugin does
     not build it.
 
@@ -216,8 +239,7 @@ def create_model(config):
 
 
 @hookspec(firstresult=True)
-@returns("a dataset (map-style: __len__ and __getitem__; or an IterableDataset), or None")
-def create_dataset(config, split: str):
+def create_dataset(config: Config, split: str) -> Dataset | None:
     """Return the dataset ``[data] <split>`` names (``split``: "train", "eval" or "test"), or
     None when this plugin does not read it.
 
@@ -228,8 +250,7 @@ def create_dataset(config, split: str):
 
 
 @hookspec(firstresult=True)
-@returns("an object with the Backend protocol's methods (corelooper.backends.base.Backend)")
-def create_backend(loop):
+def create_backend(loop: Loop) -> Backend | None:
     """Return the backend that runs the model on the hardware.
 
     Called once, when the ``Loop`` is constructed (before ``on_init_end``). The builtin returns
@@ -242,8 +263,7 @@ def create_backend(loop):
 
 
 @hookspec(firstresult=True)
-@returns("a torch.optim.Optimizer (or an object with step(), zero_grad() and param_groups)")
-def create_optimizer(loop, model):
+def create_optimizer(loop: Loop, model: Module) -> Optimizer | None:
     """Return the ``torch.optim.Optimizer`` for ``model`` (already on its device).
 
     Called once per ``train()``, before the backend prepares the model. The builtin builds
@@ -254,8 +274,7 @@ def create_optimizer(loop, model):
 
 
 @hookspec(firstresult=True)
-@returns("a learning-rate scheduler (an object with step() and get_last_lr())")
-def create_scheduler(loop, optimizer, num_training_steps: int):
+def create_scheduler(loop: Loop, optimizer: Optimizer, num_training_steps: int) -> Scheduler | None:
     """Return a learning-rate scheduler for ``optimizer`` (stepped once per optimizer step).
 
     ``num_training_steps`` is the total number of optimizer steps of the run. The builtin
@@ -265,8 +284,7 @@ def create_scheduler(loop, optimizer, num_training_steps: int):
 
 
 @hookspec(firstresult=True)
-@returns("an iterable of batches")
-def train_dataloader(loop, dataset):
+def train_dataloader(loop: Loop, dataset: Dataset) -> Batches | None:
     """Return an iterable of training batches for one epoch, for this process.
 
     The builtin returns a ``corelooper.data.loader.BatchLoader`` for a map-style dataset (a
@@ -281,15 +299,15 @@ def train_dataloader(loop, dataset):
 
 
 @hookspec(firstresult=True)
-@returns("an iterable of batches")
-def eval_dataloader(loop, dataset):
+def eval_dataloader(loop: Loop, dataset: Dataset) -> Batches | None:
     """Return an iterable of evaluation batches for this process (no shuffling, no padding
     duplicates across processes)."""
 
 
 @hookspec(firstresult=True)
-@returns("a scalar torch.Tensor (or (loss, outputs) when return_outputs is true)")
-def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
+def compute_loss(
+    loop: Loop, model: Module, batch: Batch, num_items_in_batch: Tensor | None, return_outputs: bool
+) -> Loss | None:
     """Return the loss of one micro-batch (a scalar tensor), or ``(loss, outputs)`` when
     ``return_outputs`` is true.
 
@@ -308,8 +326,7 @@ def compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool):
 
 
 @hookspec(firstresult=True)
-@returns("(loss, grad_norm) with loss a torch.Tensor, or a result with a tensor .loss")
-def training_step(loop, micro_batches: list):
+def training_step(loop: Loop, micro_batches: list[Batch]) -> Step | None:
     """Run one whole optimizer step over ``micro_batches``; return a ``corelooper.step.StepResult``.
 
     The HF Trainer's second override point, after ``compute_loss``. ``micro_batches`` are the
@@ -330,8 +347,9 @@ def training_step(loop, micro_batches: list):
 
 
 @hookspec(firstresult=True)
-@returns("a tuple (metrics, predictions, label_ids) with metrics a dict")
-def evaluation_loop(loop, dataset, metric_key_prefix: str, keep_outputs: bool):
+def evaluation_loop(
+    loop: Loop, dataset: Dataset, metric_key_prefix: str, keep_outputs: bool
+) -> Evaluation | None:
     """Run the model over ``dataset``; return ``(metrics, predictions, label_ids)``.
 
     Called by ``Loop.evaluate()`` (``keep_outputs`` false unless metrics need the outputs) and
@@ -344,8 +362,7 @@ def evaluation_loop(loop, dataset, metric_key_prefix: str, keep_outputs: bool):
 
 
 @hookspec(firstresult=True)
-@returns("a dict of metrics (or None to let the next provider answer)")
-def compute_metrics(loop, predictions, label_ids):
+def compute_metrics(loop: Loop, predictions: Any, label_ids: Any) -> Metrics | None:
     """Return a dict of metrics (without the ``eval_`` prefix) from the whole evaluation set.
 
     ``predictions`` and ``label_ids`` are the concatenated model outputs (usually logits) and
@@ -355,8 +372,7 @@ def compute_metrics(loop, predictions, label_ids):
 
 
 @hookspec(firstresult=True)
-@returns("an object with update(predictions, label_ids) and compute() -> dict (or None)")
-def eval_metric(loop):
+def eval_metric(loop: Loop) -> EvalMetric | None:
     """A per-batch metric for ``evaluate()``/``predict()``: no outputs are kept for it.
 
     Per batch ``update(predictions, label_ids)`` (that batch's model outputs and labels, on the
@@ -377,8 +393,9 @@ def eval_metric(loop):
 
 
 @hookspec(firstresult=True)
-@returns("a corelooper.config.Config (config itself, or a copy with another batch geometry), or None")
-def resume_config(config, plugins, directory, world_size: int, dataset, announce: bool):
+def resume_config(
+    config: Config, plugins: Plugins, directory: Path, world_size: int, dataset: DatasetFn, announce: bool
+) -> Config | None:
     """Return the config to resume checkpoint ``directory`` with on ``world_size`` processes.
 
     Called by ``Loop.__init__`` for ``train.resume_from_checkpoint`` after the config is
@@ -392,8 +409,7 @@ def resume_config(config, plugins, directory, world_size: int, dataset, announce
 
 
 @hookspec(firstresult=True)
-@returns("a dict (the checkpoint's loop state, its position in this run's micro-batches), or None")
-def resume_position(loop, state, directory):
+def resume_position(loop: Loop, state: Position, directory: Path) -> Position | None:
     """Return the checkpoint's loop state (``state``, its ``loop_state.json`` as a dict) with
     ``micro_batches_in_epoch`` rewritten as this run's micro-batches.
 
@@ -411,55 +427,92 @@ def resume_position(loop, state, directory):
 
 
 @hookspec
-def on_init_end(loop, state, control) -> None:
+def on_init_end(loop: Loop, state: LoopState, control: Control) -> None:
     """At the end of ``Loop.__init__``: plugins are configured, model and data transformed
     (``transform_model``, ``transform_data``), the backend created. Read the Loop here; change
     the model or data with the transform hooks, not by assigning to the Loop."""
 
 
 @hookspec
-def on_train_begin(loop, state, control) -> None:
+def on_train_begin(loop: Loop, state: LoopState, control: Control) -> None:
     """At the start of ``train()``: model, optimizer, scheduler and data are ready and any
-    checkpoint has been loaded (``state.global_step`` is where training resumes)."""
+    checkpoint has been loaded (``state.global_step`` is where training resumes,
+    ``state.max_steps`` the run's length). A plugin opens what it writes to here (a logger's
+    run, a file) and reads the final model, optimizer and data."""
 
 
 @hookspec
-def on_epoch_begin(loop, state, control) -> None:
-    """At the start of each epoch (``state.epoch`` is the epoch index as a float)."""
+def on_epoch_begin(loop: Loop, state: LoopState, control: Control) -> None:
+    """At the start of each epoch of ``train()``, after the loader was set to the epoch (and, when
+    resuming, to the checkpoint's position in it) and before its first batch is fetched.
+    ``state.epoch`` is the epoch index as a float (the epochs done so far when resuming mid-epoch).
+    A plugin reads the run here (a per-epoch counter starts); nothing to return."""
 
 
 @hookspec
-def on_step_begin(loop, state, control) -> None:
-    """At the first micro-batch of each optimizer step, after its micro-batches were fetched."""
+def on_batch_fetched(loop: Loop, state: LoopState, control: Control, batch: Batch) -> None:
+    """After each training micro-batch is fetched from the loader (Composer's
+    ``AFTER_DATALOADER``), before ``on_step_begin`` and before it moves to the device.
+
+    ``batch`` is the batch as the collator made it (on the CPU); ``state.global_step`` is the
+    steps done before the step it belongs to. A plugin may read it (data statistics, a data
+    timer) or change it in place (a dict: a key it adds or replaces is in the batch the step and
+    ``compute_loss`` get); the checkpoint's data position counts the loader's batches. Only training
+    batches: an evaluation's batches are seen by ``on_prediction_step``."""
 
 
 @hookspec
-def on_before_backward(loop, state, control, loss) -> None:
-    """Before ``backward`` on each micro-batch; ``loss`` is the normalised micro-batch loss."""
+def on_step_begin(loop: Loop, state: LoopState, control: Control) -> None:
+    """At the start of each optimizer step: its micro-batches were fetched (``on_batch_fetched``,
+    each) and the ``training_step`` provider runs next. ``loop.num_micro_batches`` is how many
+    were fetched (fewer than ``gradient_accumulation_steps`` at the end of an epoch);
+    ``state.global_step`` is the steps done before this one. A plugin reads the run here (a timer
+    starts); it changes the step only through a ``training_step`` provider."""
 
 
 @hookspec
-def on_after_backward(loop, state, control, loss) -> None:
-    """After ``backward`` on each micro-batch (gradients of the step are accumulating)."""
+def on_before_backward(loop: Loop, state: LoopState, control: Control, loss: Tensor) -> None:
+    """Before ``backward`` on each micro-batch, called by the step (``default_training_step``).
+
+    ``loss`` is the micro-batch's loss as it is differentiated: normalised so that the step's
+    micro-batch losses add up to the step's mean loss (``compute_loss``'s rule); a scalar tensor on
+    the device, attached to the graph. Read it (detach before keeping it: no host sync per
+    micro-batch); changing it in place breaks ``backward``."""
 
 
 @hookspec
-def on_substep_end(loop, state, control) -> None:
-    """After each micro-batch of an optimizer step except the last (HF semantics)."""
+def on_after_backward(loop: Loop, state: LoopState, control: Control, loss: Tensor) -> None:
+    """After ``backward`` on each micro-batch; ``loss`` is the one ``on_before_backward`` got.
+
+    The step's gradients are accumulating in ``param.grad`` (not yet clipped, not synchronised
+    across processes before the last micro-batch). A plugin may read them, or change them in
+    place (they are what the optimizer step uses)."""
 
 
 @hookspec
-def on_pre_optimizer_step(loop, state, control, optimizer) -> None:
-    """After gradient clipping, before ``optimizer.step()``."""
+def on_substep_end(loop: Loop, state: LoopState, control: Control) -> None:
+    """After each micro-batch of an optimizer step except the last (HF's ``on_substep_end``):
+    its forward and backward are done, the next micro-batch's come. Gets only ``loop``,
+    ``state`` and ``control``; ``state.global_step`` is still the steps done before this one."""
 
 
 @hookspec
-def on_optimizer_step(loop, state, control, optimizer) -> None:
-    """After ``optimizer.step()``, before the scheduler step and ``zero_grad``."""
+def on_pre_optimizer_step(loop: Loop, state: LoopState, control: Control, optimizer: Optimizer) -> None:
+    """After the step's last backward and gradient clipping (``max_grad_norm``), before
+    ``optimizer.step()``: ``optimizer`` is the run's optimizer, its parameters' ``grad`` the
+    gradients it is about to apply. A plugin may read or change them in place (gradient noise,
+    per-layer statistics)."""
 
 
 @hookspec
-def on_step_end(loop, state, control) -> None:
+def on_optimizer_step(loop: Loop, state: LoopState, control: Control, optimizer: Optimizer) -> None:
+    """After ``optimizer.step()``, before the scheduler steps and ``zero_grad`` clears the
+    gradients: ``optimizer`` holds the updated parameters and the gradients that were applied
+    (weight statistics, EMA of the weights). ``state.global_step`` is not yet incremented."""
+
+
+@hookspec
+def on_step_end(loop: Loop, state: LoopState, control: Control) -> None:
     """At the end of each optimizer step; ``state.global_step`` is already incremented (1 after
     the first step). The builtin flow logic has already set ``control.should_log``,
     ``should_evaluate`` and ``should_save`` from the strategies; a plugin may change them, or set
@@ -467,7 +520,7 @@ def on_step_end(loop, state, control) -> None:
 
 
 @hookspec
-def on_log(loop, state, control, logs: dict) -> None:
+def on_log(loop: Loop, state: LoopState, control: Control, logs: dict[str, Any]) -> None:
     """When the loop logs (every ``logging_steps`` and at the end) and after each evaluation
     (before ``on_evaluate``, as HF). A training log holds ``loss``, ``learning_rate`` (the rate
     that step used), ``grad_norm``, ``epoch``, samples and tokens per second and anything plugins added; an
@@ -481,7 +534,18 @@ def on_log(loop, state, control, logs: dict) -> None:
 
 
 @hookspec
-def on_evaluate(loop, state, control, metrics: dict) -> None:
+def on_evaluate_begin(loop: Loop, state: LoopState, control: Control, metric_key_prefix: str) -> None:
+    """When ``evaluate()`` or ``predict()`` begins, before the ``evaluation_loop`` provider runs
+    (Composer's ``EVAL_START``; Lightning's ``on_validation_start``), on every process.
+
+    ``metric_key_prefix`` is the prefix of the metrics to come: "eval" for an evaluation
+    (``on_evaluate`` follows), "test" for ``predict()`` (``on_predict`` follows), or the one the
+    caller passed. ``loop.is_training`` tells whether it runs inside ``train()``. A plugin starts
+    a timer or resets what it collects per evaluation; nothing to return."""
+
+
+@hookspec
+def on_evaluate(loop: Loop, state: LoopState, control: Control, metrics: Metrics) -> None:
     """After an evaluation; ``metrics`` has ``eval_loss`` and the ``eval_``-prefixed metrics.
 
     Fires on every process (the metrics are already reduced over processes), so a plugin that
@@ -490,44 +554,57 @@ def on_evaluate(loop, state, control, metrics: dict) -> None:
 
 
 @hookspec
-def on_prediction_step(loop, state, control, batch, outputs) -> None:
+def on_prediction_step(loop: Loop, state: LoopState, control: Control, batch: Batch, outputs: Any) -> None:
     """After each batch of ``evaluate()``/``predict()``; ``outputs`` are the model outputs. An
     implementation that takes ``outputs`` makes the evaluation compute them; otherwise a loss-only
     evaluation passes ``None`` (``compute_loss`` was asked for the loss alone)."""
 
 
 @hookspec
-def on_predict(loop, state, control, metrics: dict) -> None:
-    """After ``predict()``; ``metrics`` are ``test_``-prefixed (empty without labels)."""
+def on_predict(loop: Loop, state: LoopState, control: Control, metrics: Metrics) -> None:
+    """At the end of ``predict()``, on every process: ``metrics`` are what the evaluation loop
+    computed, ``test_``-prefixed (with the ``metric_key_prefix`` given; no loss without labels).
+    Nothing is logged for a prediction; the predictions themselves are ``predict()``'s result."""
 
 
 @hookspec
-def on_save(loop, state, control, checkpoint_dir) -> None:
+def on_save(loop: Loop, state: LoopState, control: Control, checkpoint_dir: Path) -> None:
     """After a checkpoint was written completely and renamed into place at ``checkpoint_dir``
     (a ``pathlib.Path``). Files a plugin wants in the checkpoint belong in its ``state_dict``."""
 
 
 @hookspec
-def on_load_checkpoint(loop, state, control, checkpoint_dir) -> None:
-    """After the loop restored model, optimizer, scheduler, RNG, loop state and plugin states
-    from ``checkpoint_dir``, before training resumes."""
+def on_load_checkpoint(loop: Loop, state: LoopState, control: Control, checkpoint_dir: Path) -> None:
+    """When ``train()`` resumes: after the loop restored model, optimizer, scheduler, RNG, loop
+    state and plugin states from ``checkpoint_dir`` (a ``pathlib.Path``), before
+    ``on_train_begin``. ``state`` is the checkpoint's; a plugin's own state came back through its
+    ``load_state_dict``, so this event is for what follows from a resume (a message, a check)."""
 
 
 @hookspec
-def on_epoch_end(loop, state, control) -> None:
-    """At the end of each epoch; ``control.should_evaluate``/``should_save`` reflect the epoch
-    strategies and may be changed."""
+def on_epoch_end(loop: Loop, state: LoopState, control: Control) -> None:
+    """At the end of each epoch of ``train()`` (its loader is exhausted, or ``max_steps`` or a
+    stop ended it). The flow logic has set ``control.should_evaluate`` / ``should_save`` from the
+    epoch strategies; a plugin may change them (the evaluation and save follow this event), or
+    set ``control.should_training_stop`` to end training after this epoch."""
 
 
 @hookspec
-def on_train_end(loop, state, control) -> None:
+def on_train_end(loop: Loop, state: LoopState, control: Control) -> None:
     """At the end of ``train()``, also after a preemption (``state.preempted`` is true): flush
     and close what the plugin opened."""
 
 
 @hookspec
 def on_nonfinite(
-    loop, state, control, micro_batches: list, sample_indices, loss, grad_norm, action: str
+    loop: Loop,
+    state: LoopState,
+    control: Control,
+    micro_batches: list[Batch],
+    sample_indices: list | None,
+    loss: Tensor,
+    grad_norm: Tensor | None,
+    action: str,
 ) -> None:
     """The step's loss or gradient norm is not finite (the non-finite guard, ``train.on_nonfinite``).
 
@@ -541,35 +618,16 @@ def on_nonfinite(
 
 
 @hookspec
-def on_exception(loop, state, control, exception: BaseException) -> None:
+def on_exception(loop: Loop, state: LoopState, control: Control, exception: BaseException) -> None:
     """When ``train()``, or ``evaluate()``/``predict()`` called alone, is about to raise;
     ``exception`` is what went wrong. Clean up here; the last complete checkpoint is left
     untouched and the exception is re-raised (as a ``PluginError`` naming the plugin and hook
     when a plugin's code raised)."""
 
 
-EVENTS = tuple(name for name, obj in list(globals().items()) if name.startswith("on_") and callable(obj))
-PROVIDERS = (
-    "create_model",
-    "create_dataset",
-    "create_backend",
-    "create_optimizer",
-    "create_scheduler",
-    "train_dataloader",
-    "eval_dataloader",
-    "compute_loss",
-    "training_step",
-    "evaluation_loop",
-    "compute_metrics",
-    "eval_metric",
-    "resume_config",
-    "resume_position",
-)
-DECLARATIONS = (
-    "corelooper_config_sections",
-    "corelooper_settings",
-    "corelooper_configure",
-    "corelooper_unconfigure",
-    "corelooper_add_commands",
-)
-TRANSFORMS = ("transform_model", "transform_data")
+# The hooks by kind, in the order they are defined above (docs/hooks.md, `corelooper hooks`).
+_SPECS = [(name, obj) for name, obj in list(globals().items()) if hasattr(obj, f"{PROJECT}_spec")]
+EVENTS = tuple(name for name, _ in _SPECS if name.startswith("on_"))
+PROVIDERS = tuple(name for name, spec in _SPECS if spec.corelooper_spec["firstresult"])
+DECLARATIONS = tuple(name for name, _ in _SPECS if name.startswith(f"{PROJECT}_"))
+TRANSFORMS = tuple(name for name, _ in _SPECS if name.startswith("transform_"))

@@ -300,11 +300,14 @@ class Loop:
 
     def _next_micro_batches(self, batches, n: int) -> list:
         try:
-            return list(islice(batches, n))
+            micro_batches = list(islice(batches, n))
         except CorelooperError:
             raise
         except Exception as e:
             raise batch_error(e, self.state.global_step, self.config, self.data_collator) from e
+        for batch in micro_batches:  # nothing to call when no plugin implements it
+            self.events.fire("on_batch_fetched", batch=batch)
+        return micro_batches
 
     # -- logging, evaluation, saving -----------------------------------------------------------------
     def _log_evaluate_save(self) -> None:
@@ -356,6 +359,7 @@ class Loop:
         if dataset is None:
             raise CorelooperError("No evaluation data: pass eval_dataset= or set data.eval.")
         with reported(self, "Evaluation"):
+            self.events.fire("on_evaluate_begin", metric_key_prefix=metric_key_prefix)
             metrics, _, _ = self._provide(
                 "evaluation_loop", dataset=dataset, metric_key_prefix=metric_key_prefix, keep_outputs=False
             )
@@ -369,6 +373,7 @@ class Loop:
     def predict(self, test_dataset, metric_key_prefix: str = "test"):
         """Model outputs for every sample, in dataset order: ``(predictions, label_ids, metrics)``."""
         with reported(self, "Prediction"):
+            self.events.fire("on_evaluate_begin", metric_key_prefix=metric_key_prefix)
             metrics, preds, labels = self._provide(
                 "evaluation_loop",
                 dataset=test_dataset,

@@ -67,12 +67,26 @@ def _resolve(path: Path, module: str | None, level: int) -> str:
     return ".".join(base + ([module] if module else []))
 
 
+def type_only(tree: ast.Module) -> set[ast.AST]:
+    """The imports under ``if TYPE_CHECKING:``: names for annotations (postponed), never run, so
+    no dependency (hookspecs names the Loop's types; the Loop imports hookspecs)."""
+    out: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(n for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
 def imports_of(path: Path) -> set[str]:
     """Core modules ``path`` imports, anywhere in the file (a package import counts as its
     ``__init__``; ``from pkg import mod`` as ``pkg.mod`` when that is a module)."""
     known = modules()
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = type_only(tree)
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
             base = _resolve(path, node.module, node.level)
             for alias in node.names:
@@ -277,3 +291,106 @@ def test_the_loop_reads_in_one_sitting():
 def test_code_lines_counts_neither_docstrings_nor_comments():
     source = 'def f():\n    """Doc\n    string."""\n    # why\n\n    return 1  # inline\n'
     assert code_lines(source) == 2  # the def and the return
+
+
+# The layers of the core, from the bottom up, as docs/design.md draws them: a module imports only
+# modules of its own layer or of layers below (imports inside functions count; names imported
+# under ``if TYPE_CHECKING:`` for annotations do not). Every core module is in exactly one layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("errors", "hookspecs", "state", "seeding", "gradients", "metric", "outputs")),
+    ("hf/", ("hf",)),
+    ("config", ("config",)),
+    ("data/ checkpoints/ backends/", ("data", "checkpoints", "backends")),
+    (
+        "the step",
+        (
+            "step",
+            "evaluation",
+            "losses",
+            "build",
+            "guard",
+            "logwindow",
+            "dispatch",
+            "events",
+            "transforms",
+            "preflight",
+        ),
+    ),
+    ("builtin/", ("builtin",)),
+    ("the loop", ("loop", "assemble", "plugins", "")),  # "": the package corelooper itself
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of a core module (``corelooper.checkpoints.run_dir`` -> its folder's)."""
+    first = module.split(".")[1] if "." in module else ""
+    found = [n for n, (_, names) in enumerate(LAYERS) if first in names]
+    assert len(found) == 1, (
+        f"{module} is in {len(found)} layers: put it in one (tests/test_architecture.py LAYERS)"
+    )
+    return found[0]
+
+
+def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that point up: from a module to one of a higher layer."""
+    return [
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for a, targets in sorted(graph.items())
+        for b in sorted(targets)
+        if layer_of(b) > layer_of(a)
+    ]
+
+
+def test_every_import_points_down_the_layers():
+    graph = {name: imports_of(path) for name, path in modules().items()}
+    assert against_the_layers(graph) == []
+
+
+def test_the_layer_check_sees_an_import_against_the_direction():
+    graph = {name: imports_of(path) for name, path in modules().items()}
+    graph["corelooper.checkpoints.run_dir"] = graph["corelooper.checkpoints.run_dir"] | {"corelooper.loop"}
+    graph["corelooper.errors"] = {"corelooper.config"}
+    assert against_the_layers(graph) == [
+        "corelooper.checkpoints.run_dir (data/ checkpoints/ backends/) imports corelooper.loop (the loop)",
+        "corelooper.errors (base) imports corelooper.config (config)",
+    ]
+    # a function-level import counts; a TYPE_CHECKING one (annotations only) does not
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .loop import Loop\n"
+        "def f():\n    from .config import Config\n"
+    )
+    counted = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n not in type_only(tree)]
+    assert counted == ["typing", "config"]
+
+
+def test_the_core_imports_nothing_of_the_command_line():
+    """cli/ sits on top: the core never imports it (``__main__`` only starts it)."""
+    bad = [
+        f"{name} imports {m}"
+        for name, path in modules().items()
+        for m in _all_imports(path)
+        if m.startswith("corelooper.cli")
+    ]
+    assert bad == []
+
+
+def _all_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_design_md_draws_the_layers_in_this_order():
+    picture = (REPO / "docs" / "design.md").read_text().split("```", 2)[1]
+    labels = [f"[{name}]" for name, _ in LAYERS]
+    positions = [picture.find(label) for label in labels]
+    assert -1 not in positions, [label for label in labels if label not in picture]
+    assert positions == sorted(positions, reverse=True), "docs/design.md: the layers from the top down"
+    for (_, members), label in zip(LAYERS, labels, strict=True):
+        text = " ".join(picture[picture.find(label) :].split("\n", 2)[:2])  # its line and the next
+        assert all(m in text for m in members if m), f"docs/design.md's {label} line names {members}"

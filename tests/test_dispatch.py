@@ -101,21 +101,34 @@ def test_a_backend_that_is_not_one_names_the_plugin(train_args):
     assert "missing: device, num_processes, is_main_process, prepare, prepare_model, to_device" in msg
 
 
-def test_every_provider_declares_what_it_returns_and_has_a_check():
-    from corelooper.dispatch import CHECKS
+def test_every_provider_declares_what_it_returns_once_and_its_check_derives_from_it():
+    """The return annotation is the one declaration: ``X | None`` (None: the next one answers),
+    X a type ``dispatch.Returns`` knows: its check, and what it is in words (its docstring)."""
+    from corelooper.dispatch import CHECKS, RETURNS, returns
 
     for name in hookspecs.PROVIDERS:
-        assert getattr(hookspecs, name).corelooper_returns, name
-        assert name in CHECKS, name
+        annotation = getattr(hookspecs, name).__annotations__["return"]
+        assert annotation.endswith(" | None") and annotation.removesuffix(" | None") in RETURNS, name
+        assert CHECKS[name] is returns(name), name
+        assert not hasattr(getattr(hookspecs, name), "corelooper_returns"), name  # no second declaration
     assert set(CHECKS) == set(hookspecs.PROVIDERS)
+    declared = {
+        getattr(hookspecs, n).__annotations__["return"].removesuffix(" | None") for n in hookspecs.PROVIDERS
+    }
+    assert set(RETURNS) == declared  # no return type that no provider declares
 
 
 def test_corelooper_hooks_shows_what_each_provider_returns(cli):
+    from corelooper.dispatch import returns
+
     r = cli("hooks")
     assert r.returncode == 0, r.stderr
     for name in hookspecs.PROVIDERS:
         entry = r.stdout.split(f"\n{name}(", 1)[1].split("\n", 2)[1]  # the line after the signature
-        assert entry == f"    returns: {getattr(hookspecs, name).corelooper_returns}", (name, entry)
+        assert entry == f"    returns: {returns(name).__doc__}, or None (the next provider answers)", (
+            name,
+            entry,
+        )
 
 
 def test_right_answers_pass_the_checks(train_args):

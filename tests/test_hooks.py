@@ -7,6 +7,7 @@ import dataclasses
 import types
 
 import pytest
+import torch
 import toys
 
 from corelooper import hookimpl, hookspecs
@@ -46,7 +47,7 @@ def expected_train_events(
     for _ in range(epochs):
         out.append(("on_epoch_begin", step))
         for n in micro_per_step:
-            out.append(("on_step_begin", step))
+            out += [("on_batch_fetched", step)] * n + [("on_step_begin", step)]
             for i in range(n):
                 out += [("on_before_backward", step), ("on_after_backward", step)]
                 if i < n - 1:
@@ -57,7 +58,8 @@ def expected_train_events(
             if step % logging_steps == 0 or step == max_steps:
                 out.append(("on_log", step))
         out.append(("on_epoch_end", step))
-        out += [("on_prediction_step", step)] * eval_batches + [("on_log", step), ("on_evaluate", step)]
+        out += [("on_evaluate_begin", step)] + [("on_prediction_step", step)] * eval_batches
+        out += [("on_log", step), ("on_evaluate", step)]
         out.append(("on_save", step))
     out += [("on_log", step), ("on_train_end", step)]  # the run summary, then the end
     return out
@@ -91,7 +93,7 @@ def test_documented_order_and_counts_with_gradient_accumulation(train_args):
 
     rec.calls.clear()
     loop.predict(toys.Blobs(6, seed=1))
-    assert rec.calls == [("on_prediction_step", 6)] * 2 + [("on_predict", 6)]
+    assert rec.calls == [("on_evaluate_begin", 6)] + [("on_prediction_step", 6)] * 2 + [("on_predict", 6)]
 
     # resuming: on_load_checkpoint after the restore, before on_train_begin
     rec2 = Recorder()
@@ -155,6 +157,48 @@ def test_every_event_receives_loop_state_control_and_its_own_arguments(train_arg
     assert got["on_save"]["checkpoint_dir"].name == "checkpoint-2"
     assert got["on_before_backward"]["loss"].ndim == 0
     assert got["on_pre_optimizer_step"]["optimizer"] is loop.optimizer
+    assert got["on_evaluate_begin"]["metric_key_prefix"] == "test"  # the last: predict()'s
+    assert set(got["on_batch_fetched"]["batch"]) == {"x", "labels"}
+    assert got["on_batch_fetched"]["batch"]["x"].device.type == "cpu"  # as fetched, before the device
+
+
+def test_a_key_added_to_a_fetched_batch_reaches_compute_loss(train_args):
+    """on_batch_fetched may change the batch in place: the step and compute_loss get it; once per
+    micro-batch, before on_step_begin; an evaluation's batches do not fire it."""
+    seen: list[str] = []
+
+    class Tagger:
+        name = "tagger"
+
+        @hookimpl
+        def on_batch_fetched(self, state, batch):
+            batch["weight"] = state.global_step
+            seen.append("fetched")
+
+        @hookimpl
+        def on_step_begin(self, loop):
+            seen.append(f"step of {loop.num_micro_batches}")
+
+        @hookimpl
+        def compute_loss(self, model, batch):
+            seen.append(f"loss weight {batch.get('weight')}")
+            return torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"])
+
+    args = train_args(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2)
+    loop = Loop(
+        toys.mlp(), args, train_dataset=toys.Blobs(16), plugins=[Tagger()], blocked_plugins=["console"]
+    )
+    loop.train()
+    assert seen == ["fetched", "fetched", "step of 2", "loss weight 0", "loss weight 0"] + [
+        "fetched",
+        "fetched",
+        "step of 2",
+        "loss weight 1",
+        "loss weight 1",
+    ]
+    seen.clear()
+    loop.evaluate(toys.Blobs(4))
+    assert seen == ["loss weight None"]  # compute_loss ran on the one batch, on_batch_fetched did not
 
 
 def test_should_training_stop_from_a_plugin_stops_at_that_step(train_args):

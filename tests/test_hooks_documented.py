@@ -55,8 +55,46 @@ def test_hookspec_is_documented_with_its_signature(name):
     assert f"### `{name}`" in text, f"docs/hooks.md has no section for {name}: {REGENERATE}"
     section = text.split(f"### `{name}`", 1)[1].split("\n### ", 1)[0]
     assert f"`{signature(all_hookspecs()[name])}`" in section, f"{name}'s signature is stale: {REGENERATE}"
-    returns = getattr(all_hookspecs()[name], "corelooper_returns", None)
-    assert returns is None or f"**Returns** {returns}." in section, f"{name}'s return is stale: {REGENERATE}"
+    assert name not in hookspecs.PROVIDERS or f"**Returns** {returns_line(name)}" in section, (
+        f"{name}'s return is stale: {REGENERATE}"
+    )
+
+
+def returns_line(name: str) -> str:
+    from corelooper.dispatch import returns
+
+    annotation = getattr(hookspecs, name).__annotations__["return"]
+    return f"`{annotation}`: {returns(name).__doc__}, or None (the next provider answers)."
+
+
+@pytest.mark.parametrize("name", sorted(all_hookspecs()))
+def test_every_argument_and_answer_of_a_hook_is_typed(name):
+    """Every argument annotated; an event returns None, a provider its one declared type."""
+    fn = all_hookspecs()[name]
+    params = inspect.signature(fn).parameters
+    assert [p for p in params if p not in fn.__annotations__] == [], f"{name}: annotate every argument"
+    assert "return" in fn.__annotations__, f"{name}: annotate what it returns"
+    if name in hookspecs.EVENTS:
+        assert fn.__annotations__["return"] == "None", name
+        assert list(params)[:3] == ["loop", "state", "control"], name
+
+
+@pytest.mark.parametrize("name", sorted(all_hookspecs()))
+def test_the_annotations_name_real_types(name):
+    """The annotations are strings (postponed): each resolves, with the TYPE_CHECKING imports."""
+    import typing
+
+    import torch  # noqa: F401  (the names below import it)
+
+    namespace = dict(vars(hookspecs))
+    exec(
+        inspect.getsource(hookspecs)
+        .split("if TYPE_CHECKING:", 1)[1]
+        .split("\n\n\n", 1)[0]
+        .replace("\n    ", "\n"),
+        namespace,
+    )
+    assert typing.get_type_hints(all_hookspecs()[name], globalns=namespace)
 
 
 def test_docs_are_what_the_hookspecs_generate():
@@ -86,7 +124,9 @@ when a hook is missing here or has no docstring.
   Among installed plugins the name that sorts first is asked first; local plugins
   (`[plugins] local`) and objects passed to `Loop(plugins=[...])` come before installed ones.
   `corelooper plugins` shows which plugin answers each provider.
-- Every provider declares what it returns (**Returns** below). The loop, the builtin and plugins
+- Every argument and answer is typed (the names `Batch`, `Loss`, `Metrics`, ... are the aliases
+  `corelooper/hookspecs.py` defines for type checkers). Every provider declares what it returns
+  once, as its return annotation (**Returns** below, with what it means). The loop, the builtin and plugins
   call providers through one dispatcher (`loop.plugins.call_provider(hook, **kwargs)`), which
   checks every answer: a wrong type (a float as loss, a parameter list as optimizer) is a
   `PluginError` naming the plugin, the hook, what was expected and what came (exit 3).
@@ -158,8 +198,8 @@ def render() -> str:
                 )
             )
             out += [f"### `{name}`", "", f"`{signature(specs[name])}` — {kind}", ""]
-            if getattr(specs[name], "corelooper_returns", None):
-                out += [f"**Returns** {specs[name].corelooper_returns}.", ""]
+            if name in hookspecs.PROVIDERS:
+                out += [f"**Returns** {returns_line(name)}", ""]
             out += [inspect.getdoc(specs[name]) or "", ""]
     tail = differences_section()
     return "\n".join(out).rstrip() + "\n" + ("\n" + tail if tail else "")
