@@ -33,6 +33,7 @@ def write_predictions(
         raise ConfigError(f"--output {str(path)!r}: use a file ending in {' or '.join(FORMATS)}.")
     if predictions is None:
         raise ConfigError("Nothing to write: the model produced no predictions (is the dataset empty?).")
+    _note_logits(path, predictions)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     if path.suffix == ".safetensors":
@@ -43,16 +44,6 @@ def write_predictions(
             tensors["label_ids"] = label_ids.contiguous()
         save_file(tensors, str(tmp), metadata={"metrics": json.dumps(metrics)})
     else:
-        if predictions.is_floating_point() and predictions.numel() >= LARGE_JSON:  # logits over a vocabulary
-            logging.getLogger("corelooper").warning(
-                "--output %s: the predictions are %s floats (%.0f million numbers; about %.0f MB as JSON, "
-                "slow to write and read); --output with .safetensors holds them exactly in %.0f MB.",
-                path.name,
-                list(predictions.shape),
-                predictions.numel() / 1e6,
-                predictions.numel() * 10 / 1e6,
-                predictions.numel() * predictions.element_size() / 1e6,
-            )
         with open(tmp, "w") as f:
             for i in range(predictions.shape[0]):
                 row = {"index": i, "prediction": _plain(predictions[i])}
@@ -63,6 +54,28 @@ def write_predictions(
     if metrics:
         path.with_name(path.stem + ".metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     return path
+
+
+def _note_logits(path: Path, predictions: torch.Tensor) -> None:
+    """Per-position floats (a causal LM's logits over its vocabulary) are written as asked, with one
+    note: how large they are as JSON, and that per-sample records come from a plugin's command."""
+    if not (predictions.is_floating_point() and predictions.dim() >= 3):
+        return
+    size = ""
+    if path.suffix == ".jsonl" and predictions.numel() >= LARGE_JSON:
+        size = (
+            f" ({predictions.numel() / 1e6:.0f} million numbers; about {predictions.numel() * 10 / 1e6:.0f} MB "
+            "as JSON, slow to write and read); --output with .safetensors holds them exactly in "
+            f"{predictions.numel() * predictions.element_size() / 1e6:.0f} MB"
+        )
+    logging.getLogger("corelooper").warning(
+        "--output %s: the predictions are the model's raw outputs per position, %s floats (logits)%s. "
+        "One record per sample (its loss, token ids, generated text) is a plugin command's job: "
+        "`corelooper --help` lists the commands installed plugins add.",
+        path.name,
+        list(predictions.shape),
+        size,
+    )
 
 
 def _plain(t: torch.Tensor):

@@ -244,8 +244,11 @@ def test_a_jsonl_of_logits_is_written_with_a_note_pointing_at_safetensors(tmp_pa
     with caplog.at_level(logging.WARNING, logger="corelooper"):
         out.write_predictions(tmp_path / "p.jsonl", logits, None, {})
         out.write_predictions(tmp_path / "ids.jsonl", logits.argmax(-1), None, {})  # ids: no note
+        out.write_predictions(tmp_path / "p.safetensors", logits, None, {})  # no size note
     notes = [r.getMessage() for r in caplog.records]
-    assert (
-        len(notes) == 1 and "[2, 5, 128] floats" in notes[0] and ".safetensors holds them exactly" in notes[0]
+    assert len(notes) == 2 and all("[2, 5, 128] floats (logits)" in n for n in notes)
+    assert ".safetensors holds them exactly" in notes[0] and "MB" not in notes[1]
+    assert all(
+        "One record per sample (its loss, token ids, generated text) is a plugin command" in n for n in notes
     )
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 2
