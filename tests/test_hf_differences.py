@@ -6,6 +6,7 @@ model that is not an HF model holds, with both numbers computed by hand."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -84,6 +85,11 @@ def test_eval_loss_is_item_weighted_where_hfs_is_sample_weighted(tmp_path):
     assert hf_loss["eval_loss"] == pytest.approx(sample_weighted, abs=1e-6)
     assert cl_loss["eval_loss"] == pytest.approx(item_weighted, abs=1e-6)
     assert abs(item_weighted - sample_weighted) > 1e-3  # the two rules differ on this set
+    # and, as docs/hooks.md says: perplexity here, no eval_runtime / eval_samples_per_second
+    assert cl_loss["eval_perplexity"] == pytest.approx(math.exp(item_weighted), rel=1e-5)
+    assert "eval_perplexity" not in hf_loss
+    assert {"eval_runtime", "eval_samples_per_second"} <= set(hf_loss)
+    assert not {"eval_runtime", "eval_samples_per_second"} & set(cl_loss)
 
     # one loss item per sample (HF's RegressionModel, batches of 4 and 2): the same number
     rows = regression_data(6)
