@@ -92,7 +92,11 @@ def test_hooks_lists_every_hook_with_its_doc(cli):
         assert f"\n{name}(" in "\n" + r.stdout, name
         assert doc_first_line in r.stdout, name
     assert (
-        "compute_loss(loop, model, batch, num_items_in_batch, return_outputs: bool)  [provider, firstresult]"
+        "compute_loss(loop: Loop, model: Module, batch: Batch, num_items_in_batch: Tensor | None, "
+        "return_outputs: bool)  [provider, firstresult]"
+    ) in r.stdout
+    assert (
+        "    returns: a scalar torch.Tensor (or (loss, outputs) when return_outputs is true), or None"
         in r.stdout
     )
 
