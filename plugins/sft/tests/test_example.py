@@ -62,6 +62,28 @@ def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in x for x in lines) and any(x.get("trainable_params") for x in lines)
     assert (out / "adapter_model.safetensors").is_file() and list((out / "tensorboard").rglob("events.*"))
+    generated = out / "generated.jsonl"  # the README's `corelooper lm predict ... --generate`
+    lm = [str(BIN / "corelooper"), "lm", "predict", str(EXAMPLE / "config.toml"), "--checkpoint", "latest"]
+    sh(
+        [
+            *lm,
+            *common,
+            "--set",
+            f'train.output_dir="{out}"',
+            "--generate",
+            "--max-new-tokens",
+            "8",
+            "-o",
+            str(generated),
+        ],
+        ROOT,
+        env,
+    )
+    records = [json.loads(x) for x in generated.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == 8  # the 8 held-out conversations (eval_split), one record each
+    for r in records:
+        assert r["prompt"].endswith("<|im_start|>assistant\n") and isinstance(r["generated"], str)
+        assert r["tokens"] == len(r["label_ids"]) > 0 and r["loss"] > 0 and len(r["generated_ids"]) <= 8
 
     from transformers import AutoModelForCausalLM
 
