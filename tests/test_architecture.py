@@ -1,6 +1,8 @@
 """The shape of the core, as docs/design.md draws it, checked on the source.
 
-No import cycles among ``corelooper/`` modules (imports inside functions count too); nothing
+Every import points down the layers (``LAYERS``, the picture in docs/design.md) and none closes
+a cycle among ``corelooper/`` modules (imports inside functions count too; names imported under
+``if TYPE_CHECKING:`` to annotate do not); the core imports nothing of ``cli/``; nothing
 outside ``loop.py`` reaches into a ``loop._name``; the core names no plugin package; small
 functions; a loop that reads in one sitting.
 """
