@@ -205,6 +205,9 @@ def _run_torchrun(argv: list[str]) -> tuple[str, dict[int, int | None], str, int
         return state, codes, f"rank {root_failure(e)[0]} failed (exit {code})", code
     except RendezvousError as e:
         return "failed", codes, rendezvous_failure(_endpoint(argv), e), 7
+    except Exception as e:  # torchrun's own failure: still one line and a state for the batch shell
+        first = (str(e).strip().splitlines() or [""])[0]
+        return "failed", codes, f"torchrun failed: {type(e).__name__}: {first}", 7
 
 
 def _endpoint(argv: list[str]) -> str:

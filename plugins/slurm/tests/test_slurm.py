@@ -281,7 +281,9 @@ def test_a_failed_run_ends_the_job_with_corelooper_s_exit_code(slurm, tmp_path):
     ), log
     assert "not requeueing: a node failed or was lost (node states: failed from 1 of 1 nodes" in log, log
     assert log.rstrip().endswith("; exit 3"), log
-    assert "[localhost rank 0]: corelooper: error" in log and "broken plugin" in log, log
+    assert re.search(
+        r"^\[localhost rank [01]\]: corelooper: error \(rank [01] of 2\): .*broken plugin", log, re.M
+    ), log
     assert_every_line_is_labelled(log, also=SRUN_FAILURE)
 
 
@@ -316,6 +318,33 @@ def test_scancel_saves_a_checkpoint_and_says_cancelled(slurm, tmp_path):
         "resumes it); exit 143"
     ) in log, log
     assert "failed" not in log and "Traceback" not in log, log
+
+
+@pytest.mark.cluster
+@pytest.mark.distributed
+def test_scancel_during_start_up_ends_the_job_with_75(slurm, tmp_path):
+    """A `scancel` before any step was saved: the ranks stop at start-up (75 each), nothing is
+    written, and the job says so and ends with 75 (README: stopped, nothing written)."""
+    (tmp_path / "slow_start.py").write_text(
+        "import os\nimport time\nfrom pathlib import Path\n\n"
+        f"Path({str(tmp_path)!r}, 'started-' + os.environ['RANK']).touch()\n"
+        "time.sleep(30)  # the ranks are still starting\n"
+    )
+    job_id, log_path = _submit(slurm, tmp_path, "-p", str(tmp_path / "slow_start.py"))
+    slurm.wait_for("the ranks did not start", lambda: len(list(tmp_path.glob("started-*"))) == 2, 120)
+    assert slurm.run("scancel", job_id).returncode == 0
+    slurm.wait_for("the job did not end", lambda: slurm.job(job_id).get("JobState") == "CANCELLED", 120)
+    slurm.wait_for("no exit code", lambda: slurm.job(job_id).get("ExitCode") != "0:0", 60)
+    job, log = slurm.job(job_id), log_path.read_text()
+    assert (job["Restarts"], job["ExitCode"]) == ("0", "75:0"), (job, log)
+    assert (
+        "corelooper-slurm: cancelled before this restart saved a step (newest checkpoint-0); exit 75" in log
+    )
+    assert (
+        ": interrupted; torchrun got SIGTERM; rank 0: 75 (stopped at start-up, nothing saved), "
+        "rank 1: 75 (stopped at start-up, nothing saved)"
+    ) in log, log
+    assert not list((tmp_path / "job").glob("checkpoint-*"))
 
 
 def _losses(path: Path) -> dict[int, float]:
