@@ -183,6 +183,10 @@ def ids_float_labels(**_):
     return Rows(lambda i: {"input_ids": torch.tensor([1, 2, 3, 4]), "labels": float(i % 2)})
 
 
+def raw_text(**_):
+    return Rows(lambda i: {"text": f"a review, number {i}", "labels": i % 2})
+
+
 def token_ids_beyond_vocab(**_):
     return Rows(lambda i: {"input_ids": torch.tensor([1, 2, 3, 40]), "labels": torch.tensor([1, 2, 3, 4])})
 
@@ -252,6 +256,13 @@ def _data_run(tmp_path: Path, model: str, data: str):
             "tiny_llama",
             "token_lists",
             ["Column 'input_ids'", "is a list in each sample", "`corelooper plugins` lists those installed"],
+        ),
+        # raw text that forward() does not take, so it was held back and the model got no input: was
+        # exit 6, "ValueError: You must specify exactly one of input_ids or inputs_embeds"
+        (
+            "tiny_classifier",
+            "raw_text",
+            ["Column 'text'", "holds strings (e.g. 'a review, number ", "inputs_embeds", "Tokenize it"],
         ),
         # (c) columns forward() does not take: was "The batch's columns: []"
         (

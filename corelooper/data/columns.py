@@ -51,6 +51,7 @@ _LABEL_NAMES = ("labels", "label", "label_ids")
 _FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _column_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> keys -> columns
 _last_columns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> the last batch's keys
+_dropped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> the columns not passed
 
 
 def accepted_columns(signature, keys: Iterable[str]) -> tuple[str, ...] | None:
@@ -90,6 +91,7 @@ def model_inputs(loop, batch: Mapping) -> Mapping:
                 dropped,
                 type(model).__name__,
             )
+    _dropped[loop] = {} if plan is None else {k: v for k, v in batch.items() if k not in plan}
     return batch if plan is None else {k: batch[k] for k in plan}
 
 
@@ -173,7 +175,13 @@ def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int
         where = f"data.eval = {data.eval!r}" if data.eval else "eval_dataset"
     inner = innermost_model(loop.backend.unwrap_model(model))
     classes, vocab = _sizes(inner, classes)
-    texts = {k: _text(v) for k, v in kwargs.items() if _text(v) is not None}
+    # the model got no input but labels, and columns were held back: those (raw text?) are the cause
+    dropped = _dropped.get(loop, {})
+    starved = bool(dropped) and not any(
+        torch.is_tensor(v) for k, v in kwargs.items() if k not in (*_LABEL_NAMES, "num_items_in_batch")
+    )
+    seen = {**dropped, **kwargs} if starved else kwargs
+    texts = {k: _text(v) for k, v in seen.items() if _text(v) is not None}
     lists = [k for k, v in kwargs.items() if isinstance(v, (list, tuple)) and k not in texts]
     wrong = _labels_problem(kwargs.get("labels"), classes)
     wrong = ("labels", wrong) if wrong else ("input_ids", _ids_problem(kwargs.get("input_ids"), vocab))
@@ -200,7 +208,7 @@ def raise_for_batch(loop, model, kwargs: Mapping, error: Exception, classes: int
         )
     elif wrong[1]:
         key, hint = wrong[0], f"{wrong[1]} ({failed})."
-    elif isinstance(error, TypeError) and "required" in str(error) and "argument" in str(error):
+    elif starved or isinstance(error, TypeError) and "required" in str(error) and "argument" in str(error):
         columns = list(_last_columns.get(loop, ())) or list(kwargs)
         raise DataError(
             f"{type(inner).__name__}.forward cannot be called with the batch ({error}). The batch's columns: "
