@@ -428,25 +428,29 @@ def new_plugin(
 def add_plugin_commands(app) -> None:
     """Let every installed plugin add CLI subcommands (``corelooper_add_commands``).
 
-    Only entry points are loaded (no builtin, no config): plugin modules import torch lazily,
-    so ``corelooper --help`` stays fast. A plugin that fails to import here is skipped; the
-    error is reported by the command that needs it (``run`` loads plugins strictly).
+    Only entry points are loaded (no builtin, no config), through the one loader: a blocked name
+    (``-p no:NAME`` on the command line) or autoload off imports nothing; an import error is its
+    one paragraph (exit 3), as in pytest. Plugin modules import torch lazily, so
+    ``corelooper --help`` stays fast.
     """
-    from corelooper import hookspecs
-    from corelooper.plugins import AUTOLOAD_ENV, HookManager, installed_entry_points
+    from corelooper import hookspecs, load_installed
+    from corelooper.plugins import HookManager, installed_entry_points
 
-    if os.environ.get(AUTOLOAD_ENV):
-        return
     pm = HookManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for ep in installed_entry_points():
-        try:
-            obj = ep.load()
-        except Exception:
-            continue
-        if not isinstance(obj, type) and callable(getattr(obj, "corelooper_add_commands", None)):
+        obj = load_installed(ep)
+        if obj is not None and callable(getattr(obj, "corelooper_add_commands", None)):
             pm.register(obj, name=ep.name)
     pm.hook.corelooper_add_commands(app=app)
+
+
+def blocked_on_the_command_line(argv: list[str]) -> list[str]:
+    """The names of ``-p no:NAME`` in ``argv``, read before the plugins load (pytest's early
+    parse of ``-p``): a blocked plugin is never imported."""
+    pairs = zip(argv, [*argv[1:], ""], strict=True)
+    values = [b if a == "-p" else a[2:] if a.startswith("-p") else "" for a, b in pairs]
+    return [v[3:] for v in values if v.startswith("no:")]
 
 
 def main() -> None:
@@ -455,9 +459,18 @@ def main() -> None:
 
     install_startup_handlers()  # first thing: a SIGTERM while plugins import exits 75, not -15
     quiet_on_closed_pipes()  # `corelooper run ... | head`: the run goes on, quietly
+    from corelooper import blocking
+    from corelooper.errors import PluginError
+
     try:
-        add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
-        app(prog_name="corelooper")
+        with blocking(blocked_on_the_command_line(sys.argv[1:])):
+            add_plugin_commands(app)  # corelooper_add_commands: plugins' own subcommands
+            app(prog_name="corelooper")
+    except PluginError as e:  # an installed plugin that does not import: one paragraph, exit 3
+        try:
+            fail(e, "--traceback" in sys.argv)
+        except typer.Exit as stop:
+            sys.exit(stop.exit_code)
     except StartupStop as e:
         typer.echo(f"corelooper: {e}. Exit {e.exit_code}.", err=True)
         sys.exit(e.exit_code)

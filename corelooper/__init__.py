@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 __version__ = "0.2.0"
 
 __all__ = [
@@ -36,6 +38,54 @@ def installed_entry_points(group: str = "corelooper") -> list:
             e for e in eps if norm(e.name) in allowed or (e.dist is not None and norm(e.dist.name) in allowed)
         ]
     return sorted(eps, key=lambda ep: ep.name)
+
+
+AUTOLOAD_ENV = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
+_LOADED: dict[tuple[str, str], object] = {}  # (entry point, its value) -> the plugin object
+_BLOCKED: list[frozenset[str]] = [frozenset()]  # the innermost `blocking(...)` last
+
+
+@contextlib.contextmanager
+def blocking(names, enable=None):
+    """While in effect, the installed plugins ``names`` (``-p no:NAME``, ``[plugins] disable``,
+    ``Loop(blocked_plugins=...)``), and those ``enable`` leaves out (``[plugins] enable``), are
+    never imported, as pytest never imports a blocked name."""
+    left_out = {ep.name for ep in installed_entry_points()} - set(enable) if enable is not None else set()
+    _BLOCKED.append(_BLOCKED[-1] | frozenset(names) | left_out)
+    try:
+        yield
+    finally:
+        _BLOCKED.pop()
+
+
+def load_installed(ep, autoload: bool | None = None):
+    """The one loader of installed plugins (the registry, the ``[train]`` names plugins answer
+    to, their CLI commands): the plugin object, imported once per process; None while its name
+    is blocked or autoload is off (``CORELOOPER_DISABLE_PLUGIN_AUTOLOAD``, unless ``autoload``
+    says otherwise: ``load_plugins(autoload=True)``): never imported then.
+    An import error is a ``PluginError`` (exit 3) naming the distribution and the entry point."""
+    import os
+
+    if ep.name in _BLOCKED[-1] or not (not os.environ.get(AUTOLOAD_ENV) if autoload is None else autoload):
+        return None
+    if (ep.name, ep.value) not in _LOADED:
+        from .errors import PluginError, import_failure
+
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
+        where = f"Plugin {ep.name!r} (package {dist}, entry point {ep.name} = {ep.value!r})"
+        try:
+            obj = ep.load()
+        except Exception as e:
+            raise PluginError(
+                f"{where} failed to import: {import_failure(e)}. Fix or uninstall the package, or skip it "
+                f"with `-p no:{ep.name}`, [plugins] disable = [{ep.name!r}] or {AUTOLOAD_ENV}=1."
+            ) from e
+        if isinstance(obj, type):
+            raise PluginError(
+                f"{where} names the class {obj.__name__}; it must name a module or an instance."
+            )
+        _LOADED[ep.name, ep.value] = obj
+    return _LOADED[ep.name, ep.value]
 
 
 def __getattr__(name: str):

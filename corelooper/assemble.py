@@ -216,13 +216,12 @@ def create_backend(loop):
     backend, first = plugins.call_provider("create_backend", loop=loop)
     for impl in plugins.after("create_backend", first.plugin):
         if impl.plugin_name != "builtin" and plugins.call("create_backend", [impl], {"loop": loop}, True):
-            names = (first.plugin_name, impl.plugin_name)
-            sections = [f"[{s}]" for n in names for s in plugins.sections_of(n) if s in loop.config.sections]
+            a, b = first.plugin_name, impl.plugin_name
+            asks = [f"[{s}]" for n in (a, b) for s in plugins.info[n].sections if s in loop.config.sections]
             raise ConfigError(
-                f"Two plugins answer create_backend for this config: {names[0]!r} and {names[1]!r}; a "
-                f"run has one backend. Choose one: disable the other (`-p no:{names[1]}` or "
-                f"`-p no:{names[0]}`, or [plugins] disable), or remove the config section that asks "
-                f"for it ({' or '.join(sections) or 'see `corelooper plugins`'})."
+                f"Two plugins answer create_backend for this config: {a!r} and {b!r}; a run has one "
+                f"backend. Choose one: disable the other (`-p no:{b}` or `-p no:{a}`, or [plugins] "
+                f"disable), or remove the config section that asks for it ({' or '.join(asks) or '?'})."
             )
     return backend
 

@@ -23,6 +23,7 @@ from typing import Any, Literal, Union
 
 import tomli_w
 
+from . import blocking
 from .errors import ConfigError, import_failure
 from .hf.args import OTHER_TOOLS, Translation, hf_hint, hf_names, translate
 from .metric import greater_is_better
@@ -339,11 +340,14 @@ class Config:
     def from_dict(cls, data: dict[str, Any], source: Path | None = None) -> Config:
         data = dict(data)
         kwargs: dict[str, Any] = {}
-        for name, klass in zip(cls.CORE, (ModelConfig, DataConfig, TrainArgs, PluginsConfig), strict=True):
-            raw = data.pop(name, {})
-            if not isinstance(raw, dict):
-                raise ConfigError(f"[{name}] must be a table of keys, got {raw!r}.")
-            kwargs[name] = TrainArgs(**raw) if klass is TrainArgs else build_dataclass(klass, raw, name)
+        plugins = data.get("plugins") if isinstance(data.get("plugins"), dict) else {}
+        with blocking(plugins.get("disable") or (), plugins.get("enable")):  # none imported for [train]
+            core = (ModelConfig, DataConfig, TrainArgs, PluginsConfig)
+            for name, klass in zip(cls.CORE, core, strict=True):
+                raw = data.pop(name, {})
+                if not isinstance(raw, dict):
+                    raise ConfigError(f"[{name}] must be a table of keys, got {raw!r}.")
+                kwargs[name] = TrainArgs(**raw) if klass is TrainArgs else build_dataclass(klass, raw, name)
         for name, raw in data.items():
             if not isinstance(raw, dict):
                 raise ConfigError(

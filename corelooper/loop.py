@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import assemble, transforms
+from . import assemble, blocking, transforms
 from .assemble import Resume, batch_error, count_step, failure, plan_steps, reported, resume_directory
 from .build import build_collator, build_dataset, build_model
 from .checkpoints import checkpoint
@@ -94,9 +94,11 @@ class Loop:
         blocked_plugins: Iterable[str] = (),
     ):
         resume = Resume(train_dataset)  # its batch geometry is settled before plugins are configured
-        self._plugins = load_plugins(
-            as_config(config), objects=plugins, blocked=blocked_plugins, settle=resume.settle
-        )
+        with blocking(blocked_plugins):  # never imported, not even for the [train] names they answer to
+            config = as_config(config)
+            self._plugins = load_plugins(
+                config, objects=plugins, blocked=blocked_plugins, settle=resume.settle
+            )
         self._config = self._plugins.config  # validated, with the plugins' section defaults; final
         self._args, self._hook, self._resume_dir = self._config.train, self._plugins.hook, resume.directory
         with assemble.blamed(self._plugins, " while the Loop was built"):  # create_backend, on_init_end, ...

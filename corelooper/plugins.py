@@ -9,7 +9,6 @@ on an implementation override this. ``corelooper plugins`` prints the outcome.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
 import os
@@ -20,16 +19,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+from pluggy._callers import _multicall
 
-from . import __version__, hookspecs, installed_entry_points
+from . import AUTOLOAD_ENV, __version__, hookspecs, installed_entry_points, load_installed
 from .config import Config, PluginsConfig, import_module
 from .dispatch import CHECKS, refuse_wrappers, wrong_result
-from .errors import ConfigError, CorelooperError, PluginError, import_failure
+from .errors import ConfigError, CorelooperError, PluginError
 from .hf.args import settings_of
 
 ENTRY_POINT_GROUP = "corelooper"
-AUTOLOAD_ENV = "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN = "builtin"
+REPORT_TO_SKIP = "not in train.report_to"
 
 
 @dataclass
@@ -55,18 +55,6 @@ EACH_ON_ITS_OWN = frozenset({"on_exception", *hookspecs.DECLARATIONS, *hookspecs
 class HookManager(pluggy.PluginManager):
     """As in pytest: a function named like a hook is an implementation, marked or not, when the
     plugin defines it (a function a plugin module imports is none)."""
-
-    monitors = 0  # hook-call monitors installed: while there is one, every call goes through pluggy
-
-    def add_hookcall_monitoring(self, before, after):
-        undo = super().add_hookcall_monitoring(before, after)
-        self.monitors += 1
-
-        def undo_and_count() -> None:
-            undo()
-            self.monitors -= 1
-
-        return undo_and_count
 
     def parse_hookimpl_opts(self, plugin, name):
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -121,7 +109,18 @@ class Plugins:
         try:
             self._check_names(plugin, name)
             refuse_wrappers(name, self._impls(plugin))
-            _refuse_lone_wrappers(name, self._impls(plugin))
+            lone = [
+                hook
+                for hook, i in self._impls(plugin)
+                if hook in EACH_ON_ITS_OWN and (i.wrapper or i.hookwrapper)
+            ]
+            if lone:  # nothing to wrap: one implementation is called at a time
+                raise PluginError(
+                    f"Plugin {name!r} declares a hook wrapper on {lone[0]!r}; corelooper calls each "
+                    f"implementation of {lone[0]!r} on its own (one that raises does not stop the others; a "
+                    "transform gets the previous one's result), so there is nothing to wrap. Implement it "
+                    "as a plain implementation (hook wrappers work on the other events)."
+                )
         except PluginError:
             self.pm.unregister(plugin)
             raise
@@ -248,17 +247,27 @@ class Plugins:
             raise PluginError(f"call_next({hook_name!r}, {plugin!r}): that object provides no {hook_name!r}.")
         return impls[mine + 1 :]
 
-    def sections_of(self, name: str) -> list[str]:
-        """The config sections plugin ``name`` declares (``corelooper_config_sections``)."""
-        info = self.info.get(name)
-        return list(info.sections) if info is not None else []
-
     def call(self, hook_name: str, impls: list, kwargs: dict[str, Any], firstresult: bool = False) -> Any:
         """The one way corelooper calls hook implementations (providers one by one, transforms in
         their order, configure, unconfigure and on_exception each on its own; ``Events`` for the
         rest): pluggy's executor (``_multicall``) through the manager, so hook-call monitors (a
-        recorder, a timer) see every call and a missing argument is pluggy's ``HookCallError``."""
-        return self.pm._hookexec(hook_name, impls, kwargs, firstresult)
+        recorder, a timer) see every call and a missing argument is pluggy's ``HookCallError``.
+        Without a monitor or a wrapper, the same calls are made directly (pluggy's bookkeeping is
+        ~1 µs per implementation, and providers run per micro-batch: benchmarks/README.md)."""
+        monitored = self.pm._inner_hookexec is not _multicall  # add_hookcall_monitoring replaced it
+        if monitored or any(impl.wrapper or impl.hookwrapper for impl in impls):
+            return self.pm._hookexec(hook_name, impls, kwargs, firstresult)
+        results = []
+        for impl in reversed(impls):  # pluggy calls the list from its end
+            try:
+                args = [kwargs[name] for name in impl.argnames]
+            except KeyError as e:
+                raise pluggy.HookCallError(f"hook call must provide argument {e.args[0]!r}") from None
+            if (result := impl.function(*args)) is not None:
+                if firstresult:
+                    return result
+                results.append(result)
+        return None if firstresult else results
 
     def call_blamed(self, hook_name: str, impl, kwargs: dict[str, Any]) -> Any:
         """``call`` of one implementation outside a run's loop (declarations, configure,
@@ -274,7 +283,11 @@ class Plugins:
         """The error of plugin ``name``'s ``hook`` that raised ``e`` (a per-run object "NAME.run"
         is disabled through its plugin NAME)."""
         info = self.info.get(name)
-        return _raised(name, hook, e, when, name.rsplit(".", 1)[0] if info and info.kind == "run" else name)
+        base = name.rsplit(".", 1)[0] if info and info.kind == "run" else name
+        return PluginError(
+            f"Plugin {name!r} raised in hook {hook!r}{when}: {type(e).__name__}: {e}. Fix the plugin, "
+            f"or disable it with `-p no:{base}`."
+        )
 
     def _dispatch(self, hook_name: str, impls: list, kwargs: dict) -> tuple[Any, Any]:
         check = CHECKS.get(hook_name)
@@ -428,46 +441,45 @@ def _register_installed(
             plugins.skipped[ep.name] = "not in plugins.enable"
         else:
             dist, version = (ep.dist.metadata["Name"], ep.dist.version) if ep.dist else (None, None)
-            obj = _load_entry_point(ep, dist, version)
-            names = list(_settings(obj, ep.name).get("report_to", ()))
+            obj = load_installed(ep, autoload=True)  # None: blocked around this call (the CLI's -p no:NAME)
+            names = list(_settings(plugins, obj, ep.name).get("report_to", ())) if obj is not None else []
             reporters.extend(names)
-            if config is None or not names or any(config.train.reports_to(n) for n in names):
+            if obj is not None and (
+                config is None or not names or any(config.train.reports_to(n) for n in names)
+            ):
                 plugins.register(obj, ep.name, "installed", dist, version)
                 continue
-            plugins.skipped[ep.name] = "not in train.report_to"
+            plugins.skipped[ep.name] = REPORT_TO_SKIP if obj is not None else "disabled"
         plugins.unloaded[ep.name] = ep
     if config is not None and autoload:
         check_report_to(config, [*reporters, *plugins.skipped])
 
 
-def _raised(name: str, hook: str, e: BaseException, when: str = "", base: str | None = None) -> PluginError:
-    return PluginError(
-        f"Plugin {name!r} raised in hook {hook!r}{when}: {type(e).__name__}: {e}. Fix the plugin, "
-        f"or disable it with `-p no:{base or name}`."
-    )
-
-
-def _settings(obj: Any, name: str) -> dict[str, Any]:
+def _settings(plugins: Plugins, obj: Any, name: str) -> dict[str, Any]:
     try:
         return settings_of(obj)
     except Exception as e:
-        raise _raised(name, "corelooper_settings", e) from e
+        raise plugins.raised(name, "corelooper_settings", e) from e
 
 
 def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -> None:
     """A ``[train]`` setting that asks for a plugin (``corelooper_settings``) while no plugin
     answering to it is loaded is refused: the run would silently go without the feature."""
-    answered = {key for name in plugins.info for key in _settings(plugins.get(name), name).get("train", {})}
+    answered = {
+        key for name in plugins.info for key in _settings(plugins, plugins.get(name), name).get("train", {})
+    }
     train = {
         **config.train.plugin_values,
         **{f: getattr(config.train, f) for f in config.train.__dataclass_fields__},
     }
     unloaded = {n: obj for n, obj in policies.items() if n not in plugins.info}
-    for name, ep in plugins.unloaded.items():
-        with contextlib.suppress(Exception):  # not loaded for this run anyway: its import error shows then
-            unloaded[name] = ep.load()
+    for name, ep in plugins.unloaded.items():  # imported for this run, then left out: no new import
+        if plugins.skipped.get(name) == REPORT_TO_SKIP:
+            unloaded[name] = load_installed(ep)
+    judged = set(answered)  # keys whose plugin's settings were read
     for name, obj in sorted(unloaded.items()):
-        for key, translate in _settings(obj, name).get("train", {}).items():
+        for key, translate in _settings(plugins, obj, name).get("train", {}).items():
+            judged.add(key)
             if key in answered or key not in train or translate(train[key], train) is None:
                 continue
             why = plugins.skipped.get(name, "disabled")
@@ -476,6 +488,26 @@ def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -
                 f"loaded for this run ({why}: -p no:{name}, [plugins] disable / enable, or report_to). "
                 f"Load the plugin, or remove train.{key}."
             )
+    unread = {name: why for name, why in plugins.skipped.items() if name not in unloaded}
+    _refuse_unanswered(train, judged, unread)
+
+
+def _refuse_unanswered(train: dict[str, Any], judged: set[str], unread: dict[str, str]) -> None:
+    """An HF option that plugins answer to (``PLUGIN_OPTIONS``), set to other than HF's default,
+    while no loaded plugin answers to it: refused, naming the installed plugins left unimported
+    (blocked, not enabled, autoload off), whose settings are not read."""
+    from .hf.args import PLUGIN_OPTIONS
+
+    for key, defaults in PLUGIN_OPTIONS.items():
+        value = train.get(key, defaults[0])
+        if key in judged or any(type(value) is type(d) and value == d or value is d for d in defaults):
+            continue
+        raise ConfigError(
+            f"train.{key} = {value!r} needs a plugin that answers to it, and none is loaded for this run "
+            f"(installed, not loaded for this run (disabled: -p no:NAME, [plugins] disable / enable, or "
+            f"autoload off), so never imported: {'; '.join(f'{n!r} ({why})' for n, why in sorted(unread.items()))})."
+            f" Load the plugin, or remove train.{key}."
+        )
 
 
 def check_report_to(config: Config, known: list[str]) -> None:
@@ -490,23 +522,6 @@ def check_report_to(config: Config, known: list[str]) -> None:
             f"(installed: {sorted(known) or 'none'}). Install the plugin (e.g. pip install "
             f'corelooper-{unknown[0]}), or use "all" / "none".'
         )
-
-
-def _load_entry_point(ep, dist: str | None, version: str | None):
-    try:
-        obj = ep.load()
-    except Exception as e:
-        raise PluginError(
-            f"Plugin {ep.name!r} (package {dist or '?'} {version or ''}, entry point {ep.value!r}) "
-            f"failed to import: {import_failure(e)}. Fix or uninstall the package, or skip it with "
-            f"`-p no:{ep.name}` or [plugins] disable = [{ep.name!r}]."
-        ) from e
-    if isinstance(obj, type):
-        raise PluginError(
-            f"Plugin {ep.name!r} (package {dist}): its entry point names the class "
-            f"{obj.__name__}; it must name a module or an instance."
-        )
-    return obj
 
 
 def configure(plugins: Plugins, config: Config) -> None:
@@ -528,19 +543,6 @@ def _configure_one(plugins: Plugins, impl, config: Config) -> None:
         plugins.call_blamed("corelooper_configure", impl, {"config": config, "plugins": plugins})
     finally:
         plugins._configuring = configuring
-
-
-def _refuse_lone_wrappers(name: str, impls) -> None:
-    """A wrapper on a hook whose implementations are called each on its own would never wrap
-    anything: refused at registration, as wrappers on providers are."""
-    for hook, impl in impls:
-        if hook in EACH_ON_ITS_OWN and (impl.hookwrapper or impl.wrapper):
-            raise PluginError(
-                f"Plugin {name!r} declares a hook wrapper on {hook!r}; corelooper calls each "
-                f"implementation of {hook!r} on its own (one that raises does not stop the others; a "
-                "transform gets the previous one's result), so there is nothing to wrap. Implement it "
-                "as a plain implementation (hook wrappers work on the other events)."
-            )
 
 
 def check_sections(config: Config, declared: dict[str, dict], plugins: Plugins) -> None:

@@ -320,9 +320,10 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
             elif not any(_same(value, ok) for ok in PLUGIN_OPTIONS[key]):
                 raise ConfigError(
                     f"train.{key} = {value!r} is a Hugging Face option that a corelooper plugin answers "
-                    "to, and no installed plugin does: install the package that docs/trainer-options.md "
-                    f"names for it (HF options plugins answer to), or remove train.{key} (HF's "
-                    f"default, {PLUGIN_OPTIONS[key][0]!r}, needs no plugin)."
+                    "to, and no plugin loaded for this run does: install the package that "
+                    "docs/trainer-options.md names for it (HF options plugins answer to) and do not block "
+                    f"it (-p no:NAME, [plugins] disable / enable, autoload off), or remove train.{key} "
+                    f"(HF's default, {PLUGIN_OPTIONS[key][0]!r}, needs no plugin)."
                 )
     return tr
 
@@ -364,22 +365,19 @@ _DECLARED: tuple[tuple, dict] = ((), {})
 
 def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
     """The ``[train]`` keys installed plugins answer to: key -> [(plugin, translate), ...], by
-    plugin name. Read from the entry points (cached while they stay the same)."""
+    plugin name. Each plugin is imported through the one loader (once; never a blocked one, nor
+    any while autoload is off; an import error is its one paragraph)."""
     global _DECLARED
-    from .. import installed_entry_points
+    from .. import installed_entry_points, load_installed
 
-    installed = installed_entry_points()
-    eps = tuple(sorted((ep.name, ep.value) for ep in installed))
-    if _DECLARED[0] != eps:
+    loaded = [(ep.name, load_installed(ep)) for ep in installed_entry_points()]
+    key = tuple((name, id(obj)) for name, obj in loaded if obj is not None)
+    if _DECLARED[0] != key:
         found: dict[str, list[tuple[str, Callable]]] = {}
-        for ep in installed:
-            try:
-                train = settings_of(ep.load()).get("train", {})
-            except Exception:  # load_plugins imports it again, strictly, and names the error
-                continue
-            for key, translate in train.items():
-                found.setdefault(key, []).append((ep.name, translate))
-        _DECLARED = (eps, found)
+        for name, obj in loaded:
+            for field_name, translate in settings_of(obj).get("train", {}).items() if obj is not None else ():
+                found.setdefault(field_name, []).append((name, translate))
+        _DECLARED = (key, found)
     return _DECLARED[1]
 
 
