@@ -603,7 +603,8 @@ def test_the_large_vocab_floor_is_the_every_position_count_less_the_untrained_he
 def test_the_large_vocab_benchmark_runs_its_rows_and_writes_every_field(tmp_path):
     """benchmarks/large_vocab/run.py at tiny sizes (plumbing, no figures): the rows run in fresh
     processes, the JSON has what issue 49 asks for, the hand-written loop's FLOP count is the
-    arithmetic exactly (torch's counter on this model), the goal lines print."""
+    arithmetic (torch's counter on this model), corelooper's lies between the floor and it, the
+    goal lines print."""
     pytest.importorskip("trl")
     out = tmp_path / "lv.json"
     methods = "hf_flattening,raw_padding_free,cl_padding_free"
@@ -621,7 +622,9 @@ def test_the_large_vocab_benchmark_runs_its_rows_and_writes_every_field(tmp_path
         assert fields <= set(row) and all(row[f] is not None for f in fields), row
         assert row["same_trained_tokens"] and row["activation_mib"] >= 0
     floor = result["floor"]
-    assert floor["hand_written_count"] == floor["every_position_formula"]
+    # the arithmetic, to the attention kernel's choice (a segment sdpa may take the full-matrix
+    # kernel: 0.03% more on the smoke run's samples)
+    assert abs(floor["hand_written_count"] / floor["every_position_formula"] - 1) < 1e-3
     assert floor["flops"] < rows["cl_padding_free"]["gflop"] * 1e9 < floor["hand_written_count"]
     for goal in ("work_limit_over_hf_flattening", "floor", "activation_memory", "eval_loss"):
         assert f"goal {goal}: " in proc.stdout, proc.stdout[-3000:]

@@ -65,6 +65,7 @@ def _memory_and_work(m: str, counts: dict, mem: dict) -> dict:
     return dict(
         gflop=round(flops["total"] / 1e9, 2) if flops else None,
         activation_mib=mem.get(m, {}).get("activation_mib"),
+        step_growth_mib=mem.get(m, {}).get("step_growth_mib"),
         static_rss_mib=mem.get(m, {}).get("static_rss_mib"),
     )
 

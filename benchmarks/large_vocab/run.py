@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 SFT = HERE.parent / "sft"
@@ -108,28 +109,15 @@ def throughput(a, methods: list[str]) -> dict[str, list[dict]]:
 def work(a, methods: list[str]) -> dict[str, dict]:
     out = {}
     for m in methods:
-        rec = W.count(m, a.samples, 0, tuple(model_args(a)))
+        try:
+            rec = W.count(m, a.samples, 0, tuple(model_args(a)))
+        except SystemExit as e:  # work.count's paragraph: recorded, the other rows still counted
+            out[m] = dict(failed=str(e)[-600:])
+            log(f"work {m:18s} failed: {str(e)[-300:]}")
+            continue
         out[m] = dict(flops=rec["flops"], positions_computed=rec["positions_computed"])
         log(f"work {m:18s} {rec['flops']['total'] / 1e9:.1f} GFLOP")
     return out
-
-
-def with_env(env: dict[str, str]):
-    """A context that sets ``env`` in this process for the children it starts, then restores it."""
-
-    class _Env:
-        def __enter__(self):
-            self.old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-
-        def __exit__(self, *exc):
-            for k, v in self.old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-    return _Env()
 
 
 def memory(a, methods: list[str]) -> dict[str, dict]:
@@ -137,10 +125,16 @@ def memory(a, methods: list[str]) -> dict[str, dict]:
     samples of ``--memory-len`` tokens, one process per row."""
     out = {}
     over = dict(samples=3 * a.memory_batch, batch=a.memory_batch, length=a.memory_len, eval_samples=1)
-    with with_env(MALLOC_ENV):
+    with mock.patch.dict(os.environ, MALLOC_ENV):  # for the children this pass starts
         for m in methods:
             rec = RB.run(m, 0, [*model_args(a, **over), "--memory"], timeout=a.timeout)
-            keep = ("activation_mib", "static_rss_mib", "peak_rss_self_mib", "positions_computed")
+            keep = (
+                "activation_mib",
+                "step_growth_mib",
+                "static_rss_mib",
+                "peak_rss_self_mib",
+                "positions_computed",
+            )
             out[m] = {k: rec.get(k) for k in keep} | (
                 {"failed": rec["failed"][-600:]} if "failed" in rec else {}
             )

@@ -213,7 +213,7 @@ class Probe:
 
     A forward without ``labels`` (corelooper's head over trained positions: the loss is computed
     outside the model, from the logits of the trained positions only) counts the rows its output
-    layer computed logits for, which are exactly the trained tokens there."""
+    layer is handed, which are exactly the trained tokens there."""
 
     def __init__(self, model):
         self.positions = self.trained = self.forwards = 0
@@ -223,7 +223,7 @@ class Probe:
         self._head_rows = 0
         model.register_forward_pre_hook(self._hook, with_kwargs=True)
         model.register_forward_hook(self._after)
-        model.get_output_embeddings().register_forward_hook(self._head)
+        model.get_output_embeddings().register_forward_pre_hook(self._head)
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -242,8 +242,10 @@ class Probe:
         else:
             self._unlabelled = True
 
-    def _head(self, module, args, out):
-        self._head_rows = out.shape[:-1].numel()
+    def _head(self, module, args):
+        # the rows the output layer is handed (a chunked loss then hands it none and computes the
+        # logits of those rows itself: corelooper_lm.chunked_ce)
+        self._head_rows = args[0].shape[:-1].numel()
 
     def _after(self, module, args, out):
         if self._unlabelled:

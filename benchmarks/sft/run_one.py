@@ -145,24 +145,54 @@ def _status_kib(field: str) -> int:
 
 
 class MemoryProbe:
-    """Activation memory as the OS sees it: the peak resident set (``VmHWM``) minus the least
-    resident set seen right after an optimizer step, when the model, its gradients and the
-    optimizer state all exist and the step's activations are freed (``--memory``)."""
+    """Activation memory as the OS sees it, per optimizer step from the second on (the first
+    creates AdamW's state): the step's peak resident set (``VmHWM``, reset at the step's first
+    forward through /proc/self/clear_refs) less what the model, its gradients and the optimizer
+    state hold (the resident set at that forward, plus the gradients not allocated yet when the
+    framework set them to None). The largest over the steps (``--memory``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self.after_step: list[int] = []
-        register_optimizer_step_post_hook(lambda *_: self.after_step.append(_status_kib("VmRSS")))
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.base: tuple[int, int] | None = None  # (RSS, gradients not allocated yet) at the step's start
+        self.steps: list[tuple[int, int, int]] = []  # (RSS, missing gradients, peak) in KiB, per step
+        self.peak = 0
+        model.register_forward_pre_hook(self._forward)
+        register_optimizer_step_post_hook(self._step)
+
+    def _forward(self, module, args) -> None:
+        if not module.training or self.base is not None:
+            return
+        missing = sum(p.numel() * p.element_size() for p in self.params if p.grad is None) // 1024
+        self.base = (_status_kib("VmRSS"), missing)
+        self.peak = max(self.peak, _status_kib("VmHWM"))
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the peak resident set restarts from the current one
+        except OSError:
+            pass  # no reset here: the step's peak is the process's so far (an upper bound)
+
+    def _step(self, *_) -> None:
+        if self.base is not None:
+            self.steps.append((*self.base, _status_kib("VmHWM")))
+            self.base = None
 
     def summary(self) -> dict:
-        peak = _status_kib("VmHWM")
-        base = min(self.after_step) if self.after_step else None
-        return dict(
-            peak_rss_self_mib=round(peak / 1024, 1),
-            static_rss_mib=round(base / 1024, 1) if base else None,
-            activation_mib=round((peak - base) / 1024, 1) if base else None,
-        )
+        self.peak = max(self.peak, _status_kib("VmHWM"))
+        later = self.steps[1:]  # the first step creates the optimizer state inside it
+        mib = lambda kib: round(kib / 1024, 1)  # noqa: E731
+        out = dict(peak_rss_self_mib=mib(self.peak), static_rss_mib=None, activation_mib=None)
+        if later:
+            rss, missing, peak = max(later, key=lambda s: s[2] - s[0] - s[1])
+            # step_growth_mib: all the step adds to the resident set, the gradients it allocates too
+            # (activation_mib can read ~0 where a micro-batch's activations are under the gradients)
+            out.update(
+                static_rss_mib=mib(rss + missing),
+                activation_mib=mib(max(0, peak - rss - missing)),
+                step_growth_mib=mib(max(s[2] - s[0] for s in later)),
+            )
+        return out
 
 
 class StepClock:
@@ -283,7 +313,7 @@ def main() -> None:
     cuda = a.device == "cuda"
     probe = C.Probe(model)
     clock = StepClock(cuda)
-    memory = MemoryProbe() if a.memory else None
+    memory = MemoryProbe(model) if a.memory else None
     M.import_framework(a.method)  # each framework's modules are imported before the timed call, for all alike
     rec = dict(
         method=a.method,
