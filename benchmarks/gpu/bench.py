@@ -56,7 +56,7 @@ NEEDS = {
 }
 ESTIMATE_S["eval_cl_vs_hf"] = 40
 ESTIMATE_S["sft_chat_peers_bf16"] = 170  # steps.SFT_SECONDS + the last repetition
-ESTIMATE_S["qwen05b_peers_bf16"] = 160  # steps.QWEN_SECONDS + the row that runs when it ends
+ESTIMATE_S["qwen05b_peers_bf16"] = 190  # steps.QWEN_SECONDS and the cut row's end
 # Named in --steps only: the default run fits 8 minutes on an H100/H200 (~27 s per step measured).
 # The torch_compile pair (~155 s on the H200, 0.998x since its fix) left the default run to make
 # room for the Qwen2.5-0.5B rows (issue 49); name them to run them.
