@@ -26,8 +26,7 @@ class Events:
         if self._version != self.plugins.version:
             self._impls.clear()
             self._version = self.plugins.version
-        impls = self._impls.get(name)
-        if impls is None:
+        if (impls := self._impls.get(name)) is None:
             impls = self._impls[name] = getattr(self.plugins.hook, name).get_hookimpls()
         if impls:
             kwargs.update(self.always)

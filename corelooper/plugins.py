@@ -29,7 +29,6 @@ from .hf.args import settings_of
 
 ENTRY_POINT_GROUP = "corelooper"
 BUILTIN = "builtin"
-REPORT_TO_SKIP = "not in train.report_to"
 
 
 @dataclass
@@ -49,7 +48,7 @@ KNOWN_HOOKS = frozenset(HOOK_ORDER)
 
 # Hooks whose implementations corelooper calls each on its own (one that raises must not stop
 # the others, or each is given the previous one's result): a wrapper there has nothing to wrap.
-EACH_ON_ITS_OWN = frozenset({"on_exception", *hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS})
+ONE_AT_A_TIME = frozenset({"on_exception", *hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS})
 
 
 class HookManager(pluggy.PluginManager):
@@ -109,11 +108,7 @@ class Plugins:
         try:
             self._check_names(plugin, name)
             refuse_wrappers(name, self._impls(plugin))
-            lone = [
-                hook
-                for hook, i in self._impls(plugin)
-                if hook in EACH_ON_ITS_OWN and (i.wrapper or i.hookwrapper)
-            ]
+            lone = [h for h, i in self._impls(plugin) if h in ONE_AT_A_TIME and (i.wrapper or i.hookwrapper)]
             if lone:  # nothing to wrap: one implementation is called at a time
                 raise PluginError(
                     f"Plugin {name!r} declares a hook wrapper on {lone[0]!r}; corelooper calls each "
@@ -306,8 +301,6 @@ class Plugins:
         if version == self.version:
             return impls
         impls = list(reversed(getattr(self.hook, hook_name).get_hookimpls()))  # tryfirst, last registered
-        if any(i.hookwrapper or i.wrapper for i in impls):  # only past register(): pm.register
-            raise PluginError(f"Hook wrappers are not supported on the provider {hook_name!r}.")
         self._provider_cache[hook_name] = (self.version, impls)
         return impls
 
@@ -442,43 +435,41 @@ def _register_installed(
         else:
             dist, version = (ep.dist.metadata["Name"], ep.dist.version) if ep.dist else (None, None)
             obj = load_installed(ep, autoload=True)  # None: blocked around this call (the CLI's -p no:NAME)
-            names = list(_settings(plugins, obj, ep.name).get("report_to", ())) if obj is not None else []
+            names = list(_settings(obj, ep.name).get("report_to", ()))  # (settings of None: none)
             reporters.extend(names)
-            if obj is not None and (
-                config is None or not names or any(config.train.reports_to(n) for n in names)
-            ):
+            if obj is not None and (config is None or not names or any(map(config.train.reports_to, names))):
                 plugins.register(obj, ep.name, "installed", dist, version)
                 continue
-            plugins.skipped[ep.name] = REPORT_TO_SKIP if obj is not None else "disabled"
+            plugins.skipped[ep.name] = "not in train.report_to" if obj is not None else "disabled"
         plugins.unloaded[ep.name] = ep
     if config is not None and autoload:
         check_report_to(config, [*reporters, *plugins.skipped])
 
 
-def _settings(plugins: Plugins, obj: Any, name: str) -> dict[str, Any]:
+def _settings(obj: Any, name: str) -> dict[str, Any]:
     try:
         return settings_of(obj)
     except Exception as e:
-        raise plugins.raised(name, "corelooper_settings", e) from e
+        raise PluginError(
+            f"Plugin {name!r} raised in hook 'corelooper_settings': {type(e).__name__}: {e}"
+        ) from e
 
 
 def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -> None:
     """A ``[train]`` setting that asks for a plugin (``corelooper_settings``) while no plugin
     answering to it is loaded is refused: the run would silently go without the feature."""
-    answered = {
-        key for name in plugins.info for key in _settings(plugins, plugins.get(name), name).get("train", {})
-    }
+    answered = {key for name in plugins.info for key in _settings(plugins.get(name), name).get("train", {})}
     train = {
         **config.train.plugin_values,
         **{f: getattr(config.train, f) for f in config.train.__dataclass_fields__},
     }
     unloaded = {n: obj for n, obj in policies.items() if n not in plugins.info}
     for name, ep in plugins.unloaded.items():  # imported for this run, then left out: no new import
-        if plugins.skipped.get(name) == REPORT_TO_SKIP:
+        if plugins.skipped.get(name) == "not in train.report_to":
             unloaded[name] = load_installed(ep)
     judged = set(answered)  # keys whose plugin's settings were read
     for name, obj in sorted(unloaded.items()):
-        for key, translate in _settings(plugins, obj, name).get("train", {}).items():
+        for key, translate in _settings(obj, name).get("train", {}).items():
             judged.add(key)
             if key in answered or key not in train or translate(train[key], train) is None:
                 continue
@@ -502,11 +493,11 @@ def _refuse_unanswered(train: dict[str, Any], judged: set[str], unread: dict[str
         value = train.get(key, defaults[0])
         if key in judged or any(type(value) is type(d) and value == d or value is d for d in defaults):
             continue
+        names = "; ".join(f"{n!r} ({why})" for n, why in sorted(unread.items()))
         raise ConfigError(
             f"train.{key} = {value!r} needs a plugin that answers to it, and none is loaded for this run "
-            f"(installed, not loaded for this run (disabled: -p no:NAME, [plugins] disable / enable, or "
-            f"autoload off), so never imported: {'; '.join(f'{n!r} ({why})' for n, why in sorted(unread.items()))})."
-            f" Load the plugin, or remove train.{key}."
+            f"(not loaded for this run (disabled: -p no:NAME, [plugins] disable / enable, or autoload "
+            f"off), so never imported: {names}). Load the plugin, or remove train.{key}."
         )
 
 

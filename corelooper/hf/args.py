@@ -370,12 +370,12 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
     global _DECLARED
     from .. import installed_entry_points, load_installed
 
-    loaded = [(ep.name, load_installed(ep)) for ep in installed_entry_points()]
-    key = tuple((name, id(obj)) for name, obj in loaded if obj is not None)
+    loaded = [(ep.name, obj) for ep in installed_entry_points() if (obj := load_installed(ep)) is not None]
+    key = tuple((name, id(obj)) for name, obj in loaded)
     if _DECLARED[0] != key:
         found: dict[str, list[tuple[str, Callable]]] = {}
         for name, obj in loaded:
-            for field_name, translate in settings_of(obj).get("train", {}).items() if obj is not None else ():
+            for field_name, translate in settings_of(obj).get("train", {}).items():
                 found.setdefault(field_name, []).append((name, translate))
         _DECLARED = (key, found)
     return _DECLARED[1]
