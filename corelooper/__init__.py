@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 __version__ = "0.2.0"
 
@@ -26,7 +27,6 @@ def installed_entry_points(group: str = "corelooper") -> list:
     only those it names: any other is as if it were not installed, never imported, in this process
     and in the ones it starts (``corelooper run --nproc``, a test suite's CLI runs)."""
     import importlib.metadata
-    import os
 
     def norm(name: str) -> str:  # as pip compares distribution names: case, "-", "_" and "." alike
         return name.strip().lower().replace("_", "-").replace(".", "-")
@@ -64,8 +64,6 @@ def load_installed(ep, autoload: bool | None = None):
     is blocked or autoload is off (``CORELOOPER_DISABLE_PLUGIN_AUTOLOAD``, unless ``autoload``
     says otherwise: ``load_plugins(autoload=True)``): never imported then.
     An import error is a ``PluginError`` (exit 3) naming the distribution and the entry point."""
-    import os
-
     if ep.name in _BLOCKED[-1] or not (not os.environ.get(AUTOLOAD_ENV) if autoload is None else autoload):
         return None
     if (ep.name, ep.value) not in _LOADED:

@@ -23,9 +23,8 @@ class Events:
         self._version = plugins.version
 
     def fire(self, name: str, **kwargs: Any) -> None:
-        if self._version != self.plugins.version:
-            self._impls.clear()
-            self._version = self.plugins.version
+        if self._version != self.plugins.version:  # a plugin came or went: ask pluggy again
+            self._impls, self._version = {}, self.plugins.version
         if (impls := self._impls.get(name)) is None:
             impls = self._impls[name] = getattr(self.plugins.hook, name).get_hookimpls()
         if impls:

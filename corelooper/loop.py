@@ -95,10 +95,7 @@ class Loop:
     ):
         resume = Resume(train_dataset)  # its batch geometry is settled before plugins are configured
         with blocking(blocked_plugins):  # never imported, not even for the [train] names they answer to
-            config = as_config(config)
-            self._plugins = load_plugins(
-                config, objects=plugins, blocked=blocked_plugins, settle=resume.settle
-            )
+            self._plugins = load_plugins(as_config(config), plugins, blocked_plugins, settle=resume.settle)
         self._config = self._plugins.config  # validated, with the plugins' section defaults; final
         self._args, self._hook, self._resume_dir = self._config.train, self._plugins.hook, resume.directory
         with assemble.blamed(self._plugins, " while the Loop was built"):  # create_backend, on_init_end, ...

@@ -25,7 +25,7 @@ from . import AUTOLOAD_ENV, __version__, hookspecs, installed_entry_points, load
 from .config import Config, PluginsConfig, import_module
 from .dispatch import CHECKS, refuse_wrappers, wrong_result
 from .errors import ConfigError, CorelooperError, PluginError
-from .hf.args import settings_of
+from .hf.args import PLUGIN_OPTIONS, settings_of
 
 ENTRY_POINT_GROUP = "corelooper"
 BUILTIN = "builtin"
@@ -277,8 +277,7 @@ class Plugins:
     def raised(self, name: str, hook: str, e: BaseException, when: str = "") -> PluginError:
         """The error of plugin ``name``'s ``hook`` that raised ``e`` (a per-run object "NAME.run"
         is disabled through its plugin NAME)."""
-        info = self.info.get(name)
-        base = name.rsplit(".", 1)[0] if info and info.kind == "run" else name
+        base = name.rsplit(".", 1)[0] if getattr(self.info.get(name), "kind", None) == "run" else name
         return PluginError(
             f"Plugin {name!r} raised in hook {hook!r}{when}: {type(e).__name__}: {e}. Fix the plugin, "
             f"or disable it with `-p no:{base}`."
@@ -479,16 +478,13 @@ def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -
                 f"loaded for this run ({why}: -p no:{name}, [plugins] disable / enable, or report_to). "
                 f"Load the plugin, or remove train.{key}."
             )
-    unread = {name: why for name, why in plugins.skipped.items() if name not in unloaded}
-    _refuse_unanswered(train, judged, unread)
+    _refuse_unanswered(train, judged, {n: why for n, why in plugins.skipped.items() if n not in unloaded})
 
 
 def _refuse_unanswered(train: dict[str, Any], judged: set[str], unread: dict[str, str]) -> None:
     """An HF option that plugins answer to (``PLUGIN_OPTIONS``), set to other than HF's default,
     while no loaded plugin answers to it: refused, naming the installed plugins left unimported
     (blocked, not enabled, autoload off), whose settings are not read."""
-    from .hf.args import PLUGIN_OPTIONS
-
     for key, defaults in PLUGIN_OPTIONS.items():
         value = train.get(key, defaults[0])
         if key in judged or any(type(value) is type(d) and value == d or value is d for d in defaults):
