@@ -160,14 +160,21 @@ def test_fsdp_is_inert_without_its_section(tmp_path):
 
 def test_fsdp_and_deepspeed_together_are_refused_by_the_core(tmp_path):
     """Neither plugin knows the other: the core refuses a second create_backend answer, naming
-    both plugins and how to choose."""
-    from corelooper.errors import ConfigError
+    both plugins and how to choose. (In a process of its own: both backends were built, and
+    DeepSpeed's process group would outlive the test.)"""
+    import subprocess
 
-    sections = {"fsdp": {}, "deepspeed": {}}
-    with pytest.raises(ConfigError) as e:
-        dw.run_one({"sections": sections, "train": {"max_steps": 1, "output_dir": str(tmp_path)}})
-    message = str(e.value)
-    assert "Two plugins answer create_backend for this config: 'deepspeed' and 'fsdp'" in message
+    spec = {"sections": {"fsdp": {}, "deepspeed": {}}, "train": {"max_steps": 1, "output_dir": str(tmp_path)}}
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); import distributed_worker as dw\n"
+        "from corelooper.errors import ConfigError\n"
+        f"try:\n    dw.run_one({spec!r})\nexcept ConfigError as e:\n    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    message = out.stdout
+    assert "refused: Two plugins answer create_backend for this config: 'deepspeed' and 'fsdp'" in message, (
+        out.stderr[-2000:]
+    )
     assert "`-p no:fsdp` or `-p no:deepspeed`" in message and "([deepspeed] or [fsdp])" in message
 
 
