@@ -14,7 +14,8 @@ Two kinds of hooks:
   type is a ``PluginError`` naming the plugin and the hook.
   Hook wrappers on providers are refused at registration (the loop must know which
   implementation answered); a provider that wraps the next one calls
-  ``plugins.call_next(hook, self, **kwargs)``. Hook wrappers on events work.
+  ``plugins.call_next(hook, self, **kwargs)``. Hook wrappers on events work (not on ``on_exception``,
+  called one implementation at a time, like ``corelooper_unconfigure`` and the transforms).
 
 Plugin lifecycle: ``corelooper_config_sections`` (declare keys) -> the config is validated and
 made final (a resume's batch geometry is settled here, ``resume_config``: the config is never replaced

@@ -434,7 +434,7 @@ def _register_installed(
         else:
             dist, version = (ep.dist.metadata["Name"], ep.dist.version) if ep.dist else (None, None)
             obj = load_installed(ep, autoload=True)  # None: blocked around this call (the CLI's -p no:NAME)
-            names = list(_settings(obj, ep.name).get("report_to", ()))  # (settings of None: none)
+            names = list(settings_of(obj, ep.name).get("report_to", ()))  # (settings of None: none)
             reporters.extend(names)
             if obj is not None and (config is None or not names or any(map(config.train.reports_to, names))):
                 plugins.register(obj, ep.name, "installed", dist, version)
@@ -445,19 +445,10 @@ def _register_installed(
         check_report_to(config, [*reporters, *plugins.skipped])
 
 
-def _settings(obj: Any, name: str) -> dict[str, Any]:
-    try:
-        return settings_of(obj)
-    except Exception as e:
-        raise PluginError(
-            f"Plugin {name!r} raised in hook 'corelooper_settings': {type(e).__name__}: {e}"
-        ) from e
-
-
 def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -> None:
     """A ``[train]`` setting that asks for a plugin (``corelooper_settings``) while no plugin
     answering to it is loaded is refused: the run would silently go without the feature."""
-    answered = {key for name in plugins.info for key in _settings(plugins.get(name), name).get("train", {})}
+    answered = {key for name in plugins.info for key in settings_of(plugins.get(name), name).get("train", {})}
     train = {
         **config.train.plugin_values,
         **{f: getattr(config.train, f) for f in config.train.__dataclass_fields__},
@@ -468,7 +459,7 @@ def check_settings(config: Config, plugins: Plugins, policies: dict[str, Any]) -
             unloaded[name] = load_installed(ep)
     judged = set(answered)  # keys whose plugin's settings were read
     for name, obj in sorted(unloaded.items()):
-        for key, translate in _settings(obj, name).get("train", {}).items():
+        for key, translate in settings_of(obj, name).get("train", {}).items():
             judged.add(key)
             if key in answered or key not in train or translate(train[key], train) is None:
                 continue

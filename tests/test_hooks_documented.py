@@ -130,10 +130,11 @@ when a hook is missing here or has no docstring.
   call providers through one dispatcher (`loop.plugins.call_provider(hook, **kwargs)`), which
   checks every answer: a wrong type (a float as loss, a parameter list as optimizer) is a
   `PluginError` naming the plugin, the hook, what was expected and what came (exit 3).
-- Hook wrappers (`@hookimpl(wrapper=True)` / `hookwrapper=True`) work on events; on a
-  provider they are refused when the plugin is registered (the loop must know
-  which implementation answered: the sum/mean rule of `compute_loss`, whom to blame for a wrong
-  answer). A provider that wraps the next one calls
+- Hook wrappers (`@hookimpl(wrapper=True)` / `hookwrapper=True`) work on events; they are
+  refused when the plugin is registered on a provider (the loop must know which implementation
+  answered: the sum/mean rule of `compute_loss`, whom to blame for a wrong answer) and on the hooks
+  corelooper calls one implementation at a time (`on_exception`, `corelooper_unconfigure`, the
+  transforms and the declarations: nothing to wrap). A provider that wraps the next one calls
   `loop.plugins.call_next(hook, self, **kwargs)`, which asks only the providers after it.
 - **Transforms** (`transform_model`, `transform_data`) change the run's model or data once, when
   the `Loop` is built: every implementation runs, in its declared `order`

@@ -27,6 +27,8 @@ if os.environ.get("FAKEPLUG_BROKEN"):
     import fakeplug_missing_dependency  # noqa: F401
 
 def corelooper_settings():
+    if os.environ.get("FAKEPLUG_SETTINGS_RAISE"):
+        raise KeyError("noise")
     return {"train": {"fake_noise": lambda value, train: {"fakeplug": {"noise": value}}}}
 
 def corelooper_config_sections():
@@ -122,6 +124,24 @@ def test_a_setting_of_a_blocked_plugin_says_it_is_not_loaded(fakeplug):
     )
     assert r.returncode != 0 and not fakeplug.exists()
     assert "Unknown key train.fake_noise" in r.stderr, r.stderr
+
+
+def test_a_settings_declaration_that_raises_names_the_plugin_and_the_hook(fakeplug):
+    """Reading the ``[train]`` names plugins answer to (before any registry exists) blames the
+    plugin whose ``corelooper_settings`` raised, as every other moment does."""
+    r = python(
+        """
+        from corelooper import TrainArgs
+        from corelooper.errors import PluginError
+        try:
+            TrainArgs(output_dir="out", fake_noise=0.5)
+        except PluginError as e:
+            print(e)
+        """,
+        FAKEPLUG_SETTINGS_RAISE="1",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "Plugin 'fakeplug' raised in hook 'corelooper_settings': KeyError: 'noise'"
 
 
 def test_an_import_error_is_one_paragraph_naming_the_distribution_and_entry_point(fakeplug, tmp_path):

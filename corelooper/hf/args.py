@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PluginError
 
 
 class HFNameNote(FutureWarning):
@@ -354,10 +354,16 @@ def _plugin_field(key: str, value: Any, raw: dict[str, Any], tr: Translation) ->
     return True
 
 
-def settings_of(plugin: Any) -> dict[str, Any]:
-    """What ``plugin`` declares with ``corelooper_settings`` (``{}`` for nothing)."""
+def settings_of(plugin: Any, name: str) -> dict[str, Any]:
+    """What the plugin ``name`` declares with ``corelooper_settings`` (``{}`` for nothing); an
+    exception there is blamed on it and the hook."""
     declare = getattr(plugin, "corelooper_settings", None)
-    return (declare() or {}) if callable(declare) else {}
+    try:
+        return (declare() or {}) if callable(declare) else {}
+    except Exception as e:
+        raise PluginError(
+            f"Plugin {name!r} raised in hook 'corelooper_settings': {type(e).__name__}: {e}"
+        ) from e
 
 
 _DECLARED: tuple[tuple, dict] = ((), {})
@@ -375,7 +381,7 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
     if _DECLARED[0] != key:
         found: dict[str, list[tuple[str, Callable]]] = {}
         for name, obj in loaded:
-            for field_name, translate in settings_of(obj).get("train", {}).items():
+            for field_name, translate in settings_of(obj, name).get("train", {}).items():
                 found.setdefault(field_name, []).append((name, translate))
         _DECLARED = (key, found)
     return _DECLARED[1]

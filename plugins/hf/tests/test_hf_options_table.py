@@ -43,7 +43,7 @@ def _declared() -> dict[str, str]:
     hf = {f.name for f in dataclasses.fields(TrainingArguments)} | set(FOUR_X_ONLY)
     found = {}
     for ep in installed_entry_points():
-        for option in settings_of(ep.load()).get("train", {}):
+        for option in settings_of(ep.load(), ep.name).get("train", {}):
             if option in hf:
                 assert option not in found, f"{option} declared by {found[option]} and {ep.dist.name}"
                 found[option] = ep.dist.name
