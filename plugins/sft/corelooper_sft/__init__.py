@@ -21,6 +21,7 @@ from __future__ import annotations
 __version__ = "0.2.0"
 
 from corelooper import hookimpl
+from corelooper.errors import ConfigError
 from corelooper.transforms import DATA_TOKENIZE, order
 
 SECTION = "sft"
@@ -57,6 +58,12 @@ def corelooper_configure(config, plugins):
     from .weighting import NAME, SampleWeightedLoss, check_column
 
     column = check_column(config.section(SECTION).get("weight_column"))
+    if column is not None and config.train.label_smoothing_factor:
+        raise ConfigError(
+            f"[sft] weight_column = {column!r} with train.label_smoothing_factor = "
+            f"{config.train.label_smoothing_factor}: the per-sample weighted loss is the plain token "
+            "cross-entropy, so the smoothing would be silently lost. Set one of them, not both."
+        )
     if column is not None:
         plugins.register(SampleWeightedLoss(column), NAME)
 

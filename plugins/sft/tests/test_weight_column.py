@@ -124,3 +124,11 @@ def test_a_missing_or_bad_weight_column_is_named(tmp_path, model_dir):
         Loop(config=cfg.replace("data", train=str(bad)))
     with pytest.raises(ConfigError, match=r"sft.weight_column = 3: name a numeric column"):
         Loop(config=config(tmp_path / "c", model_dir, {"weight_column": 3}))
+    with pytest.raises(
+        ConfigError, match=r"train.label_smoothing_factor = 0.1: the per-sample weighted loss"
+    ):
+        Loop(
+            config=config(tmp_path / "d", model_dir, {"weight_column": "difficulty_score"}).replace(
+                "train", label_smoothing_factor=0.1
+            )
+        )
