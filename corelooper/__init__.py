@@ -86,22 +86,15 @@ def load_installed(ep, autoload: bool | None = None):
     return _LOADED[ep.name, ep.value]
 
 
+# The public names, each imported from its module when first asked for.
+_LAZY = dict.fromkeys(("Config", "TrainArgs"), "config") | dict.fromkeys(("LoopState", "Control"), "state")
+_LAZY |= {"hookimpl": "hookspecs", "Loop": "loop"}
+
+
 def __getattr__(name: str):
     # Lazy: `corelooper --help` and `import corelooper` must not import torch.
-    if name == "hookimpl":
-        from .hookspecs import hookimpl
+    if name not in _LAZY:
+        raise AttributeError(f"module 'corelooper' has no attribute {name!r}")
+    import importlib
 
-        return hookimpl
-    if name in ("Config", "TrainArgs"):
-        from . import config
-
-        return getattr(config, name)
-    if name in ("LoopState", "Control"):
-        from . import state
-
-        return getattr(state, name)
-    if name == "Loop":
-        from .loop import Loop
-
-        return Loop
-    raise AttributeError(f"module 'corelooper' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

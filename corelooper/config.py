@@ -262,6 +262,16 @@ def _train_fields() -> tuple[dict[str, Any], set[str]]:
     return typing.get_type_hints(TrainArgs), {f.name for f in dataclasses.fields(TrainArgs)}
 
 
+def _not_loaded(key: str) -> str:
+    """For an unknown ``[train]`` key: the installed plugins blocked for this run (a blocked plugin
+    is never imported, so its own keys are unknown without it)."""
+    from . import _BLOCKED, installed_entry_points
+
+    names = sorted(ep.name for ep in installed_entry_points() if ep.name in _BLOCKED[-1])
+    why = f"; {names} are installed but not loaded for this run (-p no:NAME, [plugins] disable)"
+    return f" (no loaded plugin declares it{why}: load the one it belongs to, or remove it)" if names else ""
+
+
 def _train_values(raw: dict[str, Any]) -> tuple[dict[str, Any], Translation]:
     """HF names translated, unknown keys named with a hint, types checked, ints made floats."""
     hints, names = _train_fields()
@@ -272,7 +282,7 @@ def _train_values(raw: dict[str, Any]) -> tuple[dict[str, Any], Translation]:
             hint = _did_you_mean(key, sorted(names) + hf_names())
             if "Known keys" in hint:  # no close name: list corelooper's, not every HF one
                 hint = _did_you_mean(key, sorted(names))
-            raise ConfigError(f"Unknown key train.{key}.{hint}")
+            raise ConfigError(f"Unknown key train.{key}{_not_loaded(key)}.{hint}")
         if value is None and key == "max_grad_norm":  # not "unset": never the default's 1.0
             raise ConfigError(
                 "train.max_grad_norm = None: HF's Trainer fails on it at the first step. Use "

@@ -18,6 +18,7 @@ This module imports nothing heavy: ``corelooper --help`` loads it.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -319,11 +320,9 @@ def translate(raw: dict[str, Any], known: set[str]) -> Translation:
                 tr.train.setdefault(key, value)  # unknown: the caller names it with a hint
             elif not any(_same(value, ok) for ok in PLUGIN_OPTIONS[key]):
                 raise ConfigError(
-                    f"train.{key} = {value!r} is a Hugging Face option that a corelooper plugin answers "
-                    "to, and no plugin loaded for this run does: install the package that "
-                    "docs/trainer-options.md names for it (HF options plugins answer to) and do not block "
-                    f"it (-p no:NAME, [plugins] disable / enable, autoload off), or remove train.{key} "
-                    f"(HF's default, {PLUGIN_OPTIONS[key][0]!r}, needs no plugin)."
+                    f"train.{key} = {value!r} is a Hugging Face option that a corelooper plugin answers to, "
+                    "and none loaded for this run does: install the package docs/trainer-options.md names "
+                    f"for it and do not block it, or remove train.{key} (HF's default needs no plugin)."
                 )
     return tr
 
@@ -369,6 +368,14 @@ def settings_of(plugin: Any, name: str) -> dict[str, Any]:
 _DECLARED: tuple[tuple, dict] = ((), {})
 
 
+def _imported(ep) -> Any:
+    """While autoload is off, a plugin module the program imported itself (to pass it to the
+    ``Loop``) declares its names too: reading them imports nothing. A blocked one never does."""
+    from .. import _BLOCKED
+
+    return None if ep.name in _BLOCKED[-1] or ep.attr else sys.modules.get(ep.module)
+
+
 def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
     """The ``[train]`` keys installed plugins answer to: key -> [(plugin, translate), ...], by
     plugin name. Each plugin is imported through the one loader (once; never a blocked one, nor
@@ -376,7 +383,9 @@ def declared_train_fields() -> dict[str, list[tuple[str, Callable]]]:
     global _DECLARED
     from .. import installed_entry_points, load_installed
 
-    loaded = [(ep.name, obj) for ep in installed_entry_points() if (obj := load_installed(ep)) is not None]
+    loaded = [
+        (ep.name, obj) for ep in installed_entry_points() if (obj := load_installed(ep) or _imported(ep))
+    ]
     key = tuple((name, id(obj)) for name, obj in loaded)
     if _DECLARED[0] != key:
         found: dict[str, list[tuple[str, Callable]]] = {}
