@@ -96,6 +96,7 @@ def test_wrong_type(cli, tmp_path):
     assert_clean_error(cli("run", str(path)), "train.lr_scheduler_type must be one of", "'cosine'")
 
 
+@pytest.mark.slow
 def test_factory_that_does_not_import(cli, tmp_path):
     path = write_config(tmp_path, model='factory = "no_such_package.models:build"')
     assert_clean_error(cli("run", str(path)), "model.factory", "no_such_package.models")
@@ -105,6 +106,7 @@ def test_factory_that_does_not_import(cli, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_dataset_factory_returning_the_wrong_thing(cli, tmp_path):
     (tmp_path / "bad_data.py").write_text(
         "def numbers(**_):\n    return 123\n\ndef strings(**_):\n    return ['a', 'b']\n"
@@ -146,6 +148,7 @@ def test_installed_plugin_that_fails_to_import(cli, tmp_path, allow_plugins):
     assert "broken [installed, inactive: disabled]" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("hook", "body"),
     [
@@ -186,6 +189,7 @@ def test_values_that_can_only_give_nan_fail_at_start_up(cli, tmp_path, line):
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_plugin_that_returns_the_wrong_type_is_blamed(cli, tmp_path):
     """Not "the model or its loss" (exit 6): the plugin, the hook, what was expected, what came."""
     (tmp_path / "sched_plugin.py").write_text("def create_scheduler(optimizer):\n    return 'cosine'\n")

@@ -57,6 +57,7 @@ def test_a_goal_whose_interval_crosses_it_is_inconclusive(run_bench, capsys):
     assert "goals (A, corelooper (vs the limit) vs raw --fused --helpers): loop_over_base 1.01" in printed
 
 
+@pytest.mark.slow
 def test_the_physical_limit_row_trains_bit_for_bit_as_the_hand_written_loop():
     # raw.py --helpers clips and clears with corelooper.gradients instead of torch's calls: the
     # same final weights, bit for bit, or it would not be the same work.
@@ -139,6 +140,7 @@ def test_the_per_step_ratio_compares_the_same_steps_and_shrugs_off_a_slow_phase(
     assert sft.per_step({}, "cl_padding_free", "raw_padding_free") is None
 
 
+@pytest.mark.slow
 def test_the_sft_profile_split_accounts_for_the_whole_call(tmp_path):
     """profile_split.py on a tiny real run: every kind is there, the LM head is told apart from
     the other matmuls by the vocabulary dimension, and the shares add up to the call's wall time."""
@@ -190,6 +192,7 @@ print(sorted(m for m in set(sys.modules) - before if m.startswith("corelooper"))
 """
 
 
+@pytest.mark.slow
 def test_the_timed_sft_call_imports_no_corelooper_module():
     """The SFT rows' window rule: each framework's modules are imported before the clock (the HF
     Trainer's and TRL's are); corelooper's Loop() imports its plugins' modules, so
@@ -219,6 +222,7 @@ def test_profile_split_kinds():
     assert kind("aten::_log_softmax_backward_data", [], 2048) == "loss"
 
 
+@pytest.mark.slow
 def test_eval_benchmark_smoke_runs_every_row_on_the_same_model_and_batches(tmp_path):
     out = tmp_path / "eval.json"
     proc = subprocess.run(
@@ -260,6 +264,7 @@ def load_eval():
     return module
 
 
+@pytest.mark.slow
 def test_warm_growth_measures_each_call_in_a_fresh_process():
     proc = subprocess.run(
         [
@@ -284,6 +289,7 @@ def test_warm_growth_measures_each_call_in_a_fresh_process():
         assert all(g >= k for g, k in zip(r["peak_growth_mib"], r["kept_mib"], strict=True))
 
 
+@pytest.mark.slow
 def test_preprocessing_benchmark_smoke_times_both_and_the_cached_second_start(tmp_path):
     out = tmp_path / "preprocess.json"
     proc = subprocess.run(
@@ -315,6 +321,7 @@ def test_preprocessing_benchmark_smoke_times_both_and_the_cached_second_start(tm
     assert "goal (300 conversations, TRL / corelooper, to_first_step_s)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_lean_forward_computes_the_model_s_loss():
     """benchmarks/sft/lean_forward.py's figure in the README compares the same maths: its
     hand-written forward gives the model's own loss on the first micro-batch."""
@@ -390,6 +397,7 @@ def test_a_lockstep_contender_ends_its_turn_every_n_steps_and_times_each_step():
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_lockstep_trains_every_row_as_a_run_alone(tmp_path):
     """In lockstep each row trains what it trains alone: the HF row's eval loss equals
     run_one.py's for the same seed, corelooper's equals the hand-written loop's (the same batches),
@@ -448,6 +456,7 @@ def work_module():
     return work
 
 
+@pytest.mark.slow
 def test_the_work_count_is_every_product_the_rows_compute(tmp_path):
     """benchmarks/sft/work.py counts with torch's FLOP counter (an oracle we did not write). A row
     that computes every position does 6 FLOPs per weight of its linear layers per position (forward,

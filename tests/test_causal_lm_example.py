@@ -36,6 +36,7 @@ def overrides(out: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_causal_lm_example_learns_and_reloads(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

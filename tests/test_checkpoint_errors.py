@@ -138,6 +138,7 @@ def test_cli_checkpoint_path_that_does_not_exist(project):
     assert snapshot(project / "out") == before
 
 
+@pytest.mark.slow
 def test_cli_output_dir_holding_another_run(project):
     before = snapshot(project / "out")
     result = cli(project)  # no --resume-from-checkpoint: would mix two runs
@@ -265,6 +266,7 @@ def test_debris_of_killed_saves_is_cleared_and_complete_ones_put_back(project):
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".corelooper.lock"]
 
 
+@pytest.mark.slow
 def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_path):
     """save_strategy = "no": the folder holds the final model and no checkpoint. Running again
     does not send the user to --resume-from-checkpoint latest (which has nothing to resume), and

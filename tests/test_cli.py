@@ -19,6 +19,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_digits_example_reaches_the_accuracy_bar(cli, tmp_path):
     out = tmp_path / "digits"
     r = cli(
@@ -101,6 +102,7 @@ def test_hooks_lists_every_hook_with_its_doc(cli):
     )
 
 
+@pytest.mark.slow
 def test_set_override_of_a_plugin_section_and_bad_set_syntax(cli, tmp_path, thirdparty_plugin):
     config = tmp_path / "c.toml"
     config.write_text('[thirdparty]\nmarker = ""\n')
@@ -110,6 +112,7 @@ def test_set_override_of_a_plugin_section_and_bad_set_syntax(cli, tmp_path, thir
     assert r.returncode == 2 and "--set 'optimizer': expected KEY=VALUE" in r.stderr
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     """The console plugin draws a rich progress bar when stdout is a terminal (a real pty here)."""
     import os
@@ -147,6 +150,7 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     assert "[step 8/16] loss=" in shown  # log lines are printed above the bar
 
 
+@pytest.mark.slow
 def test_console_leaves_namespaced_log_keys_to_the_loggers_unless_verbose(cli, tmp_path):
     """A key ``name/key`` is a plugin's detail: metrics.jsonl gets it, the console line only with
     --verbose."""

@@ -81,6 +81,8 @@ def ddp_runs(tmp_path_factory):
     return tmp, runs, dw.torchrun([dict(r) for r in runs], tmp)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_is_really_distributed_and_ranks_agree(ddp_runs):
     _, _, results = ddp_runs
     for by_rank in results:
@@ -91,6 +93,7 @@ def test_ddp_is_really_distributed_and_ranks_agree(ddp_runs):
         assert r0["losses"] == r1["losses"]
 
 
+@pytest.mark.distributed
 def test_ddp_matches_one_process_with_twice_the_batch(ddp_runs, tmp_path):
     _, runs, results = ddp_runs
     for run, by_rank in zip(runs[:2], results[:2], strict=True):
@@ -111,6 +114,7 @@ def test_ddp_matches_one_process_with_twice_the_batch(ddp_runs, tmp_path):
         assert by_rank[0]["metrics"] == by_rank[1]["metrics"]
 
 
+@pytest.mark.distributed
 def test_ddp_resume_is_exact(ddp_runs):
     tmp, _, results = ddp_runs
     full, resumed = results[2], results[3]
@@ -123,6 +127,7 @@ def test_ddp_resume_is_exact(ddp_runs):
         assert torch.equal(params(resumed[r]), params(full[r]))
 
 
+@pytest.mark.distributed
 def test_ddp_evaluate_before_train_still_trains_distributed(ddp_runs):
     _, _, results = ddp_runs
     plain, eval_first = results[0], results[4]
@@ -131,6 +136,7 @@ def test_ddp_evaluate_before_train_still_trains_distributed(ddp_runs):
     assert torch.equal(params(eval_first[0]), params(plain[0]))
 
 
+@pytest.mark.distributed
 def test_only_main_process_writes(ddp_runs):
     tmp, _, _ = ddp_runs
     lines = [json.loads(x) for x in (tmp / "full" / "metrics.jsonl").read_text().splitlines()]

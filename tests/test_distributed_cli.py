@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "examples/digits/config.toml"
 SHORT = [
@@ -32,6 +34,8 @@ def corelooper(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.C
     )
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path):
     from safetensors.torch import load_file
 
@@ -80,6 +84,8 @@ def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path):
     assert len(evals) == 1 and abs(evals[0]["eval_accuracy"] - one_evals[0]["eval_accuracy"]) < 1e-6
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_crash_in_one_rank_ends_all_ranks_naming_it(tmp_path):
     plugin = tmp_path / "crash_rank1.py"
     plugin.write_text(
@@ -118,6 +124,7 @@ def test_a_crash_in_one_rank_ends_all_ranks_naming_it(tmp_path):
     assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m corelooper run CONFIG` (on CPU the
     backend's Accelerator(cpu=True) makes it MULTI_CPU/gloo): two ranks, one writer, and the
@@ -189,6 +196,8 @@ def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
     assert all(abs(a - b) <= 1e-5 for a, b in zip(losses("two"), losses("one"), strict=True))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_bad_checkpoint_under_nproc_exits_5_and_is_said_once(tmp_path):
     """Every rank finds the checkpoint bad: the launcher reports it once, with exit 5 (not 7)."""
     missing = tmp_path / "no-such-checkpoint"

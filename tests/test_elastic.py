@@ -34,6 +34,7 @@ def test_the_global_position_continues_the_order_on_another_world_size():
 # -- without the elastic plugin: the same world size resumes, another one is refused -------------
 
 
+@pytest.mark.distributed
 def test_without_the_plugin_another_world_size_is_refused_naming_both(run_loop, make_loop, tmp_path):
     run_loop(max_steps=8)
     claim_two_processes(tmp_path / "run" / "checkpoint-4")
@@ -50,6 +51,8 @@ def test_without_the_plugin_another_world_size_is_refused_naming_both(run_loop, 
     assert restarted.state.global_step == 8
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_without_the_plugin_the_cli_exits_5_and_the_same_world_size_resumes(tmp_path):
     (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
     cfg = write_config(tmp_path, tmp_path / "run", max_steps=6)

@@ -94,6 +94,7 @@ def _module(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_text_column_exits_4_naming_the_dataset_and_column(cli, tmp_path):
     module = _module(tmp_path)
     path = write_config(tmp_path, data=f'train = "{module}:words"')
@@ -110,6 +111,7 @@ def test_a_text_column_exits_4_naming_the_dataset_and_column(cli, tmp_path):
     assert "must be Tensor, not list" in message  # what the model said, kept in the paragraph
 
 
+@pytest.mark.slow
 def test_forward_that_does_not_take_the_columns_names_both(cli, tmp_path):
     module = _module(tmp_path)
     path = write_config(tmp_path, model=f'factory = "{module}:images"')
@@ -206,6 +208,7 @@ class Planted:  # an object weights_only loading refuses
     pass
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_optimizer_does_not_load_weights_only_is_skipped_by_latest(cli, tmp_path):
     config = _run_with_checkpoints(cli, tmp_path)
     out = tmp_path / "out"
@@ -237,6 +240,7 @@ def test_a_checkpoint_whose_optimizer_does_not_load_weights_only_is_skipped_by_l
     assert "resuming from checkpoint-2" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_nan_weights_under_a_finite_manifest_are_refused_on_load(cli, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -283,6 +287,7 @@ def model():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gap", ["0.001", "0.005", "0.02"])
 def test_two_signals_during_start_up_give_one_paragraph_and_exit_75(cli, tmp_path, gap):
     module = tmp_path / "twosignals.py"
@@ -321,6 +326,7 @@ def test_a_collective_that_fails_because_a_process_left_is_not_blamed_on_the_wai
     assert "Fix the plugin" not in out0 and "from the model" not in out0
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_nothing_but_the_output(tmp_path):
     """``corelooper run ... 2>&1 | head -1``: the reader closes the pipe after one line; the run
     goes on quietly and ends as it would have (exit 0, the final model written), instead of the
@@ -348,6 +354,7 @@ def test_a_closed_pipe_ends_nothing_but_the_output(tmp_path):
         assert (tmp_path / str(both) / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_the_start_line_counts_the_steps_that_run(cli, tmp_path):
     """max_steps under the epochs' steps: the line says how much of an epoch that is, and its
     numbers multiply out (not "30 steps (2 epochs x 23 steps)")."""

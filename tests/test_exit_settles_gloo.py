@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
@@ -39,6 +41,8 @@ backend.reduce_sum(torch.ones(4_000_000))  # the summed copy's last reference is
 """
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_finished_rank_exits_0_when_gloo_drops_its_last_tensor_late(tmp_path):
     script = tmp_path / "last_collective.py"
     script.write_text(SCRIPT)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "gpu"
 STEPS = "cl_bf16_full,cl_bf16_trained_head,cl_fp16_scaler,cl_packing_segment_sdpa,eval_cl_vs_hf"
@@ -37,6 +39,7 @@ def smoke(tmp_path, steps, budget_s=1200, **env):
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
     proc, summary = smoke(tmp_path, STEPS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -60,6 +63,7 @@ def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
     )  # a metric adds no loss work
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_the_chat_sft_rows_of_the_gpu_step(tmp_path):
     # the step's own path (rows interleaved under a deadline, run_bench's table and verdicts) at
     # the smoke size on the CPU; on a GPU it is the same code with --device cuda
@@ -83,6 +87,7 @@ def test_cpu_smoke_runs_the_chat_sft_rows_of_the_gpu_step(tmp_path):
     assert res["goals"]["corelooper_leak_free_over_trl_best"]["theirs"] in ("trl_grouped", "trl_padding_free")
 
 
+@pytest.mark.slow
 def test_a_step_that_times_out_keeps_the_rows_it_finished(tmp_path):
     # the H200 run of 2026-12-04 lost every chat-SFT row to the budget: a long step now writes what
     # it has after each row, and a timeout records that with the error (the run still exits 1)
@@ -105,6 +110,7 @@ def test_a_row_that_runs_away_is_cut_and_recorded(tmp_path):
     assert rec["rc"] != 0 and "killed after 3 s" in rec["failed"] and rec["proc_wall_s"] < 60
 
 
+@pytest.mark.slow
 def test_a_step_that_errors_makes_the_run_fail(tmp_path):
     # the step's process cannot write its result (no temp folder): recorded as an error, exit 1
     proc, summary = smoke(tmp_path, "cl_bf16_full", TMPDIR=str(tmp_path / "missing"))

@@ -114,6 +114,7 @@ def test_a_users_plugin_is_not_seen_in_this_process_and_would_be_if_allowed(acme
     assert (tmp_path / STRAY).exists() and acme.read_text().startswith("imported")
 
 
+@pytest.mark.slow
 def test_the_cli_does_not_see_it(acme, tmp_path):
     out = tmp_path / "digits"
     r = run_cli(

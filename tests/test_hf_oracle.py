@@ -70,6 +70,7 @@ def cl_loop(model, out, train, eval_dataset=None, plugins=(), compute_metrics=No
 # -- numbers: tiny Llama, GA 1 and 4, AdamW with weight decay, linear warmup, clipping -------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("batch", "ga"), [(8, 1), (2, 4)])
 def test_same_losses_grad_norms_learning_rates_and_final_weights_as_hf(tmp_path, batch, ga):
     data = toys.lm_samples(32, seed=3)
@@ -132,6 +133,7 @@ ZERO_GRAD_RUN = dict(
 )
 
 
+@pytest.mark.slow
 def test_gradients_left_before_train_are_not_the_first_steps_as_hf(tmp_path):
     """HF calls ``model.zero_grad()`` before the first step: a backward run before ``train()``
     (a sanity check, a learning-rate probe) adds nothing to it."""
@@ -152,6 +154,7 @@ def _all_but_embeddings(model):
     return [p for n, p in model.named_parameters() if "embed_tokens" not in n]
 
 
+@pytest.mark.slow
 def test_parameters_outside_a_custom_optimizer_do_not_carry_gradients_as_hf(tmp_path):
     """HF clears every gradient of the model after each step (``model.zero_grad()``) and clips
     over ``model.parameters()``: a parameter that a custom optimizer leaves out counts in each
@@ -181,6 +184,7 @@ def test_parameters_outside_a_custom_optimizer_do_not_carry_gradients_as_hf(tmp_
     assert embeddings.grad is None  # cleared after the last step, as HF leaves it
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_big_batch_as_hf_requires(tmp_path):
     """HF's test_gradient_accumulation_loss_alignment_with_model_loss: GA 4 x 2 against 1 x 8."""
     data = toys.lm_samples(32, seed=4)
@@ -306,6 +310,7 @@ FLOWS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ga", [1, 2])
 @pytest.mark.parametrize(
     "flow", FLOWS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "defaults"
@@ -355,6 +360,7 @@ def test_logging_first_step_and_end_of_training_eval_as_hf(tmp_path):
 # -- best model, save_total_limit = 1 --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_save_total_limit_1_with_best_model_keeps_only_the_best_as_hf(tmp_path):
     # greater_is_better on the loss: the first evaluation (highest loss) is the best, not the last
     kw = {
@@ -394,6 +400,7 @@ class PadInfo:
     pad_token_id = 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "mask", "pad_info"),
     [
@@ -731,6 +738,7 @@ def _launch(find_unused: bool):
     )
 
 
+@pytest.mark.slow
 def test_ddp_find_unused_parameters_reaches_ddp():
     """HF's ddp_find_unused_parameters on a real 2-rank gloo run: without it DDP fails at the
     second step (a parameter had no gradient); with it the run trains."""

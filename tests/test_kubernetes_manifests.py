@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # starts a scheduler or rehearses a cluster
+
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")  # the [test] extra, as the next three
 pydantic = pytest.importorskip("pydantic")

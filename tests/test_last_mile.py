@@ -94,6 +94,7 @@ def _clean_stop(code, err: str, sig: int) -> bool:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.05, 0.1, 0.3, 0.8, 1.5, 4.0])
 def test_a_stop_signal_from_the_first_moment_ends_the_command_with_one_line(tmp_path, delay):
     """SIGINT / SIGTERM at each moment of start-up (the interpreter just up, typer, torch and the
@@ -237,6 +238,7 @@ def _data_run(tmp_path: Path, model: str, data: str):
     return cli("run", str(config)), f"data.train = '{module}:{data}'"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "data", "needles"),
     [
@@ -298,6 +300,7 @@ def test_data_the_model_cannot_take_names_the_column_and_exits_4(tmp_path, model
 # -- a plugin that fails to import: exit 3, the plugin, the file and the line ------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "needles"),
     [
@@ -348,6 +351,7 @@ def test_an_installed_plugin_with_a_syntax_error_exits_3_naming_file_and_line(tm
 # -- a config file with a byte-order mark ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_config_with_a_utf8_bom_is_read_and_utf16_is_named(tmp_path):
     """Windows editors write a UTF-8 BOM: read as if it were not there (as editors and other TOML
     tools do; Python's tomllib alone says "Invalid statement (at line 1, column 1)"). UTF-16
@@ -399,6 +403,7 @@ def _no_hub(tmp_path: Path) -> dict:
     return {**env, "HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "", "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["models/tiny-llama", "tiny-lama"])
 def test_a_model_name_not_here_fails_offline_at_once(tmp_path, name):
     """Was: 22 lines of hub retries over ~49 s, then a paragraph whose sentences ran together. Now
@@ -425,6 +430,7 @@ def test_a_model_name_not_here_fails_offline_at_once(tmp_path, name):
     assert took < baseline + 30, (took, baseline)  # the retries alone took 49 s
 
 
+@pytest.mark.slow
 def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
     """A hub name whose files are in the local HF cache (the layout ``hf download`` writes:
     models--ORG--NAME/snapshots/REV with refs/main) trains, with the hub out of reach."""
@@ -448,6 +454,7 @@ def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
 # -- first-hour frictions ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save", ["steps", "no"])
 def test_a_second_run_into_a_run_folder_says_so_with_its_parentheses_closed(tmp_path, save):
     out = tmp_path / "out"
@@ -478,6 +485,7 @@ def compute_loss(model, batch, return_outputs):
 """
 
 
+@pytest.mark.slow
 def test_a_users_compute_loss_is_listed_first_and_named_in_the_run_banner(tmp_path):
     """With corelooper-lm's per-run objects (an [lm] section), pluggy asks two of them before a
     user's compute_loss: one passes the user's loss on (counting its tokens), one answers only where
@@ -541,6 +549,7 @@ def _on_a_terminal(*args: str, cwd: Path) -> tuple[int, str]:
     return code, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
 
 
+@pytest.mark.slow
 def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path):
     """``corelooper eval`` / ``predict`` on a terminal show a bar of the evaluation's batches (32
     samples, 8 a batch: 4), as training shows its steps; not in a pipe (every other test)."""
@@ -558,6 +567,7 @@ def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path):
         assert piped.returncode == 0 and "4/4" not in piped.stdout + piped.stderr
 
 
+@pytest.mark.slow
 def test_plot_of_two_runs_writes_into_the_current_folder_or_output(tmp_path):
     """``corelooper plot A B`` wrote into A's folder; now into the current folder (or --output)."""
     runs = []

@@ -165,6 +165,7 @@ def assert_stopped_once(root: Path, code: int, out: str, err: str, want: int) ->
         assert noise not in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_sigint_to_the_launcher_stops_every_rank_after_one_checkpoint(tmp_path):
     pytest.importorskip("deepspeed")
     root = project(tmp_path, deepspeed=True)
@@ -179,6 +180,7 @@ def test_sigint_to_the_launcher_stops_every_rank_after_one_checkpoint(tmp_path):
     assert "FutureWarning" in err  # --verbose: torch.distributed's deprecations under ZeRO-3 are shown
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_every_rank_quietly(tmp_path):
     pytest.importorskip("deepspeed")
     root = project(tmp_path, deepspeed=True)
@@ -193,6 +195,7 @@ def test_sigterm_to_one_worker_stops_every_rank_quietly(tmp_path):
         assert noise not in err + out, (err + out)[-3000:]
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_launcher_leaves_no_worker_behind(tmp_path):
     root = project(tmp_path, deepspeed=False)
     proc = start(root)

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import pytest
 from test_launch_signals import TASK, finish, paused_pids, project, start
 
 LAUNCHER_LINES = ("death signal", "closing signal", "exitcode", "torch.distributed", "elastic")
@@ -32,6 +33,7 @@ def assert_quiet(err: str) -> None:
     assert err.count("are not arguments of Net.forward") == 1, err[-3000:]  # one rank speaks
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_shows_no_launcher_line(tmp_path):
     root = quiet_project(tmp_path)
     proc = start(root)
@@ -45,6 +47,7 @@ def test_sigterm_to_the_launcher_shows_no_launcher_line(tmp_path):
     assert_quiet(err)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_is_one_paragraph(tmp_path):
     """kill -9 of a rank (what a watchdog does to a hung one): the launcher's "failed (exitcode:
     -9)" and "closing signal" lines stay hidden; corelooper names the rank and the signal."""
@@ -74,6 +77,7 @@ def run_with_a_crashing_rank(tmp_path, then: str = ""):
     return finish(start(root, "-p", "crash.py"))
 
 
+@pytest.mark.slow
 def test_a_failing_rank_shows_no_launcher_line(tmp_path):
     code, out, err = run_with_a_crashing_rank(tmp_path)
     assert code == 3, err[-3000:]
@@ -81,6 +85,7 @@ def test_a_failing_rank_shows_no_launcher_line(tmp_path):
     assert_quiet(err)
 
 
+@pytest.mark.slow
 def test_a_rank_that_reported_its_error_and_then_aborted_at_exit_keeps_its_code(tmp_path):
     """Seen in CI: the failing rank wrote its PluginError, then died of SIGABRT while the
     interpreter shut down ("terminate called without an active exception"), and the launcher
@@ -98,6 +103,7 @@ def test_a_rank_that_reported_its_error_and_then_aborted_at_exit_keeps_its_code(
     assert_quiet(err)
 
 
+@pytest.mark.distributed
 def test_the_rank_that_raised_is_named_not_the_one_whose_collective_failed_after(tmp_path):
     """torchrun's first failure is the earliest by whole-second timestamps: the rank whose collective
     failed because the other rank raised can tie with it (the flaky case of the test above, seen

@@ -148,6 +148,7 @@ def test_torch_compile_and_tf32_are_applied(tmp_path):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+@pytest.mark.slow
 def test_a_compiled_llama_compiles_as_often_as_in_a_hand_written_loop(tmp_path):
     """Llama's forward slices ``self.layers[:n]`` into a new ModuleList on every call. corelooper's
     kept parameter list once counted that registration, so dynamo guarded on the count and compiled

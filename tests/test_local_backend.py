@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import toys
 from conftest import REPO
@@ -78,6 +79,7 @@ def test_local_and_accelerate_backends_train_the_same_numbers(train_args, tmp_pa
     assert all(torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.distributed
 def test_which_backend_the_builtin_chooses(train_args, monkeypatch):
     loop = Loop(toys.mlp(), train_args(), train_dataset=toys.Blobs(16), blocked_plugins=["console"])
     assert type(loop.backend) is LocalBackend and loop.backend.device == torch.device("cpu")
@@ -94,6 +96,7 @@ def test_which_backend_the_builtin_chooses(train_args, monkeypatch):
     assert local_device(use_cpu=True) == torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_a_full_precision_run_does_not_import_accelerate(tmp_path):
     code = (
         "import sys, toys\n"

@@ -73,6 +73,8 @@ def max_diff(a, b) -> float:
     return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_evaluate_predict_match_one_process(two, reference, kind):
     backend, _, results = two
@@ -98,6 +100,7 @@ def test_train_evaluate_predict_match_one_process(two, reference, kind):
     assert r0["label_ids"] == ref["label_ids"] == [s["labels"].tolist() for s in mw.samples(10, 2)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_eval_mode_during_evaluate_and_predict_and_training_mode_after(two, kind):
     _, _, results = two
@@ -108,6 +111,7 @@ def test_eval_mode_during_evaluate_and_predict_and_training_mode_after(two, kind
         assert modes["after_eval"] is True  # evaluate()/predict() after train(): training mode back
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_is_bitwise_equal_to_the_uninterrupted_run(two, kind):
     _, _, results = two
@@ -130,6 +134,7 @@ def eval_loss_of(model) -> float:
     return total / items
 
 
+@pytest.mark.distributed
 def test_exported_full_model_reloads_with_from_pretrained(two):
     from transformers import LlamaForCausalLM
 
@@ -138,6 +143,8 @@ def test_exported_full_model_reloads_with_from_pretrained(two):
     assert abs(eval_loss_of(model) - results["full"][0]["eval_loss"]) <= 1e-5
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_lora_adapter_and_merged_model_reload(two):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -9,8 +9,11 @@ from __future__ import annotations
 import subprocess
 import uuid
 
+import pytest
 from cluster_task import REPO, env, free_port, max_diff, torchrun, write_config
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.cluster  # starts a scheduler or rehearses a cluster
 
 TIMEOUT = 240
 
@@ -19,6 +22,7 @@ def _corelooper(config) -> list[str]:
     return ["-m", "corelooper", "run", str(config)]
 
 
+@pytest.mark.slow
 def test_two_nodes_match_one_node_with_the_same_world_size(tmp_path):
     nodes_cfg = write_config(tmp_path, tmp_path / "nodes", name="nodes.toml")
     one_cfg = write_config(tmp_path, tmp_path / "one", name="one.toml")

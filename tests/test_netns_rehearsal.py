@@ -18,6 +18,8 @@ import pytest
 from cluster_task import REPO, env, max_diff, torchrun, write_config
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.cluster  # starts a scheduler or rehearses a cluster
+
 TIMEOUT = 240
 SUBNET = "10.213.{}.{}"  # a private /30 made up for this test, inside its own namespaces only
 
@@ -56,6 +58,7 @@ def two_namespaces():
             _ip("netns", "del", ns, check=False)  # deleting a namespace deletes its veth end
 
 
+@pytest.mark.slow
 def test_two_nodes_in_network_namespaces_match_one_node_with_two_processes(tmp_path, two_namespaces):
     (ns0, addr0, dev0), (ns1, _, dev1) = two_namespaces
     nodes_cfg = write_config(tmp_path, tmp_path / "nodes", name="nodes.toml")

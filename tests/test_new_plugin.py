@@ -9,12 +9,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import run_cli
 from test_plugins_doc import write_tutorial
 
 PIP = [sys.executable, "-m", "pip"]
 
 
+@pytest.mark.slow
 def test_new_plugin_package_and_the_docs_tutorial_install_and_pass_their_tests(tmp_path, allow_plugins):
     dest = tmp_path / "corelooper-grad-stats"
     made = run_cli("new-plugin", "grad_stats", "--dir", str(dest))

@@ -116,6 +116,8 @@ def _text(*paths: Path) -> str:
     return "".join(p.read_text() for p in paths if p.exists())
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches(tmp_path):
     waiting = tmp_path / f"alone-at-{BACK_AT}"
     (tmp_path / "slow.py").write_text(SLOW.format(back_at=BACK_AT, waiting=str(waiting)))
@@ -256,6 +258,8 @@ if os.environ["WORLD_SIZE"] == "1":
 """
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("share_store", [True, False])
 def test_torchrun_takes_in_a_returning_node_only_without_its_shared_store(tmp_path, share_store):
     """docs/clusters.md: with torch's shared TCPStore (its default) a node joining a later round

@@ -240,6 +240,7 @@ def test_the_deferred_check_holds_the_host_batches_not_their_device_copies(train
     assert reported == [True]  # on_nonfinite still gets the batches on the device
 
 
+@pytest.mark.slow
 def test_the_cli_exits_6_with_one_paragraph_and_keeps_the_last_finite_checkpoint(tmp_path):
     (tmp_path / "task.py").write_text(
         textwrap.dedent("""

@@ -137,6 +137,7 @@ def test_unconfigure_fires_once_when_the_loop_is_closed(train_args, tmp_path):
     assert len(late.unconfigured) == 1
 
 
+@pytest.mark.slow
 def test_unconfigure_fires_for_a_script_that_never_closes_its_loop(tmp_path):
     """The finalizer: when the Loop is collected, and at interpreter exit."""
     script = tmp_path / "script.py"
@@ -316,6 +317,7 @@ def one_error_line(r) -> str:
     return line
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_blocked_plugins_setting_before_training(tmp_path):
     config = write_config(
         tmp_path,
@@ -362,6 +364,7 @@ def test_blocking_a_plugin_that_is_not_there_is_refused(tmp_path, how, name, hin
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_cli_closes_its_loop(tmp_path):
     """`corelooper run` ends with corelooper_unconfigure (a local plugin writes a marker there)."""
     local = tmp_path / "marker_plugin.py"

@@ -144,6 +144,7 @@ def test_a_settings_declaration_that_raises_names_the_plugin_and_the_hook(fakepl
     assert r.stdout.strip() == "Plugin 'fakeplug' raised in hook 'corelooper_settings': KeyError: 'noise'"
 
 
+@pytest.mark.slow
 def test_an_import_error_is_one_paragraph_naming_the_distribution_and_entry_point(fakeplug, tmp_path):
     r = run_cli("--help", env={"FAKEPLUG_BROKEN": "1"})
     assert r.returncode == 3, r.stderr

@@ -185,6 +185,7 @@ def test_plugin_sections_are_validated(tmp_path):
     assert TrainArgs().seed == 42
 
 
+@pytest.mark.slow
 def test_cli_plugins_shows_installed_plugin_and_winner(cli, tmp_path):
     r = cli("plugins")
     assert r.returncode == 0, r.stderr

@@ -26,6 +26,7 @@ def _status_lines(stdout: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_plugins_command_shows_which_plugins_are_active_for_a_config(tmp_path):
     env = {"WANDB_MODE": "", "WANDB_PROJECT": "", "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": ""}
     config = str(Path("examples/digits/config.toml"))

@@ -89,6 +89,8 @@ def run(args, cwd, nproc: int = 1):
     return subprocess.run([*launch, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_predict_across_2_processes_is_in_dataset_order(trained):
     base, cfg, logits, labels = trained
     out = base / "preds2.safetensors"
@@ -105,6 +107,8 @@ def test_predict_across_2_processes_is_in_dataset_order(trained):
     assert json.loads((base / "preds2.metrics.json").read_text()) == metrics
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_streaming_metric_is_summed_over_2_processes(trained):
     base, cfg, logits, labels = trained
     streaming = base / "streaming.toml"
@@ -131,6 +135,7 @@ def test_a_streaming_metric_is_summed_over_2_processes(trained):
     assert "has no sync(reduce_sum) method" in proc.stderr  # (the traceback after it is torchrun's own)
 
 
+@pytest.mark.slow
 def test_predict_jsonl_one_process(trained):
     base, cfg, logits, labels = trained
     out = base / "preds.jsonl"
@@ -211,6 +216,7 @@ def _files(folder: Path) -> dict[str, tuple[int, int, bytes]]:
     }
 
 
+@pytest.mark.slow
 def test_eval_and_predict_leave_the_training_runs_files_as_they_were(tmp_path):
     """`corelooper eval`/`predict` feed no logger: metrics.jsonl gains no eval line (a later
     `corelooper plot` would draw it back to the checkpoint's step) and tensorboard/ is untouched."""

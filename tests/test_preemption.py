@@ -211,6 +211,7 @@ def assert_same_final_model(out: Path, reference: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_resume_is_exact(tmp_path, reference):
     root = make_project(tmp_path / "proj")
     ctl, out = root / "ctl", root / "out"
@@ -244,6 +245,7 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path, reference):
     assert sorted(step_losses(out)) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path, reference):
     root = make_project(tmp_path / "proj")
     ctl, out = root / "ctl", root / "out"
@@ -404,6 +406,8 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_stop_at_the_same_step_and_resume_exactly(tmp_path):
     script = tmp_path / "ddp_preempt.py"
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent)))
@@ -447,6 +451,7 @@ def _lagged_agreement_worker(rank: int, port: int, lag: int, signal_rank: int, s
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, 2])
 def test_ranks_agree_on_the_stop_step_with_and_without_the_accelerator_lag(lag):
     """The accelerator path (a flag reduced asynchronously, read ``lag`` steps later, so no step

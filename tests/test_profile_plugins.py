@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from conftest import run_cli
 
 
+@pytest.mark.slow
 def test_profile_plugins_reports_each_plugin_hook_with_call_counts(tmp_path):
     steps = 7
     proc = run_cli(

@@ -82,6 +82,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_does_nothing_and_a_real_resume_says_where_it_starts(tmp_path):
     cfg = config(tmp_path)
     first = cli("run", str(cfg), cwd=tmp_path)
@@ -103,6 +104,7 @@ def test_resuming_a_finished_run_does_nothing_and_a_real_resume_says_where_it_st
     assert steps == [1, 2, 3, 4, 5, 6, 6]  # steps 4-6 logged again, replacing the first run's
 
 
+@pytest.mark.slow
 def test_a_finished_run_whose_only_checkpoint_is_older_is_still_finished(tmp_path):
     """save_total_limit = 1 with a best checkpoint keeps only the best one (HF 5.x): here the first
     evaluation's (greater_is_better on the loss), step 2 of 6. Resuming latest or auto must not train
@@ -138,6 +140,7 @@ def test_a_finished_run_whose_only_checkpoint_is_older_is_still_finished(tmp_pat
     assert json.loads((tmp_path / "run" / "loop_state.json").read_text())["global_step"] == 8
 
 
+@pytest.mark.slow
 def test_a_missing_data_file_fails_before_the_model_is_built_naming_the_folder_once(tmp_path):
     marker = tmp_path / "model_built"
     (tmp_path / "slow_model.py").write_text(
@@ -154,6 +157,7 @@ def test_a_missing_data_file_fails_before_the_model_is_built_naming_the_folder_o
     assert ev.returncode == 4 and "nope.jsonl" in ev.stderr and not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_malformed_jsonl_line_is_one_message_with_its_line_number(tmp_path):
     cfg = config(tmp_path)
     lines = (tmp_path / "rows.jsonl").read_text().splitlines()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).parent
 
 
@@ -39,6 +41,7 @@ def test_a_stream_without_a_plugin_that_loads_it_is_refused_in_one_paragraph(tmp
     assert "Traceback" not in r.stderr and "corelooper-streaming" not in r.stderr
 
 
+@pytest.mark.slow
 def test_the_same_stream_trains_with_the_plugin(tmp_path, cli):
     r = cli("run", str(_config(tmp_path)))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -141,6 +141,7 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 # -- checkpoints verified by content ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "rng_state_0.pth", "loop_state.json"])
 def test_same_size_corruption_is_caught(project, name):
     ckpt = project / "out" / "checkpoint-4"
@@ -166,6 +167,7 @@ def test_same_size_corruption_is_caught(project, name):
     )
 
 
+@pytest.mark.slow
 def test_temp_folder_with_a_manifest_is_never_promoted(project):
     out = project / "out"
     half = out / ".tmp-checkpoint-6"
@@ -178,6 +180,7 @@ def test_temp_folder_with_a_manifest_is_never_promoted(project):
     assert cli(project, str(out), cmd="verify").returncode == 0
 
 
+@pytest.mark.slow
 def test_startup_clears_half_deleted_folders_and_stray_tmp_files(project):
     out = project / "out"
     shutil.copytree(out / "checkpoint-2", out / ".deleting-checkpoint-1")
@@ -213,6 +216,7 @@ def test_rotation_renames_away_before_deleting(tmp_path):
 # -- non-finite weights ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nonfinite_weights_are_never_saved_and_the_finite_checkpoint_survives(tmp_path):
     """The model's output is inf from step 3: its weights turn NaN. With save_total_limit=1 the
     finite checkpoint-2 must survive, and neither checkpoint-4 nor a final model is written."""
@@ -264,6 +268,7 @@ def test_all_finite_is_one_reduction_that_sees_nan_and_inf():
 # -- one run per output_dir ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project):
     out = project / "out"
     lock = RunLock.acquire(out)  # a real flock, held by this (another) process
@@ -283,6 +288,7 @@ def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project)
 # -- relocatable runs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_moved_run_folder_resumes_and_finishes(tmp_path):
     root = tmp_path / "a"
     write_project(
@@ -332,6 +338,7 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
+@pytest.mark.slow
 def test_disk_full_on_a_real_tmpfs(tmp_path, tmpfs):
     disk = tmpfs("160k")
     root = tmp_path / "p"
@@ -352,6 +359,7 @@ def test_disk_full_on_a_real_tmpfs(tmp_path, tmpfs):
     assert f"{ckpts[-1].name}: ok" in verify.stdout, verify.stdout
 
 
+@pytest.mark.slow
 def test_disk_full_while_logging_is_named_as_io(tmp_path, tmpfs):
     """12 KiB of tmpfs: the lock file and config.toml take a page each, metrics.jsonl fills the third."""
     disk = tmpfs("12k")
@@ -362,6 +370,7 @@ def test_disk_full_while_logging_is_named_as_io(tmp_path, tmpfs):
     assert "plugin" not in result.stderr.lower() and "the model" not in result.stderr
 
 
+@pytest.mark.slow
 def test_read_only_output_dir_and_a_file_in_its_place(tmp_path, tmpfs):
     ro = tmpfs("1m", ro=True)
     root = tmp_path / "p"
@@ -372,6 +381,7 @@ def test_read_only_output_dir_and_a_file_in_its_place(tmp_path, tmpfs):
     one_paragraph(cli(root), 5, f"{tmp_path / 'afile'!s}' is a file, not a folder")
 
 
+@pytest.mark.slow
 def test_corrupt_config_in_a_checkpoint_and_a_binary_config(project):
     ckpt = project / "out" / "checkpoint-4"
     (ckpt / "config.toml").write_bytes(b"\xff\xfe\x00garbage")
@@ -417,6 +427,7 @@ def test_a_signal_during_startup_exits_75_or_76_without_a_traceback(tmp_path, si
     assert not list((root / "out").glob("checkpoint-*")) if (root / "out").exists() else True
 
 
+@pytest.mark.slow
 def test_learning_rate_override_on_resume_is_applied_and_optimizer_change_refused(project):
     out = project / "out"
     first = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -446,6 +457,7 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_a_payload_in_every_file_of_a_checkpoint_never_runs(project, tmp_path):
     ckpt = project / "out" / "checkpoint-4"
     marker = tmp_path / "PWNED"
@@ -464,6 +476,7 @@ def test_a_payload_in_every_file_of_a_checkpoint_never_runs(project, tmp_path):
 # -- kill -9 anywhere --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_anywhere_resumes_bitwise_exact(tmp_path):
     from safetensors.torch import load_file
 
@@ -522,6 +535,7 @@ def test_kill_anywhere_resumes_bitwise_exact(tmp_path):
 # -- config problems known at start-up -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_eval_without_eval_data_and_an_impossible_best_metric_fail_at_startup(tmp_path):
     root = tmp_path / "p"
     write_project(root, root / "out", eval_strategy="steps", eval_steps=2)
@@ -565,6 +579,7 @@ def _check_finite_on_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_agree_to_refuse_weights_when_one_rank_holds_a_nan(tmp_path):
     """Sharded weights: the rank that sees a NaN and the ranks that do not must all refuse
     (one reduce), or the others would wait for it in the next collective."""

@@ -53,6 +53,7 @@ def test_weighted_loss_equals_hand_computation_on_a_fixed_batch(loop):
     assert abs(hand - unweighted) > 1e-3  # the weights matter
 
 
+@pytest.mark.slow
 def test_config_runs_through_the_cli_and_trains(cli, tmp_path):
     out = tmp_path / "run"
     r = cli(

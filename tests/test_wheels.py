@@ -106,6 +106,7 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
     return built
 
 
+@pytest.mark.slow
 def test_every_package_is_its_own_wheel_with_its_version_and_a_core_range(wheels):
     core_meta, _ = _metadata(wheels["corelooper"])
     core_version = core_meta["Version"][0]
@@ -131,6 +132,7 @@ def test_every_package_is_its_own_wheel_with_its_version_and_a_core_range(wheels
     assert len(names) == len(PLUGINS)  # distinct distributions
 
 
+@pytest.mark.slow
 def test_wheels_install_into_a_clean_venv_list_and_train(wheels, tmp_path):
     venv = tmp_path / "venv"
     # Without pip of its own: this venv's pip installs into it (--python), which saves ensurepip.

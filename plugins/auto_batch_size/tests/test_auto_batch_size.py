@@ -302,6 +302,8 @@ def test_probe_finds_the_size_before_training_and_leaves_no_trace(tmp_path):
     assert losses(probe) == pytest.approx(losses(ref), rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
     """Rank 1 alone hits the fake OOM (first at step 1, again mid-run at step 3 of 4); rank 0 never.
 
@@ -350,6 +352,7 @@ def test_two_processes_where_only_one_rank_runs_out_of_memory(tmp_path):
         assert "sharded over 2 processes" in error and "auto_find_batch_size" in error
 
 
+@pytest.mark.slow
 def test_cli_run_with_probe_from_a_config_file(tmp_path):
     """The real CLI in a subprocess: [train] auto_find_batch_size and [auto_batch_size] probe."""
 

@@ -111,6 +111,8 @@ def assert_matches(result, ref):
     assert result["metrics"]["eval_num_predictions"] == 13
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_stage_matches_one_process(ds_runs, reference, stage):
     _, _, results = ds_runs
@@ -125,6 +127,7 @@ def test_zero_stage_matches_one_process(ds_runs, reference, stage):
         assert r0["local_params"] == r1["local_params"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_stage_resume_is_exact(ds_runs, stage):
     tmp, _, results = ds_runs
@@ -139,6 +142,7 @@ def test_zero_stage_resume_is_exact(ds_runs, stage):
     assert len(optim_shards) == 2, optim_shards  # one optimizer partition per rank
 
 
+@pytest.mark.distributed
 def test_exported_model_is_consolidated(ds_runs):
     from safetensors.torch import load_file
 
@@ -149,17 +153,20 @@ def test_exported_model_is_consolidated(ds_runs):
     close(torch.cat([full[k].reshape(-1) for k in sorted(full)]).tolist(), results[2][0]["full_params"], 0)
 
 
+@pytest.mark.distributed
 def test_offload_and_json_config_match(ds_runs, reference):
     _, _, results = ds_runs
     assert_matches(results[6][0], reference)
     assert_matches(results[7][0], reference)
 
 
+@pytest.mark.distributed
 def test_json_optimizer_section_is_refused(ds_runs):
     error = ds_runs[2][9][0]["error"]
     assert error and "bad.json" in error and "'optimizer'" in error and "remove it" in error
 
 
+@pytest.mark.distributed
 def test_zero3_evaluation_without_training(ds_runs, tmp_path):
     got = ds_runs[2][8][0]
     ref = dw.run_one({"task": "lm", "eval_only": True, "train": {"output_dir": str(tmp_path)}})
@@ -168,6 +175,7 @@ def test_zero3_evaluation_without_training(ds_runs, tmp_path):
     close([got["metrics"]["eval_loss"]], [ref["metrics"]["eval_loss"]])
 
 
+@pytest.mark.distributed
 def test_config_mapping_never_leaves_deepspeed_defaults():
     from corelooper_deepspeed import DEFAULTS, ds_config
 
@@ -219,6 +227,8 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_deepspeed_payload_in_each_state_file_never_runs(ds_runs, tmp_path):
     """DeepSpeed's own loader is torch.load(weights_only=False); the plugin swaps in a
     weights_only engine. A payload planted in each .pt file of a ZeRO-2 checkpoint (manifest

@@ -98,6 +98,8 @@ def elastic(request, tmp_path_factory):
     return {"stage": stage, "tmp": tmp, "one": one, "last": last, "checkpoint_6": saved}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_zero_resumed_on_1_then_2_processes_equals_an_uninterrupted_run(elastic):
     tmp = elastic["tmp"]
     assert (
@@ -122,6 +124,7 @@ def test_zero_resumed_on_1_then_2_processes_equals_an_uninterrupted_run(elastic)
     assert max_diff(final, start) > 1e-3  # it trained after the resumes
 
 
+@pytest.mark.distributed
 def test_zero_geometry_reaches_the_deepspeed_config(elastic):
     """The resumed engines were built with the adjusted accumulation, and partitioned for their
     own world size: checkpoint-9 (1 process) has one optimizer partition, checkpoint-12 two."""
@@ -137,12 +140,15 @@ def test_zero_geometry_reaches_the_deepspeed_config(elastic):
     assert (nine["partitions"], twelve["partitions"]) == (1, 2)
 
 
+@pytest.mark.distributed
 def test_zero_conversion_leaves_the_checkpoint_and_no_debris(elastic):
     run = elastic["tmp"] / "run"
     assert _digest(run / "checkpoint-6") == elastic["checkpoint_6"]  # only read, never changed
     assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp")]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("elastic", [3], indirect=True, ids=["zero3"])
 def test_a_missing_partition_is_refused_naming_it(elastic, tmp_path):
     """A checkpoint short of one rank's optimizer partition (its manifest re-signed, as a bad
@@ -166,6 +172,8 @@ def test_a_missing_partition_is_refused_naming_it(elastic, tmp_path):
     assert not [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".tmp")]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("elastic", [2], indirect=True, ids=["zero2"])
 def test_a_zero2_checkpoint_resumes_under_zero3_on_one_process(elastic, tmp_path):
     """Another stage and another world size at once: the consolidated state is per parameter,

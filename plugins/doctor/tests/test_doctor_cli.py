@@ -109,6 +109,7 @@ enable = ["doctor"]
     )
 
 
+@pytest.mark.slow
 def test_console_lines_show_the_training_essentials_and_verbose_shows_all(tmp_path):
     quiet = corelooper_run(tmp_path, "quiet")
     assert quiet.returncode == 0, quiet.stderr
@@ -133,6 +134,7 @@ def test_console_lines_show_the_training_essentials_and_verbose_shows_all(tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_post_mortem_and_replay_of_a_run_from_the_command_line(tmp_path):
     run = corelooper_run(
         tmp_path, "overflow", model="square_model", train="overflow_train", extra='on_nonfinite = "skip_step"'

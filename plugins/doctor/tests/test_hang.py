@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from doctor_fixtures import _only_named_plugins  # noqa: F401  (autouse)
 
 HERE = Path(__file__).parent
@@ -60,6 +61,7 @@ def _run(tmp_path: Path, config: Path, timeout: float) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
     # both ranks must be gone within hang_timeout + 30 s of the hang (plus start-up)
     returncode, out = _run(tmp_path, _config(tmp_path), START_UP + HANG_TIMEOUT + 30)
@@ -87,6 +89,7 @@ def test_a_rank_stuck_in_a_hook_ends_the_run_with_one_paragraph(tmp_path):
     assert "not finished: it hung (the report is below)" in post.stdout
 
 
+@pytest.mark.slow
 def test_ddp_timeout_reaches_the_process_group(tmp_path):
     """Watchdog off: the gloo collective itself gives up after train.ddp_timeout seconds."""
     returncode, out = _run(tmp_path, _config(tmp_path, hang_timeout=0.0, ddp_timeout=5), START_UP + 60)

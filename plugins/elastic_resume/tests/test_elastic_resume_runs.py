@@ -64,6 +64,8 @@ def _step_losses(run_dir) -> dict[int, float]:
     return dict(losses)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
     # 64 samples, global batch 8: 8 steps an epoch; stops at 6 (epoch 0) and 9 (epoch 1)
@@ -119,6 +121,8 @@ def corelooper_configure(config, plugins):
 """
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_plugin_is_configured_with_the_config_the_resumed_run_uses(tmp_path):
     """2 processes -> preempted -> resumed on 1: the plugins are configured with the settled
     geometry (4 x 2 accumulation), and the run never replaces that config."""
@@ -162,6 +166,7 @@ def test_a_plugin_is_configured_with_the_config_the_resumed_run_uses(tmp_path):
     ]
 
 
+@pytest.mark.distributed
 def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(
     run_loop, make_loop, tmp_path, capsys
 ):
@@ -193,6 +198,7 @@ def test_in_process_resume_keeps_the_global_batch_and_group_by_length_refuses(
     assert loop.config is config and loop.state.global_step == 8
 
 
+@pytest.mark.distributed
 def test_a_resume_that_changes_the_plan_says_so_with_the_steps_and_why(run_loop, make_loop, tmp_path):
     """64 samples, 7 per device, train.dataloader_drop_last: saved on "2 processes" an epoch is 4
     micro-batches of 14 (4 steps), resumed on 1 it is 9 of 7 in steps of 2 (5 steps): two epochs

@@ -150,6 +150,7 @@ def test_a_hugging_face_iterable_dataset_continues_from_its_own_state():
     assert _take(three, 2) == list(range(24, 36))
 
 
+@pytest.mark.distributed
 def test_a_hugging_face_stream_that_reads_only_a_part_is_refused():
     pytest.importorskip("datasets")
     from datasets.distributed import split_dataset_by_node
@@ -187,6 +188,7 @@ def _args(tmp_path, **kw) -> TrainArgs:
     return TrainArgs(**{**base, **kw})
 
 
+@pytest.mark.distributed
 def test_a_stream_split_by_shards_refuses_another_world_size_naming_what_works(tmp_path, monkeypatch):
     monkeypatch.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
     shards = dict(stream_split="shards")
@@ -236,6 +238,7 @@ class OwnShards(StatefulStream):
                 yield i
 
 
+@pytest.mark.distributed
 def test_auto_splits_a_stream_that_shards_itself_and_the_refusal_names_what_reads_it_globally(
     tmp_path, monkeypatch
 ):
@@ -417,6 +420,8 @@ def _samples_per_step(record: Path) -> dict[int, list[int]]:
     return {s: sorted(v) for s, v in sorted(steps.items())}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
     """64-sample stream, global batch 8 (8 steps a stream epoch): stopped at 6 (epoch 0) and 9
     (epoch 1). Dataloader workers: 0 in the reference; 2, then 3, then 1 in the interrupted run.

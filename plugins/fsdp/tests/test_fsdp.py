@@ -78,6 +78,8 @@ def fsdp_runs(tmp_path_factory):
     return tmp, runs, dw.torchrun([dict(r) for r in runs], tmp)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp_shards_and_matches_one_process(fsdp_runs, tmp_path):
     tmp, runs, results = fsdp_runs
     for run, by_rank in zip(runs[:2], results[:2], strict=True):
@@ -101,6 +103,7 @@ def test_fsdp_shards_and_matches_one_process(fsdp_runs, tmp_path):
         close([r0["metrics"]["eval_loss"]], [ref["metrics"]["eval_loss"]])
 
 
+@pytest.mark.distributed
 def test_fsdp_checkpoint_is_full_safetensors_plus_sharded_state(fsdp_runs):
     from safetensors.torch import load_file
 
@@ -116,6 +119,7 @@ def test_fsdp_checkpoint_is_full_safetensors_plus_sharded_state(fsdp_runs):
     close(torch.cat([full[k].reshape(-1) for k in sorted(full)]).tolist(), results[1][0]["full_params"], 0)
 
 
+@pytest.mark.distributed
 def test_fsdp_resume_is_exact(fsdp_runs):
     _, _, results = fsdp_runs
     full, resumed = results[1][0], results[2][0]
@@ -127,6 +131,7 @@ def test_fsdp_resume_is_exact(fsdp_runs):
         assert results[2][r]["local_params"] == results[1][r]["local_params"]
 
 
+@pytest.mark.distributed
 def test_fsdp_bf16_trains_close_to_fp32(fsdp_runs):
     _, _, results = fsdp_runs
     bf16, fp32 = results[3][0]["losses"], results[1][0]["losses"]
@@ -135,11 +140,13 @@ def test_fsdp_bf16_trains_close_to_fp32(fsdp_runs):
     assert bf16 != {k: fp32[k] for k in bf16}, "bf16 compute had no effect"
 
 
+@pytest.mark.distributed
 def test_fsdp_wrap_names_a_missing_class(fsdp_runs):
     error = fsdp_runs[2][5][0]["error"]
     assert error and "fsdp.wrap" in error and "Blokc" in error and "Block" in error
 
 
+@pytest.mark.distributed
 def test_fsdp_evaluation_without_training(fsdp_runs, tmp_path):
     got = fsdp_runs[2][4][0]
     ref = dw.run_one({"task": "lm", "eval_only": True, "train": {"output_dir": str(tmp_path)}})
@@ -158,6 +165,7 @@ def test_fsdp_is_inert_without_its_section(tmp_path):
     assert ref["backend"] in ("LocalBackend", "AccelerateBackend")  # the builtin
 
 
+@pytest.mark.slow
 def test_fsdp_and_deepspeed_together_are_refused_by_the_core(tmp_path):
     """Neither plugin knows the other: the core refuses a second create_backend answer, naming
     both plugins and how to choose. (In a process of its own: both backends were built, and
@@ -190,6 +198,8 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp_payload_in_each_sharded_file_never_runs(fsdp_runs, tmp_path):
     """DCP unpickles .metadata and torch.load(weights_only=False)s byte items; the plugin's
     reader refuses every global but DCP's metadata classes. A payload is planted in each file of

@@ -92,6 +92,8 @@ def _shards(checkpoint: Path) -> list[str]:
     return sorted(p.name for p in (checkpoint / "fsdp_state").glob("*.distcp"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path, reference):
     # 64 samples, global batch 8: 8 steps an epoch; stops at 6 (epoch 0) and 9 (epoch 1)
     cfg, run = _config(tmp_path, "run"), tmp_path / "run"
@@ -121,6 +123,7 @@ def test_fsdp_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_pa
     assert max_diff(final, load_file(str(run / "checkpoint-6" / "model.safetensors"))) > 1e-3
 
 
+@pytest.mark.slow
 def test_fsdp_optimizer_only_sharded_state_resumes_on_one_process(tmp_path, reference):
     """fsdp.sharded_state = false: the model comes from model.safetensors, only the optimizer
     state from fsdp_state/ (re-sharded from 2 processes onto 1)."""
@@ -141,6 +144,7 @@ def test_fsdp_optimizer_only_sharded_state_resumes_on_one_process(tmp_path, refe
     assert step_diff <= 1e-5 and weight_diff <= 1e-5
 
 
+@pytest.mark.slow
 def test_fsdp_refused_resumes_name_what_would_work(tmp_path):
     """Saved on 1 process with a global batch of 3: 2 processes cannot split it, and the builtin
     backend cannot read FSDP state. Each run stops before anything in output_dir changes, with

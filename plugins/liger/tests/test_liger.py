@@ -86,6 +86,7 @@ def liger_line(stdout: str) -> str:
     return line
 
 
+@pytest.mark.slow
 @no_cuda
 def test_cli_reports_inactive_without_a_section_and_without_cuda(tmp_path):
     none = cli("plugins", "--config", str(write_config(tmp_path)))
@@ -120,6 +121,7 @@ def test_cli_names_the_package_when_liger_kernel_is_missing(tmp_path):
     )
 
 
+@pytest.mark.slow
 @no_cuda
 def test_run_asking_for_liger_on_cpu_warns_once_and_trains_the_model_as_is(tmp_path):
     config = write_config(tmp_path, train="use_liger_kernel = true")
@@ -223,6 +225,7 @@ print(json.dumps(out))
 
 # On Linux the plugin depends on liger-kernel: a missing install fails here. Elsewhere triton has
 # no wheels, the plugin installs without it, and there is nothing to patch with.
+@pytest.mark.slow
 @pytest.mark.skipif(
     not HAS_LIGER and sys.platform != "linux",
     reason="liger-kernel (triton) has Linux wheels only; the plugin declares it only there",

@@ -8,12 +8,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 import distributed_worker as dw  # noqa: E402
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_chunked_loss_under_ddp_matches_one_process_with_hf_loss(tmp_path):
     train = {
         "per_device_train_batch_size": 2,

@@ -43,6 +43,7 @@ def head_inputs(monkeypatch, head):
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("counted_only", [True, False], ids=["counted", "every"])
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
@@ -79,6 +80,7 @@ def forward_lengths(model) -> list[int]:
     return lengths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "wanted",
     [LogitsWanted(top2, True), LogitsWanted(top2, False), LogitsWanted(None, True)],
@@ -151,6 +153,7 @@ torch.multiprocessing.start_processes(rank, nprocs=2, start_method="fork")
 """
 
 
+@pytest.mark.slow
 def test_several_processes_evaluate_a_row_in_one_forward(tmp_path):
     """Two real processes (gloo): each runs one forward per batch, however long its row, since a
     sharded model gathers its weights in every forward and the processes' batches differ."""
@@ -312,6 +315,7 @@ def test_loss_only_evaluation_runs_the_head_in_slices(tmp_path, caplog, family):
         assert not fallback_warnings(caplog) and calls == [1, 1, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_evaluate_with_token_accuracy_equals_hf_trainer(tmp_path, caplog, family):
     """Loop.evaluate with TokenAccuracy, lm.head = "trained": the sliced head (Llama), or, for a
@@ -347,6 +351,7 @@ def head_rows_of(head):
     return rows
 
 
+@pytest.mark.slow
 def test_metric_sees_the_same_predictions_with_and_without_the_sliced_head(tmp_path):
     """A metric that records its predictions: the lm plugin's slices give exactly what the core's
     per-batch preprocessing of the whole logits gives (lm.head = "all": the plugin is not there)."""

@@ -206,6 +206,7 @@ def test_asked_for_where_not_exact_is_refused(tmp_path):
         train(toys.tiny_llama(), tmp_path, "bad", {"head": "sideways"})
 
 
+@pytest.mark.slow
 def test_auto_leaves_a_compiled_sft_run_to_the_model_s_own_loss(tmp_path):
     """With ``train.torch_compile`` the trained rows' selection (``nonzero``) would split the
     compiled model into many graphs (12-20 for a 2-layer Llama, on CPU with the eager backend); "auto"

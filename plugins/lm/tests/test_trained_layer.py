@@ -119,6 +119,7 @@ def compare(model, name, segs, seed=0, tol=1e-6):
 LAYOUTS = ["right_padded", "left_padded", "full_rows", "segments", "positions_only", "block_mask"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize(
     "family,kv_heads", [("llama", 4), ("llama", 2), ("qwen3", 2), ("qwen2", 4), ("mistral", 2)]

@@ -69,6 +69,7 @@ def last_eval(run_dir: Path, key: str) -> float:
     return [r[key] for r in rows if r["event"] == "eval"][-1]
 
 
+@pytest.mark.slow
 def test_three_trials_best_config_and_metric_reported_and_study_resumes(tmp_path):
     import optuna
 
@@ -108,6 +109,7 @@ def test_three_trials_best_config_and_metric_reported_and_study_resumes(tmp_path
     assert len(study.trials) == 4 and (study_dir / "trial-3" / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_a_bad_trial_is_pruned_at_its_first_evaluation(tmp_path):
     """Trial 0 learns (lr 0.05); trial 1 cannot (lr 0): at step 4 its eval_loss is above the
     median of trial 0's, so the median pruner stops it there."""

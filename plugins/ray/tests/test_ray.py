@@ -15,7 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
+
+pytestmark = pytest.mark.cluster  # starts a scheduler or rehearses a cluster
 
 REPO = Path(__file__).resolve().parents[3]
 TOYS = REPO / "tests" / "toys.py"
@@ -74,6 +77,7 @@ def _losses(path: Path) -> dict[int, float]:
     return dict(pairs)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(tmp_path):
     (tmp_path / "killer.py").write_text(KILLER)
     ray = (
@@ -112,6 +116,7 @@ def test_a_killed_worker_is_restarted_and_the_run_matches_an_uninterrupted_one(t
     assert max(abs(got_losses[s] - want_losses[s]) for s in want_losses) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_bad_ray_section_is_a_config_error_before_ray_starts(tmp_path):
     config = write_config(tmp_path / "bad.toml", tmp_path / "out", "[ray]\nnum_worker = 2\n")
     bad = corelooper(tmp_path, "ray", str(config), timeout=120)

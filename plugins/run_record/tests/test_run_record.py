@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from corelooper_run_record import data_files
 from corelooper_run_record.diff import differences
@@ -64,6 +65,7 @@ def git(folder: Path, *args: str) -> str:
     ).stdout.strip()
 
 
+@pytest.mark.slow
 def test_run_json_records_how_the_run_was_made_and_diff_names_what_differs(tmp_path):
     project = tmp_path / "project"
     project.mkdir()

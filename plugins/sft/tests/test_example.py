@@ -21,6 +21,7 @@ def sh(args, cwd, env):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not EXAMPLE.is_dir(), reason="runs from a repository checkout")
 def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
@@ -121,6 +122,8 @@ def assert_complete_export(merged: Path, base: Path, env: dict) -> None:
     assert 0 < loss < 6.3, loss  # ln 512 = 6.24 at random init: the trained weights were loaded
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.skipif(not EXAMPLE.is_dir(), reason="runs from a repository checkout")
 def test_sft_chat_example_with_zero3_on_two_processes_merges_and_reloads(tmp_path):
     env = {

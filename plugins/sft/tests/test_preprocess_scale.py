@@ -258,6 +258,7 @@ def preview(tmp_path, model_dir, args, extra=""):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", ["", "packing = true\n"])
 def test_preview_reads_only_the_rows_it_shows(tmp_path, model_dir, extra):
     # 6 good rows, then lines that are not JSON: reading the whole file would fail (exit 4)
@@ -274,6 +275,7 @@ def test_preview_reads_only_the_rows_it_shows(tmp_path, model_dir, extra):
         assert stats["read"]["rows"] == 2 == stats["samples"]
 
 
+@pytest.mark.slow
 def test_preview_names_a_malformed_line_among_those_it_reads(tmp_path, model_dir):
     write(tmp_path / "chats.jsonl", CHATS[:1])
     with (tmp_path / "chats.jsonl").open("a") as fh:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sft_fixtures import CHATS, _datasets_cache, model_dir  # noqa: F401 (fixtures)
 
 CLI = [str(Path(sys.executable).with_name("corelooper"))]
@@ -29,6 +30,7 @@ def run(args, cwd):
     return subprocess.run(CLI + args, cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_preview_shows_trained_tokens_counts_and_statistics(tmp_path, model_dir):
     cfg = setup(tmp_path, model_dir)
     out = run(["data", "preview", str(cfg), "-n", "3"], tmp_path)
@@ -40,6 +42,7 @@ def test_preview_shows_trained_tokens_counts_and_statistics(tmp_path, model_dir)
     assert out.stderr.count("longer than max_length=40") == 1  # reported once
 
 
+@pytest.mark.slow
 def test_preview_json_gives_ids_labels_and_packing_boundaries(tmp_path, model_dir):
     cfg = setup(tmp_path, model_dir)
     out = run(
@@ -68,6 +71,7 @@ def test_preview_json_gives_ids_labels_and_packing_boundaries(tmp_path, model_di
         assert all(row["labels"][b["start"]] == -100 for b in row["boundaries"])
 
 
+@pytest.mark.slow
 def test_preview_errors_are_one_paragraph_with_exit_code(tmp_path, model_dir):
     cfg = setup(tmp_path, model_dir, extra="packing_strategy = 'best'\n")
     out = run(["data", "preview", str(cfg)], tmp_path)
@@ -85,6 +89,7 @@ def setup_bad(tmp_path, model_dir):
     return tmp_path / "bad.toml"
 
 
+@pytest.mark.slow
 def test_preview_adds_no_line_breaks_and_names_a_config_without_sft(tmp_path, model_dir):
     """Piped (80 columns for rich), a long sample stays one line as the model sees it; a config
     with no [sft] section is told so, not asked for a tokenizer."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 from sft_fixtures import CHATS, _datasets_cache, model_dir  # noqa: F401 (fixtures)
 
@@ -65,6 +66,7 @@ def run(cfg, out, nproc, batch, tmp_path):
     return load_file(str(out / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_with_twice_the_batch(tmp_path, model_dir):
     cfg = write(tmp_path, model_dir)
     one = run(cfg, tmp_path / "one", 1, 4, tmp_path)
@@ -92,6 +94,8 @@ def eval_records(out: Path) -> list[dict]:
     return [r for r in rows if "eval_token_accuracy" in r or "eval_loss" in r]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_evaluation_with_token_accuracy_on_two_ranks_equals_one_process(tmp_path, model_dir):
     """An [sft] run evaluates with eval_token_accuracy (on by default, the output layer a slice of
     rows at a time over the trained positions): two real processes give one process's loss and

@@ -233,6 +233,7 @@ def test_weighted_loss_is_exact_under_gradient_accumulation(tmp_path, model_dir,
         assert (value - start - step).abs().max().item() <= 1e-5 * step.abs().max().item() + 1e-6, key
 
 
+@pytest.mark.slow
 def test_packed_run_resumes_exactly(tmp_path, model_dir):
     from safetensors.torch import load_file
 

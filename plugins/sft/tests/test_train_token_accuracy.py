@@ -230,6 +230,7 @@ def test_a_window_of_steps_and_micro_batches_is_weighted_by_tokens(model_dir, tm
         assert abs(window["loss"] - sum(per_step[i]["loss"] for i in steps) / 2) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_resumed_window_counts_the_steps_before_the_checkpoint(model_dir, tmp_path):
     """The window's counts are checkpointed: a run resumed at step 2 logs at step 4 the accuracy
     of steps 1-4, as the uninterrupted run does (without them it would count steps 3-4 only)."""

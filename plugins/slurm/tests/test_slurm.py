@@ -70,6 +70,7 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.distributed
 def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(slurm, tmp_path):
@@ -218,6 +219,7 @@ def _ended(slurm, job_id: str, log: Path) -> tuple[dict[str, str], str]:
     return slurm.job(job_id), log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.distributed
 def test_a_signal_during_start_up_ends_the_job_instead_of_requeueing_it(slurm, tmp_path):
@@ -240,6 +242,7 @@ def test_a_signal_during_start_up_ends_the_job_instead_of_requeueing_it(slurm, t
     assert not list((tmp_path / "job").glob("checkpoint-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.distributed
 def test_a_job_requeued_max_requeues_times_ends_with_the_reason(slurm, tmp_path):
@@ -264,6 +267,7 @@ def test_a_job_requeued_max_requeues_times_ends_with_the_reason(slurm, tmp_path)
     assert ": stopped; torchrun got SIGUSR1; rank 0: 138 (stopped on SIGUSR1, saved)" in log, log
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.distributed
 def test_a_failed_run_ends_the_job_with_corelooper_s_exit_code(slurm, tmp_path):
@@ -287,6 +291,7 @@ def test_a_failed_run_ends_the_job_with_corelooper_s_exit_code(slurm, tmp_path):
     assert_every_line_is_labelled(log, also=SRUN_FAILURE)
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.distributed
 def test_scancel_saves_a_checkpoint_and_says_cancelled(slurm, tmp_path):
@@ -320,6 +325,7 @@ def test_scancel_saves_a_checkpoint_and_says_cancelled(slurm, tmp_path):
     assert "failed" not in log and "Traceback" not in log, log
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.distributed
 def test_scancel_during_start_up_ends_the_job_with_75(slurm, tmp_path):
@@ -519,6 +525,7 @@ def test_dry_run_overrides_and_the_grace_sized_from_the_last_save(tmp_path):
     assert "#SBATCH --signal=B:USR1@90" in given.stdout
 
 
+@pytest.mark.slow
 def test_bad_options_are_one_paragraph_errors(tmp_path):
     config = write_config(tmp_path / "c.toml", tmp_path / "out")
     bad = corelooper(

@@ -69,6 +69,7 @@ def test_this_slurm_runs_several_slurmd_on_one_host(slurm2):
     assert sorted(line.split() for line in nodes if line) == sorted([[HEAD, "idle"], [SECOND, "idle"]])
 
 
+@pytest.mark.slow
 def test_a_two_node_job_equals_two_processes_on_one_node(slurm2, tmp_path):
     config = write_slurm_config(tmp_path / "job.toml", tmp_path / "job")
     env = {**slurm2.env, "TMPDIR": str(tmp_path)}
@@ -137,6 +138,7 @@ srun --kill-on-bad-exit=1 {python} -m corelooper run {config} -p no:tensorboard
 """
 
 
+@pytest.mark.slow
 def test_srun_corelooper_run_in_an_allocation_is_one_run_of_its_tasks(slurm2, tmp_path):
     """issue 48: `srun corelooper run` started one 1-process run per task, and the run lock refused
     the second. Now each task is a rank (SLURM_PROCID of SLURM_STEP_NUM_TASKS, the first node of
@@ -200,6 +202,7 @@ def _kill_node_tasks(job_id: str, node: str, stepd: bool = False) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_a_node_lost_mid_job_the_other_resumes_alone_and_the_job_completes(slurm2, tmp_path):
     """--min-nodes 1 --max-restarts 1: kill -9 the second node's task (agent and rank) after a
     checkpoint; the first node's agent re-rendezvous alone, its rank resumes the newest checkpoint
@@ -291,6 +294,7 @@ def test_a_node_lost_mid_job_the_other_resumes_alone_and_the_job_completes(slurm
     assert max_diff(final, load_file(str(tmp_path / "job" / saved))) > 1e-3  # it trained on after the loss
 
 
+@pytest.mark.slow
 def test_a_failed_node_leaves_the_job_which_completes_and_does_not_rejoin_it(slurm2, tmp_path):
     """docs/clusters.md: a node failure as Slurm sees it (its slurmd, slurmstepd and processes
     gone: kill -9). With --no-kill slurmctld removes the node from the job when it stops answering

@@ -59,6 +59,8 @@ def two_by_two(tmp_path_factory):
 SPLITS = ["auto", "shards"]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("kind", ["stateful", "stateless"])
 def test_each_sample_seen_exactly_once_across_2_processes_x_2_workers(two_by_two, kind, split):
@@ -67,6 +69,7 @@ def test_each_sample_seen_exactly_once_across_2_processes_x_2_workers(two_by_two
     assert len(seen) == 64 and sorted(seen) == list(range(64))  # 16 steps x 2 ranks x 2 = one pass
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["stateful", "stateless"])
 def test_the_default_reads_one_global_order_and_each_rank_takes_its_slice(two_by_two, kind):
     """ "auto" for a stream that does not split itself: read globally. Global micro-batches of
@@ -76,6 +79,7 @@ def test_the_default_reads_one_global_order_and_each_rank_takes_its_slice(two_by
     assert ranks[1]["auto"][kind]["first"] == [[4 * m + 2, 4 * m + 3] for m in range(16)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["stateful", "stateless"])
 def test_shards_mode_gives_each_process_x_worker_its_own_shard(two_by_two, kind):
     """ "shards": shard 2r + w keeps items i % 4 == 2r + w, and the batches of a rank's two
@@ -87,6 +91,7 @@ def test_shards_mode_gives_each_process_x_worker_its_own_shard(two_by_two, kind)
         assert ranks[r]["shards"][kind]["first"] == expected
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("kind", ["stateful", "stateless"])
 def test_resume_continues_with_exactly_the_same_batches_and_weights(two_by_two, kind, split):
@@ -98,6 +103,7 @@ def test_resume_continues_with_exactly_the_same_batches_and_weights(two_by_two, 
         assert r[split][kind]["params_resumed"] == r[split][kind]["params_first"]
 
 
+@pytest.mark.distributed
 def test_checkpoint_holds_each_shards_position(two_by_two):
     out, _ = two_by_two
     state = json.loads((out / "shards" / "stateful" / "checkpoint-5" / "data_state_0.json").read_text())
@@ -289,6 +295,7 @@ def test_a_hugging_face_stream_with_dataloader_workers_reads_every_sample_once(n
     assert len(seen) == 40 and sorted(seen) == list(range(40))
 
 
+@pytest.mark.distributed
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
@@ -306,6 +313,7 @@ def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
     )  # "auto": shards, the dataset's own split
 
 
+@pytest.mark.distributed
 def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(caplog):
     from corelooper_streaming.loader import StreamingLoader
     from datasets.distributed import split_dataset_by_node
@@ -324,6 +332,7 @@ def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(
     assert 'Training stream split: "global" ("auto": Stream does not split itself' in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize(
     ("num_shards", "workers"), [(4, 2), (2, 3)], ids=["4-shards-2-workers", "2-shards-3-workers"]
@@ -360,6 +369,7 @@ def _epochs(batches: list[list[int]], per_epoch: int) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("num_shards", [4, 3])
 def test_a_hugging_face_stream_on_2_processes_x_2_workers_continues_each_shard_exactly(num_shards):

@@ -54,6 +54,7 @@ def rows_by_step(history: list[dict], key: str) -> dict[int, float]:
     return {row["train/global_step"]: row[key] for row in history if key in row}
 
 
+@pytest.mark.slow
 def test_offline_run_holds_config_metrics_by_step_and_summary(run_loop, wandb_env):
     section = {"project": "digits", "name": "first", "tags": ["cpu", "tiny"]}
     loop = run_loop([wb_plugin], sections={"wandb": section})

@@ -134,6 +134,7 @@ def check_early_stopped(records: list[dict], at_step: int) -> None:
     assert records[-1]["step"] == at_step
 
 
+@pytest.mark.slow
 def test_disabling_one_by_config_or_by_p_no_leaves_the_others_working(tmp_path, env, monkeypatch):
     monkeypatch.chdir(REPO)  # the config's local plugin: examples.digits
     # [plugins] disable = ["wandb"]: no W&B run; TensorBoard and early stopping unaffected
@@ -151,6 +152,8 @@ def test_disabling_one_by_config_or_by_p_no_leaves_the_others_working(tmp_path, 
     check_wandb(out, records, env)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_all_installed_two_processes_each_writes_what_it_should_from_the_main_process_only(tmp_path, env):
     # global batch 2 x 256: 3 steps per epoch, early stopping after the 2nd evaluation (step 6)
     out = tmp_path / "ddp"
@@ -164,6 +167,7 @@ def test_all_installed_two_processes_each_writes_what_it_should_from_the_main_pr
     assert state["early_stopping"] == {"best": first_eval["eval_accuracy"], "bad_evals": 1}
 
 
+@pytest.mark.slow
 def test_two_loops_in_one_process_each_behave_as_if_alone(tmp_path, env, monkeypatch):
     """The architecture issue's bug 1: plugin objects were shared by every Loop of a process,
     so a second Loop switched the first one's early stopping off. Now each Loop gets its own
