@@ -79,7 +79,6 @@ def test_local_and_accelerate_backends_train_the_same_numbers(train_args, tmp_pa
     assert all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.distributed
 def test_which_backend_the_builtin_chooses(train_args, monkeypatch):
     loop = Loop(toys.mlp(), train_args(), train_dataset=toys.Blobs(16), blocked_plugins=["console"])
     assert type(loop.backend) is LocalBackend and loop.backend.device == torch.device("cpu")

@@ -175,7 +175,6 @@ def test_zero3_evaluation_without_training(ds_runs, tmp_path):
     close([got["metrics"]["eval_loss"]], [ref["metrics"]["eval_loss"]])
 
 
-@pytest.mark.distributed
 def test_config_mapping_never_leaves_deepspeed_defaults():
     from corelooper_deepspeed import DEFAULTS, ds_config
 

@@ -150,7 +150,6 @@ def test_a_hugging_face_iterable_dataset_continues_from_its_own_state():
     assert _take(three, 2) == list(range(24, 36))
 
 
-@pytest.mark.distributed
 def test_a_hugging_face_stream_that_reads_only_a_part_is_refused():
     pytest.importorskip("datasets")
     from datasets.distributed import split_dataset_by_node

@@ -25,7 +25,6 @@ def _tiny_llama():
     )
 
 
-@pytest.mark.distributed
 def test_flops_per_token_follows_the_formula():
     pytest.importorskip("transformers")
     model = _tiny_llama()

@@ -295,7 +295,6 @@ def test_a_hugging_face_stream_with_dataloader_workers_reads_every_sample_once(n
     assert len(seen) == 40 and sorted(seen) == list(range(40))
 
 
-@pytest.mark.distributed
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
@@ -313,7 +312,6 @@ def test_a_hugging_face_stream_split_by_node_is_not_split_again(workers):
     )  # "auto": shards, the dataset's own split
 
 
-@pytest.mark.distributed
 def test_auto_picks_shards_where_the_dataset_splits_itself_and_global_elsewhere(caplog):
     from corelooper_streaming.loader import StreamingLoader
     from datasets.distributed import split_dataset_by_node
