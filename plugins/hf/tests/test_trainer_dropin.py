@@ -202,6 +202,76 @@ def test_a_callback_stopping_training_stops_both_at_the_same_step(tmp_path):
     assert_same_history(hf.state.log_history, cl.state.log_history)
 
 
+class StepEndOnly(TrainerCallback):
+    """Implements one step event: the bridge tells the others to no callback (its fast path)."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(
+            (state.global_step, control.should_log, control.should_evaluate, control.should_save)
+        )
+        if state.global_step == 3:  # a flag set here is obeyed
+            control.should_save = True
+
+
+def flags_spying(base, seen: list):
+    class FlagsSpy(base):
+        """What user code reads of ``self.state`` and ``self.control`` in every forward."""
+
+        def compute_loss(self, model, inputs, **kwargs):
+            control = self.control
+            seen.append(
+                (self.state.global_step, control.should_log, control.should_evaluate, control.should_save)
+            )
+            return super().compute_loss(model, inputs, **kwargs)
+
+    return FlagsSpy
+
+
+@pytest.mark.parametrize("callbacks", ["defaults", "one-step-event"])
+def test_step_events_no_callback_implements_leave_state_and_flags_as_hf(tmp_path, callbacks):
+    """With only HF's default callbacks (and one that implements ``on_step_end`` alone) the bridge
+    tells no callback of the other step events, as no callback would act on them: the state and
+    flags user code reads in the step and in evaluation, the callback's view, the logs and the
+    saves stay HF's."""
+    train, evaluation = lm_rows(20, seed=3), lm_rows(8, seed=4)
+    seen, spies, history, folders = {}, {}, {}, {}
+    for name, cls in (("hf", HFTrainer), ("cl", Trainer)):
+        seen[name], spy = [], StepEndOnly()
+        trainer = flags_spying(cls, seen[name])(
+            model=tiny_llama(seed=1),
+            args=args_for(
+                tmp_path / name,
+                gradient_accumulation_steps=2,
+                per_device_train_batch_size=2,
+                logging_first_step=True,
+                eval_strategy="steps",
+                eval_steps=2,
+                save_strategy="steps",
+                save_steps=4,
+            ),
+            train_dataset=train,
+            eval_dataset=evaluation,
+            callbacks=[] if callbacks == "defaults" else [spy],
+        )
+        if name == "cl":
+            assert not trainer.bridge.heard("on_substep_end") and not trainer.bridge.heard("on_step_begin")
+            assert trainer.bridge.heard("on_step_end")  # HF's DefaultFlowCallback
+            assert any(type(cb) is DefaultFlowCallback for cb in trainer.callback_handler.callbacks)
+        trainer.train()
+        spies[name], history[name] = spy.seen, trainer.state.log_history
+        folders[name] = sorted(p.name for p in (tmp_path / name).glob("checkpoint-*"))
+    assert len(seen["cl"]) == 20 + 5 * 2 and seen["cl"] == seen["hf"]  # 20 micro-batches, 5 evaluations
+    assert spies["cl"] == spies["hf"]
+    assert_same_history(history["hf"], history["cl"])
+    saved = ["checkpoint-10", "checkpoint-4", "checkpoint-8"]  # the last step's too, as HF 5
+    if callbacks != "defaults":
+        saved.insert(1, "checkpoint-3")
+    assert folders["cl"] == folders["hf"] == saved
+
+
 # -- a subclass: the typical job's per-sample weighted loss ------------------------------------------
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 CONTROL_FLAGS = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate", "should_log")
+FLAGS_BUT_EVALUATE = tuple(flag for flag in CONTROL_FLAGS if flag != "should_evaluate")
 # LoopState fields HF's TrainerState has under the same name and meaning.
 STATE_FIELDS = (
     "global_step",
@@ -37,6 +38,15 @@ STATE_FIELDS = (
     "is_local_process_zero",
 )
 BEST_FIELDS = ("best_metric", "best_global_step", "best_model_checkpoint")
+# Events of every optimizer step, and the flags HF's CallbackHandler clears before telling the
+# callbacks: when no callback implements one, the bridge only syncs the state and clears them.
+STEP_EVENTS = {
+    "on_step_begin": ("should_log", "should_evaluate", "should_save"),
+    "on_substep_end": (),
+    "on_pre_optimizer_step": (),
+    "on_optimizer_step": (),
+    "on_step_end": (),
+}
 # corelooper's keys in a training log that HF's log has not (HF logs the run's throughput once, at the end).
 CORELOOPER_ONLY_LOG_KEYS = frozenset({"samples_per_second", "tokens_per_second", "skipped_steps"})
 
@@ -60,9 +70,9 @@ class CallbackBridge:
     name = "hf_callbacks"
 
     def __init__(self, args, handler, state=None, control=None, log: Callable | None = None) -> None:
-        from transformers.trainer_callback import TrainerControl, TrainerState
+        from transformers.trainer_callback import TrainerCallback, TrainerControl, TrainerState
 
-        self.args, self.handler = args, handler
+        self.args, self.handler, self.no_op = args, handler, TrainerCallback
         self.state = state if state is not None else TrainerState()
         self.control = control if control is not None else TrainerControl()
         self.log = log if log is not None else self.record_log
@@ -85,12 +95,28 @@ class CallbackBridge:
             self.told = len(loop.state.log_history)
         self.tell_other_ranks_logs(loop)
         self.sync_state(loop.state, keep=BEST_FIELDS if event == "on_evaluate" else ())
-        for flag in CONTROL_FLAGS:
+        # corelooper clears should_evaluate before it evaluates, HF at on_evaluate: while HF's
+        # evaluation runs, its control keeps the flag (user code may read it)
+        flags = CONTROL_FLAGS if event != "on_prediction_step" else FLAGS_BUT_EVALUATE
+        for flag in flags:
             setattr(self.control, flag, getattr(loop.control, flag))
+        if event in STEP_EVENTS and not self.heard(event):  # the same outcome, without the calls
+            for flag in STEP_EVENTS[event]:
+                setattr(self.control, flag, False)
+                setattr(loop.control, flag, False)
+            return
         self.attach(loop)
         self.control = getattr(self.handler, event)(self.args, self.state, self.control, **kwargs)
-        for flag in CONTROL_FLAGS:
+        for flag in flags:
             setattr(loop.control, flag, getattr(self.control, flag))
+
+    def heard(self, event: str) -> bool:
+        """Whether a callback implements ``event`` (``TrainerCallback``'s own methods do nothing)."""
+        no_op = getattr(self.no_op, event)
+        return any(
+            getattr(type(cb), event, no_op) is not no_op or event in getattr(cb, "__dict__", ())
+            for cb in self.handler.callbacks
+        )
 
     def attach(self, loop) -> None:
         """The objects HF's handler passes to every callback, as the run has them now."""

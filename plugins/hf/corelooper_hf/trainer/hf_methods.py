@@ -77,7 +77,7 @@ class HFMethods:
             scaled = (
                 self.model_accepts_loss_kwargs and num_items_in_batch is not None
             ) or self.compute_loss_func is not None
-        if not scaled:
+        if not scaled and self.current_gradient_accumulation_steps != 1:  # x / 1 is x, bit for bit
             loss = loss / self.current_gradient_accumulation_steps
         self.accelerator.backward(loss)
         return loss.detach()

@@ -175,12 +175,7 @@ class Trainer(HFMethods):
     def _collator_for_model(self):
         if not self.args.remove_unused_columns:
             return self.data_collator
-        from transformers.trainer_utils import RemoveColumnsCollator
-        from transformers.utils import logging
-
-        return RemoveColumnsCollator(
-            self.data_collator, self._signature_columns(), logging.get_logger(__name__), None, "training"
-        )
+        return ForwardColumns(self.data_collator, self._signature_columns())
 
     # -- training -----------------------------------------------------------------------------------
     def train(
@@ -389,6 +384,26 @@ def _with_total_flos(summary: dict, total_flos: float) -> dict:
     out = {k: v for k, v in summary.items() if k not in ("train_loss", "epoch")}
     out["total_flos"] = total_flos
     return {**out, **{k: summary[k] for k in ("train_loss", "epoch") if k in summary}}
+
+
+class ForwardColumns:
+    """HF's ``RemoveColumnsCollator``: each sample keeps only the columns ``forward`` takes (a
+    shallow copy, so a collator that pops keys leaves the dataset's samples whole), then
+    ``data_collator``. A sample with no other column is copied whole: one set test per sample where
+    HF's filter looks every key up in a list (the drop-in's per-step cost, issue 47)."""
+
+    def __init__(self, data_collator, signature_columns: list[str]) -> None:
+        self.data_collator, self.signature_columns = data_collator, frozenset(signature_columns)
+
+    def __call__(self, features: list):
+        return self.data_collator([self.for_forward(f) for f in features])
+
+    def for_forward(self, feature):
+        if not isinstance(feature, dict):
+            return feature
+        if feature.keys() <= self.signature_columns:
+            return dict(feature)
+        return {k: v for k, v in feature.items() if k in self.signature_columns}
 
 
 def _default_collator(processing_class):
