@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 from corelooper.checkpoints import checkpoint, manifest  # noqa: E402
+from corelooper.checkpoints.loop_side import run_parts  # noqa: E402
 from corelooper.config import TrainArgs  # noqa: E402
 from corelooper.loop import Loop  # noqa: E402
 from corelooper.seeding import rng_state, set_rng_state  # noqa: E402
@@ -101,28 +102,11 @@ class Costly(torch.utils.data.Dataset):
 
 def save(loop: Loop) -> Path:
     """The public API, as the loop calls it."""
-    return checkpoint.save_checkpoint(
-        Path(loop.args.output_dir),
-        model=loop.model,
-        backend=loop.backend,
-        optimizer=loop.optimizer,
-        scheduler=loop.scheduler,
-        config=loop.config,
-        state=loop.state,
-        plugin_states={},
-    )
+    return checkpoint.save_checkpoint(Path(loop.args.output_dir), run_parts(loop), plugin_states={})
 
 
 def load(loop: Loop, ckpt: Path) -> None:
-    checkpoint.load_checkpoint(
-        ckpt,
-        model=loop.model,
-        backend=loop.backend,
-        optimizer=loop.optimizer,
-        scheduler=loop.scheduler,
-        config=loop.config,
-        state=loop.state,
-    ).apply(loop.state)
+    checkpoint.load_checkpoint(ckpt, run_parts(loop)).apply(loop.state)
 
 
 def hash_time(ckpt: Path, algorithm: str) -> float:

@@ -17,6 +17,10 @@ from typing import Any
 from . import hookspecs
 from .errors import PluginError
 
+# Hooks whose implementations corelooper calls each on its own (one that raises must not stop
+# the others, or each is given the previous one's result): a wrapper there has nothing to wrap.
+ONE_AT_A_TIME = frozenset({"on_exception", *hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS})
+
 
 def _tensor(value) -> bool:
     torch = sys.modules.get("torch")  # a tensor exists only once torch is imported
@@ -94,6 +98,10 @@ class Returns:
         """a corelooper.config.Config (config itself, or a copy with another batch geometry)"""
         return type(r) is type(kw["config"])
 
+    def Records(r, kw) -> bool:
+        """an iterable of per-sample records (dicts)"""
+        return isinstance(r, Iterable) and not isinstance(r, (str, bytes, Mapping))
+
     def Position(r, kw) -> bool:
         """a dict (the checkpoint's loop state, its position in this run's micro-batches)"""
         return isinstance(r, Mapping) and "micro_batches_in_epoch" in r
@@ -139,14 +147,21 @@ def wrong_result(plugins, hook: str, impl, result) -> PluginError:
 
 
 def refuse_wrappers(name: str, impls) -> None:
-    """Hook wrappers on providers are refused at registration, for every provider: the loop must
-    know which implementation answered (the sum/mean loss rule; whom to blame for a wrong
-    result), which a wrapper that may replace the answer would hide."""
+    """Hook wrappers are refused at registration where there is nothing to wrap. On a provider
+    the loop must know which implementation answered (the sum/mean loss rule; whom to blame for
+    a wrong result), which a wrapper that may replace the answer would hide. The implementations
+    of ``on_exception``, the transforms and the declarations are called one at a time (one that
+    raises does not stop the others; a transform gets the previous one's result)."""
     for hook, impl in impls:  # (hook name, pluggy HookImpl) of one plugin
-        if hook in hookspecs.PROVIDERS and (impl.hookwrapper or impl.wrapper):
-            raise PluginError(
-                f"Plugin {name!r} declares a hook wrapper on the provider {hook!r}; corelooper "
-                "refuses wrappers on providers (hook wrappers work on events). Implement "
-                f"{hook!r} as a provider instead, calling the next one with "
-                f"`plugins.call_next({hook!r}, self, **kwargs)` (see docs/hooks.md)."
-            )
+        if not (impl.hookwrapper or impl.wrapper) or hook not in (*hookspecs.PROVIDERS, *ONE_AT_A_TIME):
+            continue
+        provider = hook in hookspecs.PROVIDERS
+        then = (
+            f", calling the next one with `plugins.call_next({hook!r}, self, **kwargs)`" if provider else ""
+        )
+        raise PluginError(
+            f"Plugin {name!r} declares a hook wrapper on {'the provider ' if provider else ''}{hook!r}; "
+            "corelooper calls its implementations one at a time, so there is nothing to wrap (hook "
+            f"wrappers work on the other events). Implement {hook!r} as a plain implementation{then} "
+            "(docs/hooks.md)."
+        )

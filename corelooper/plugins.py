@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
-from pluggy._callers import _multicall
 
 from . import AUTOLOAD_ENV, __version__, hookspecs, installed_entry_points, load_installed
 from .config import Config, PluginsConfig, import_module
@@ -46,14 +45,11 @@ HOOK_ORDER = (*hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS, *hookspecs.PROVIDE
 KNOWN_HOOKS = frozenset(HOOK_ORDER)
 
 
-# Hooks whose implementations corelooper calls each on its own (one that raises must not stop
-# the others, or each is given the previous one's result): a wrapper there has nothing to wrap.
-ONE_AT_A_TIME = frozenset({"on_exception", *hookspecs.DECLARATIONS, *hookspecs.TRANSFORMS})
-
-
 class HookManager(pluggy.PluginManager):
     """As in pytest: a function named like a hook is an implementation, marked or not, when the
     plugin defines it (a function a plugin module imports is none)."""
+
+    monitors: tuple = ()  # (before, after) pairs, the latest last
 
     def parse_hookimpl_opts(self, plugin, name):
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -62,6 +58,27 @@ class HookManager(pluggy.PluginManager):
             module = isinstance(plugin, types.ModuleType)
             opts = None if module and getattr(function, "__module__", None) != plugin.__name__ else {}
         return opts
+
+    def add_hookcall_monitoring(self, before, after):
+        """pluggy's, and kept in ``monitors`` for ``Plugins.call``'s direct calls (``monitored``)."""
+        undo, pair = super().add_hookcall_monitoring(before, after), (before, after)
+        self.monitors = (*self.monitors, pair)
+
+        def undo_both() -> None:
+            undo()
+            self.monitors = tuple(m for m in self.monitors if m is not pair)
+
+        return undo_both
+
+    def monitored(self, hook_name: str, impls: list, kwargs: dict, call) -> Any:
+        """``call()`` seen by the monitors as pluggy's executor shows them a call: the latest
+        monitor's ``before`` first and its ``after`` last, with pluggy's ``Result``."""
+        for before, _ in reversed(self.monitors):
+            before(hook_name, impls, kwargs)
+        outcome = pluggy.Result.from_call(call)
+        for _, after in self.monitors:
+            after(outcome, hook_name, impls, kwargs)
+        return outcome.get_result()
 
 
 class Plugins:
@@ -108,14 +125,6 @@ class Plugins:
         try:
             self._check_names(plugin, name)
             refuse_wrappers(name, self._impls(plugin))
-            lone = [h for h, i in self._impls(plugin) if h in ONE_AT_A_TIME and (i.wrapper or i.hookwrapper)]
-            if lone:  # nothing to wrap: one implementation is called at a time
-                raise PluginError(
-                    f"Plugin {name!r} declares a hook wrapper on {lone[0]!r}; corelooper calls each "
-                    f"implementation of {lone[0]!r} on its own (one that raises does not stop the others; a "
-                    "transform gets the previous one's result), so there is nothing to wrap. Implement it "
-                    "as a plain implementation (hook wrappers work on the other events)."
-                )
         except PluginError:
             self.pm.unregister(plugin)
             raise
@@ -245,13 +254,22 @@ class Plugins:
     def call(self, hook_name: str, impls: list, kwargs: dict[str, Any], firstresult: bool = False) -> Any:
         """The one way corelooper calls hook implementations (providers one by one, transforms in
         their order, configure, unconfigure and on_exception each on its own; ``Events`` for the
-        rest): pluggy's executor (``_multicall``) through the manager, so hook-call monitors (a
-        recorder, a timer) see every call and a missing argument is pluggy's ``HookCallError``.
-        Without a monitor or a wrapper, the same calls are made directly (pluggy's bookkeeping is
-        ~1 µs per implementation, and providers run per micro-batch: benchmarks/README.md)."""
-        monitored = self.pm._inner_hookexec is not _multicall  # add_hookcall_monitoring replaced it
-        if monitored or any(impl.wrapper or impl.hookwrapper for impl in impls):
-            return self.pm._hookexec(hook_name, impls, kwargs, firstresult)
+        rest). Wrappers (refused but on events) are run by pluggy's own ``HookCaller``; the other
+        calls are made directly, in pluggy's order, with pluggy's ``HookCallError`` for a missing
+        argument (pluggy's bookkeeping is ~1 µs per implementation, and providers run per
+        micro-batch: benchmarks/README.md), shown to hook-call monitors (a recorder, a timer) as
+        pluggy shows them a call."""
+        if any(impl.wrapper or impl.hookwrapper for impl in impls):  # on an event: all of them
+            return getattr(self.hook, hook_name)(**kwargs)  # pluggy's caller runs the wrappers
+        if self.pm.monitors:
+            return self.pm.monitored(
+                hook_name, impls, kwargs, lambda: self.direct(impls, kwargs, firstresult)
+            )
+        return self.direct(impls, kwargs, firstresult)
+
+    @staticmethod
+    def direct(impls: list, kwargs: dict[str, Any], firstresult: bool) -> Any:
+        """What pluggy's executor does for implementations that wrap nothing, without its bookkeeping."""
         results = []
         for impl in reversed(impls):  # pluggy calls the list from its end
             try:
@@ -482,9 +500,9 @@ def _refuse_unanswered(train: dict[str, Any], judged: set[str], unread: dict[str
             continue
         names = "; ".join(f"{n!r} ({why})" for n, why in sorted(unread.items()))
         raise ConfigError(
-            f"train.{key} = {value!r} needs a plugin that answers to it, and none is loaded for this run "
-            f"(not loaded for this run (disabled: -p no:NAME, [plugins] disable / enable, or autoload "
-            f"off), so never imported: {names}). Load the plugin, or remove train.{key}."
+            f"train.{key} = {value!r} needs a plugin that answers to it, and none is loaded for this run. "
+            f"Installed but left out (-p no:NAME, [plugins] disable / enable, or autoload off), so never "
+            f"imported: {names}. Load the one that answers to it, or remove train.{key}."
         )
 
 

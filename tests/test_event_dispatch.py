@@ -105,6 +105,54 @@ def test_a_monitor_sees_every_event_and_a_wrapper_runs():
     assert CALLS[0] == ("wrapper", "before") and CALLS[-1] == ("wrapper", "after") and len(CALLS) == 6
 
 
+def test_two_monitors_see_a_direct_call_as_pluggys_caller_shows_them_one():
+    """The direct path shows hook-call monitors what pluggy's executor shows them: the latest
+    monitor's ``before`` first and its ``after`` last, the same implementations and arguments,
+    the result (or the exception) in a ``pluggy.Result``; with no pluggy private API."""
+    plugins = _plugins()
+    events = Events(plugins, loop="L", state="S", control="C")
+    seen: list[tuple] = []
+
+    def monitor(tag):
+        def before(name, impls, kwargs):
+            seen.append((tag, "before", name, [i.plugin_name for i in impls], sorted(kwargs)))
+
+        def after(outcome, name, impls, kwargs):
+            seen.append((tag, "after", name, outcome.exception is None and outcome.get_result()))
+
+        return before, after
+
+    undo = [plugins.pm.add_hookcall_monitoring(*monitor(tag)) for tag in ("one", "two")]
+    events.fire("on_step_end")
+    ours = list(seen)
+    seen.clear()
+    plugins.hook.on_step_end(loop="L", state="S", control="C")  # pluggy itself
+    assert ours == seen and [s[:2] for s in ours] == [
+        ("two", "before"),
+        ("one", "before"),
+        ("one", "after"),
+        ("two", "after"),
+    ]
+    assert len(ours[0][3]) == 4 and ours[2][3] == []  # every implementation; on_step_end returns none
+
+    class Broken:
+        def on_step_end(self):
+            raise KeyError("inside")
+
+    plugins.register(Broken(), "broken")
+    seen.clear()
+    with pytest.raises(KeyError, match="inside"):
+        events.fire("on_step_end")
+    assert [s[:2] for s in seen][-1] == ("two", "after") and seen[-1][3] is False  # the exception's outcome
+    for u in undo:
+        u()
+    assert plugins.pm.monitors == ()
+    plugins.unregister("broken")
+    seen.clear()
+    events.fire("on_step_end")
+    assert seen == []  # both undone: no more reports
+
+
 def test_a_missing_argument_is_pluggys_error_and_a_keyerror_inside_a_hook_is_the_hooks():
     plugins = Plugins()
     plugins.register(Plain("a"), "a")

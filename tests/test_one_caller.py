@@ -6,6 +6,7 @@ exception at any moment of a run names the plugin and the hook; only functions a
 from __future__ import annotations
 
 import logging
+import re
 import types
 
 import pytest
@@ -178,3 +179,19 @@ def test_an_on_exception_that_raises_is_named_and_the_others_still_run(train_arg
         loop.train()
     assert reported == ["bad step"]
     assert "Plugin 'first' raised in hook 'on_exception' (KeyError: 'cleanup')" in caplog.text
+
+
+def test_the_caller_uses_only_pluggys_public_api():
+    """pluggy's private names (``pluggy._callers``, ``_hookexec``, ``_inner_hookexec``, ...) change
+    between its releases; the core's one caller keeps to the public API (``HookCaller``,
+    ``add_hookcall_monitoring``, ``Result``)."""
+    from conftest import REPO
+
+    private = re.compile(r"pluggy\._|\.(_hookexec|_inner_hookexec|_multicall|_hookimpls|_call_history)\b")
+    used = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in sorted((REPO / "corelooper").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert used == []

@@ -43,6 +43,7 @@ __all__ = [
     "WEIGHTS_INDEX",
     "NonFiniteWeights",
     "Restored",
+    "RunParts",
     "apply_plugin_states",
     "collect_plugin_states",
     "last_finite_checkpoint",
@@ -130,15 +131,22 @@ def check_finite(state_dict: dict[str, torch.Tensor], backend, what: str, output
         )
 
 
+@dataclass(frozen=True)
+class RunParts:
+    """The run's objects a checkpoint saves and restores (the Loop passes its own)."""
+
+    model: Any
+    backend: Any
+    optimizer: Any
+    scheduler: Any
+    config: Any
+    state: LoopState
+
+
 def save_checkpoint(
     output_dir: Path,
+    run: RunParts,
     *,
-    model,
-    backend,
-    optimizer,
-    scheduler,
-    config,
-    state: LoopState,
     plugin_states: dict[str, Any],
     extra_process_state: dict[str, Any] | None = None,
     data_state: dict[str, Any] | None = None,
@@ -147,10 +155,10 @@ def save_checkpoint(
     its path. Every rank calls it. Refuses (NonFiniteWeights, exit 6) when a weight is NaN/inf; an
     OS failure is an IOFailure (exit 5) naming errno, path and the checkpoint still intact. Sets
     state.best_model_checkpoint when this step is the best one."""
-    output_dir = Path(output_dir)
+    output_dir, backend, state = Path(output_dir), run.backend, run.state
     final = output_dir / f"{PREFIX}{state.global_step}"
     tmp = output_dir / f".tmp-{PREFIX}{state.global_step}"
-    state_dict = backend.model_state_dict(model)
+    state_dict = backend.model_state_dict(run.model)
     check_finite(state_dict, backend, f"checkpoint {final.name}", output_dir)
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = str(final)
@@ -160,26 +168,14 @@ def save_checkpoint(
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         backend.wait_for_everyone()
-        _write_files(
-            tmp,
-            state_dict,
-            model=model,
-            backend=backend,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            config=config,
-            state=state,
-            plugin_states=plugin_states,
-            extra=extra_process_state or {},
-            data_state=data_state,
-        )
+        _write_files(tmp, state_dict, run, plugin_states, extra_process_state or {}, data_state)
         backend.wait_for_everyone()
         if backend.is_main_process:
             manifest.write_manifest(tmp, while_hashing=_fsync_files)  # fsync and hash overlap
             _fsync_dir(tmp)  # the folder is renamed into place as a whole
             _put_in_place(tmp, final)
             run_dir.rotate_checkpoints(
-                output_dir, config.train.save_total_limit, keep=final, best=state.best_model_checkpoint
+                output_dir, run.config.train.save_total_limit, keep=final, best=state.best_model_checkpoint
             )
     except BaseException as exc:
         if backend.is_main_process:  # never leave half a checkpoint behind (it is never listed anyway)
@@ -191,34 +187,24 @@ def save_checkpoint(
     return final
 
 
-def _write_files(
-    tmp: Path,
-    state_dict,
-    *,
-    model,
-    backend,
-    optimizer,
-    scheduler,
-    config,
-    state,
-    plugin_states,
-    extra,
-    data_state,
-) -> None:
+def _write_files(tmp: Path, state_dict, run: RunParts, plugin_states, extra, data_state) -> None:
+    backend, config = run.backend, run.config
     rank = backend.process_index
     if backend.is_main_process:
-        save_weights(state_dict, tmp, config.train.save_max_shard_size, backend.unwrap_model(model))
-        weights.torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+        save_weights(state_dict, tmp, config.train.save_max_shard_size, backend.unwrap_model(run.model))
+        weights.torch_save(run.scheduler.state_dict(), tmp / "scheduler.pt")
         config.write(tmp / "config.toml")
-    backend.save_training_state(optimizer, tmp)
+    backend.save_training_state(run.optimizer, tmp)
     weights.torch_save(rng_state(), tmp / f"rng_state_{rank}.pth")
     (tmp / f"process_state_{rank}.json").write_text(json.dumps(extra))
     if data_state is not None:
         (tmp / f"data_state_{rank}.json").write_text(json.dumps(data_state))
     if backend.is_main_process:
         (tmp / "plugins.json").write_text(json.dumps(plugin_states, indent=1))
-        saved = state.to_dict()
-        saved["best_model_checkpoint"] = run_dir.relative_to_run(state.best_model_checkpoint)  # relocatable
+        saved = run.state.to_dict()
+        saved["best_model_checkpoint"] = run_dir.relative_to_run(
+            run.state.best_model_checkpoint
+        )  # relocatable
         (tmp / "loop_state.json").write_text(json.dumps(saved, indent=1))
 
 
@@ -375,26 +361,27 @@ def verify(directory: Path, *, model=None, backend=None, config=None) -> dict[st
     return state
 
 
-def load_checkpoint(
-    directory: Path, *, model, backend, optimizer, scheduler, config, state: LoopState
-) -> Restored:
+def load_checkpoint(directory: Path, run: RunParts) -> Restored:
     """Verify ``directory``, load model/optimizer/scheduler/RNG in place, return the rest:
     ``Restored.apply(state)`` copies the saved LoopState fields; ``.plugin_states`` (name -> state),
     ``.extra_process_state`` (this rank's dict given at save, e.g. the log window), ``.changes``."""
     directory = Path(directory)
-    saved = verify(directory, model=model, backend=backend, config=config)
-    changes = resume_settings.compare(config, directory, saved, state)  # refused ones raise here
+    saved = verify(directory, model=run.model, backend=run.backend, config=run.config)
+    changes = resume_settings.compare(run.config, directory, saved, run.state)  # refused ones raise here
     plugins = _read(directory / "plugins.json", "plugin states")
     scheduler_state = _read(directory / "scheduler.pt", "scheduler state")
-    rank = backend.process_index
+    rank = run.backend.process_index
     rng_path = directory / f"rng_state_{rank}.pth"
-    same_world = saved.get("world_size", 1) == state.world_size
+    same_world = saved.get("world_size", 1) == run.state.world_size
     rng = _read(rng_path, "RNG state") if rng_path.exists() or same_world else None
-    load_weights(directory, model=model, backend=backend)
-    _load_optimizer(directory, backend, optimizer, config)
-    scheduler.load_state_dict(scheduler_state)
+    load_weights(directory, model=run.model, backend=run.backend)
+    _load_optimizer(directory, run.backend, run.optimizer, run.config)
+    run.scheduler.load_state_dict(scheduler_state)
     resume_settings.apply(
-        config, saved_train=resume_settings.saved_train(directory), optimizer=optimizer, scheduler=scheduler
+        run.config,
+        saved_train=resume_settings.saved_train(directory),
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
     )
     extra: dict[str, Any] = {}
     if rng is not None:

@@ -17,17 +17,19 @@ from . import checkpoint, resume_settings, run_dir
 logger = logging.getLogger("corelooper.checkpoints")
 
 
+def run_parts(loop) -> checkpoint.RunParts:
+    """The Loop's objects a checkpoint holds the state of."""
+    return checkpoint.RunParts(
+        loop.model, loop.backend, loop.optimizer, loop.scheduler, loop.config, loop.state
+    )
+
+
 def save(loop) -> Path:
     """Write ``checkpoint-{global_step}`` of the run and fire ``on_save``."""
     window = loop.log_window.state_dict()  # an unlogged window: one host sync, at save time
     path = checkpoint.save_checkpoint(
         Path(loop.args.output_dir),
-        model=loop.model,
-        backend=loop.backend,
-        optimizer=loop.optimizer,
-        scheduler=loop.scheduler,
-        config=loop.config,
-        state=loop.state,
+        run_parts(loop),
         plugin_states=checkpoint.collect_plugin_states(loop.plugins.stateful.items()),
         extra_process_state={"log_window": window} if window else {},
         data_state=checkpoint.loader_state(loop.train_loader),
@@ -38,15 +40,7 @@ def save(loop) -> Path:
 
 def resume(loop, directory: Path) -> None:
     """Restore everything the run saved in ``directory``, then fire ``on_load_checkpoint``."""
-    restored = checkpoint.load_checkpoint(
-        directory,
-        model=loop.model,
-        backend=loop.backend,
-        optimizer=loop.optimizer,
-        scheduler=loop.scheduler,
-        config=loop.config,
-        state=loop.state,
-    )
+    restored = checkpoint.load_checkpoint(directory, run_parts(loop))
     saved = restored.loop_state.to_dict()
     # A plugin rewrites the position in this run's micro-batches (saved on another world size).
     position, _ = loop.plugins.call_provider("resume_position", loop=loop, state=saved, directory=directory)
