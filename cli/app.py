@@ -279,22 +279,34 @@ def predict(
         typer.Option(
             "--output",
             "-o",
-            help="FILE.safetensors or FILE.jsonl (default: output_dir/predictions.safetensors).",
+            help="FILE.jsonl or FILE.safetensors (default: output_dir/predictions.jsonl for one record "
+            "per sample, else output_dir/predictions.safetensors).",
         ),
     ] = None,
+    generate: Annotated[
+        bool,
+        typer.Option(
+            "--generate", help="Continue each sample's prompt and add the text (a causal LM's records)."
+        ),
+    ] = False,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Tokens generated per sample (with --generate).")
+    ] = 64,
     set_: SetOpt = None,
     p: PluginOpt = None,
     traceback_: TracebackOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Predict on data.test (else data.eval) with a checkpoint's weights; write the outputs in dataset order.
+    """Predict on data.test (else data.eval) with a checkpoint's weights, in dataset order: one record
+    per sample where a plugin knows the model (a causal LM: loss, tokens, text), else its outputs.
 
     The training run's files (metrics.jsonl, tensorboard/) are left as they were."""
 
     def action(cfg, blocked):
         from corelooper.cli.evaluate import predict as run_predict
 
-        path, metrics, loop = run_predict(cfg, checkpoint, output, blocked)
+        options = {"generate": generate, "max_new_tokens": max_new_tokens}
+        path, metrics, loop = run_predict(cfg, checkpoint, output, blocked, options=options)
         return loop, [f"predictions written to {path}"] + ([metrics] if metrics else [])
 
     _on_checkpoint(config, set_, p, traceback_, verbose, action)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from corelooper.cli.predictions import write_predictions
+from corelooper.cli.predictions import write_predictions, write_records
 
 
 def _loop_from_checkpoint(config, checkpoint: str, blocked: list[str]):
@@ -57,29 +57,59 @@ def run_checkpoint(config, checkpoint: str, blocked, split: str, prefix: str, ke
     """The checkpoint's model over ``data.<split>``: ``(loop, metrics, predictions, label_ids)``.
 
     No logging event fires: the run's loggers are not fed (see the module docstring)."""
-    from corelooper.cli.progress import EvalProgress
-
     loop, _ = _loop_from_checkpoint(config, checkpoint, list(blocked))
     with loop:  # corelooper_unconfigure once the outputs are out
-        dataset = _dataset(loop, split)
-        progress = EvalProgress(dataset)  # a bar on a terminal: no event ends this evaluation, so stop() does
-        loop.plugins.register(progress, progress.name)
-        try:
-            metrics, preds, labels = loop.plugins.call_provider(
-                "evaluation_loop",
-                loop=loop,
-                dataset=dataset,
-                metric_key_prefix=prefix,
-                keep_outputs=keep_outputs,
-            )[0]
-        finally:
-            progress.stop()
+        metrics, preds, labels = _evaluation(loop, _dataset(loop, split), prefix, keep_outputs)
     return loop, metrics, preds, labels
 
 
-def predict(config, checkpoint: str, output: str | None, blocked=(), split: str = "test"):
-    """``corelooper predict``: returns ``(path written, metrics, loop)``; rank 0 writes."""
-    loop, metrics, preds, labels = run_checkpoint(config, checkpoint, blocked, split, "test", True)
+def _evaluation(loop, dataset, prefix: str, keep_outputs: bool):
+    """The ``evaluation_loop`` provider's ``(metrics, predictions, label_ids)``, with a progress bar."""
+    from corelooper.cli.progress import EvalProgress
+
+    progress = EvalProgress(dataset)  # a bar on a terminal: no event ends this evaluation, so stop() does
+    loop.plugins.register(progress, progress.name)
+    try:
+        return loop.plugins.call_provider(
+            "evaluation_loop", loop=loop, dataset=dataset, metric_key_prefix=prefix, keep_outputs=keep_outputs
+        )[0]
+    finally:
+        progress.stop()
+
+
+def predict(config, checkpoint: str, output: str | None, blocked=(), split: str = "test", options=None):
+    """``corelooper predict``: returns ``(path written, metrics, loop)``; rank 0 writes.
+
+    One record per sample (JSON Lines) where a plugin answers ``predict_records`` for this model
+    (a causal LM's: loss, predicted tokens, ``--generate``'s text); else the evaluation loop's
+    outputs as they are (``write_predictions``)."""
+    from corelooper.errors import ConfigError
+
+    options = {"generate": False, "max_new_tokens": 64, **(options or {})}
+    loop, _ = _loop_from_checkpoint(config, checkpoint, list(blocked))
+    with loop:  # corelooper_unconfigure once the outputs are out
+        dataset = _dataset(loop, split)
+        records, _ = loop.plugins.call_provider(
+            "predict_records", loop=loop, dataset=dataset, options=options
+        )
+        if records is not None:
+            path = Path(output) if output else Path(loop.args.output_dir) / "predictions.jsonl"
+            if path.suffix != ".jsonl":
+                raise ConfigError(
+                    f"--output {str(path)!r}: this model's predictions are one record per sample "
+                    "(predict_records), written as JSON Lines: use a file ending in .jsonl."
+                )
+            if loop.backend.is_main_process:
+                write_records(path, records)
+            loop.backend.wait_for_everyone()
+            return path, {}, loop
+        if options["generate"]:
+            raise ConfigError(
+                "--generate: no loaded plugin writes per-sample predictions for this model (the hook "
+                "predict_records; `corelooper plugins` lists the installed ones). Drop --generate to "
+                "write the model's outputs as they are."
+            )
+        metrics, preds, labels = _evaluation(loop, dataset, "test", True)
     path = Path(output) if output else Path(loop.args.output_dir) / "predictions.safetensors"
     if loop.backend.is_main_process:
         write_predictions(path, preds, labels, metrics)

@@ -1,7 +1,8 @@
 """Model outputs written to a file (``corelooper predict --output``) and read back.
 
 ``.safetensors``: tensors ``predictions`` and ``label_ids`` with the metrics in the metadata;
-``.jsonl``: one line per sample. The model's outputs come from ``Loop.predict()`` in dataset order.
+``.jsonl``: one line per sample. The model's outputs come from ``Loop.predict()`` in dataset order;
+a plugin's per-sample records (``predict_records``) are written by ``write_records``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,21 @@ def write_predictions(
     return path
 
 
+def write_records(path: str | Path, records) -> int:
+    """One JSON line per record (``predict_records``' answer), written to a temporary file and
+    renamed into place; returns how many."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            n += 1
+    tmp.replace(path)
+    return n
+
+
 def _note_logits(path: Path, predictions: torch.Tensor) -> None:
     """Per-position floats (a causal LM's logits over its vocabulary) are written as asked, with one
     note: how large they are as JSON, and that per-sample records come from a plugin's command."""
@@ -70,8 +86,8 @@ def _note_logits(path: Path, predictions: torch.Tensor) -> None:
         )
     logging.getLogger("corelooper").warning(
         "--output %s: the predictions are the model's raw outputs per position, %s floats (logits)%s. "
-        "One record per sample (its loss, token ids, generated text) is a plugin command's job: "
-        "`corelooper --help` lists the commands installed plugins add.",
+        "One record per sample (its loss, token ids, generated text) comes from a plugin that answers "
+        "the hook predict_records for this model (`corelooper plugins` lists the installed ones).",
         path.name,
         list(predictions.shape),
         size,

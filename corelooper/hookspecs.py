@@ -93,6 +93,7 @@ if TYPE_CHECKING:  # the types of the arguments and answers; dispatch.Returns ch
     Metrics = dict[str, float]
     EvalMetric = Any  # update(predictions, label_ids), compute() -> Metrics; see eval_metric
     Position = dict[str, Any]  # a checkpoint's loop state (its loop_state.json)
+    Records = Iterable[dict[str, Any]]  # one JSON-able record per sample, in dataset order
 
 PROJECT = "corelooper"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -359,6 +360,22 @@ def evaluation_loop(
     dataset order (``None`` when not kept). The builtin is
     ``corelooper.evaluation.run_evaluation``; a plugin may wrap it (auto batch size re-runs it
     with smaller batches after an out-of-memory error).
+    """
+
+
+@hookspec(firstresult=True)
+def predict_records(loop: Loop, dataset: Dataset, options: dict[str, Any]) -> Records | None:
+    """Return the model's predictions on ``dataset`` as one record per sample (a dict of JSON
+    values), in dataset order: what ``corelooper predict`` writes as JSON Lines.
+
+    Called by ``corelooper predict`` on every process, once the checkpoint's weights are loaded
+    (``loop.model``); the main process writes the records. ``options`` are the command's:
+    ``generate`` (continue each sample's prompt and add the text) and ``max_new_tokens``. A
+    plugin that knows its kind of model answers (for a causal LM: each sample's loss, predicted
+    tokens and text) and fires ``on_prediction_step`` per batch (the progress bar).
+    No answer (None): the command writes what ``evaluation_loop`` returns with
+    ``keep_outputs`` (the model's outputs as they are, e.g. a classifier's logits), and refuses
+    ``--generate``.
     """
 
 

@@ -173,17 +173,19 @@ def test_bad_checkpoint_and_output_are_one_paragraph_errors(trained):
     from corelooper.cli.evaluate import predict
 
     from corelooper.config import Config
-    from corelooper.errors import CheckpointError
+    from corelooper.errors import CheckpointError, ConfigError
 
     os.environ["CORELOOPER_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     try:
         with pytest.raises(CheckpointError, match="missing.*does not exist"):
             predict(Config.load(cfg), str(base / "missing"), None)
+        # a classifier: no plugin writes per-sample records for it, so nothing to generate from
+        with pytest.raises(ConfigError, match="--generate: no loaded plugin writes per-sample predictions"):
+            predict(Config.load(cfg), str(base / "run"), str(base / "g.jsonl"), options={"generate": True})
+        assert not (base / "g.jsonl").exists()
     finally:
         os.environ.pop("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD")
     from corelooper.cli.predictions import write_predictions
-
-    from corelooper.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"p.csv.*\.safetensors or \.jsonl"):
         write_predictions(base / "p.csv", torch.zeros(2, 2), None, {})
@@ -255,6 +257,8 @@ def test_a_jsonl_of_logits_is_written_with_a_note_pointing_at_safetensors(tmp_pa
     assert len(notes) == 2 and all("[2, 5, 128] floats (logits)" in n for n in notes)
     assert ".safetensors holds them exactly" in notes[0] and "MB" not in notes[1]
     assert all(
-        "One record per sample (its loss, token ids, generated text) is a plugin command" in n for n in notes
+        "One record per sample (its loss, token ids, generated text) comes from a plugin that answers the "
+        "hook predict_records" in n
+        for n in notes
     )
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 2

@@ -118,6 +118,14 @@ def corelooper_add_commands(app):
     register(app)  # corelooper lm predict: one record per sample, --generate
 
 
+@hookimpl
+def predict_records(loop, dataset, options):
+    """``corelooper predict`` on a causal LM: one record per sample (``predict.py``)."""
+    from .predict_cli import causal_records
+
+    return causal_records(loop, dataset, options)
+
+
 def others_provide_loss(loop) -> bool:
     """Whether a plugin other than corelooper-lm and the builtin provides ``compute_loss`` (a
     user's weighted loss): corelooper-lm never replaces it."""

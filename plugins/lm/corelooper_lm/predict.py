@@ -1,4 +1,4 @@
-"""One record per sample for a causal LM (``corelooper lm predict``), instead of one blob of logits.
+"""One record per sample for a causal LM (``corelooper predict``), instead of one blob of logits.
 
 Each sample of the data set (tokenized: ``input_ids`` and ``labels``, -100 where not trained, as
 corelooper-sft prepares them; a packed data set is read sample by sample through its ``rows``)
@@ -37,9 +37,10 @@ def samples(dataset):
 
 
 def records(
-    model, dataset, batch_size: int, pad_token_id: int, tokenizer=None, max_new_tokens: int = 0
+    model, dataset, batch_size: int, pad_token_id: int, tokenizer=None, max_new_tokens: int = 0, on_batch=None
 ) -> Iterator[dict]:
-    """The per-sample records of ``model`` on ``dataset``, in dataset order."""
+    """The per-sample records of ``model`` on ``dataset``, in dataset order; ``on_batch(items)``
+    after each batch is scored (the run's ``on_prediction_step``: a progress bar)."""
     data = samples(dataset)
     device = next(model.parameters()).device
     was_training = model.training
@@ -49,6 +50,8 @@ def records(
             items = [data[i] for i in range(start, min(start + batch_size, len(data)))]
             with torch.no_grad():
                 scored = score(model, items, pad_token_id, device)
+            if on_batch is not None:
+                on_batch(items)
             for k, record in enumerate(scored):
                 record = {"index": start + k, **record}
                 if tokenizer is not None:
@@ -126,6 +129,21 @@ def generate(model, item: Mapping, tokenizer, max_new_tokens: int, device) -> di
         "generated": tokenizer.decode(new, skip_special_tokens=True),
         "generated_ids": new,
     }
+
+
+def is_causal_lm(model, dataset) -> bool:
+    """A model that generates (not an encoder-decoder) on tokenized samples (``input_ids``)."""
+    can_generate = getattr(model, "can_generate", None)
+    if not (callable(can_generate) and can_generate()):
+        return False
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    try:
+        data = samples(dataset)
+        first = data[0] if len(data) else None
+    except (TypeError, IndexError, KeyError):  # a stream, or another kind of data set
+        return False
+    return isinstance(first, Mapping) and "input_ids" in first
 
 
 def write(path: Path, rows: Iterator[dict]) -> int:

@@ -55,12 +55,10 @@ def run(config, blocked, checkpoint: str, output, split: str, generate: bool, ma
     """``(path written, samples)``."""
     from corelooper.errors import ConfigError, DataError
 
-    from .predict import records, write
+    from .predict import write
 
     if split not in SPLITS:
         raise ConfigError(f"--split {split!r}: use one of {', '.join(SPLITS)}.")
-    if generate and max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens {max_new_tokens}: generating needs at least 1.")
     path = Path(output) if output else None
     if path is not None and path.suffix != ".jsonl":
         raise ConfigError(
@@ -74,21 +72,40 @@ def run(config, blocked, checkpoint: str, output, split: str, generate: bool, ma
                 + (" (or data.eval_split)" if split == "eval" else "")
                 + " in the config."
             )
-        tok = _tokenizer(loop)
-        pad = next(
-            (
-                i
-                for i in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))
-                if i is not None
-            ),
-            0,
-        )
-        model = loop.backend.unwrap_model(loop.model)
-        rows = records(
-            model, dataset, loop.args.per_device_eval_batch_size, pad, tok, max_new_tokens if generate else 0
-        )
+        rows = causal_records(loop, dataset, {"generate": generate, "max_new_tokens": max_new_tokens})
+        if rows is None:
+            raise DataError(
+                "corelooper lm predict needs a causal LM that generates (model.can_generate()) and "
+                "tokenized samples (input_ids); use `corelooper predict` for other models."
+            )
         path = path or Path(loop.args.output_dir) / "predictions.jsonl"
         return path, write(path, rows)
+
+
+def causal_records(loop, dataset, options: dict):
+    """The ``predict_records`` answer for a causal LM on tokenized samples (None for another
+    model or data set): per-sample loss, tokens and, with ``options["generate"]``, text."""
+    from corelooper.errors import ConfigError
+
+    from .predict import is_causal_lm, records
+
+    model = loop.backend.unwrap_model(loop.model)
+    if not is_causal_lm(model, dataset):
+        return None
+    generate, max_new_tokens = options.get("generate", False), options.get("max_new_tokens", 64)
+    if generate and max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens}: generating needs at least 1.")
+    tok = _tokenizer(loop)
+    ids = (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))
+    pad = next((i for i in ids if i is not None), 0)
+
+    def on_batch(items) -> None:
+        loop.events.fire(
+            "on_prediction_step", batch={"input_ids": [it["input_ids"] for it in items]}, outputs=None
+        )
+
+    size = loop.args.per_device_eval_batch_size
+    return records(model, dataset, size, pad, tok, max_new_tokens if generate else 0, on_batch)
 
 
 def _checkpoint_loop(config, blocked, checkpoint: str):

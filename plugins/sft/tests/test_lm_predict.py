@@ -1,6 +1,7 @@
-"""``corelooper lm predict`` (corelooper-lm) on an [sft] run's evaluation set, through the real CLI:
-one record per sample, its loss the model's own loss on that sample, and with ``--generate`` the
-text HF's ``model.generate`` gives for the chat template's prompt."""
+"""``corelooper predict`` on a causal LM (corelooper-lm answers ``predict_records``), and its older
+``corelooper lm predict``, on an [sft] run's evaluation set, through the real CLI: one record per
+sample, its loss the model's own loss on that sample, and with ``--generate`` the text HF's
+``model.generate`` gives for the chat template's prompt."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def write_config(tmp_path, model_dir) -> tuple[Path, list[dict]]:
     return path, rows
 
 
-def lm_predict(config: Path, *args: str, env_dir: Path) -> subprocess.CompletedProcess:
+def lm_predict(
+    config: Path, *args: str, env_dir: Path, command=("lm", "predict")
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_DATASETS_CACHE": str(env_dir / "cache")}
     return subprocess.run(
-        [str(BIN / "corelooper"), "lm", "predict", str(config), *args],
+        [str(BIN / "corelooper"), *command, str(config), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -46,15 +49,20 @@ def lm_predict(config: Path, *args: str, env_dir: Path) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-def test_one_record_per_sample_with_its_loss_and_the_generated_text(tmp_path, model_dir):
+@pytest.mark.parametrize("command", ["predict", "lm predict"])
+def test_one_record_per_sample_with_its_loss_and_the_generated_text(tmp_path, model_dir, command):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config, rows = write_config(tmp_path, model_dir)
     out = tmp_path / "preds.jsonl"
     args = ["--checkpoint", str(model_dir), "-o", str(out), "--generate", "--max-new-tokens", "6"]
-    ran = lm_predict(config, *args, env_dir=tmp_path)
+    ran = lm_predict(config, *args, env_dir=tmp_path, command=command.split())
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
-    assert f"6 samples written to {out}, one record each" in ran.stdout
+    said = "predictions written to" if command == "predict" else "6 samples written to"
+    assert ran.stdout.strip().splitlines() == [
+        f"{said} {out}" + ("" if command == "predict" else ", one record each")
+    ]
+    assert "Traceback" not in ran.stderr and "WARNING" not in ran.stderr.upper(), ran.stderr
     records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["index"] for r in records] == list(range(6))
 
@@ -104,6 +112,17 @@ def test_bad_options_are_one_paragraph(tmp_path, model_dir):
         and "corelooper lm predict writes JSON Lines, a file ending in .jsonl" in ran.stderr
     )
     assert "Traceback" not in ran.stderr
+    args = ("--checkpoint", str(model_dir), "-o", str(tmp_path / "p.safetensors"))
+    ran = lm_predict(config, *args, env_dir=tmp_path, command=["predict"])
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
+    assert (
+        "one record per sample (predict_records), written as JSON Lines: use a file ending in .jsonl"
+        in ran.stderr
+    )
+    args = ("--checkpoint", str(model_dir), "--generate", "--max-new-tokens", "0")
+    ran = lm_predict(config, *args, env_dir=tmp_path, command=["predict"])
+    assert ran.returncode == 2 and "--max-new-tokens 0: generating needs at least 1" in ran.stderr, ran.stderr
+    assert not (tmp_path / "p.safetensors").exists()
 
 
 def test_a_packed_evaluation_set_gives_the_same_records_sample_by_sample(tmp_path, model_dir):
