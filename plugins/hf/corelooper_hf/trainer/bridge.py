@@ -94,21 +94,31 @@ class CallbackBridge:
         if event == "on_train_begin":  # a resumed history was told in the run that wrote it
             self.told = len(loop.state.log_history)
         self.tell_other_ranks_logs(loop)
+        if event in STEP_EVENTS and not self.heard(event):  # the same outcome, without the calls
+            self.step_without_callbacks(loop, event)
+            return
         self.sync_state(loop.state, keep=BEST_FIELDS if event == "on_evaluate" else ())
         # corelooper clears should_evaluate before it evaluates, HF at on_evaluate: while HF's
         # evaluation runs, its control keeps the flag (user code may read it)
         flags = CONTROL_FLAGS if event != "on_prediction_step" else FLAGS_BUT_EVALUATE
         for flag in flags:
             setattr(self.control, flag, getattr(loop.control, flag))
-        if event in STEP_EVENTS and not self.heard(event):  # the same outcome, without the calls
-            for flag in STEP_EVENTS[event]:
-                setattr(self.control, flag, False)
-                setattr(loop.control, flag, False)
-            return
         self.attach(loop)
         self.control = getattr(self.handler, event)(self.args, self.state, self.control, **kwargs)
         for flag in flags:
             setattr(loop.control, flag, getattr(self.control, flag))
+
+    def step_without_callbacks(self, loop, event: str) -> None:
+        """A step event no callback implements: HF's state and flags as the handler would leave
+        them (only what a step moves is copied: the rest changes at events that are told)."""
+        state, control = loop.state, loop.control
+        self.state.global_step, self.state.epoch = state.global_step, state.epoch
+        self.state.num_input_tokens_seen = state.num_input_tokens_seen
+        for flag in CONTROL_FLAGS:
+            setattr(self.control, flag, getattr(control, flag))
+        for flag in STEP_EVENTS[event]:  # what HF's CallbackHandler clears before telling
+            setattr(self.control, flag, False)
+            setattr(control, flag, False)
 
     def heard(self, event: str) -> bool:
         """Whether a callback implements ``event`` (``TrainerCallback``'s own methods do nothing)."""
