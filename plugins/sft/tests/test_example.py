@@ -63,8 +63,8 @@ def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in x for x in lines) and any(x.get("trainable_params") for x in lines)
     assert (out / "adapter_model.safetensors").is_file() and list((out / "tensorboard").rglob("events.*"))
-    generated = out / "generated.jsonl"  # the README's `corelooper lm predict ... --generate`
-    lm = [str(BIN / "corelooper"), "lm", "predict", str(EXAMPLE / "config.toml"), "--checkpoint", "latest"]
+    generated = out / "generated.jsonl"  # the README's `corelooper predict ... --generate`
+    lm = [str(BIN / "corelooper"), "predict", str(EXAMPLE / "config.toml"), "--checkpoint", "latest"]
     sh(
         [
             *lm,
