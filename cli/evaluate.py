@@ -101,6 +101,9 @@ def predict(config, checkpoint: str, output: str | None, blocked=(), split: str 
                 )
             if loop.backend.is_main_process:
                 write_records(path, records)
+            else:  # the same forwards on every process: a sharded model (ZeRO-3) gathers in lockstep
+                for _ in records:
+                    pass
             loop.backend.wait_for_everyone()
             return path, {}, loop
         if options["generate"]:
