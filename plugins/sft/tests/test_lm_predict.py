@@ -144,3 +144,27 @@ def test_a_packed_evaluation_set_gives_the_same_records_sample_by_sample(tmp_pat
     for a, b in zip(got["padded"], got["packed"], strict=True):
         assert a["predicted_ids"] == b["predicted_ids"] and a["label_ids"] == b["label_ids"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_two_processes_write_the_records_one_process_writes(tmp_path, model_dir):
+    """`corelooper predict` under torchrun with 2 processes on a causal LM: every process runs the records' forwards
+    (a sharded model gathers in lockstep), the main process writes them: the same file as one."""
+    config, _ = write_config(tmp_path, model_dir)
+    files = {}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for nproc in (1, 2):
+        out = tmp_path / f"preds{nproc}.jsonl"
+        args = [str(config), "--checkpoint", str(model_dir), "-o", str(out)]
+        launch = [str(BIN / "corelooper")] if nproc == 1 else [*torchrun, "-m", "corelooper"]
+        env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+        ran = subprocess.run(
+            [*launch, "predict", *args], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+        assert ran.stdout.count("predictions written to") == 1  # one process speaks
+        files[nproc] = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(files[2]) == 6 and [r["index"] for r in files[2]] == list(range(6))
+    for one, two in zip(files[1], files[2], strict=True):
+        assert one["predicted_ids"] == two["predicted_ids"] and one["label_ids"] == two["label_ids"]
+        assert one["loss"] == pytest.approx(two["loss"], rel=1e-5)
