@@ -6,7 +6,8 @@ the same way (``split_plugin_options``, ``load_config``) and reports an error th
 (``fail``: one paragraph and the exit code). A rank that decides to exit names its error to the
 ``--nproc`` launcher with ``record_child_error``; a plugin that runs torchrun itself reads which
 rank failed and its code with ``root_failure`` and ``exit_code_of`` and keeps torchrun's log lines
-off the console with ``quiet_launcher_logs``; ``read_metrics`` reads a run's ``metrics.jsonl``.
+off the console with ``quiet_launcher_logs``; ``read_metrics`` reads a run's ``metrics.jsonl``;
+``write_records`` writes per-sample records as ``corelooper predict`` does (JSON Lines).
 Everything else under ``corelooper.cli`` is internal (``tests/test_layers.py``
 checks that plugins import nothing else from it).
 """
@@ -36,6 +37,7 @@ __all__ = [
     "exit_code_of",
     "quiet_launcher_logs",
     "read_metrics",
+    "write_records",
 ]
 
 # exit codes of errors in the user's input (config, data, checkpoint or I/O): the message names the
@@ -248,3 +250,11 @@ def quiet_launcher_logs() -> None:
         for handler in logger.handlers:
             handler.addFilter(keep)
     logging.lastResort.addFilter(keep)
+
+
+def write_records(path: str | Path, records) -> int:
+    """One JSON line per record, written to a temporary file and renamed into place (what
+    ``corelooper predict`` does with ``predict_records``' answer); returns how many."""
+    from corelooper.cli.predictions import write_records as write
+
+    return write(path, records)

@@ -18,9 +18,7 @@ tokenizer's EOS), and ``generated`` is the new text.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -144,16 +142,3 @@ def is_causal_lm(model, dataset) -> bool:
     except (TypeError, IndexError, KeyError):  # a stream, or another kind of data set
         return False
     return isinstance(first, Mapping) and "input_ids" in first
-
-
-def write(path: Path, rows: Iterator[dict]) -> int:
-    """The records as JSON Lines, written to a temporary file and renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            n += 1
-    tmp.replace(path)
-    return n

@@ -53,9 +53,9 @@ def register(app) -> None:
 
 def run(config, blocked, checkpoint: str, output, split: str, generate: bool, max_new_tokens: int):
     """``(path written, samples)``."""
-    from corelooper.errors import ConfigError, DataError
+    from corelooper.cli.api import write_records
 
-    from .predict import write
+    from corelooper.errors import ConfigError, DataError
 
     if split not in SPLITS:
         raise ConfigError(f"--split {split!r}: use one of {', '.join(SPLITS)}.")
@@ -79,7 +79,7 @@ def run(config, blocked, checkpoint: str, output, split: str, generate: bool, ma
                 "tokenized samples (input_ids); use `corelooper predict` for other models."
             )
         path = path or Path(loop.args.output_dir) / "predictions.jsonl"
-        return path, write(path, rows)
+        return path, write_records(path, rows)
 
 
 def causal_records(loop, dataset, options: dict):
