@@ -155,7 +155,8 @@ def save_checkpoint(
     its path. Every rank calls it. Refuses (NonFiniteWeights, exit 6) when a weight is NaN/inf; an
     OS failure is an IOFailure (exit 5) naming errno, path and the checkpoint still intact. Sets
     state.best_model_checkpoint when this step is the best one."""
-    output_dir, backend, state = Path(output_dir), run.backend, run.state
+    output_dir = Path(output_dir)
+    backend, state = run.backend, run.state
     final = output_dir / f"{PREFIX}{state.global_step}"
     tmp = output_dir / f".tmp-{PREFIX}{state.global_step}"
     state_dict = backend.model_state_dict(run.model)
