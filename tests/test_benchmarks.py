@@ -594,6 +594,17 @@ def test_large_vocab_goals_are_judged_against_the_work_the_flop_counts_allow(cap
     assert "(goal >= 5.0: NOT met)" in out
 
 
+def test_an_activation_of_0_mib_is_a_reading_and_a_missing_row_is_no_goal():
+    """A smoke run's activations can fit in memory the process already had (0 MiB): still a
+    verdict line, never a goal left out as if the row had not run."""
+    _, analysis = large_vocab()
+    rows = {"hf_flattening": {"activation_mib": 0}, "cl_padding_free": {"activation_mib": 0.1}}
+    goal = analysis.activation_goal(rows, "cl_padding_free")
+    assert goal["ratio"] == 0.0 and goal["verdict"] == "NOT met" and goal["hf_row"] == "hf_flattening"
+    assert analysis.activation_goal({"hf_flattening": {"activation_mib": 3}}, "cl_padding_free") is None
+    assert analysis.activation_goal({"cl_padding_free": {"activation_mib": 3}}, "cl_padding_free") is None
+
+
 def test_the_large_vocab_floor_is_the_every_position_count_less_the_untrained_heads():
     """run.exact_floor's arithmetic on a hand-made sample: 10 tokens, a 4-token prompt. Untrained
     heads: positions 0, 1, 2 (they predict prompt tokens) and 9 (the last predicts nothing)."""

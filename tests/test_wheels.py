@@ -255,24 +255,37 @@ def test_every_plugin_names_a_readme_that_exists(plugin):
     assert readme.is_file() and readme.read_text().startswith(f"# corelooper-{plugin.replace('_', '-')}")
 
 
-def test_setup_says_each_stage_and_hides_the_build_backends_warnings(tmp_path):
-    """scripts/setup with a recording python in place of the venv's: a line per stage, in order,
-    and every pip call runs with the build backends' warnings (setuptools' editable-install
-    notes) switched off."""
+def fake_setup(tmp_path, uv_rc: int | None = 0, **env) -> tuple[subprocess.CompletedProcess, list, list]:
+    """scripts/setup with a recording python (and uv, unless ``uv_rc`` is None) in place of the
+    venv's: what it printed, and the pip and uv calls it made."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     calls = tmp_path / "calls.txt"
     fake = venv / "bin" / "python"
-    fake.write_text(f'#!/bin/sh\necho "PYTHONWARNINGS=$PYTHONWARNINGS $*" >> {calls}\n')
+    fake.write_text(f'#!/bin/sh\necho "python PYTHONWARNINGS=$PYTHONWARNINGS $*" >> {calls}\n')
     fake.chmod(0o755)
+    if uv_rc is not None:
+        uv = venv / "bin" / "uv"
+        uv.write_text(f'#!/bin/sh\necho "uv PYTHONWARNINGS=$PYTHONWARNINGS $*" >> {calls}\nexit {uv_rc}\n')
+        uv.chmod(0o755)
     r = subprocess.run(
         ["bash", str(REPO / "scripts" / "setup")],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "VENV": str(venv)},
+        env={**os.environ, "VENV": str(venv), **env},
     )
     assert r.returncode == 0, r.stderr
+    recorded = calls.read_text().splitlines()
+    return r, [c for c in recorded if c.startswith("python ")], [c for c in recorded if c.startswith("uv ")]
+
+
+def test_setup_says_each_stage_and_hides_the_build_backends_warnings(tmp_path):
+    """A line per stage, in order; pip installs pip, torch and uv, and uv installs corelooper and
+    every plugin, editable, with torch pinned; every call with the build backends' warnings
+    (setuptools' editable-install notes) switched off."""
+    r, pip, uv = fake_setup(tmp_path)
+    venv = tmp_path / "venv"
     stages = [line.split(" (")[0] for line in r.stdout.splitlines()]
     assert stages == [
         f"setup: virtual environment {venv}",
@@ -281,6 +294,24 @@ def test_setup_says_each_stage_and_hides_the_build_backends_warnings(tmp_path):
         f"setup: corelooper and {len(PLUGINS)} plugins, editable",
         f"setup: done: use {venv}/bin/corelooper and {venv}/bin/python -m pytest",
     ], r.stdout
-    pip = calls.read_text().splitlines()
-    assert len(pip) == 3 and all(c.startswith("PYTHONWARNINGS=ignore -m pip install -q") for c in pip), pip
-    assert pip[2].count(" -e ") == len(PLUGINS) + 1
+    assert len(pip) == 3 and all(
+        c.startswith("python PYTHONWARNINGS=ignore -m pip install -q") for c in pip
+    ), pip
+    assert pip[2].endswith("install -q uv"), pip
+    (install,) = uv
+    assert install.startswith(f"uv PYTHONWARNINGS=ignore pip install -q --python {venv}/bin/python")
+    assert f"-c {venv}/torch-pin.txt" in install and install.count(" -e ") == len(PLUGINS) + 1
+
+
+@pytest.mark.parametrize("how", ["uv fails", "CORELOOPER_SETUP_PIP=1"])
+def test_setup_installs_with_pip_when_uv_fails_or_is_not_wanted(tmp_path, how):
+    failing = how == "uv fails"
+    r, pip, uv = fake_setup(
+        tmp_path, 1 if failing else 0, **({} if failing else {"CORELOOPER_SETUP_PIP": "1"})
+    )
+    assert len(uv) == (1 if failing else 0), uv
+    assert ("setup: uv could not install them; pip instead" in r.stdout) is failing, r.stdout
+    assert (
+        pip[-1].startswith("python PYTHONWARNINGS=ignore -m pip install -q -c ")
+        and pip[-1].count(" -e ") == len(PLUGINS) + 1
+    ), pip

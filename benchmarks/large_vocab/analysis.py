@@ -156,11 +156,14 @@ def judge(rows_list: list[dict], runs: dict, floor: dict, room: dict) -> dict:
 
 def activation_goal(rows: dict, mine: str) -> dict | None:
     """HF's least activation memory (its leanest row) over ``mine``'s, at the fixed micro-batch."""
+    # 0 MiB is a reading (a tiny smoke run's activations fit in memory the process already had)
     hf = [
-        (r["activation_mib"], m) for m, r in rows.items() if m.startswith("hf_") and r.get("activation_mib")
+        (r["activation_mib"], m)
+        for m, r in rows.items()
+        if m.startswith("hf_") and r.get("activation_mib") is not None
     ]
     ours = rows.get(mine, {}).get("activation_mib")
-    if not (hf and ours):
+    if not hf or ours is None:
         return None
     least, which = min(hf)
     ratio = least / max(ours, 1e-9)
