@@ -1,4 +1,4 @@
-"""Elastic resume of ZeRO 1/2/3 (corelooper_deepspeed/reshard.py): the issue's run with real
+"""Elastic resume of ZeRO 2 and 3 (corelooper_deepspeed/reshard.py): the issue's run with real
 torchrun processes on CPU/gloo and real DeepSpeed checkpoints, per stage:
 
 2 processes -> preempted (SIGTERM) at step 6 -> resumed on 1 -> preempted at step 9 -> resumed on
@@ -24,7 +24,11 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 from cluster_task import ELASTIC, STOP_PLUGIN, env, max_diff, write_config  # noqa: E402
 
-STAGES = (1, 2, 3)
+# ZeRO-1 and ZeRO-2 write the same checkpoint layout (DeepSpeed's DeepSpeedZeroOptimizer: flat
+# fp32 partitions per rank), and reshard.py reads them on one branch (stage <= 2): ZeRO-2 runs it
+# here (the stage users pick), ZeRO-1 trains on 2 ranks in test_deepspeed.py. Each stage's run is
+# 4 torchrun jobs (~100 s on 2 cores): one per reshard branch keeps the suite's time (issue 50).
+STAGES = (2, 3)
 
 
 def _config(tmp: Path, name: str, stage: int) -> Path:
