@@ -299,7 +299,10 @@ def test_setup_says_each_stage_and_hides_the_build_backends_warnings(tmp_path):
     ), pip
     assert pip[2].endswith("install -q uv"), pip
     (install,) = uv
-    assert install.startswith(f"uv PYTHONWARNINGS=ignore pip install -q --python {venv}/bin/python")
+    # --compile-bytecode: .pyc files as pip writes them (none where PYTHONDONTWRITEBYTECODE is set)
+    assert install.startswith(
+        f"uv PYTHONWARNINGS=ignore pip install -q --compile-bytecode --python {venv}/bin/python"
+    )
     assert f"-c {venv}/torch-pin.txt" in install and install.count(" -e ") == len(PLUGINS) + 1
 
 

@@ -143,12 +143,16 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
         assert noise not in log, log[-3000:]
     assert f"[localhost rank 0]: corelooper: stopped at step {stopped_at}" in first, first[-3000:]
     assert_every_line_is_labelled(log)
-    # Slurm's own line where the script's `scontrol requeue` ended the allocation (docs/clusters.md)
-    assert re.search(
+    # Slurm's own line where the script's `scontrol requeue` ended the allocation (docs/clusters.md):
+    # slurmstepd writes it only when the batch script is still running as the requeue lands, which
+    # a loaded machine can reverse (CI saw it missing once), so: at most once, and only in the
+    # first run's part of the log. corelooper's own requeue line above is the one asserted.
+    requeue_lines = re.findall(
         rf"^slurmstepd(-localhost)?: error: \*\*\* JOB {job_id} ON localhost CANCELLED AT \S+ DUE TO JOB REQUEUE \*\*\*$",
-        first,
+        log,
         re.M,
-    ), first[-3000:]
+    )
+    assert len(requeue_lines) <= 1 and "DUE TO JOB REQUEUE" not in second, log[-3000:]
     saved = json.loads((tmp_path / "job" / ".corelooper-slurm-save.json").read_text())
     assert (tmp_path / "job" / saved["checkpoint"]).is_dir() and 0 < saved["save_seconds"] < 60, saved
 
