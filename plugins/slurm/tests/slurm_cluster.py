@@ -50,7 +50,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.socket
+AuthInfo=socket={root}/munge.socket,cred_expire=30
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root

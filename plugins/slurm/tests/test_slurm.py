@@ -107,8 +107,9 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
     signal_sent = slurm.run("scancel", "--signal=USR1", "--batch", job_id)
     assert signal_sent.returncode == 0, signal_sent.stderr
 
-    # Slurm starts a requeued job no sooner than ~2 minutes later (its BeginTime: slurmd must
-    # forget the killed run first; starting it earlier by hand gets "Job credential revoked").
+    # Slurm starts a requeued job no sooner than its credential lifetime later (its BeginTime:
+    # slurmd must forget the killed run first; starting it earlier by hand gets "Job credential
+    # revoked"): 120 s by default, 30 s in this cluster (slurm_cluster.py, AuthInfo cred_expire).
     slurm.wait_for("the job did not finish", lambda: slurm.job(job_id).get("JobState") == "COMPLETED", 400)
     job = slurm.job(job_id)
     log = (tmp_path / f"job-{job_id}.out").read_text()
