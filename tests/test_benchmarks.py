@@ -301,6 +301,7 @@ def test_preprocessing_benchmark_smoke_times_both_and_the_cached_second_start(tm
             "300",
             "--reps",
             "1",
+            "--no-warm-up",  # its page-cache warm-up start times nothing: one process less
             "--work",
             str(tmp_path / "work"),
             "--out",
@@ -464,7 +465,9 @@ def test_the_work_count_is_every_product_the_rows_compute(tmp_path):
     input gradient, weight gradient): the hand-written loop over the real tokens, HF's padded row
     over its padded ones. TRL's chunked loss does at least that (its in-place ``addmm_`` products,
     which torch has no formula for, are counted: without them it came out lower), corelooper's row
-    less, and no product-like op goes uncounted."""
+    less, and no product-like op goes uncounted. The rows are counted in one process
+    (``--one-process``: one start-up instead of four; the counts were checked equal to a process
+    per row's, in either order of the rows)."""
     assert importlib.util.find_spec("trl"), "trl is in the test extra (pyproject.toml)"
     out = tmp_path / "work.json"
     proc = subprocess.run(
@@ -475,6 +478,7 @@ def test_the_work_count_is_every_product_the_rows_compute(tmp_path):
             "24",
             "--methods",
             "cl_padding_free,raw_padding_free,hf_grouped,trl_grouped",
+            "--one-process",
             "--out",
             str(out),
         ],
@@ -622,16 +626,18 @@ def test_the_large_vocab_floor_is_the_every_position_count_less_the_untrained_he
 
 @pytest.mark.slow
 def test_the_large_vocab_benchmark_runs_its_rows_and_writes_every_field(tmp_path):
-    """benchmarks/large_vocab/run.py at tiny sizes (plumbing, no figures): the rows run in fresh
-    processes, the JSON has what issue 49 asks for, the hand-written loop's FLOP count is the
-    arithmetic (torch's counter on this model), corelooper's lies between the floor and it, the
-    goal lines print."""
+    """benchmarks/large_vocab/run.py at tiny sizes (plumbing, no figures): the timed rows run in
+    fresh processes (the work pass, which times nothing, counts the three rows in one:
+    ``--work-in-one-process``, 7 processes instead of 9), the JSON has what issue 49 asks for, the
+    hand-written loop's FLOP count is the arithmetic (torch's counter on this model), corelooper's
+    lies between the floor and it, the goal lines print."""
     assert importlib.util.find_spec("trl"), "trl is in the test extra (pyproject.toml): run.py imports it"
     out = tmp_path / "lv.json"
     methods = "hf_flattening,raw_padding_free,cl_padding_free"
     argv = [sys.executable, str(BENCH / "large_vocab" / "run.py"), "--reps", "1", "--samples", "4"]
     argv += ["--batch", "2", "--eval-samples", "1", "--memory-batch", "2", "--memory-len", "64"]
-    argv += ["--methods", methods, "--passes", "throughput,work,memory", "--out", str(out)]
+    argv += ["--methods", methods, "--passes", "throughput,work,memory", "--work-in-one-process"]
+    argv += ["--out", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

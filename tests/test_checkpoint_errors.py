@@ -103,16 +103,21 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     }
 
 
-def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+def command(root: Path, *argv: str) -> subprocess.CompletedProcess:
+    """``corelooper ARGV...`` in ``root``, a real CLI process."""
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "corelooper", "run", "config.toml", *args],
+        [sys.executable, "-m", "corelooper", *argv],
         cwd=root,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return command(root, "run", "config.toml", *args)
 
 
 def assert_one_paragraph(result: subprocess.CompletedProcess, *needles: str, code: int = 5) -> None:
@@ -276,8 +281,9 @@ def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_p
     root.mkdir()
     (root / "task.py").write_text(textwrap.dedent(TASK))
     (root / "config.toml").write_text(config_text(root / "out") + 'save_strategy = "no"\n')
-    first = cli(root)
-    assert first.returncode == 0 and (root / "out" / "model.safetensors").is_file(), first.stderr
+    with loop_for(root) as first:  # the first run only sets the folder up: in-process, as the CLI's
+        first.train()
+    assert (root / "out" / "model.safetensors").is_file()
     again = cli(root)
     assert again.returncode == 2 and "no checkpoint to resume" in again.stderr, again.stderr
     assert "--resume-from-checkpoint latest" not in again.stderr and "overwrite_output_dir" in again.stderr
@@ -290,57 +296,16 @@ def test_a_run_finished_without_checkpoints_gets_advice_that_does_not_loop(tmp_p
             resumed
         )
     assert {p: p.read_bytes() for p in before} == before
-    env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    verify = subprocess.run(
-        [sys.executable, "-m", "corelooper", "verify", str(root / "out")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    verify = command(root, "verify", str(root / "out"))
     assert (
         verify.returncode == 0
         and verify.stdout.strip() == "no checkpoints; the final model: model.safetensors (step 4)"
     )
-    ev = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "corelooper",
-            "eval",
-            "config.toml",
-            "--checkpoint",
-            "latest",
-            "--set",
-            'data.eval = "task.py:train_set"',
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    evaluate = ("eval", "config.toml", "--checkpoint", "latest", "--set", 'data.eval = "task.py:train_set"')
+    ev = command(root, *evaluate)
     assert ev.returncode == 0 and "eval_loss" in ev.stdout, ev.stderr
     (root / "out" / "model.safetensors").unlink()
-    ev = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "corelooper",
-            "eval",
-            "config.toml",
-            "--checkpoint",
-            "latest",
-            "--set",
-            'data.eval = "task.py:train_set"',
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    ev = command(root, *evaluate)
     assert ev.returncode == 5 and "--checkpoint latest: there is no complete checkpoint" in ev.stderr, (
         ev.stderr
     )

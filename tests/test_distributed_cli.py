@@ -20,6 +20,9 @@ SHORT = [
     "--set",
     "train.logging_steps=4",
 ]
+# SHORT with a log line per step: the 2-process runs' losses are compared with one process's step
+# by step (its 12 steps: 1797 digits x 0.8 in batches of 128)
+PER_STEP = [*SHORT[:-1], "train.logging_steps=1"]
 
 
 def corelooper(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -34,39 +37,49 @@ def corelooper(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.C
     )
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The output folder of one process with twice the batch (PER_STEP): the reference that both
+    2-process launches (--nproc 2, accelerate launch) are compared with, run once."""
+    tmp = tmp_path_factory.mktemp("one_process")
+    out = tmp / "one"
+    one = corelooper(
+        tmp,
+        "run",
+        CONFIG,
+        *PER_STEP,
+        "--set",
+        "train.per_device_train_batch_size=128",
+        "--set",
+        f"train.output_dir={out}",
+    )
+    assert one.returncode == 0, one.stderr[-4000:]
+    return out
+
+
+def step_losses(out: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if "loss" in x and "train_runtime" not in x]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path):
+def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path, one_process):
     from safetensors.torch import load_file
 
     two = corelooper(
-        tmp_path, "run", CONFIG, "--nproc", "2", *SHORT, "--set", f"train.output_dir={tmp_path / 'two'}"
+        tmp_path, "run", CONFIG, "--nproc", "2", *PER_STEP, "--set", f"train.output_dir={tmp_path / 'two'}"
     )
     assert two.returncode == 0, two.stderr[-4000:]
     assert "batch 64 x 1 accumulation x 2 processes" in two.stdout
     assert two.stdout.count("corelooper: training") == 1  # only the main process reports
-    one = corelooper(
-        tmp_path,
-        "run",
-        CONFIG,
-        *SHORT,
-        "--set",
-        "train.per_device_train_batch_size=128",
-        "--set",
-        f"train.output_dir={tmp_path / 'one'}",
-    )
-    assert one.returncode == 0, one.stderr[-4000:]
-
-    def logs(run):
-        lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [x for x in lines if "loss" in x and "train_runtime" not in x]
-
-    assert [x["step"] for x in logs("two")] == [4, 8, 12]  # one line per step: one writer
-    for a, b in zip(logs("two"), logs("one"), strict=True):
+    logs_two, logs_one = step_losses(tmp_path / "two"), step_losses(one_process)
+    assert [x["step"] for x in logs_two] == list(range(1, 13))  # one line per step: one writer
+    for a, b in zip(logs_two, logs_one, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a, b)
     w2, w1 = (
         load_file(str(tmp_path / "two" / "model.safetensors")),
-        load_file(str(tmp_path / "one" / "model.safetensors")),
+        load_file(str(one_process / "model.safetensors")),
     )
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) <= 1e-5
     ckpt = tmp_path / "two" / "checkpoint-12"
@@ -78,7 +91,7 @@ def test_nproc_2_runs_distributed_and_matches_one_process(tmp_path):
     ]
     one_evals = [
         json.loads(x)
-        for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+        for x in (one_process / "metrics.jsonl").read_text().splitlines()
         if "eval_accuracy" in x
     ]
     assert len(evals) == 1 and abs(evals[0]["eval_accuracy"] - one_evals[0]["eval_accuracy"]) < 1e-6
@@ -125,25 +138,21 @@ def test_a_crash_in_one_rank_ends_all_ranks_naming_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
+def test_accelerate_launch_runs_the_same_command_distributed(tmp_path, one_process):
     """`accelerate launch --multi_gpu --num_processes 2 -m corelooper run CONFIG` (on CPU the
     backend's Accelerator(cpu=True) makes it MULTI_CPU/gloo): two ranks, one writer, and the
-    same losses as one process with twice the batch."""
+    same losses, step by step, as one process with twice the batch (the module's reference; its
+    evaluation, saves and TensorBoard, left out here, come after or beside the steps)."""
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     steps = [
-        "--set",
-        "train.max_steps=4",
-        "--set",
-        "train.logging_steps=1",
+        *PER_STEP,
         "--set",
         "train.eval_strategy='no'",
         "--set",
         "train.save_strategy='no'",
         "--set",
         "train.load_best_model_at_end=false",
-        "--set",
-        "model.args.dropout=0.0",
         "-p",
         "no:tensorboard",
     ]
@@ -176,24 +185,10 @@ def test_accelerate_launch_runs_the_same_command_distributed(tmp_path):
     )
     assert two.returncode == 0, two.stderr[-4000:]
     assert "x 2 processes" in two.stdout and two.stdout.count("corelooper: training") == 1
-    one = corelooper(
-        tmp_path,
-        "run",
-        CONFIG,
-        *steps,
-        "--set",
-        "train.per_device_train_batch_size=128",
-        "--set",
-        f"train.output_dir={tmp_path / 'one'}",
-    )
-    assert one.returncode == 0, one.stderr[-4000:]
-
-    def losses(run):
-        lines = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [x["loss"] for x in lines if "loss" in x and "train_runtime" not in x]
-
-    assert len(losses("two")) == 4
-    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses("two"), losses("one"), strict=True))
+    losses_two = [x["loss"] for x in step_losses(tmp_path / "two")]
+    losses_one = [x["loss"] for x in step_losses(one_process)]
+    assert len(losses_two) == 12  # a line per step: one writer
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses_two, losses_one, strict=True))
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ checkpoint, 6 the model or step; one paragraph each, through the real CLI where 
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -193,15 +194,28 @@ def test_skip_step_logs_skipped_steps_and_averages_only_the_applied_ones(tmp_pat
 # -- checkpoints: weights_only failures fall back; NaN weights are screened on load -----------------
 
 
-def _run_with_checkpoints(cli, tmp_path) -> Path:
-    path = write_config(
+def _checkpointed_config(tmp_path: Path) -> Path:
+    return write_config(
         tmp_path,
         train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 3\nsave_steps = 1\n'
         "logging_steps = 1\nper_device_train_batch_size = 8",
     )
-    r = cli("run", str(path))
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory) -> tuple[Path, str]:
+    """One CLI run of 3 steps with a checkpoint at each, for the module (it was one per test):
+    ``(its folder, its stdout)``. Tests that damage its checkpoints take a copy (_run_with_checkpoints)."""
+    root = tmp_path_factory.mktemp("checkpointed")
+    r = run_cli("run", str(_checkpointed_config(root)), env={"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert r.returncode == 0, r.stderr
-    return path
+    return root, r.stdout
+
+
+def _run_with_checkpoints(checkpointed, tmp_path) -> Path:
+    """The config of a private copy of the ``checkpointed`` run (its out/ beside it)."""
+    shutil.copytree(checkpointed[0] / "out", tmp_path / "out")
+    return _checkpointed_config(tmp_path)
 
 
 class Planted:  # an object weights_only loading refuses
@@ -209,8 +223,10 @@ class Planted:  # an object weights_only loading refuses
 
 
 @pytest.mark.slow
-def test_a_checkpoint_whose_optimizer_does_not_load_weights_only_is_skipped_by_latest(cli, tmp_path):
-    config = _run_with_checkpoints(cli, tmp_path)
+def test_a_checkpoint_whose_optimizer_does_not_load_weights_only_is_skipped_by_latest(
+    cli, tmp_path, checkpointed
+):
+    config = _run_with_checkpoints(checkpointed, tmp_path)
     out = tmp_path / "out"
     newest = out / "checkpoint-3"
     state = torch.load(newest / "optimizer.pt", weights_only=True)
@@ -241,10 +257,10 @@ def test_a_checkpoint_whose_optimizer_does_not_load_weights_only_is_skipped_by_l
 
 
 @pytest.mark.slow
-def test_nan_weights_under_a_finite_manifest_are_refused_on_load(cli, tmp_path):
+def test_nan_weights_under_a_finite_manifest_are_refused_on_load(cli, tmp_path, checkpointed):
     from safetensors.torch import load_file, save_file
 
-    config = _run_with_checkpoints(cli, tmp_path)
+    config = _run_with_checkpoints(checkpointed, tmp_path)
     ckpt = tmp_path / "out" / "checkpoint-2"
     weights = load_file(ckpt / "model.safetensors")
     first = next(iter(weights))
@@ -355,12 +371,12 @@ def test_a_closed_pipe_ends_nothing_but_the_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_start_line_counts_the_steps_that_run(cli, tmp_path):
+def test_the_start_line_counts_the_steps_that_run(checkpointed):
     """max_steps under the epochs' steps: the line says how much of an epoch that is, and its
-    numbers multiply out (not "30 steps (2 epochs x 23 steps)")."""
-    r = cli("run", str(write_config(tmp_path)), "--set", "train.max_steps=3")
-    assert r.returncode == 0, r.stderr
-    head = next(line for line in r.stdout.splitlines() if line.startswith("corelooper: training"))
+    numbers multiply out (not "30 steps (2 epochs x 23 steps)"). The module's run of 3 steps (its
+    own run was the same but for the checkpoints; the fixture asserts exit 0)."""
+    _, stdout = checkpointed
+    head = next(line for line in stdout.splitlines() if line.startswith("corelooper: training"))
     steps_per_epoch = int(head.split(" epochs of ")[1].split(" steps")[0])
     epochs = float(head.split("(")[1].split(" epochs")[0])
     assert head.startswith("corelooper: training 3 steps (") and epochs == pytest.approx(

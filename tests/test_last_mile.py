@@ -29,6 +29,19 @@ def cli(*args: str, env: dict | None = None, **kwargs):
     return run_cli(*args, env={**NO_PLUGINS, **(env or {})}, **kwargs)
 
 
+def train_here(config: Path, monkeypatch) -> None:
+    """``corelooper run CONFIG`` as cli() runs it (no installed plugin, the CLI's Loop and its
+    ``with``), in this process: for a run that only fills the run folder a test then checks the
+    CLI against, without a second interpreter's start-up (~10 s)."""
+    from corelooper.config import Config
+    from corelooper.loop import Loop
+
+    for key, value in NO_PLUGINS.items():
+        monkeypatch.setenv(key, value)
+    with Loop(config=Config.load(config)) as loop:
+        loop.train()
+
+
 # -- stop signals from the first moments of a command ----------------------------------------------
 
 # Imported by the interpreter at the end of its own start-up (site), before any of the command's
@@ -456,12 +469,12 @@ def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("save", ["steps", "no"])
-def test_a_second_run_into_a_run_folder_says_so_with_its_parentheses_closed(tmp_path, save):
+def test_a_second_run_into_a_run_folder_says_so_with_its_parentheses_closed(tmp_path, save, monkeypatch):
     out = tmp_path / "out"
     config = write_config(
         tmp_path, train=f'output_dir = "{out}"\nmax_steps = 2\nsave_strategy = "{save}"\nsave_steps = 1'
     )
-    assert cli("run", str(config)).returncode == 0
+    train_here(config, monkeypatch)  # the first run; the second, checked, through the CLI
     message = assert_clean_error(
         cli("run", str(config)), f"output_dir {str(out)!r} already holds a run (", code=2
     )
@@ -550,7 +563,7 @@ def _on_a_terminal(*args: str, cwd: Path) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path):
+def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path, monkeypatch):
     """``corelooper eval`` / ``predict`` on a terminal show a bar of the evaluation's batches (32
     samples, 8 a batch: 4), as training shows its steps; not in a pipe (every other test)."""
     config = write_config(
@@ -558,7 +571,7 @@ def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path):
         data=f'train = "{TOYS}:blobs_train"\neval = "{TOYS}:blobs_eval"',
         train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\nsave_strategy = "steps"\nsave_steps = 2',
     )
-    assert cli("run", str(config)).returncode == 0
+    train_here(config, monkeypatch)  # the checkpoint to evaluate (in-process: eval and predict are checked)
     for command in (["eval", str(config)], ["predict", str(config), "--output", str(tmp_path / "p.jsonl")]):
         code, shown = _on_a_terminal(*command, "--checkpoint", "latest", cwd=tmp_path)
         assert code == 0, shown

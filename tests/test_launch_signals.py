@@ -203,7 +203,11 @@ def test_kill_9_of_the_launcher_leaves_no_worker_behind(tmp_path):
     proc.kill()
     proc.communicate(timeout=30)
     (root / "ctl" / "go").touch()  # a surviving worker would now train on and save checkpoint-4
-    time.sleep(10)
+    # a worker gone has written all it ever will: wait for both (they die at once, by
+    # PR_SET_PDEATHSIG), 10 s at most, then look at what is on disk
+    end = time.time() + 10
+    while any(alive(pid) for pid in pids) and time.time() < end:
+        time.sleep(0.1)
     survivors = [pid for pid in pids if alive(pid)]
     for pid in survivors:  # clean up before failing
         os.kill(pid, signal.SIGKILL)

@@ -138,7 +138,9 @@ def test_a_node_killed_mid_run_then_back_the_world_shrinks_and_grows_and_matches
         "--rdzv_id",
         run_id,
         "--rdzv_conf",
-        "last_call_timeout=10",
+        # A node whose heartbeat is 6 s old is dead (torch's default 3 x 5 s = 15 s): the survivor's
+        # next round waits that long for the lost node before its own last call (10 s) starts.
+        "last_call_timeout=10,keep_alive_interval=2,keep_alive_max_attempt=3",
         "-m",
         "corelooper",
         "run",

@@ -433,7 +433,7 @@ def test_two_processes_stop_at_the_same_step_and_resume_exactly(tmp_path):
         assert resumed[r]["params"] == straight[r]["params"]
 
 
-def _lagged_agreement_worker(rank: int, port: int, lag: int, signal_rank: int, signal_step: int, out) -> None:
+def _lagged_agreement_worker(rank: int, port: int, lags, signal_rank: int, signal_step: int, out) -> None:
     import torch.distributed as dist
 
     from corelooper.builtin.preemption import Preemption
@@ -441,23 +441,21 @@ def _lagged_agreement_worker(rank: int, port: int, lag: int, signal_rank: int, s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # The two attributes Preemption.requested reads; the collective under it is real gloo.
     backend = type("Backend", (), {"num_processes": 2, "device": torch.device("cpu")})()
-    p = Preemption(lag)
-    answers = []
-    for step in range(1, 10):
-        if rank == signal_rank and step == signal_step:
-            p.signum = signal.SIGTERM  # what the handler notes; only this rank got the signal
-        answers.append(p.requested(backend))
-    out.put((rank, answers))
+    for lag in lags:  # a fresh Preemption per lag, as each run makes its own (CPU: no work left pending)
+        p = Preemption(lag)
+        answers = []
+        for step in range(1, 10):
+            if rank == signal_rank and step == signal_step:
+                p.signum = signal.SIGTERM  # what the handler notes; only this rank got the signal
+            answers.append(p.requested(backend))
+        out.put((lag, rank, answers))
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lag", [0, 2])
-def test_ranks_agree_on_the_stop_step_with_and_without_the_accelerator_lag(lag):
-    """The accelerator path (a flag reduced asynchronously, read ``lag`` steps later, so no step
-    waits for the device) on 2 real gloo processes: a signal on rank 1 at step 3 stops both ranks
-    at step 3 + lag, the same step on both. (Pinned memory and CUDA events exist only on a GPU:
-    on the CPU the same code copies synchronously.)"""
+@pytest.fixture(scope="module")
+def lagged_agreement() -> dict[int, dict[int, list[bool]]]:
+    """``{lag: {rank: answers}}`` for lags 0 and 2, one after the other on one pair of spawned gloo
+    processes (a pair per lag paid two more interpreter and torch start-ups)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -467,11 +465,25 @@ def test_ranks_agree_on_the_stop_step_with_and_without_the_accelerator_lag(lag):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_lagged_agreement_worker, args=(r, port, lag, 1, 3, out)) for r in range(2)]
+    lags = (0, 2)
+    procs = [ctx.Process(target=_lagged_agreement_worker, args=(r, port, lags, 1, 3, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
+    results: dict[int, dict[int, list[bool]]] = {lag: {} for lag in lags}
+    for _ in range(len(lags) * len(procs)):
+        lag, rank, answers = out.get(timeout=120)
+        results[lag][rank] = answers
     for p in procs:
         p.join(timeout=60)
-    first_stop = {rank: answers.index(True) + 1 for rank, answers in results.items()}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [0, 2])
+def test_ranks_agree_on_the_stop_step_with_and_without_the_accelerator_lag(lag, lagged_agreement):
+    """The accelerator path (a flag reduced asynchronously, read ``lag`` steps later, so no step
+    waits for the device) on 2 real gloo processes: a signal on rank 1 at step 3 stops both ranks
+    at step 3 + lag, the same step on both. (Pinned memory and CUDA events exist only on a GPU:
+    on the CPU the same code copies synchronously.)"""
+    first_stop = {rank: answers.index(True) + 1 for rank, answers in lagged_agreement[lag].items()}
     assert first_stop == {0: 3 + lag, 1: 3 + lag}

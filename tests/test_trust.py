@@ -113,14 +113,46 @@ def one_paragraph(result, code: int, *needles: str) -> None:
         assert needle in result.stderr, (needle, result.stderr)
 
 
+def train_here(config: Path) -> None:
+    """What ``corelooper run`` does with ``config`` (cli()'s environment, the CLI's Loop, its
+    ``with``), in this process: no second interpreter's start-up (~10 s) for a run that only sets
+    a test up or serves as its reference."""
+    from corelooper.config import Config
+    from corelooper.loop import Loop
+
+    with pytest.MonkeyPatch.context() as mp:  # module fixtures too: no monkeypatch fixture; leak nothing
+        mp.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
+        with Loop(config=Config.load(config)) as loop:
+            loop.train()
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """checkpoint-2, checkpoint-4 and the final model, by the CLI, once."""
+    """checkpoint-2, checkpoint-4 and the final model, once (in-process: the tests resume it
+    through the CLI)."""
     root = tmp_path_factory.mktemp("run")
-    write_project(root, root / "out")
-    result = cli(root)
-    assert result.returncode == 0, result.stderr
+    train_here(write_project(root, root / "out"))
+    assert (root / "out" / "model.safetensors").is_file()
     return root
+
+
+@pytest.fixture(scope="module")
+def resumed_over_debris(finished, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A copy of the finished run, left as kills leave one: the lock file of a dead run (its PID
+    written, no flock held), a temp checkpoint-6 whose manifest write was cut short (a kill, or
+    ENOSPC), a half-deleted checkpoint and a stray temp file (a kill at the final model's rename);
+    then resumed to step 6 by the CLI. One run serves the three tests that check what start-up did
+    with each (it was three runs)."""
+    root = tmp_path_factory.mktemp("debris") / "proj"
+    shutil.copytree(finished, root)
+    write_project(root, root / "out")
+    out = root / "out"
+    (out / ".corelooper.lock").write_text('{"pid": 999999, "host": "gone"}\n')
+    shutil.copytree(out / "checkpoint-4", out / ".tmp-checkpoint-6")
+    (out / ".tmp-checkpoint-6" / MANIFEST).write_text("")
+    shutil.copytree(out / "checkpoint-2", out / ".deleting-checkpoint-1")
+    (out / ".tmpab12cd").write_bytes(os.urandom(4096))
+    return root, cli(root, "--resume-from-checkpoint", "latest", "--set", "train.max_steps=6")
 
 
 @pytest.fixture
@@ -168,24 +200,19 @@ def test_same_size_corruption_is_caught(project, name):
 
 
 @pytest.mark.slow
-def test_temp_folder_with_a_manifest_is_never_promoted(project):
-    out = project / "out"
-    half = out / ".tmp-checkpoint-6"
-    shutil.copytree(out / "checkpoint-4", half)
-    (half / MANIFEST).write_text("")  # a kill (or ENOSPC) during the manifest write
-    result = cli(project, "--resume-from-checkpoint", "latest", "--set", "train.max_steps=6")
+def test_temp_folder_with_a_manifest_is_never_promoted(resumed_over_debris):
+    root, result = resumed_over_debris  # .tmp-checkpoint-6: a kill (or ENOSPC) during the manifest write
+    out = root / "out"
     assert result.returncode == 0, result.stderr
-    assert not half.exists()
+    assert not (out / ".tmp-checkpoint-6").exists()
     assert json.loads((out / "checkpoint-6" / "loop_state.json").read_text())["global_step"] == 6
-    assert cli(project, str(out), cmd="verify").returncode == 0
+    assert cli(root, str(out), cmd="verify").returncode == 0
 
 
 @pytest.mark.slow
-def test_startup_clears_half_deleted_folders_and_stray_tmp_files(project):
-    out = project / "out"
-    shutil.copytree(out / "checkpoint-2", out / ".deleting-checkpoint-1")
-    (out / ".tmpab12cd").write_bytes(os.urandom(4096))  # a kill at the final model's rename
-    result = cli(project, "--resume-from-checkpoint", "latest", "--set", "train.max_steps=6")
+def test_startup_clears_half_deleted_folders_and_stray_tmp_files(resumed_over_debris):
+    root, result = resumed_over_debris  # .tmpab12cd: a kill at the final model's rename
+    out = root / "out"
     assert result.returncode == 0, result.stderr
     assert not (out / ".deleting-checkpoint-1").exists() and not (out / ".tmpab12cd").exists()
 
@@ -269,7 +296,7 @@ def test_all_finite_is_one_reduction_that_sees_nan_and_inf():
 
 
 @pytest.mark.slow
-def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project):
+def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project, resumed_over_debris):
     out = project / "out"
     lock = RunLock.acquire(out)  # a real flock, held by this (another) process
     try:
@@ -280,8 +307,8 @@ def test_second_run_resume_or_overwrite_into_a_locked_folder_is_refused(project)
     finally:
         lock.release()
     # the lock file of a dead run (its PID written, no flock held) is simply taken over
-    (out / ".corelooper.lock").write_text('{"pid": 999999, "host": "gone"}\n')
-    result = cli(project, "--resume-from-checkpoint", "latest", "--set", "train.max_steps=6")
+    root, result = resumed_over_debris  # (that run's resume: one process for this and two tests above)
+    assert json.loads((root / "out" / ".corelooper.lock").read_text())["pid"] != 999999
     assert result.returncode == 0, result.stderr
 
 
@@ -457,20 +484,45 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def resume_here(project: Path, ckpt: Path) -> str:
+    """The error of ``corelooper run config.toml --resume-from-checkpoint CKPT`` in ``project``,
+    from this process (what the CLI prints after "corelooper: error: "); fails unless it is the
+    exit-5 kind (the CLI exits with a CorelooperError's exit_code, 1 for anything else)."""
+    from corelooper.config import Config
+    from corelooper.errors import CorelooperError
+    from corelooper.loop import Loop
+
+    cfg = Config.load(project / "config.toml").replace("train", resume_from_checkpoint=str(ckpt))
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(CorelooperError) as refused:
+        mp.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
+        with Loop(config=cfg) as loop:  # as the CLI's run builds it
+            loop.train()
+    assert refused.value.exit_code == 5, refused.value
+    return str(refused.value)
+
+
 @pytest.mark.slow
 def test_a_payload_in_every_file_of_a_checkpoint_never_runs(project, tmp_path):
+    """Each file's reader is tried in this process, through the Loop the CLI builds (a CLI process
+    per file was ~10 s of start-up each); the optimizer's file also goes through the real CLI end
+    to end, which must print that same error."""
     ckpt = project / "out" / "checkpoint-4"
     marker = tmp_path / "PWNED"
+    errors = {}
     for path in sorted(p for p in ckpt.iterdir() if p.name != MANIFEST):
         original = path.read_bytes()
         torch.save({"state": Payload(str(marker)), "x": torch.ones(1)}, path)
         write_manifest(ckpt)  # the manifest agrees: only the readers stand between payload and resume
-        result = cli(project, "--resume-from-checkpoint", str(ckpt))
+        errors[path.name] = resume_here(project, ckpt)  # exit 5
         assert not marker.exists(), f"a payload in {path.name} ran"
-        assert result.returncode == 5, (path.name, result.stderr)
-        assert str(path) in result.stderr or path.name in result.stderr, result.stderr
+        assert str(path) in errors[path.name] or path.name in errors[path.name], errors[path.name]
         path.write_bytes(original)
+    path = ckpt / "optimizer.pt"
+    torch.save({"state": Payload(str(marker)), "x": torch.ones(1)}, path)
     write_manifest(ckpt)
+    result = cli(project, "--resume-from-checkpoint", str(ckpt))
+    assert not marker.exists(), "a payload in optimizer.pt ran"
+    one_paragraph(result, 5, f"corelooper: error: {errors['optimizer.pt']}")
 
 
 # -- kill -9 anywhere --------------------------------------------------------------------------------------
@@ -493,7 +545,7 @@ def test_kill_anywhere_resumes_bitwise_exact(tmp_path):
     write_project(
         root, root / "out", max_steps=steps, save_steps=1, save_total_limit=2, per_device_train_batch_size=4
     )
-    assert cli(ref_root).returncode == 0
+    train_here(ref_root / "config.toml")  # the reference: the same Loop in-process, one process less
     env = {**os.environ, "CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONHASHSEED": "0"}
     rng = random.Random(14)
     kills = 0

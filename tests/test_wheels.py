@@ -64,6 +64,28 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
 
 
+# PEP 517's build_wheel hook of a package's own backend, called in a fresh process in its folder
+# with no build isolation: what `pip wheel --no-deps --no-build-isolation` does for the wheel itself.
+# pip also runs a metadata hook in another process and resolves first: ~3 s of CPU a package
+# against ~1 s here, for 21 packages.
+BUILD_WHEEL = "import importlib, sys; print(importlib.import_module(sys.argv[1]).build_wheel(sys.argv[2]))"
+
+
+def _build_wheel(source: Path, out: Path) -> None:
+    import tomllib
+
+    backend = tomllib.loads((source / "pyproject.toml").read_text())["build-system"]["build-backend"]
+    proc = subprocess.run(
+        [sys.executable, "-c", BUILD_WHEEL, backend, str(out)],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
+    assert proc.returncode == 0, f"{source.name}: {proc.stderr[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict[str, Path]:
     """{"corelooper": wheel, "early_stopping": wheel, ...}, each built on its own (--no-deps)."""
@@ -77,27 +99,9 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
     for plugin in PLUGINS:
         shutil.copytree(REPO / "plugins" / plugin, src / "plugins" / plugin, ignore=SKIP)
     out = tmp / "dist"
-    # one pip process for all (faster); --no-deps: each wheel is built from its own folder alone
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(out),
-            str(src),
-            *(str(src / "plugins" / p) for p in PLUGINS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out.mkdir()
+    for source in (src, *(src / "plugins" / p for p in PLUGINS)):
+        _build_wheel(source, out)
     built = {}
     for wheel in out.glob("*.whl"):
         dist = wheel.name.split("-")[0]  # corelooper, corelooper_early_stopping, ...

@@ -2,7 +2,7 @@
 template, assistant-masked and packed (bfd, 512) — corelooper-sft vs TRL's ``SFTTrainer``, same
 tokenizer, same tiny Llama, one optimizer step each.
 
-usage: python preprocess.py [--sizes 10000 100000] [--reps 3] [--work DIR] [--only cl|trl]
+usage: python preprocess.py [--sizes 10000 100000] [--reps 3] [--work DIR] [--only cl|trl] [--no-warm-up]
        python preprocess.py one {cl,trl} --data F.jsonl --tokenizer DIR --out DIR   (one run, one JSON line)
 
 Each run is a fresh process with fresh caches (``HF_DATASETS_CACHE``, ``CORELOOPER_SFT_CACHE``);
@@ -180,7 +180,7 @@ def warm_up(data: Path) -> None:
             pass
 
 
-def bench(sizes: list[int], reps: int, work: Path, only: str | None) -> list[dict]:
+def bench(sizes: list[int], reps: int, work: Path, only: str | None, warm: bool = True) -> list[dict]:
     import chat_data
 
     tok = chat_data.write_tokenizer(work / "tokenizer")
@@ -194,7 +194,8 @@ def bench(sizes: list[int], reps: int, work: Path, only: str | None) -> list[dic
                 f"wrote {data} ({data.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t:.0f} s",
                 flush=True,
             )
-        warm_up(data)
+        if warm:
+            warm_up(data)
         for rep in range(reps):
             for method in ("cl", "trl") if rep % 2 == 0 else ("trl", "cl"):
                 if only and method != only:
@@ -273,9 +274,15 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cl-preprocess")
     ap.add_argument("--only", choices=["cl", "trl"], default=None)
     ap.add_argument("--out", type=Path, default=HERE.parent / "results" / "preprocess.json")
+    ap.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="skip warm_up's untimed start (the test suite's smoke: one process less; the first "
+        "run's times then include a cold disk, so no figures)",
+    )
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    rows = bench(a.sizes, a.reps, a.work, a.only)
+    rows = bench(a.sizes, a.reps, a.work, a.only, warm=not a.no_warm_up)
     res = a.out
     res.write_text(
         json.dumps(

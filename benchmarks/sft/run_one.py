@@ -305,8 +305,9 @@ class DevicePeak:
         return round(torch.cuda.max_memory_allocated() / 2**30, 2)
 
 
-def main() -> None:
-    a = parse()
+def main(argv=None) -> None:
+    """One run (``argv``: this script's arguments; work.py's ``--one-process`` passes each row's)."""
+    a = parse(argv)
     import torch
 
     train, evals, st, h, model = setup(a)

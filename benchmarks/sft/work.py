@@ -3,13 +3,15 @@ about its speed: a paired speed ratio is a work ratio times a FLOP-rate ratio.
 
 usage: benchmarks/.venv/bin/python benchmarks/sft/work.py [--samples 512] [--seed 0]
            [--methods cl_padding_free,raw_padding_free,hf_grouped,trl_grouped]
-           [--ratios RESULT.json ...] [--out OUT.json]
+           [--ratios RESULT.json ...] [--out OUT.json] [--one-process]
 
 Each row runs once as ``run_one.py ROW --count-flops`` (its own process, the benchmark's data,
 model and hyper-parameters) with ``torch.utils.flop_counter.FlopCounterMode`` around the framework
 call: every matrix product of the forward and the backward, and (with the formulas below, which
 torch does not register) the in-place ``addmm_`` and the CPU flash attention kernel's, causal
 calls at the half they compute. Its times are not figures: the counter runs in every op.
+``--one-process`` (the test suite's smoke) runs those rows one after another in one process
+instead: one start-up, the same counts for the rows checked (``count_in_one_process``).
 
 With ``--ratios`` (a ``lockstep.py`` or ``run_bench.py`` result with paired medians) it splits
 each measured ratio of ``cl_padding_free`` over another row into the work it spares (the other
@@ -144,6 +146,55 @@ def count(method: str, samples: int, seed: int, extra: tuple[str, ...] = ()) -> 
     return json.loads(lines[-1])
 
 
+# work.py's argument that makes it the child of ``count_in_one_process`` (not a user's flag)
+ROWS_CHILD = "--rows-in-this-process"
+
+
+def count_in_one_process(
+    methods: list[str], samples: int, seed: int, extra: tuple[str, ...] = ()
+) -> dict[str, dict]:
+    """``count``'s records of ``methods``, counted one row after another in one process (one
+    start-up instead of one per row: the test suite's smoke). No time is measured here, and the
+    counts are the per-row processes' (checked equal for the rows the tests count; a row that
+    patched a framework for the rows after it would not be). A row that fails, or that the process
+    did not reach, gives ``{"method": m, "failed": ...}``; the others are still counted."""
+    flags = ["--samples", str(samples), "--seed", str(seed), "--count-flops", *extra]
+    cmd = [sys.executable, str(HERE / "work.py"), ROWS_CHILD, ",".join(methods), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    recs = {}
+    for ln in proc.stdout.splitlines():
+        if ln.startswith("{") and '"method"' in ln:
+            rec = json.loads(ln)
+            recs[rec["method"]] = rec
+    why = f"work.py: {' '.join(cmd)} ended (exit {proc.returncode}) before this row:\n{proc.stderr[-2000:]}"
+    return {m: recs.get(m) or dict(method=m, failed=why) for m in methods}
+
+
+def _rows_in_this_process(methods: list[str], flags: list[str]) -> None:
+    """``count_in_one_process``'s child: run_one.py's ``--count-flops`` run of each row in turn
+    (its own model, data and hooks per row), each printing its record."""
+    import traceback
+
+    import run_one
+
+    for m in methods:
+        try:
+            run_one.main([m, *flags])
+        except (Exception, SystemExit):  # noqa: BLE001 (recorded; the other rows are still counted)
+            print(json.dumps({"method": m, "failed": traceback.format_exc()[-2000:]}), flush=True)
+
+
+def _counts(methods: list[str], samples: int, seed: int, one_process: bool) -> dict[str, dict]:
+    """main's records: a process per row (``count``), or all in one; a failed row ends the run."""
+    if not one_process:
+        return {m: count(m, samples, seed) for m in methods}
+    recs = count_in_one_process(methods, samples, seed)
+    failed = {m: r["failed"] for m, r in recs.items() if "failed" in r}
+    if failed:
+        raise SystemExit(f"work.py: rows failed: {json.dumps(failed, indent=1)[-4000:]}")
+    return recs
+
+
 def paired_medians(path: str) -> dict[str, float]:
     """``"A/B" -> paired median`` of trained tokens/s for every two rows of a ``lockstep.py`` or
     ``run_bench.py`` result (both keep each repetition's records under ``runs``)."""
@@ -202,9 +253,14 @@ def main() -> None:
         help="lockstep.py / run_bench.py results: their paired medians, split into work and FLOP rate",
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="count every row in one process, row after row (the test suite's smoke: one start-up)",
+    )
     a = ap.parse_args()
     methods = a.methods.split(",")
-    recs = {m: count(m, a.samples, a.seed) for m in methods}
+    recs = _counts(methods, a.samples, a.seed, a.one_process)
     print(f"{'row':<22}{'GFLOP':>9}{'matmul':>9}{'attention':>11}{'MFLOP/trained token':>21}")
     for m, r in recs.items():
         f = r["flops"]
@@ -241,4 +297,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == [ROWS_CHILD]:
+        _rows_in_this_process(sys.argv[2].split(","), sys.argv[3:])
+    else:
+        main()

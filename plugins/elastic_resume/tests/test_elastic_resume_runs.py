@@ -32,7 +32,8 @@ from cluster_task import (  # noqa: E402
 )
 
 
-def _run(tmp_path, config, nproc: int, stop: int = 0, resume: bool = False):
+def _run(tmp_path, config, nproc: int, record: Path, stop: int = 0, resume: bool = False):
+    """``corelooper run`` with the stop and config-recorder plugins (written to tmp_path)."""
     args = [
         sys.executable,
         "-m",
@@ -41,6 +42,8 @@ def _run(tmp_path, config, nproc: int, stop: int = 0, resume: bool = False):
         str(config),
         "-p",
         str(tmp_path / "stop_at.py"),
+        "-p",
+        str(tmp_path / "config_recorder.py"),
         *ELASTIC,
     ]
     if nproc > 1:
@@ -50,7 +53,7 @@ def _run(tmp_path, config, nproc: int, stop: int = 0, resume: bool = False):
     return subprocess.run(
         args,
         cwd=REPO,
-        env={**env(tmp_path), "STOP_AT_STEP": str(stop)},
+        env={**env(tmp_path), "STOP_AT_STEP": str(stop), "CONFIG_RECORD": str(record)},
         capture_output=True,
         text=True,
         timeout=240,
@@ -62,40 +65,6 @@ def _step_losses(run_dir) -> dict[int, float]:
     losses = [(x["step"], x["loss"]) for x in lines if "loss" in x and "train_runtime" not in x]
     assert len({s for s, _ in losses}) == len(losses), losses  # each step logged once
     return dict(losses)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(tmp_path):
-    (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
-    # 64 samples, global batch 8: 8 steps an epoch; stops at 6 (epoch 0) and 9 (epoch 1)
-    ref_cfg = write_config(tmp_path, tmp_path / "ref", name="ref.toml")
-    cfg = write_config(tmp_path, tmp_path / "run", name="run.toml")
-    ref = _run(tmp_path, ref_cfg, 2)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
-    first = _run(tmp_path, cfg, 2, stop=6)
-    assert first.returncode != 0 and (tmp_path / "run" / "checkpoint-6").is_dir(), first.stderr[-3000:]
-    assert not (tmp_path / "run" / "checkpoint-9").exists()
-    one = _run(tmp_path, cfg, 1, stop=9, resume=True)
-    assert one.returncode == 143, one.stderr[-3000:]
-    assert (
-        "saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
-        "4 per device x 2 accumulation x 1 processes = 8"
-    ) in one.stdout
-    assert "continuing after sample 48 of epoch 0" in one.stdout
-    assert "batch 4 x 2 accumulation x 1 processes" in one.stdout
-    last = _run(tmp_path, cfg, 2, resume=True)
-    assert last.returncode == 0, last.stderr[-3000:]
-    assert "continuing after sample 8 of epoch 1" in last.stdout  # step 9 = 1 step into epoch 1
-
-    got, want = _step_losses(tmp_path / "run"), _step_losses(tmp_path / "ref")
-    assert sorted(got) == list(range(1, 13)) == sorted(want)
-    assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, (got, want)
-    final = load_file(str(tmp_path / "run" / "model.safetensors"))
-    assert max_diff(final, load_file(str(tmp_path / "ref" / "model.safetensors"))) <= 1e-5
-    start = load_file(str(tmp_path / "run" / "checkpoint-6" / "model.safetensors"))
-    assert max_diff(final, start) > 1e-3
 
 
 CONFIG_RECORDER = """
@@ -121,48 +90,61 @@ def corelooper_configure(config, plugins):
 """
 
 
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory):
+    """The issue's run, once for the module's two end-to-end tests (4 real launches, the suite's
+    time: issue 50). 64 samples, global batch 8: 8 steps an epoch; stops at 6 (epoch 0) and 9 (epoch 1).
+    Every run (reference included) loads CONFIG_RECORDER, which only writes what its plugin was
+    configured with at on_train_begin: record.jsonl gets one line per launch of the resumed run."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    (tmp / "stop_at.py").write_text(STOP_PLUGIN)
+    (tmp / "config_recorder.py").write_text(CONFIG_RECORDER)
+    ref = _run(tmp, write_config(tmp, tmp / "ref", name="ref.toml"), 2, record=tmp / "ref_record.jsonl")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cfg, record = write_config(tmp, tmp / "run", name="run.toml"), tmp / "record.jsonl"
+    first = _run(tmp, cfg, 2, record, stop=6)
+    assert first.returncode != 0 and (tmp / "run" / "checkpoint-6").is_dir(), first.stderr[-3000:]
+    assert not (tmp / "run" / "checkpoint-9").exists()
+    one = _run(tmp, cfg, 1, record, stop=9, resume=True)
+    assert one.returncode == 143, one.stderr[-3000:]
+    last = _run(tmp, cfg, 2, record, resume=True)
+    assert last.returncode == 0, last.stderr[-3000:]
+    return {"tmp": tmp, "one": one, "last": last, "record": record}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_plugin_is_configured_with_the_config_the_resumed_run_uses(tmp_path):
-    """2 processes -> preempted -> resumed on 1: the plugins are configured with the settled
-    geometry (4 x 2 accumulation), and the run never replaces that config."""
-    (tmp_path / "stop_at.py").write_text(STOP_PLUGIN)
-    (tmp_path / "config_recorder.py").write_text(CONFIG_RECORDER)
-    cfg = write_config(tmp_path, tmp_path / "run", max_steps=6)
-    extra = ["-p", str(tmp_path / "config_recorder.py"), *ELASTIC]
-    record = tmp_path / "record.jsonl"
+def test_two_then_one_then_two_processes_equals_an_uninterrupted_run(elastic_run):
+    tmp, one, last = elastic_run["tmp"], elastic_run["one"], elastic_run["last"]
+    assert (
+        "saved with 4 per device x 1 accumulation x 2 processes = 8; on 1 processes: "
+        "4 per device x 2 accumulation x 1 processes = 8"
+    ) in one.stdout
+    assert "continuing after sample 48 of epoch 0" in one.stdout
+    assert "batch 4 x 2 accumulation x 1 processes" in one.stdout
+    assert "continuing after sample 8 of epoch 1" in last.stdout  # step 9 = 1 step into epoch 1
 
-    def run(nproc: int, stop: int, resume: bool):
-        args = [
-            sys.executable,
-            "-m",
-            "corelooper",
-            "run",
-            str(cfg),
-            "-p",
-            str(tmp_path / "stop_at.py"),
-            *extra,
-        ]
-        args += ["--nproc", str(nproc)] if nproc > 1 else []
-        args += ["--resume-from-checkpoint", "latest"] if resume else []
-        return subprocess.run(
-            args,
-            cwd=REPO,
-            env={**env(tmp_path), "STOP_AT_STEP": str(stop), "CONFIG_RECORD": str(record)},
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+    got, want = _step_losses(tmp / "run"), _step_losses(tmp / "ref")
+    assert sorted(got) == list(range(1, 13)) == sorted(want)
+    assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, (got, want)
+    final = load_file(str(tmp / "run" / "model.safetensors"))
+    assert max_diff(final, load_file(str(tmp / "ref" / "model.safetensors"))) <= 1e-5
+    start = load_file(str(tmp / "run" / "checkpoint-6" / "model.safetensors"))
+    assert max_diff(final, start) > 1e-3
 
-    first = run(2, stop=3, resume=False)
-    assert first.returncode != 0 and (tmp_path / "run" / "checkpoint-3").is_dir(), first.stderr[-3000:]
-    one = run(1, stop=0, resume=True)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "on 1 processes: 4 per device x 2 accumulation x 1 processes = 8" in one.stdout
-    records = [json.loads(line) for line in record.read_text().splitlines()]
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_plugin_is_configured_with_the_config_the_resumed_run_uses(elastic_run):
+    """2 processes -> preempted -> resumed on 1 -> preempted -> resumed on 2: the plugins are
+    configured with each launch's settled geometry (4 x 2 accumulation on 1 process, 4 x 1 on 2),
+    and the run never replaces that config."""
+    assert "on 1 processes: 4 per device x 2 accumulation x 1 processes = 8" in elastic_run["one"].stdout
+    records = [json.loads(line) for line in elastic_run["record"].read_text().splitlines()]
     assert records == [
         {"configured": [4, 1], "running": [4, 1], "same_config": True, "world": 2},
         {"configured": [4, 2], "running": [4, 2], "same_config": True, "world": 1},
+        {"configured": [4, 1], "running": [4, 1], "same_config": True, "world": 2},
     ]
 
 

@@ -566,20 +566,32 @@ def test_two_processes_weighted_loss_subclass_as_hf(tmp_path, hf_two_processes, 
         assert cl[0]["params"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
 
 
+MOVE_OVER = dict(eval_strategy="steps", eval_steps=2, logging_steps=1)
+
+
+@pytest.fixture(scope="module")
+def hf_uninterrupted(tmp_path_factory):
+    """HF's uninterrupted run that every moved-over run must end as, trained once for both cut
+    points: theirs differ only in save_steps, and a save draws no random number and moves no
+    weight (this one saves nothing)."""
+    whole = HFTrainer(
+        model=tiny_llama(seed=2),
+        args=args_for(tmp_path_factory.mktemp("whole"), save_strategy="no", **MOVE_OVER),
+        train_dataset=lm_rows(28, seed=3),
+        eval_dataset=lm_rows(8, seed=4),
+    )
+    whole.train()
+    return whole
+
+
 @pytest.mark.parametrize("stop_at", [3, 7], ids=["mid-epoch", "epoch-end"])
-def test_a_run_moves_over_from_a_checkpoint_hf_wrote(tmp_path, stop_at):
+def test_a_run_moves_over_from_a_checkpoint_hf_wrote(tmp_path, stop_at, hf_uninterrupted):
     """transformers.Trainer trains and saves checkpoint-N; the drop-in resumes from it and ends
     where HF's uninterrupted run ends: the same later logs and final weights."""
     train, evaluation = lm_rows(28, seed=3), lm_rows(8, seed=4)
-    kw = dict(save_strategy="steps", save_steps=stop_at, eval_strategy="steps", eval_steps=2, logging_steps=1)
+    kw = dict(save_strategy="steps", save_steps=stop_at, **MOVE_OVER)
     model = tiny_llama(seed=2)
-    whole = HFTrainer(
-        model=copy.deepcopy(model),
-        args=args_for(tmp_path / "whole", **kw),
-        train_dataset=train,
-        eval_dataset=evaluation,
-    )
-    whole.train()
+    whole = hf_uninterrupted
     cut = HFTrainer(
         model=copy.deepcopy(model),
         args=args_for(tmp_path / "hf", **kw),

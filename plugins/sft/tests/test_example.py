@@ -21,12 +21,21 @@ def sh(args, cwd, env):
     return out
 
 
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The README's first step, `python examples/sft_chat/make_model.py --out DIR`, run once for
+    both tests (they only read the base model): the folder and what the script said."""
+    tmp = tmp_path_factory.mktemp("sft_chat_model")
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp / "cache"), "PYTHONPATH": str(ROOT)}
+    model = tmp / "tiny-llama"
+    return model, sh([str(BIN / "python"), str(EXAMPLE / "make_model.py"), "--out", str(model)], ROOT, env)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not EXAMPLE.is_dir(), reason="runs from a repository checkout")
-def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path):
+def test_sft_chat_example_trains_with_lora_packing_and_weighted_loss(tmp_path, made):
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    model = tmp_path / "tiny-llama"
-    made = sh([str(BIN / "python"), str(EXAMPLE / "make_model.py"), "--out", str(model)], ROOT, env)
+    model, made = made
     # the script says what it wrote and nothing else (no shard bar, no DeepSpeed accelerator notice)
     assert (
         made.stdout + made.stderr
@@ -125,7 +134,7 @@ def assert_complete_export(merged: Path, base: Path, env: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(not EXAMPLE.is_dir(), reason="runs from a repository checkout")
-def test_sft_chat_example_with_zero3_on_two_processes_merges_and_reloads(tmp_path):
+def test_sft_chat_example_with_zero3_on_two_processes_merges_and_reloads(tmp_path, made):
     env = {
         **os.environ,
         "HF_DATASETS_CACHE": str(tmp_path / "cache"),
@@ -133,8 +142,7 @@ def test_sft_chat_example_with_zero3_on_two_processes_merges_and_reloads(tmp_pat
         "TMPDIR": str(tmp_path),
         "OMP_NUM_THREADS": "1",
     }
-    model = tmp_path / "tiny-llama"
-    sh([str(BIN / "python"), str(EXAMPLE / "make_model.py"), "--out", str(model)], ROOT, env)
+    model, _ = made
     out = tmp_path / "run"
     sh(
         [

@@ -48,15 +48,31 @@ def lm_predict(
     )
 
 
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, model_dir):
+    """``generated(command)``: that command's run with ``--generate`` on the padded evaluation set,
+    made once in the module ((rows, output file, completed process)); the one-process
+    ``corelooper predict`` run is also the reference of the two-process test."""
+    runs = {}
+
+    def get(command: str):
+        if command not in runs:
+            tmp = tmp_path_factory.mktemp(command.replace(" ", "_"))
+            config, rows = write_config(tmp, model_dir)
+            out = tmp / "preds.jsonl"
+            args = ["--checkpoint", str(model_dir), "-o", str(out), "--generate", "--max-new-tokens", "6"]
+            runs[command] = rows, out, lm_predict(config, *args, env_dir=tmp, command=command.split())
+        return runs[command]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["predict", "lm predict"])
-def test_one_record_per_sample_with_its_loss_and_the_generated_text(tmp_path, model_dir, command):
+def test_one_record_per_sample_with_its_loss_and_the_generated_text(generated, model_dir, command):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config, rows = write_config(tmp_path, model_dir)
-    out = tmp_path / "preds.jsonl"
-    args = ["--checkpoint", str(model_dir), "-o", str(out), "--generate", "--max-new-tokens", "6"]
-    ran = lm_predict(config, *args, env_dir=tmp_path, command=command.split())
+    rows, out, ran = generated(command)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
     said = "predictions written to" if command == "predict" else "6 samples written to"
     assert ran.stdout.strip().splitlines() == [
@@ -147,23 +163,31 @@ def test_a_packed_evaluation_set_gives_the_same_records_sample_by_sample(tmp_pat
 
 
 @pytest.mark.distributed
-def test_two_processes_write_the_records_one_process_writes(tmp_path, model_dir):
+def test_two_processes_write_the_records_one_process_writes(tmp_path, model_dir, generated):
     """`corelooper predict` under torchrun with 2 processes on a causal LM: every process runs the records' forwards
-    (a sharded model gathers in lockstep), the main process writes them: the same file as one."""
+    (a sharded model gathers in lockstep), the main process writes them: the same file as one (the
+    one-process run of the test above; --generate adds fields to its records and changes none)."""
     config, _ = write_config(tmp_path, model_dir)
-    files = {}
+    _, one_out, one_ran = generated("predict")
+    assert one_ran.returncode == 0, one_ran.stdout[-2000:] + one_ran.stderr[-3000:]
+    assert one_ran.stdout.count("predictions written to") == 1  # one process speaks
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    for nproc in (1, 2):
-        out = tmp_path / f"preds{nproc}.jsonl"
-        args = [str(config), "--checkpoint", str(model_dir), "-o", str(out)]
-        launch = [str(BIN / "corelooper")] if nproc == 1 else [*torchrun, "-m", "corelooper"]
-        env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-        ran = subprocess.run(
-            [*launch, "predict", *args], capture_output=True, text=True, env=env, timeout=600
-        )
-        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
-        assert ran.stdout.count("predictions written to") == 1  # one process speaks
-        files[nproc] = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    out = tmp_path / "preds2.jsonl"
+    args = [str(config), "--checkpoint", str(model_dir), "-o", str(out)]
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    ran = subprocess.run(
+        [*torchrun, "-m", "corelooper", "predict", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    assert ran.stdout.count("predictions written to") == 1  # one process speaks
+    files = {
+        n: [json.loads(x) for x in f.read_text(encoding="utf-8").splitlines()]
+        for n, f in ((1, one_out), (2, out))
+    }
     assert len(files[2]) == 6 and [r["index"] for r in files[2]] == list(range(6))
     for one, two in zip(files[1], files[2], strict=True):
         assert one["predicted_ids"] == two["predicted_ids"] and one["label_ids"] == two["label_ids"]

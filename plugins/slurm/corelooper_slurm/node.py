@@ -130,10 +130,12 @@ def _record_shutdown_codes(codes: dict[int, int | None]) -> None:
         original(self, *args, **kwargs)
         try:
             ranks = {w.local_rank: w.global_rank for w in self.get_worker_group().workers}
-            for local_rank, handler in self._pcontext.subprocess_handlers.items():
-                codes[ranks.get(local_rank, local_rank)] = handler.proc.returncode
+            handlers = self._pcontext.subprocess_handlers
         except AttributeError:
-            pass
+            return
+        codes.clear()  # a restart stops the group before: the node's line gives the last group's
+        for local_rank, handler in handlers.items():
+            codes[ranks.get(local_rank, local_rank)] = handler.proc.returncode
 
     LocalElasticAgent._shutdown = _shutdown
 
@@ -235,7 +237,12 @@ def _rendezvous_host(args: list[str]) -> list[str]:
     head, here = os.environ.get("CORELOOPER_SLURM_HEAD_NODE"), os.environ.get("SLURMD_NODENAME")
     if not head or not here:
         return args
-    return ["--rdzv_conf", f"is_host={int(head == here)}", *args]
+    # an explicit --rdzv_conf replaces torchrun's PET_RDZV_CONF: the user's settings from it
+    # (last_call_timeout, keep_alive_interval, ...) are kept, is_host is the job's
+    user = [
+        kv for kv in os.environ.get("PET_RDZV_CONF", "").split(",") if kv and not kv.startswith("is_host=")
+    ]
+    return ["--rdzv_conf", ",".join([*user, f"is_host={int(head == here)}"]), *args]
 
 
 def _labelled(args: list[str], log_dir: Path) -> list[str]:

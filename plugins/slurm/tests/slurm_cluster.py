@@ -11,6 +11,16 @@ Duplicated NodeHostName".
 
 Everything lives in one temporary folder (key, sockets, state, logs); ``SLURM_CONF`` points the
 client commands (sbatch, scontrol, scancel) and the jobs at it. Nothing is faked.
+
+Two settings make Slurm react sooner than its defaults, which only the tests' waiting needs:
+
+- ``AuthInfo=...,cred_expire=10`` (default 120, Slurm's minimum 5): a requeued job's begin time is
+  the credential lifetime + 1 s after the requeue. Each credential is checked once, when slurmd
+  gets the launch it came with (sent at once), so 10 s is ample even on a loaded machine.
+- ``SchedulerParameters=bf_interval=1,sched_interval=1`` (defaults 30 and 60): nothing wakes the
+  scheduler when a requeued job's begin time passes, so it started on the next periodic pass, up
+  to 30 s later (26 s measured); with a pass every second it starts at its begin time. A pass
+  over this cluster's one or two jobs is cheap.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.socket,cred_expire=30
+AuthInfo=socket={root}/munge.socket,cred_expire=10
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -65,6 +75,7 @@ TaskPlugin=task/none
 SwitchType=switch/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides

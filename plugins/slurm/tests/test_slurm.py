@@ -109,7 +109,8 @@ def test_preempted_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(s
 
     # Slurm starts a requeued job no sooner than its credential lifetime later (its BeginTime:
     # slurmd must forget the killed run first; starting it earlier by hand gets "Job credential
-    # revoked"): 120 s by default, 30 s in this cluster (slurm_cluster.py, AuthInfo cred_expire).
+    # revoked"): 120 s by default, 10 s in this cluster (slurm_cluster.py, AuthInfo cred_expire),
+    # whose scheduler then starts it within a second (SchedulerParameters).
     slurm.wait_for("the job did not finish", lambda: slurm.job(job_id).get("JobState") == "COMPLETED", 400)
     job = slurm.job(job_id)
     log = (tmp_path / f"job-{job_id}.out").read_text()
@@ -488,6 +489,28 @@ def test_min_nodes_makes_the_job_go_on_without_a_lost_node(tmp_path):
     )
     assert "--max_restarts 2 " in alone.stdout and "--no-kill" not in alone.stdout, alone.stderr
     assert '--nnodes "$SLURM_NNODES"' in alone.stdout
+
+
+def test_the_first_node_hosts_the_rendezvous_and_pet_rdzv_conf_is_kept(monkeypatch):
+    """corelooper_slurm.node passes torchrun --rdzv_conf is_host=...: an explicit flag replaces
+    torchrun's PET_RDZV_CONF, so the user's settings from it travel in the same flag."""
+    from corelooper_slurm.node import _rendezvous_host
+
+    monkeypatch.setenv("CORELOOPER_SLURM_HEAD_NODE", "gpu017")
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu018")
+    monkeypatch.delenv("PET_RDZV_CONF", raising=False)
+    assert _rendezvous_host(["--nnodes", "2"]) == ["--rdzv_conf", "is_host=0", "--nnodes", "2"]
+    monkeypatch.setenv("PET_RDZV_CONF", "last_call_timeout=10,is_host=1,keep_alive_interval=2")
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu017")
+    conf = _rendezvous_host([])[1]
+    assert conf == "last_call_timeout=10,keep_alive_interval=2,is_host=1"
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    assert _parse_rendezvous_config(conf) == {
+        "last_call_timeout": "10",
+        "keep_alive_interval": "2",
+        "is_host": "1",
+    }  # as torchrun reads it
 
 
 def test_dry_run_overrides_and_the_grace_sized_from_the_last_save(tmp_path):
