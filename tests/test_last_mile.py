@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
+from run_here import train_here
 from test_bad_input import assert_clean_error, write_config
 
 TOYS = REPO / "tests" / "toys.py"
@@ -27,19 +28,6 @@ NO_PLUGINS = {"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 def cli(*args: str, env: dict | None = None, **kwargs):
     return run_cli(*args, env={**NO_PLUGINS, **(env or {})}, **kwargs)
-
-
-def train_here(config: Path, monkeypatch) -> None:
-    """``corelooper run CONFIG`` as cli() runs it (no installed plugin, the CLI's Loop and its
-    ``with``), in this process: for a run that only fills the run folder a test then checks the
-    CLI against, without a second interpreter's start-up (~10 s)."""
-    from corelooper.config import Config
-    from corelooper.loop import Loop
-
-    for key, value in NO_PLUGINS.items():
-        monkeypatch.setenv(key, value)
-    with Loop(config=Config.load(config)) as loop:
-        loop.train()
 
 
 # -- stop signals from the first moments of a command ----------------------------------------------
@@ -469,12 +457,12 @@ def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("save", ["steps", "no"])
-def test_a_second_run_into_a_run_folder_says_so_with_its_parentheses_closed(tmp_path, save, monkeypatch):
+def test_a_second_run_into_a_run_folder_says_so_with_its_parentheses_closed(tmp_path, save):
     out = tmp_path / "out"
     config = write_config(
         tmp_path, train=f'output_dir = "{out}"\nmax_steps = 2\nsave_strategy = "{save}"\nsave_steps = 1'
     )
-    train_here(config, monkeypatch)  # the first run; the second, checked, through the CLI
+    train_here(config)  # the first run; the second, checked, through the CLI
     message = assert_clean_error(
         cli("run", str(config)), f"output_dir {str(out)!r} already holds a run (", code=2
     )
@@ -563,7 +551,7 @@ def _on_a_terminal(*args: str, cwd: Path) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path, monkeypatch):
+def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path):
     """``corelooper eval`` / ``predict`` on a terminal show a bar of the evaluation's batches (32
     samples, 8 a batch: 4), as training shows its steps; not in a pipe (every other test)."""
     config = write_config(
@@ -571,7 +559,7 @@ def test_eval_and_predict_show_their_progress_on_a_terminal(tmp_path, monkeypatc
         data=f'train = "{TOYS}:blobs_train"\neval = "{TOYS}:blobs_eval"',
         train=f'output_dir = "{tmp_path / "out"}"\nmax_steps = 2\nsave_strategy = "steps"\nsave_steps = 2',
     )
-    train_here(config, monkeypatch)  # the checkpoint to evaluate (in-process: eval and predict are checked)
+    train_here(config)  # the checkpoint to evaluate (in-process: eval and predict are checked)
     for command in (["eval", str(config)], ["predict", str(config), "--output", str(tmp_path / "p.jsonl")]):
         code, shown = _on_a_terminal(*command, "--checkpoint", "latest", cwd=tmp_path)
         assert code == 0, shown

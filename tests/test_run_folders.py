@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TESTS, run_cli
+from run_here import train_here
 
 CONFIG = """
 [model]
@@ -27,6 +28,7 @@ save_steps = 3
 disable_tqdm = true
 """
 QUIET = {"CORELOOPER_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"}
+RUN_PLUGINS = ["corelooper_hf", "corelooper_run_record"]  # cli("run", ...)'s -p modules
 
 
 def write_rows(path: Path, n: int = 64) -> Path:
@@ -68,24 +70,8 @@ def cli(*args, cwd: Path, **env):
     corelooper-run-record (run.json: a resume that does nothing must not touch it either) as the
     only plugins."""
     plugins = ["-p", "corelooper_hf"] if args[0] in ("run", "eval", "predict") else []
-    plugins += ["-p", "corelooper_run_record"] if args[0] == "run" else []
+    plugins += ["-p", "corelooper_run_record"] if args[0] == "run" else []  # = RUN_PLUGINS for a run
     return run_cli(*args, *plugins, cwd=cwd, env={**QUIET, **env}, timeout=180)
-
-
-def train_here(cfg: Path, cwd: Path, monkeypatch) -> None:
-    """``cli("run", cfg, cwd=cwd)`` in this process (its plugins, environment and folder; the
-    CLI's config and Loop and its ``with``): for a first run that only fills the folder the CLI's
-    resumes are then checked on, without a second interpreter's start-up (~10 s with these
-    plugins)."""
-    from corelooper.cli.api import load_config
-
-    from corelooper.loop import Loop
-
-    for key, value in QUIET.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.chdir(cwd)
-    with Loop(config=load_config(cfg, None, ["corelooper_hf", "corelooper_run_record"])) as loop:
-        loop.train()
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -99,9 +85,9 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_does_nothing_and_a_real_resume_says_where_it_starts(tmp_path, monkeypatch):
+def test_resuming_a_finished_run_does_nothing_and_a_real_resume_says_where_it_starts(tmp_path):
     cfg = config(tmp_path)
-    train_here(cfg, tmp_path, monkeypatch)  # the first run; the CLI's resumes of it are checked
+    train_here(cfg, cwd=tmp_path, plugins=RUN_PLUGINS)  # the first run; the CLI's resumes are checked
     before = snapshot(tmp_path / "run")
     again = cli("run", str(cfg), "--resume-from-checkpoint", "latest", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -120,7 +106,7 @@ def test_resuming_a_finished_run_does_nothing_and_a_real_resume_says_where_it_st
 
 
 @pytest.mark.slow
-def test_a_finished_run_whose_only_checkpoint_is_older_is_still_finished(tmp_path, monkeypatch):
+def test_a_finished_run_whose_only_checkpoint_is_older_is_still_finished(tmp_path):
     """save_total_limit = 1 with a best checkpoint keeps only the best one (HF 5.x): here the first
     evaluation's (greater_is_better on the loss), step 2 of 6. Resuming latest or auto must not train
     steps 3-6 again over the final model; a longer plan resumes from step 2 and says so."""
@@ -133,7 +119,7 @@ def test_a_finished_run_whose_only_checkpoint_is_older_is_still_finished(tmp_pat
         )
     )
     cfg.write_text(cfg.read_text().replace("[train]", 'eval = "rows.jsonl"\n[train]'))
-    train_here(cfg, tmp_path, monkeypatch)  # the first run; the CLI's resumes of it are checked
+    train_here(cfg, cwd=tmp_path, plugins=RUN_PLUGINS)  # the first run; the CLI's resumes are checked
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
     assert json.loads((tmp_path / "run" / "loop_state.json").read_text())["global_step"] == 6
     before = snapshot(tmp_path / "run")

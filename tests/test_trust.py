@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_here import train_here
 
 from corelooper.checkpoints.lock import RunLock
 from corelooper.checkpoints.manifest import MANIFEST, write_manifest
@@ -111,19 +112,6 @@ def one_paragraph(result, code: int, *needles: str) -> None:
     assert "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in result.stderr, (needle, result.stderr)
-
-
-def train_here(config: Path) -> None:
-    """What ``corelooper run`` does with ``config`` (cli()'s environment, the CLI's Loop, its
-    ``with``), in this process: no second interpreter's start-up (~10 s) for a run that only sets
-    a test up or serves as its reference."""
-    from corelooper.config import Config
-    from corelooper.loop import Loop
-
-    with pytest.MonkeyPatch.context() as mp:  # module fixtures too: no monkeypatch fixture; leak nothing
-        mp.setenv("CORELOOPER_DISABLE_PLUGIN_AUTOLOAD", "1")
-        with Loop(config=Config.load(config)) as loop:
-            loop.train()
 
 
 @pytest.fixture(scope="module")
