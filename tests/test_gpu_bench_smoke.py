@@ -41,8 +41,12 @@ def smoke(tmp_path, steps, budget_s=1200, **env):
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_the_trained_head_and_the_eval_comparison(tmp_path):
-    proc, summary = smoke(tmp_path, STEPS)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc, summary = smoke(tmp_path, STEPS, TMPDIR=str(scratch))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # every run's output folder and result file removed after (torch.compile's cache is torch's own)
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
     results = summary["results"]
     assert not [n for n, r in results.items() if "error" in r]
     # the one skip here is true: corelooper refuses fp16 on a CPU

@@ -53,6 +53,18 @@ SIZES = {
 PEAK_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp32": 989e12 / 2}  # H200 SXM dense (tf32 ~half)
 
 
+# This step process's folder for what its runs write (models, logs): removed when the process
+# exits, so the benchmark leaves nothing behind in TMPDIR (a process killed by its budget excepted).
+_SCRATCH: list[tempfile.TemporaryDirectory] = []
+
+
+def run_dir(prefix: str) -> str:
+    """A fresh output folder for one run of this step, inside the process's scratch folder."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="gpu-bench-"))
+    return tempfile.mkdtemp(prefix=prefix, dir=_SCRATCH[0].name)
+
+
 def device():
     import torch
 
@@ -256,7 +268,7 @@ def cl_train(
     from corelooper.config import Config
 
     s = SIZES[size]
-    out_dir = tempfile.mkdtemp(prefix="gpu-bench-")
+    out_dir = run_dir("train-")
     cfg = {
         "train": {
             **dict(
@@ -484,7 +496,7 @@ def eval_compare(size: str) -> dict:
         cfg = Config.from_dict(
             {
                 "train": dict(
-                    output_dir=tempfile.mkdtemp(prefix="gpu-eval-"),
+                    output_dir=run_dir("eval-"),
                     save_strategy="no",
                     per_device_eval_batch_size=s["batch"],
                     disable_tqdm=True,
@@ -505,7 +517,7 @@ def eval_compare(size: str) -> dict:
 
     def hf_eval(metrics: bool):
         args = TrainingArguments(
-            output_dir=tempfile.mkdtemp(prefix="gpu-eval-hf-"),
+            output_dir=run_dir("eval-hf-"),
             per_device_eval_batch_size=s["batch"],
             report_to="none",
             disable_tqdm=True,
