@@ -66,21 +66,21 @@ def _job_config(tmp_path: Path, output_dir: Path, name: str = "job.toml") -> Pat
     return write_config(tmp_path, output_dir, name=name, max_steps=STEPS)
 
 
+def _run_outside_slurm(tmp: Path, out: Path, name: str, *args: str):
+    """``corelooper run`` of the jobs' config (written to ``tmp/name``, output ``out``) on this
+    machine, not through Slurm: the references the jobs are compared with."""
+    return corelooper(
+        "run", str(_job_config(tmp, out, name)), *args, "-p", "no:tensorboard", env=base_env(tmp)
+    )
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     """``corelooper run --nproc 2`` of that run, once for the module (a 2-process run is ~30 s of
     start-up on 2 cores): the output folder whose weights, per-step losses and checkpoints every
     job here is compared with (the tests only read it)."""
     tmp = tmp_path_factory.mktemp("two-processes")
-    ref = corelooper(
-        "run",
-        str(_job_config(tmp, tmp / "two", "two.toml")),
-        "--nproc",
-        "2",
-        "-p",
-        "no:tensorboard",
-        env=base_env(tmp),
-    )
+    ref = _run_outside_slurm(tmp, tmp / "two", "two.toml", "--nproc", "2")
     assert ref.returncode == 0, ref.stderr[-3000:]
     return tmp / "two"
 
@@ -275,15 +275,7 @@ def test_a_node_lost_mid_job_the_other_resumes_alone_and_the_job_completes(slurm
     assert max_diff(load_file(str(two / saved)), load_file(str(tmp_path / "job" / saved))) <= 1e-5
     (tmp_path / "ref").mkdir()
     shutil.copytree(two / f"checkpoint-{lost_at}", tmp_path / "ref" / f"checkpoint-{lost_at}")
-    one = corelooper(
-        "run",
-        str(_job_config(tmp_path, tmp_path / "ref", "ref.toml")),
-        "--resume-from-checkpoint",
-        "latest",
-        "-p",
-        "no:tensorboard",
-        env=base_env(tmp_path),
-    )
+    one = _run_outside_slurm(tmp_path, tmp_path / "ref", "ref.toml", "--resume-from-checkpoint", "latest")
     assert one.returncode == 0 and re.search(RESUMED.format(a=1, n=2, m=1, b=2), one.stdout + one.stderr), (
         one.stderr[-3000:]
     )
